@@ -1,0 +1,248 @@
+"""Offline API with the names of `sglang.Engine`.
+
+The engine starts one worker process and talks to it over ZeroMQ with msgspec messages, exactly as
+the router does, so offline and served runs share every code path below the socket.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import zmq
+
+from sglang_ext.messages import (
+    AbortReq,
+    BatchOut,
+    ErrorOut,
+    FlushCacheReq,
+    GenerateReq,
+    LoadReport,
+    ReplyOut,
+    ShutdownReq,
+    WorkerHello,
+    WorkerInfo,
+    decode_from_worker,
+    encode,
+)
+from sglang_ext.sampling.params import InvalidRequest, SamplingParams, parse_sampling_params
+from sglang_ext.server_args import ServerArgs
+
+_STARTUP_TIMEOUT_S = 600.0
+
+
+class WorkerDied(RuntimeError):
+    pass
+
+
+class Engine:
+    def __init__(self, **kwargs: Any) -> None:
+        self.server_args = ServerArgs.from_kwargs(**kwargs)
+        self._dir = tempfile.mkdtemp(prefix="sglang_ext-")
+        self._addr = f"ipc://{self._dir}/worker.sock"
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(self._addr)
+        self._worker_id = f"engine-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self._proc: subprocess.Popen[bytes] | None = spawn_worker(self.server_args, self._addr, self._worker_id)
+        self._ids = itertools.count()
+        self.load: LoadReport | None = None
+        self.info: WorkerInfo = self._wait_hello()
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def _wait_hello(self) -> WorkerInfo:
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            msg = self._recv(timeout_ms=200)
+            if isinstance(msg, WorkerHello):
+                return msg.info
+        self.shutdown()
+        raise WorkerDied("the worker did not start in time")
+
+    def shutdown(self) -> None:
+        if getattr(self, "_proc", None) is None:
+            return
+        if self._proc.poll() is None:
+            try:
+                self._send(ShutdownReq())
+            except zmq.ZMQError:
+                pass
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(timeout=5)
+        self._proc = None
+        self._sock.close(0)
+        self._ctx.term()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:  # best effort; explicit shutdown() is the contract
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+    # ---- transport --------------------------------------------------------------------------
+    def _send(self, msg: msgspec.Struct) -> None:
+        self._sock.send_multipart([self._worker_id.encode(), encode(msg)])
+
+    def _recv(self, timeout_ms: int) -> Any:
+        if self._sock.poll(timeout_ms) == 0:
+            if self._proc is not None and self._proc.poll() is not None:
+                raise WorkerDied(f"the worker process exited with code {self._proc.returncode}")
+            return None
+        _, buf = self._sock.recv_multipart()
+        msg = decode_from_worker(buf)
+        if isinstance(msg, LoadReport):
+            self.load = msg
+            return None
+        return msg
+
+    # ---- generation -------------------------------------------------------------------------
+    def _requests(
+        self, prompt: str | list[str] | None, input_ids: list[int] | list[list[int]] | None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None, extra: dict[str, Any],
+    ) -> tuple[list[GenerateReq], bool]:
+        if (prompt is None) == (input_ids is None):
+            raise InvalidRequest("give exactly one of prompt or input_ids")
+        single = isinstance(prompt, str) or (input_ids is not None and (not input_ids or isinstance(input_ids[0], int)))
+        items: list[Any] = [prompt] if isinstance(prompt, str) else list(prompt or [])
+        if input_ids is not None:
+            items = [input_ids] if single else list(input_ids)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
+        if len(params) != len(items):
+            raise InvalidRequest("sampling_params list must match the number of prompts")
+        reqs: list[GenerateReq] = []
+        for item, raw in zip(items, params, strict=True):
+            sp = parse_sampling_params(raw)
+            sp.validate()
+            for k in range(sp.n):
+                child = msgspec.structs.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + k)
+                kw = {"text": item} if input_ids is None else {"input_ids": list(item)}
+                reqs.append(GenerateReq(rid=f"{self._worker_id}-{next(self._ids)}", sampling_params=child,
+                                        **kw, **extra))
+        return reqs, single and len(reqs) == 1
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None,
+        return_text_in_logprobs: bool = False,
+        stream: bool = False,
+    ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
+        extra = {
+            "return_logprob": return_logprob,
+            "logprob_start_len": -1 if logprob_start_len is None else logprob_start_len,
+            "top_logprobs_num": top_logprobs_num or 0,
+            "return_text_in_logprobs": return_text_in_logprobs,
+            "stream": stream,
+        }
+        reqs, single = self._requests(prompt, input_ids, sampling_params, extra)
+        if stream:
+            if len(reqs) != 1:
+                raise InvalidRequest("stream=True takes a single prompt with n=1")
+            return self._stream(reqs[0])
+        results = self._run(reqs)
+        return results[0] if single else results
+
+    def _run(self, reqs: list[GenerateReq]) -> list[dict[str, Any]]:
+        acc = {r.rid: {"text": "", "output_ids": [], "meta_info": {}} for r in reqs}
+        pending = set(acc)
+        for r in reqs:
+            self._send(r)
+        try:
+            while pending:
+                msg = self._recv(timeout_ms=1000)
+                if isinstance(msg, ErrorOut) and msg.rid in pending:
+                    for rid in pending - {msg.rid}:
+                        self._send(AbortReq(rid=rid))
+                    raise InvalidRequest(msg.message)
+                if isinstance(msg, BatchOut):
+                    for o in msg.outs:
+                        if o.rid not in acc:
+                            continue
+                        _merge(acc[o.rid], o.text_delta, o.token_ids, o.meta_info)
+                        if o.finished:
+                            pending.discard(o.rid)
+        except BaseException:
+            for rid in pending:
+                try:
+                    self._send(AbortReq(rid=rid))
+                except zmq.ZMQError:
+                    pass
+            raise
+        return [acc[r.rid] for r in reqs]
+
+    def _stream(self, req: GenerateReq) -> Iterator[dict[str, Any]]:
+        acc: dict[str, Any] = {"text": "", "output_ids": [], "meta_info": {}}
+        self._send(req)
+        done = False
+        try:
+            while not done:
+                msg = self._recv(timeout_ms=1000)
+                if isinstance(msg, ErrorOut) and msg.rid == req.rid:
+                    raise InvalidRequest(msg.message)
+                if isinstance(msg, BatchOut):
+                    for o in msg.outs:
+                        if o.rid == req.rid:
+                            _merge(acc, o.text_delta, o.token_ids, o.meta_info)
+                            done = o.finished
+                            yield {"text": acc["text"], "output_ids": list(acc["output_ids"]),
+                                   "meta_info": dict(acc["meta_info"])}
+        finally:
+            if not done:
+                self._send(AbortReq(rid=req.rid))
+
+    async def async_generate(self, *args: Any, **kwargs: Any) -> Any:
+        import asyncio
+
+        return await asyncio.get_running_loop().run_in_executor(None, lambda: self.generate(*args, **kwargs))
+
+    def flush_cache(self) -> bool:
+        rid = f"flush-{next(self._ids)}"
+        self._send(FlushCacheReq(rid=rid))
+        while True:
+            msg = self._recv(timeout_ms=1000)
+            if isinstance(msg, ReplyOut) and msg.rid == rid:
+                return msg.ok
+
+    def get_server_info(self) -> dict[str, Any]:
+        return {**msgspec.structs.asdict(self.info), "server_args": msgspec.to_builtins(self.server_args)}
+
+
+def spawn_worker(args: ServerArgs, addr: str, worker_id: str) -> subprocess.Popen[bytes]:
+    """Start `python -m sglang_ext.worker` connected to `addr`; it exits when its parent does."""
+    cmd = [sys.executable, "-m", "sglang_ext.worker", addr, worker_id, msgspec.json.encode(args).decode()]
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+
+
+def _merge(acc: dict[str, Any], text: str, ids: list[int], meta: dict[str, Any]) -> None:
+    acc["text"] += text
+    acc["output_ids"].extend(ids)
+    old = acc["meta_info"]
+    for key in ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs"):
+        if key in meta:
+            meta[key] = old.get(key, []) + meta[key]
+    old.update(meta)
+
+
+__all__ = ["Engine", "SamplingParams", "WorkerDied"]

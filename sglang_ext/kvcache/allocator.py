@@ -1,0 +1,41 @@
+"""Free-list page allocator over a `KVPool`'s pages (page 0 is reserved)."""
+
+from __future__ import annotations
+
+
+class OutOfPages(RuntimeError):
+    pass
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        # Hand out low page ids first; deterministic order keeps runs reproducible.
+        self._free: list[int] = list(range(num_pages - 1, 0, -1))
+        self._used = [False] * num_pages
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity(self) -> int:
+        return self.num_pages - 1
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPages(f"need {n} KV pages, {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self._used[p] = True
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        for p in pages:
+            if not self._used[p]:
+                raise RuntimeError(f"double free of KV page {p}")
+            self._used[p] = False
+            self._free.append(p)
+
+    def is_used(self, page: int) -> bool:
+        return self._used[page]

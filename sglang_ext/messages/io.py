@@ -1,0 +1,116 @@
+"""Control messages between clients (router, offline Engine) and workers.
+
+Every message is a tagged msgspec Struct encoded with msgpack; tensors (for the data plane of
+later issues) travel as extra ZeroMQ frames described in the header. Decoding is strict: an
+unknown tag, a missing field or a wrong type is rejected, never guessed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from sglang_ext.sampling.params import SamplingParams
+
+
+class GenerateReq(msgspec.Struct, tag="generate", kw_only=True):
+    rid: str
+    input_ids: list[int] | None = None
+    text: str | None = None
+    messages: list[dict[str, Any]] | None = None  # chat: the worker applies the model's template
+    sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+
+
+class AbortReq(msgspec.Struct, tag="abort", kw_only=True):
+    rid: str
+    message: str = "aborted by the client"
+
+
+class FlushCacheReq(msgspec.Struct, tag="flush_cache", kw_only=True):
+    rid: str = ""
+
+
+class TokenizeReq(msgspec.Struct, tag="tokenize", kw_only=True):
+    """Ask the worker to tokenize (or apply the chat template) without generating."""
+
+    rid: str
+    text: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+
+
+class ShutdownReq(msgspec.Struct, tag="shutdown", kw_only=True):
+    pass
+
+
+class TokenOut(msgspec.Struct, kw_only=True):
+    """New output of one request since its previous TokenOut (deltas), plus running totals."""
+
+    rid: str
+    text_delta: str
+    token_ids: list[int]
+    finished: bool
+    meta_info: dict[str, Any]
+
+
+class BatchOut(msgspec.Struct, tag="batch_out", kw_only=True):
+    outs: list[TokenOut]
+
+
+class ErrorOut(msgspec.Struct, tag="error", kw_only=True):
+    rid: str
+    message: str
+    status: int = 400
+
+
+class ReplyOut(msgspec.Struct, tag="reply", kw_only=True):
+    """Answer to a non-generate request (flush_cache, tokenize)."""
+
+    rid: str
+    ok: bool
+    data: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class WorkerInfo(msgspec.Struct, kw_only=True):
+    worker_id: str
+    model_name: str
+    model_path: str
+    architecture: str
+    context_length: int
+    vocab_size: int
+    max_total_tokens: int
+    page_size: int
+    device: str
+    dtype: str
+    attention_backend: str
+    has_tokenizer: bool
+    chat_template: bool
+    pid: int
+
+
+class WorkerHello(msgspec.Struct, tag="hello", kw_only=True):
+    info: WorkerInfo
+
+
+class LoadReport(msgspec.Struct, tag="load", kw_only=True):
+    """Periodic load report; doubles as the worker's heartbeat."""
+
+    worker_id: str
+    num_running: int
+    num_waiting: int
+    kv_used_tokens: int
+    kv_total_tokens: int
+    kv_cached_tokens: int
+    num_preemptions: int
+    step_time_ms: float
+    timestamp: float
+
+
+ToWorker = GenerateReq | AbortReq | FlushCacheReq | TokenizeReq | ShutdownReq
+FromWorker = BatchOut | ErrorOut | ReplyOut | WorkerHello | LoadReport

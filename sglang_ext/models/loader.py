@@ -1,0 +1,80 @@
+"""Build a model from a directory: safetensors (single or sharded) or dummy random weights."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from sglang_ext.models import model_class
+from sglang_ext.models.config import ModelConfig
+from sglang_ext.models.decoder import DecoderForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / f for f in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir} (use --load-format dummy for random weights)")
+    return files
+
+
+def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for f in safetensors_files(model_dir):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, st.get_tensor(name)
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
+    """Deterministic random weights (SGLang's `--load-format dummy`); norms stay at one."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+            else:
+                # Generate on CPU (deterministic across devices) in chunks to bound host memory.
+                flat = p.view(-1)
+                step = 1 << 26
+                for i in range(0, flat.numel(), step):
+                    n = min(step, flat.numel() - i)
+                    flat[i : i + n].copy_((torch.randn(n, generator=gen) * std).to(p.dtype))
+
+
+def load_model(
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int | None = None,
+    seed: int = 0,
+) -> DecoderForCausalLM:
+    cls = model_class(cfg)
+    # Build directly in the target dtype on the target device (no float32 copy of a large model);
+    # RoPE tables are made in float32 explicitly.
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(cfg, max_positions=max_positions)
+    finally:
+        torch.set_default_dtype(old)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        model.load_weights(iter_safetensors(Path(model_dir)))
+    return model.eval()

@@ -1,0 +1,92 @@
+"""SGLang sampling parameters, validated once at the edge with messages that name the parameter."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+_MAX_TOP_LOGPROBS = 64
+
+
+class InvalidRequest(ValueError):
+    """A request the server rejects (HTTP 400); the message names the offending parameter."""
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    seed: int | None = None
+    min_new_tokens: int = 0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        def bad(name: str, why: str) -> InvalidRequest:
+            return InvalidRequest(f"sampling_params.{name} {why}, got {getattr(self, name)!r}")
+
+        if self.max_new_tokens < 0:
+            raise bad("max_new_tokens", "must be >= 0")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise bad("temperature", "must be in [0, 100]")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if self.top_k < -1 or self.top_k == 0:
+            raise bad("top_k", "must be -1 (disabled) or >= 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "must be in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise bad("repetition_penalty", "must be in (0, 2]")
+        if not 1 <= self.n <= 64:
+            raise bad("n", "must be in [1, 64]")
+        if self.min_new_tokens < 0 or self.min_new_tokens > max(self.max_new_tokens, 0):
+            raise bad("min_new_tokens", "must be in [0, max_new_tokens]")
+        if self.stop is not None and any(not s for s in self.stop):
+            raise bad("stop", "must not contain empty strings")
+        if self.stop_token_ids is not None and vocab_size is not None:
+            if any(not 0 <= t < vocab_size for t in self.stop_token_ids):
+                raise bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise bad("seed", "must be in [0, 2**63)")
+
+
+def parse_sampling_params(raw: dict[str, Any] | SamplingParams | None) -> SamplingParams:
+    """Strictly convert user JSON (dict) into SamplingParams; unknown keys and wrong types are errors."""
+    if isinstance(raw, SamplingParams):
+        return raw
+    raw = dict(raw or {})
+    if isinstance(raw.get("stop"), str):
+        raw["stop"] = [raw["stop"]]
+    if isinstance(raw.get("stop_token_ids"), int):
+        raw["stop_token_ids"] = [raw["stop_token_ids"]]
+    try:
+        return msgspec.convert(raw, SamplingParams)
+    except msgspec.ValidationError as e:
+        raise InvalidRequest(f"sampling_params: {e}") from None
+
+
+def top_logprobs_limit() -> int:
+    return _MAX_TOP_LOGPROBS

@@ -1,0 +1,51 @@
+"""What the scheduler reports per request per step, and the finish rules."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sglang_ext.scheduler.request import FinishReason, Req
+
+DecodeFn = Callable[[list[int]], str]
+
+
+@dataclass
+class StepOutput:
+    rid: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: dict[str, Any] | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    # logprob entries produced since the last output of this request
+    input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+
+
+def check_finish(req: Req, eos_ids: frozenset[int], context_len: int, decode: DecodeFn | None) -> FinishReason | None:
+    p = req.sampling
+    n = len(req.output_ids)
+    if n == 0:
+        return FinishReason("length", length=0) if p.max_new_tokens == 0 else None
+    last = req.output_ids[-1]
+    if n >= p.min_new_tokens:
+        if not p.ignore_eos and last in eos_ids:
+            return FinishReason("stop", matched=last)
+        if p.stop_token_ids and last in p.stop_token_ids:
+            return FinishReason("stop", matched=last)
+        if p.stop and decode is not None:
+            window = max(len(s) for s in p.stop) + 8
+            tail = decode(req.output_ids[-window:])
+            for s in p.stop:
+                if s in tail:
+                    return FinishReason("stop", matched=s)
+    if n >= p.max_new_tokens:
+        return FinishReason("length", length=n)
+    if req.fill_len >= context_len:
+        return FinishReason("length", length=n)
+    return None

@@ -1,0 +1,99 @@
+"""One request's scheduling state.
+
+KV ownership: `pages[:cached_pages]` belong to the prefix cache (held through the lock on
+`prefix_node`); `pages[cached_pages:]` are the request's own. `kv_len` tokens of `fill_ids`
+have KV in those pages.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sglang_ext.sampling.params import SamplingParams
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class FinishReason:
+    type: str  # "length" | "stop" | "abort"
+    length: int | None = None
+    matched: int | str | None = None
+    message: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"type": self.type}
+        if self.type == "length":
+            d["length"] = self.length
+        elif self.type == "stop":
+            d["matched"] = self.matched
+        else:
+            d["message"] = self.message
+        return d
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    output_ids: list[int] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # KV state
+    pages: list[int] = field(default_factory=list)
+    cached_pages: int = 0
+    prefix_node: Any = None
+    kv_len: int = 0
+    cached_tokens: int = 0  # prefix-cache hit at first admission (reported in meta_info)
+    admitted: bool = False  # prefix matched and pages assigned for the current residency
+    num_preemptions: int = 0
+    # timing
+    first_token_time: float | None = None
+    run_start_time: float | None = None
+    # logprobs, accumulated as SGLang returns them
+    input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def fill_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED
+
+    @property
+    def prefilled(self) -> bool:
+        """All of fill_ids except none has KV: the next forward is a decode of the last token."""
+        return self.admitted and self.kv_len == self.fill_len - 1 and len(self.output_ids) > 0
+
+    @property
+    def logprob_start(self) -> int:
+        """First input position whose logprob is reported (SGLang: -1 means the last prompt token)."""
+        if not self.return_logprob:
+            return len(self.input_ids)
+        if self.logprob_start_len < 0:
+            return max(len(self.input_ids) - 1, 0)
+        return min(self.logprob_start_len, len(self.input_ids))

@@ -1,0 +1,333 @@
+"""Continuous batching with chunked prefill, prefix reuse and preemption.
+
+Each `step()` is one forward:
+  * if any request needs prefill, an EXTEND batch: prefill chunks within `chunked_prefill_size`
+    tokens, with every decoding request riding along as a one-token extend (so long prompts never
+    stall running streams);
+  * otherwise a DECODE batch of all running requests (the shape CUDA graphs capture).
+When KV pages run out, the most recently arrived decoding requests are preempted: their computed
+pages go to the prefix cache and they re-enter the waiting queue (recompute).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from sglang_ext.engine.forward_batch import ForwardBatch, ForwardMode
+from sglang_ext.kvcache.allocator import PageAllocator
+from sglang_ext.kvcache.base import NoPrefixCache, PrefixCache
+from sglang_ext.kvcache.radix_cache import RadixCache
+from sglang_ext.sampling.params import InvalidRequest
+from sglang_ext.sampling.sampler import RowInfo, logprobs_of, sample
+from sglang_ext.scheduler.batch_builder import Entry, build_batch
+from sglang_ext.scheduler.kv_manager import KVManager
+from sglang_ext.scheduler.output import DecodeFn, StepOutput, check_finish
+from sglang_ext.scheduler.policy import make_policy
+from sglang_ext.scheduler.request import FinishReason, Req, ReqStatus
+from sglang_ext.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    device: torch.device
+    num_pages: int
+    context_len: int
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
+
+
+@dataclass
+class LoadStats:
+    num_running: int
+    num_waiting: int
+    kv_used_pages: int
+    kv_total_pages: int
+    cached_pages: int
+    num_preemptions: int
+
+
+class Scheduler:
+    def __init__(
+        self,
+        args: ServerArgs,
+        runner: Runner,
+        page_size: int,
+        eos_ids: frozenset[int],
+        decode_fn: DecodeFn | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
+        self.args = args
+        self.runner = runner
+        self.page_size = page_size
+        self.eos_ids = eos_ids
+        self.decode_fn = decode_fn
+        self.vocab_size = vocab_size
+        self.allocator = PageAllocator(runner.num_pages)
+        cache: PrefixCache = NoPrefixCache(page_size) if args.disable_radix_cache else RadixCache(page_size)
+        self.kv = KVManager(self.allocator, cache, page_size)
+        self.policy = make_policy(args.schedule_policy)
+        self.chunk = args.resolved_chunked_prefill_size or args.max_prefill_tokens
+        self.max_running = args.max_running_requests or 256
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self._pending: list[StepOutput] = []  # outputs produced outside a forward (aborts)
+        self._sent: dict[str, tuple[int, int, int]] = {}  # rid -> (tokens, in-logprobs, out-logprobs) sent
+        self.num_preemptions = 0
+        self.default_gen = torch.Generator(device=runner.device).manual_seed(args.random_seed)
+        self.on_finish: Callable[[Req], None] | None = None
+
+    # ---- requests in and out ------------------------------------------------------------------
+    @property
+    def max_total_tokens(self) -> int:
+        return self.allocator.capacity * self.page_size
+
+    def validate(self, req: Req) -> None:
+        if not req.input_ids:
+            raise InvalidRequest("the prompt is empty: give text or input_ids with at least one token")
+        if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in req.input_ids):
+            raise InvalidRequest(f"input_ids must be token ids in [0, {self.vocab_size})")
+        req.sampling.validate(self.vocab_size)
+        n = len(req.input_ids)
+        ctx = self.runner.context_len
+        if n >= ctx:
+            raise InvalidRequest(f"the prompt has {n} tokens; this model's context length is {ctx}")
+        if n + 1 > self.max_total_tokens:
+            raise InvalidRequest(f"the prompt has {n} tokens; the KV cache holds {self.max_total_tokens}")
+        if req.top_logprobs_num < 0 or req.top_logprobs_num > 64:
+            raise InvalidRequest(f"top_logprobs_num must be in [0, 64], got {req.top_logprobs_num}")
+
+    def add_request(self, req: Req) -> None:
+        self.validate(req)
+        if req.sampling.seed is not None:
+            req.generator = torch.Generator(device=self.runner.device).manual_seed(req.sampling.seed)
+        if req.return_logprob and req.logprob_start == 0:
+            req.input_token_logprobs.append((None, req.input_ids[0]))
+            req.input_top_logprobs.append(None)
+        self._sent[req.rid] = (0, 0, 0)
+        self.waiting.append(req)
+
+    def abort(self, rid: str, message: str = "aborted by the client") -> bool:
+        for queue in (self.waiting, self.running):
+            for r in queue:
+                if r.rid == rid:
+                    queue.remove(r)
+                    self._finish(r, FinishReason("abort", message=message))
+                    self._pending.append(self._output(r))
+                    return True
+        return False
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._pending)
+
+    def flush_cache(self) -> bool:
+        """Drop the whole prefix cache; refused while requests are in flight (as in SGLang)."""
+        if self.waiting or self.running:
+            return False
+        self.allocator.free(self.kv.cache.reset())
+        return True
+
+    def stats(self) -> LoadStats:
+        info = self.kv.cache.size_info()
+        used = self.allocator.capacity - self.allocator.num_free
+        return LoadStats(len(self.running), len(self.waiting), used, self.allocator.capacity,
+                         info.cached_pages, self.num_preemptions)
+
+    # ---- one iteration --------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        outputs, self._pending = self._pending, []
+        entries, mode = self._schedule()
+        if not entries:
+            return outputs
+        batch = build_batch(entries, mode, self.page_size, self.runner.device)
+        logits = self.runner.forward(batch)
+        return outputs + self._process(entries, logits)
+
+    def _schedule(self) -> tuple[list[Entry], ForwardMode]:
+        entries: list[Entry] = []
+        budget = self.chunk
+        # 1. requests part-way through prefill continue first
+        for r in self.running:
+            if r.prefilled or budget <= 0:
+                continue
+            n = min(r.fill_len - r.kv_len, budget)
+            if not self.kv.can_grow(r, r.kv_len + n):
+                continue
+            self.kv.grow(r, r.kv_len + n)
+            entries.append(self._entry(r, n))
+            budget -= n
+        # 2. admit new requests while the token budget, slots and KV headroom last
+        reserve = self._decode_reserve()
+        for r in self.policy.order(self.waiting, self.kv.cache):
+            if budget <= 0 or len(self.running) >= self.max_running:
+                break
+            self.kv.admit(r)
+            if r.num_preemptions == 0:
+                r.cached_tokens = r.kv_len
+            n = min(r.fill_len - r.kv_len, budget)
+            need = self.kv.pages_for(r.kv_len + n) - len(r.pages)
+            if need + reserve > self.kv.available_pages:
+                self.kv.release(r, keep_in_cache=False)
+                break
+            self.kv.grow(r, r.kv_len + n)
+            self.waiting.remove(r)
+            r.status = ReqStatus.RUNNING
+            self.running.append(r)
+            entries.append(self._entry(r, n))
+            budget -= n
+        # 3. decoding requests: alone (DECODE) or riding along a prefill (EXTEND)
+        prefill_reqs = {id(e.req) for e in entries}
+        decoders = [r for r in self.running if r.prefilled and id(r) not in prefill_reqs]
+        decoders = self._make_room(decoders, protect=prefill_reqs)
+        entries.extend(self._entry(r, 1) for r in decoders)
+        mode = ForwardMode.EXTEND if prefill_reqs else ForwardMode.DECODE
+        return entries, mode
+
+    def _decode_reserve(self) -> int:
+        """Pages kept free for running requests' next tokens, so admission does not cause an
+        immediate preemption (a short horizon, not the whole max_new_tokens)."""
+        horizon = 4 * self.page_size
+        total = 0
+        for r in self.running:
+            left = r.sampling.max_new_tokens - len(r.output_ids)
+            total += max(self.kv.pages_for(r.kv_len + min(left, horizon) + 1) - len(r.pages), 0)
+        return total
+
+    def _make_room(self, decoders: list[Req], protect: set[int]) -> list[Req]:
+        """Grow each decoder by one token, preempting the latest arrivals when pages run out."""
+        decoders = sorted(decoders, key=lambda r: r.arrival_time)
+        kept: list[Req] = []
+        while decoders:
+            r = decoders.pop(0)
+            while not self.kv.can_grow(r, r.kv_len + 1):
+                victim = decoders.pop() if decoders else None
+                if victim is None:
+                    others = [x for x in self.running if x is not r and id(x) not in protect and x not in kept]
+                    victim = max(others, key=lambda x: x.arrival_time) if others else r
+                if victim is r and len(self.running) == 1:
+                    # Alone and still out of pages: it can never fit, so fail it explicitly.
+                    self.running.remove(r)
+                    self._finish(r, FinishReason("abort", message=(
+                        f"out of KV cache memory: the request needs more than {self.max_total_tokens} tokens")))
+                    self._pending.append(self._output(r))
+                    break
+                self._preempt(victim)
+                if victim is r:
+                    break
+            else:
+                self.kv.grow(r, r.kv_len + 1)
+                kept.append(r)
+        return kept
+
+    def _preempt(self, r: Req) -> None:
+        logger.debug("preempting %s (kv_len=%d)", r.rid, r.kv_len)
+        self.running.remove(r)
+        self.kv.release(r, keep_in_cache=True)
+        r.status = ReqStatus.WAITING
+        r.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.insert(0, r)
+
+    def _entry(self, r: Req, n: int) -> Entry:
+        start, end = r.kv_len, r.kv_len + n
+        pos: list[int] = []
+        if r.return_logprob:
+            # Input entry p is the logprob of input_ids[p] given the tokens before: logits at p - 1.
+            first = max(r.logprob_start + len(r.input_token_logprobs), 1)
+            pos.extend(range(max(first - 1, start), min(len(r.input_ids) - 1, end)))
+        sample = end == r.fill_len and not (r.sampling.max_new_tokens == 0 and not r.output_ids)
+        return Entry(r, n, pos, sample)
+
+    # ---- results --------------------------------------------------------------------------------
+    def _process(self, entries: list[Entry], logits: torch.Tensor) -> list[StepOutput]:
+        row = 0
+        sample_rows: list[int] = []
+        sample_reqs: list[Req] = []
+        for e in entries:
+            r = e.req
+            n_in = len(e.logprob_positions)
+            if n_in:
+                targets = torch.tensor([r.input_ids[q + 1] for q in e.logprob_positions], device=logits.device)
+                lps, tops = logprobs_of(logits[row : row + n_in], targets, r.top_logprobs_num)
+                for i, q in enumerate(e.logprob_positions):
+                    r.input_token_logprobs.append((lps[i], r.input_ids[q + 1]))
+                    r.input_top_logprobs.append(tops[i] if tops else None)
+                row += n_in
+            r.kv_len += e.extend
+            if e.extend > 1:
+                # Publish finished prompt pages now so concurrent requests can share them.
+                self.kv.cache_prefix(r)
+            if e.sample:
+                sample_rows.append(row)
+                sample_reqs.append(r)
+                row += 1
+        if sample_rows:
+            rows_logits = logits[sample_rows]
+            infos = [self._row_info(r) for r in sample_reqs]
+            tokens = sample(rows_logits, infos, self.default_gen)
+            want_lp = [i for i, r in enumerate(sample_reqs) if r.return_logprob]
+            if want_lp:
+                top_n = max(sample_reqs[i].top_logprobs_num for i in want_lp)
+                lps, tops = logprobs_of(rows_logits[want_lp], torch.tensor([tokens[i] for i in want_lp],
+                                                                           device=logits.device), top_n)
+                for j, i in enumerate(want_lp):
+                    r = sample_reqs[i]
+                    r.output_token_logprobs.append((lps[j], tokens[i]))
+                    r.output_top_logprobs.append(tops[j][: r.top_logprobs_num] if tops else [])
+            for r, t in zip(sample_reqs, tokens, strict=True):
+                r.output_ids.append(t)
+        outputs: list[StepOutput] = []
+        for e in entries:
+            r = e.req
+            reason = check_finish(r, self.eos_ids, self.runner.context_len, self.decode_fn) \
+                if r.kv_len >= r.fill_len - 1 else None
+            if reason is not None:
+                self.running.remove(r)
+                self._finish(r, reason)
+            if reason is not None or self._has_new(r):
+                outputs.append(self._output(r))
+        return outputs
+
+    def _row_info(self, r: Req) -> RowInfo:
+        p = r.sampling
+        banned: list[int] = []
+        if len(r.output_ids) < p.min_new_tokens:
+            banned = sorted(set(self.eos_ids) | set(p.stop_token_ids or []))
+        return RowInfo(p, r.input_ids, r.output_ids, r.generator, banned)
+
+    def _finish(self, r: Req, reason: FinishReason) -> None:
+        r.status = ReqStatus.FINISHED
+        r.finish_reason = reason
+        self.kv.release(r, keep_in_cache=True)
+        if self.on_finish is not None:
+            self.on_finish(r)
+
+    def _has_new(self, r: Req) -> bool:
+        sent = self._sent.get(r.rid, (0, 0, 0))
+        return len(r.output_ids) > sent[0] or len(r.input_token_logprobs) > sent[1]
+
+    def _output(self, r: Req) -> StepOutput:
+        t0, i0, o0 = self._sent.get(r.rid, (0, 0, 0))
+        out = StepOutput(
+            rid=r.rid,
+            new_token_ids=r.output_ids[t0:],
+            finished=r.finished,
+            finish_reason=r.finish_reason.to_dict() if r.finish_reason else None,
+            prompt_tokens=len(r.input_ids),
+            completion_tokens=len(r.output_ids),
+            cached_tokens=r.cached_tokens,
+            input_token_logprobs=r.input_token_logprobs[i0:],
+            input_top_logprobs=r.input_top_logprobs[i0:],
+            output_token_logprobs=r.output_token_logprobs[o0:],
+            output_top_logprobs=r.output_top_logprobs[o0:],
+        )
+        if r.finished:
+            self._sent.pop(r.rid, None)
+        else:
+            self._sent[r.rid] = (len(r.output_ids), len(r.input_token_logprobs), len(r.output_token_logprobs))
+        return out

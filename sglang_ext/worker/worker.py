@@ -1,0 +1,194 @@
+"""A worker's logic without sockets: messages in, messages out, one forward per `step`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sglang_ext.engine.model_runner import ModelRunner
+from sglang_ext.messages import (
+    AbortReq,
+    BatchOut,
+    ErrorOut,
+    FlushCacheReq,
+    FromWorker,
+    GenerateReq,
+    LoadReport,
+    ReplyOut,
+    ShutdownReq,
+    TokenizeReq,
+    TokenOut,
+    ToWorker,
+    WorkerInfo,
+)
+from sglang_ext.models.config import ModelConfig
+from sglang_ext.models.resolve import resolve_model_path
+from sglang_ext.sampling.params import InvalidRequest
+from sglang_ext.scheduler.output import StepOutput
+from sglang_ext.scheduler.request import Req
+from sglang_ext.scheduler.scheduler import Scheduler
+from sglang_ext.server_args import ServerArgs
+from sglang_ext.worker.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Live:
+    req: GenerateReq
+    start: float
+    detok: IncrementalDetokenizer | None
+    meta: dict[str, Any] = field(default_factory=dict)
+    first_token_time: float | None = None
+
+
+class Worker:
+    def __init__(self, args: ServerArgs, worker_id: str = "worker-0") -> None:
+        self.args = args
+        self.worker_id = worker_id
+        self.model_dir = resolve_model_path(args.model_path)
+        self.cfg = ModelConfig.from_path(self.model_dir)
+        self.runner = ModelRunner(args, self.model_dir, self.cfg)
+        self.tokenizer: Tokenizer | None = None
+        if not args.skip_tokenizer_init:
+            self.tokenizer = Tokenizer(args.tokenizer_path or self.model_dir)
+        eos = set(self.cfg.eos_token_ids) | set(self.tokenizer.eos_ids if self.tokenizer else ())
+        self.scheduler = Scheduler(
+            args, self.runner, args.resolved_page_size, frozenset(eos),
+            decode_fn=(lambda ids: self.tokenizer.decode(ids, False)) if self.tokenizer else None,
+            vocab_size=self.cfg.vocab_size,
+        )
+        self.live: dict[str, _Live] = {}
+        self.last_step_ms = 0.0
+        self.stopped = False
+
+    # ---- identity -----------------------------------------------------------------------------
+    def info(self) -> WorkerInfo:
+        name = self.args.served_model_name or (
+            "default" if self.args.model_path is None else str(self.args.model_path).rstrip("/").split("/")[-1]
+        )
+        return WorkerInfo(
+            worker_id=self.worker_id, model_name=name, model_path=str(self.args.model_path or "default"),
+            architecture=self.cfg.architecture, context_length=self.runner.context_len,
+            vocab_size=self.cfg.vocab_size, max_total_tokens=self.scheduler.max_total_tokens,
+            page_size=self.args.resolved_page_size, device=str(self.runner.device),
+            dtype=str(self.runner.dtype).removeprefix("torch."),
+            attention_backend=self.args.resolved_attention_backend,
+            has_tokenizer=self.tokenizer is not None,
+            chat_template=bool(self.tokenizer and self.tokenizer.has_chat_template), pid=os.getpid(),
+        )
+
+    def load_report(self) -> LoadReport:
+        s = self.scheduler.stats()
+        ps = self.args.resolved_page_size
+        return LoadReport(
+            worker_id=self.worker_id, num_running=s.num_running, num_waiting=s.num_waiting,
+            kv_used_tokens=s.kv_used_pages * ps, kv_total_tokens=s.kv_total_pages * ps,
+            kv_cached_tokens=s.cached_pages * ps, num_preemptions=s.num_preemptions,
+            step_time_ms=self.last_step_ms, timestamp=time.time(),
+        )
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- messages in ----------------------------------------------------------------------------
+    def handle(self, msg: ToWorker) -> list[FromWorker]:
+        try:
+            if isinstance(msg, GenerateReq):
+                self._add(msg)
+            elif isinstance(msg, AbortReq):
+                self.scheduler.abort(msg.rid, msg.message)
+            elif isinstance(msg, FlushCacheReq):
+                return [ReplyOut(rid=msg.rid, ok=self.scheduler.flush_cache())]
+            elif isinstance(msg, TokenizeReq):
+                return [ReplyOut(rid=msg.rid, ok=True, data={"input_ids": self._tokenize(msg.text, msg.messages,
+                                                                                         msg.add_generation_prompt)})]
+            elif isinstance(msg, ShutdownReq):
+                self.stopped = True
+        except InvalidRequest as e:
+            rid = getattr(msg, "rid", "")
+            self.live.pop(rid, None)
+            return [ErrorOut(rid=rid, message=str(e), status=400)]
+        return []
+
+    def _tokenize(self, text: str | None, messages: list[dict[str, Any]] | None, gen_prompt: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequest("this server was started with skip_tokenizer_init: send input_ids, not text")
+        if messages is not None:
+            return self.tokenizer.apply_chat_template(messages, gen_prompt)
+        assert text is not None
+        return self.tokenizer.encode(text)
+
+    def _add(self, m: GenerateReq) -> None:
+        if m.rid in self.live:
+            raise InvalidRequest(f"duplicate request id {m.rid!r}")
+        given = sum(x is not None for x in (m.input_ids, m.text, m.messages))
+        if given != 1:
+            raise InvalidRequest("give exactly one of text, input_ids or messages")
+        ids = m.input_ids if m.input_ids is not None else self._tokenize(m.text, m.messages)
+        if m.sampling_params.n != 1:
+            raise InvalidRequest("a worker takes n=1; the client expands n>1 into separate requests")
+        p = m.sampling_params
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.stop, p.no_stop_trim)
+        self.live[m.rid] = _Live(m, time.monotonic(), detok)
+        req = Req(m.rid, list(ids), p, m.return_logprob, m.logprob_start_len, m.top_logprobs_num)
+        self.scheduler.add_request(req)
+
+    # ---- one iteration ----------------------------------------------------------------------------
+    def step(self, inbox: list[ToWorker]) -> list[FromWorker]:
+        out: list[FromWorker] = []
+        for msg in inbox:
+            out.extend(self.handle(msg))
+        t0 = time.perf_counter()
+        results = self.scheduler.step()
+        if results:
+            self.last_step_ms = (time.perf_counter() - t0) * 1e3
+            outs = [o for o in (self._token_out(r) for r in results) if o is not None]
+            if outs:
+                out.append(BatchOut(outs=outs))
+        return out
+
+    def _token_out(self, r: StepOutput) -> TokenOut | None:
+        live = self.live.get(r.rid)
+        if live is None:
+            return None
+        now = time.monotonic()
+        if r.new_token_ids and live.first_token_time is None:
+            live.first_token_time = now
+        text = ""
+        if live.detok is not None:
+            reason = r.finish_reason or {}
+            matched = reason.get("matched") if isinstance(reason.get("matched"), str) else None
+            text = live.detok.add(r.new_token_ids, r.finished, matched)
+        meta: dict[str, Any] = {
+            "id": r.rid,
+            "prompt_tokens": r.prompt_tokens,
+            "completion_tokens": r.completion_tokens,
+            "cached_tokens": r.cached_tokens,
+            "finish_reason": r.finish_reason,
+            "e2e_latency": now - live.start,
+        }
+        if live.first_token_time is not None:
+            meta["ttft"] = live.first_token_time - live.start
+        g = live.req
+        if g.return_logprob:
+            txt = g.return_text_in_logprobs and self.tokenizer is not None
+            meta["input_token_logprobs"] = [self._lp(lp, t, txt) for lp, t in r.input_token_logprobs]
+            meta["output_token_logprobs"] = [self._lp(lp, t, txt) for lp, t in r.output_token_logprobs]
+            if g.top_logprobs_num > 0:
+                meta["input_top_logprobs"] = [
+                    None if row is None else [self._lp(lp, t, txt) for lp, t in row] for row in r.input_top_logprobs
+                ]
+                meta["output_top_logprobs"] = [[self._lp(lp, t, txt) for lp, t in row] for row in r.output_top_logprobs]
+        if r.finished:
+            del self.live[r.rid]
+        return TokenOut(rid=r.rid, text_delta=text, token_ids=r.new_token_ids, finished=r.finished, meta_info=meta)
+
+    def _lp(self, lp: float | None, tok: int, with_text: bool) -> list[Any]:
+        return [lp, tok, self.tokenizer.token_text(tok) if with_text and self.tokenizer else None]
