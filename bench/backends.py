@@ -169,8 +169,13 @@ async def _consume(resp: aiohttp.ClientResponse, cfg: BackendConfig, tracker: St
         handle(json.loads(data), tracker, time.perf_counter())
 
 
-async def send_request(session: aiohttp.ClientSession, cfg: BackendConfig, spec: RequestSpec,
-                       result: RequestResult, bench_t0: float) -> None:
+async def send_request(
+    session: aiohttp.ClientSession,
+    cfg: BackendConfig,
+    spec: RequestSpec,
+    result: RequestResult,
+    bench_t0: float,
+) -> None:
     """Send one streaming request and fill ``result`` in place (partial data survives cancellation)."""
     url, payload = build_request(cfg, spec)
     start = time.perf_counter()

@@ -53,12 +53,14 @@ class SloConfig:
     tbt_stat: str = "p99"  # "p99" | "max"
 
     def definition(self) -> str:
-        return (f"TTFT attainment: fraction of sent requests that succeeded with TTFT <= ttft_slo_s. "
-                f"TBT attainment: fraction of sent requests that succeeded with per-request TBT <= "
-                f"tbt_slo_s, "
-                f"where per-request TBT = {self.tbt_stat} of that request's inter-token (chunk) gaps; a "
-                f"request with < 2 token chunks has no gaps and meets it. Both: meets every SLO that is "
-                f"set. Failed requests miss every SLO. Goodput = requests meeting both / duration.")
+        return (
+            f"TTFT attainment: fraction of sent requests that succeeded with TTFT <= ttft_slo_s. "
+            f"TBT attainment: fraction of sent requests that succeeded with per-request TBT <= "
+            f"tbt_slo_s, "
+            f"where per-request TBT = {self.tbt_stat} of that request's inter-token (chunk) gaps; a "
+            f"request with < 2 token chunks has no gaps and meets it. Both: meets every SLO that is "
+            f"set. Failed requests miss every SLO. Goodput = requests meeting both / duration."
+        )
 
 
 def describe(values: Sequence[float], scale: float = 1000.0) -> dict[str, float | None]:
@@ -151,8 +153,9 @@ def compute_metrics(results: Sequence[RequestResult], duration_s: float, slo: Sl
     }
 
 
-def per_model_metrics(results: Sequence[RequestResult], duration_s: float,
-                      slo: SloConfig) -> dict[str, dict[str, object]]:
+def per_model_metrics(
+    results: Sequence[RequestResult], duration_s: float, slo: SloConfig
+) -> dict[str, dict[str, object]]:
     models = sorted({r.model for r in results if r.model is not None})
     return {m: compute_metrics([r for r in results if r.model == m], duration_s, slo) for m in models}
 
@@ -161,8 +164,9 @@ def error_counts(results: Sequence[RequestResult], limit: int = 20) -> dict[str,
     return dict(Counter(r.error[:200] for r in results if not r.success).most_common(limit))
 
 
-def timeline(results: Sequence[RequestResult], duration_s: float,
-             bin_s: float | None = None) -> dict[str, object]:
+def timeline(
+    results: Sequence[RequestResult], duration_s: float, bin_s: float | None = None
+) -> dict[str, object]:
     """Output-token and completed-request throughput per time bin (about 60 bins by default)."""
     if bin_s is None:
         bin_s = max(0.1, duration_s / 60.0)
@@ -196,8 +200,12 @@ def _fmt(value: object, digits: int = 2) -> str:
 def _latency_rows(m: dict[str, object]) -> list[str]:
     head = f"{'':<18}" + "".join(f"{k:>11}" for k in (*STAT_KEYS, "max"))
     rows = [head]
-    for key, label in (("ttft_ms", "TTFT (ms)"), ("tpot_ms", "TPOT (ms)"), ("itl_ms", "ITL (ms)"),
-                       ("e2e_latency_ms", "E2E (ms)")):
+    for key, label in (
+        ("ttft_ms", "TTFT (ms)"),
+        ("tpot_ms", "TPOT (ms)"),
+        ("itl_ms", "ITL (ms)"),
+        ("e2e_latency_ms", "E2E (ms)"),
+    ):
         stats = m[key]
         assert isinstance(stats, dict)
         rows.append(f"{label:<18}" + "".join(f"{_fmt(stats[k]):>11}" for k in (*STAT_KEYS, "max")))
@@ -223,14 +231,18 @@ def _slo_rows(slo: dict[str, object]) -> list[str]:
 
 def format_summary(m: dict[str, object], title: str = "Serving Benchmark Result") -> str:
     lines = [f"{' ' + title + ' ':=^73}"]
-    for label, key in (("Successful requests", "completed"), ("Failed requests", "failed"),
-                       ("Benchmark duration (s)", "duration_s"), ("Total input tokens", "total_input_tokens"),
-                       ("Total generated tokens", "total_output_tokens"),
-                       ("Request throughput (req/s)", "request_throughput_rps"),
-                       ("Input token throughput (tok/s)", "input_throughput_tok_s"),
-                       ("Output token throughput (tok/s)", "output_throughput_tok_s"),
-                       ("Total token throughput (tok/s)", "total_throughput_tok_s"),
-                       ("Concurrency", "concurrency")):
+    for label, key in (
+        ("Successful requests", "completed"),
+        ("Failed requests", "failed"),
+        ("Benchmark duration (s)", "duration_s"),
+        ("Total input tokens", "total_input_tokens"),
+        ("Total generated tokens", "total_output_tokens"),
+        ("Request throughput (req/s)", "request_throughput_rps"),
+        ("Input token throughput (tok/s)", "input_throughput_tok_s"),
+        ("Output token throughput (tok/s)", "output_throughput_tok_s"),
+        ("Total token throughput (tok/s)", "total_throughput_tok_s"),
+        ("Concurrency", "concurrency"),
+    ):
         lines.append(f"{label:<40}{_fmt(m[key])}")
     lines.append(f"{' Latency ':-^73}")
     lines.extend(_latency_rows(m))

@@ -43,6 +43,8 @@ def _throughput(ax: Axes, timeline: dict[str, object]) -> None:
     tok = timeline["output_tok_s"]
     req = timeline["completed_rps"]
     assert isinstance(t, list) and isinstance(tok, list) and isinstance(req, list)
+    if t:  # close the last bin so steps-post draws it
+        t, tok, req = [*t, t[-1] + float(timeline["bin_s"])], [*tok, tok[-1]], [*req, req[-1]]  # type: ignore[arg-type]
     ax.plot(t, tok, drawstyle="steps-post", color="tab:blue", label="output tok/s")
     ax.set_xlabel(f"time since start (s), bins of {float(timeline['bin_s']):.2f} s")  # type: ignore[arg-type]
     ax.set_ylabel("output tokens/s", color="tab:blue")
@@ -53,14 +55,16 @@ def _throughput(ax: Axes, timeline: dict[str, object]) -> None:
     twin.set_ylabel("completed requests/s", color="tab:orange")
 
 
-def plot_results(results: Sequence[RequestResult], timeline: dict[str, object], path: Path,
-                 title: str = "") -> None:
+def plot_results(
+    results: Sequence[RequestResult], timeline: dict[str, object], path: Path, title: str = ""
+) -> None:
     groups = _groups(results)
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     _cdf(axes[0][0], {k: [r.ttft_s for r in v if r.ttft_s is not None] for k, v in groups.items()}, "TTFT")
     _cdf(axes[0][1], {k: [t for t in map(tpot, v) if t is not None] for k, v in groups.items()}, "TPOT")
-    _cdf(axes[1][0], {k: [r.e2e_s for r in v if r.e2e_s is not None] for k, v in groups.items()},
-         "E2E latency")
+    _cdf(
+        axes[1][0], {k: [r.e2e_s for r in v if r.e2e_s is not None] for k, v in groups.items()}, "E2E latency"
+    )
     _throughput(axes[1][1], timeline)
     if title:
         fig.suptitle(title, fontsize=10)

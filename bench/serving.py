@@ -61,59 +61,110 @@ def _floats(text: str) -> tuple[float, ...]:
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--trace", choices=TRACE_CHOICES, default="synthetic")
-    g.add_argument("--traces-dir", type=Path, default=default_traces_dir(),
-                   help="directory with the trace files (default: ../shared/traces from the repo root)")
+    g.add_argument(
+        "--traces-dir",
+        type=Path,
+        default=default_traces_dir(),
+        help="directory with the trace files (default: ../shared/traces from the repo root)",
+    )
     g.add_argument("--trace-offset", type=int, default=0, help="skip this many trace rows first")
-    g.add_argument("--arrival", choices=("trace", "poisson"), default=None,
-                   help="trace: the trace's own times; poisson: exponential gaps "
-                        "(default: trace, or poisson for --trace synthetic)")
-    g.add_argument("--request-rate", type=float, default=None,
-                   help="poisson: requests/s ('inf' = all at once; default: the trace's mean rate, 1 for "
-                        "synthetic). trace: speed-up factor, arrival = trace time / R (default 1)")
-    g.add_argument("--time-scale", type=float, default=1.0,
-                   help="multiply every arrival offset by this (0.5 = twice as dense)")
+    g.add_argument(
+        "--arrival",
+        choices=("trace", "poisson"),
+        default=None,
+        help="trace: the trace's own times; poisson: exponential gaps "
+        "(default: trace, or poisson for --trace synthetic)",
+    )
+    g.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        help="poisson: requests/s ('inf' = all at once; default: the trace's mean rate, 1 for "
+        "synthetic). trace: speed-up factor, arrival = trace time / R (default 1)",
+    )
+    g.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="multiply every arrival offset by this (0.5 = twice as dense)",
+    )
     g.add_argument("--num-requests", type=int, default=200)
     g.add_argument("--max-input-len", type=int, default=None, help="clip prompt lengths to this many tokens")
     g.add_argument("--max-output-len", type=int, default=None, help="clip output lengths to this")
-    g.add_argument("--block-scale", type=float, default=1.0,
-                   help="mooncake: divide input lengths and the 512-token hash block by this factor "
-                        "(e.g. 16 -> 32-token blocks) so prefix sharing survives small --max-input-len")
+    g.add_argument(
+        "--block-scale",
+        type=float,
+        default=1.0,
+        help="mooncake: divide input lengths and the 512-token hash block by this factor "
+        "(e.g. 16 -> 32-token blocks) so prefix sharing survives small --max-input-len",
+    )
     g.add_argument("--synthetic-input-len", type=int, default=128)
     g.add_argument("--synthetic-output-len", type=int, default=32)
-    g.add_argument("--synthetic-range-ratio", type=float, default=1.0,
-                   help="synthetic lengths uniform in [len*ratio, len]")
+    g.add_argument(
+        "--synthetic-range-ratio",
+        type=float,
+        default=1.0,
+        help="synthetic lengths uniform in [len*ratio, len]",
+    )
     g.add_argument("--vocab-size", type=int, default=32_000, help="prompt token ids are < this")
     g.add_argument("--min-token-id", type=int, default=100, help="prompt token ids are >= this")
     g.add_argument("--models", type=_csv, default=(), help="comma-separated model names (sent as 'model')")
     g.add_argument("--model-weights", type=_floats, default=None, help="comma-separated request shares")
-    g.add_argument("--servegen-skew", action="store_true",
-                   help="weights = the top-k day-1 request shares of servegen_model_rates.csv, in order")
+    g.add_argument(
+        "--servegen-skew",
+        action="store_true",
+        help="weights = the top-k day-1 request shares of servegen_model_rates.csv, in order",
+    )
     g.add_argument("--seed", type=int, default=0)
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("target and limits")
-    g.add_argument("--backend", choices=BACKENDS, default="sglang",
-                   help="sglang: POST /generate with input_ids; openai: POST /v1/completions")
+    g.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="sglang",
+        help="sglang: POST /generate with input_ids; openai: POST /v1/completions",
+    )
     g.add_argument("--base-url", default="http://127.0.0.1:30000")
     g.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --base-url")
     g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    g.add_argument("--max-duration", type=float, default=600.0,
-                   help="wall-clock cap (s): no sends after it; unfinished requests are cancelled")
+    g.add_argument(
+        "--max-duration",
+        type=float,
+        default=600.0,
+        help="wall-clock cap (s): no sends after it; unfinished requests are cancelled",
+    )
     g.add_argument("--request-timeout", type=float, default=300.0, help="per-request timeout (s)")
-    g.add_argument("--max-concurrency", type=int, default=None,
-                   help="cap on in-flight requests (default: none, fully open loop)")
-    g.add_argument("--warmup-requests", type=int, default=1,
-                   help="unmeasured requests per model before the run (0 = none)")
+    g.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="cap on in-flight requests (default: none, fully open loop)",
+    )
+    g.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=1,
+        help="unmeasured requests per model before the run (0 = none)",
+    )
 
 
 def _add_output_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("SLOs and output")
     g.add_argument("--ttft-slo", type=float, default=None, help="TTFT SLO in seconds")
-    g.add_argument("--tbt-slo", type=float, default=None,
-                   help="TBT SLO in seconds, checked against each request's own --tbt-stat of its ITLs")
-    g.add_argument("--tbt-stat", choices=("p99", "max"), default="p99",
-                   help="per-request TBT statistic for --tbt-slo (default p99 of that request's ITLs)")
+    g.add_argument(
+        "--tbt-slo",
+        type=float,
+        default=None,
+        help="TBT SLO in seconds, checked against each request's own --tbt-stat of its ITLs",
+    )
+    g.add_argument(
+        "--tbt-stat",
+        choices=("p99", "max"),
+        default="p99",
+        help="per-request TBT statistic for --tbt-slo (default p99 of that request's ITLs)",
+    )
     g.add_argument("--output-json", type=Path, default=None, help="write config + all metrics here")
     g.add_argument("--output-details", action="store_true", help="include per-request records in the JSON")
     g.add_argument("--plot", type=Path, default=None, help="PNG with latency CDFs and throughput over time")
@@ -122,8 +173,9 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, epilog=M.__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, epilog=M.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     _add_workload_args(p)
     _add_run_args(p)
     _add_output_args(p)
@@ -132,9 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def validate(args: argparse.Namespace) -> None:
     check_base_url(args.base_url, args.allow_remote)
-    positive = {"--num-requests": args.num_requests, "--max-duration": args.max_duration,
-                "--request-timeout": args.request_timeout, "--time-scale": args.time_scale,
-                "--block-scale": args.block_scale}
+    positive = {
+        "--num-requests": args.num_requests,
+        "--max-duration": args.max_duration,
+        "--request-timeout": args.request_timeout,
+        "--time-scale": args.time_scale,
+        "--block-scale": args.block_scale,
+    }
     for name, value in positive.items():
         if not value > 0:
             raise ValueError(f"{name} must be > 0")
@@ -144,20 +200,34 @@ def validate(args: argparse.Namespace) -> None:
 
 def workload_config(args: argparse.Namespace) -> WorkloadConfig:
     return WorkloadConfig(
-        trace=args.trace, traces_dir=args.traces_dir, arrival=args.arrival, request_rate=args.request_rate,
-        time_scale=args.time_scale, num_requests=args.num_requests, trace_offset=args.trace_offset,
-        max_input_len=args.max_input_len, max_output_len=args.max_output_len, block_scale=args.block_scale,
-        synthetic_input_len=args.synthetic_input_len, synthetic_output_len=args.synthetic_output_len,
-        synthetic_range_ratio=args.synthetic_range_ratio, vocab_size=args.vocab_size,
-        min_token_id=args.min_token_id, models=args.models, model_weights=args.model_weights,
-        servegen_skew=args.servegen_skew, seed=args.seed)
+        trace=args.trace,
+        traces_dir=args.traces_dir,
+        arrival=args.arrival,
+        request_rate=args.request_rate,
+        time_scale=args.time_scale,
+        num_requests=args.num_requests,
+        trace_offset=args.trace_offset,
+        max_input_len=args.max_input_len,
+        max_output_len=args.max_output_len,
+        block_scale=args.block_scale,
+        synthetic_input_len=args.synthetic_input_len,
+        synthetic_output_len=args.synthetic_output_len,
+        synthetic_range_ratio=args.synthetic_range_ratio,
+        vocab_size=args.vocab_size,
+        min_token_id=args.min_token_id,
+        models=args.models,
+        model_weights=args.model_weights,
+        servegen_skew=args.servegen_skew,
+        seed=args.seed,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- running
 
 
-async def warmup(session: aiohttp.ClientSession, cfg: BackendConfig, specs: list[RequestSpec],
-                 n: int) -> None:
+async def warmup(
+    session: aiohttp.ClientSession, cfg: BackendConfig, specs: list[RequestSpec], n: int
+) -> None:
     """``n`` short unmeasured requests per model; raises if one fails (wrong URL, unknown model...)."""
     for model in dict.fromkeys(s.model for s in specs):
         base = next(s for s in specs if s.model == model)
@@ -169,8 +239,14 @@ async def warmup(session: aiohttp.ClientSession, cfg: BackendConfig, specs: list
                 raise RuntimeError(f"warmup request (model={model}) failed: {result.error}")
 
 
-async def _run_one(session: aiohttp.ClientSession, cfg: BackendConfig, spec: RequestSpec,
-                   result: M.RequestResult, t0: float, sem: asyncio.Semaphore | None) -> None:
+async def _run_one(
+    session: aiohttp.ClientSession,
+    cfg: BackendConfig,
+    spec: RequestSpec,
+    result: M.RequestResult,
+    t0: float,
+    sem: asyncio.Semaphore | None,
+) -> None:
     try:
         if sem is None:
             await send_request(session, cfg, spec, result, t0)
@@ -182,8 +258,9 @@ async def _run_one(session: aiohttp.ClientSession, cfg: BackendConfig, spec: Req
         raise
 
 
-async def dispatch(session: aiohttp.ClientSession, cfg: BackendConfig, specs: list[RequestSpec],
-                   args: argparse.Namespace) -> tuple[list[M.RequestResult], float]:
+async def dispatch(
+    session: aiohttp.ClientSession, cfg: BackendConfig, specs: list[RequestSpec], args: argparse.Namespace
+) -> tuple[list[M.RequestResult], float]:
     """Send every request at its scheduled offset (open loop) and wait, within --max-duration."""
     sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     bar = tqdm(total=len(specs), disable=args.disable_tqdm, unit="req", desc="requests")
@@ -217,13 +294,33 @@ async def dispatch(session: aiohttp.ClientSession, cfg: BackendConfig, specs: li
 
 def git_commit() -> str | None:
     try:
-        out = subprocess.run(["git", "-C", str(repo_root()), "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=5, check=False)
+        out = subprocess.run(
+            ["git", "-C", str(repo_root()), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     if out.returncode != 0:
         return None
     return out.stdout.strip() or None
+
+
+def public_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The parsed options, with the API key redacted."""
+    return {**vars(args), "api_key": "<redacted>" if args.api_key else None}
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--api-key" and i + 1 < len(out):
+            out[i + 1] = "<redacted>"
+        elif arg.startswith("--api-key="):
+            out[i] = "--api-key=<redacted>"
+    return out
 
 
 def _jsonable(value: Any) -> Any:
@@ -238,14 +335,19 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def build_report(args: argparse.Namespace, info: dict[str, object], results: list[M.RequestResult],
-                 duration: float, n_scheduled: int) -> dict[str, Any]:
+def build_report(
+    args: argparse.Namespace,
+    info: dict[str, object],
+    results: list[M.RequestResult],
+    duration: float,
+    n_scheduled: int,
+) -> dict[str, Any]:
     slo = M.SloConfig(args.ttft_slo, args.tbt_slo, args.tbt_stat)
     report: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "git_commit": git_commit(),
-        "command": sys.argv,
-        "config": vars(args),
+        "command": redact_argv(sys.argv),
+        "config": public_config(args),
         "workload": {**info, "scheduled": n_scheduled, "not_sent": n_scheduled - len(results)},
         "metrics": M.compute_metrics(results, duration, slo),
         "per_model": M.per_model_metrics(results, duration, slo) if len(args.models) > 1 else {},
@@ -257,9 +359,13 @@ def build_report(args: argparse.Namespace, info: dict[str, object], results: lis
     return _jsonable(report)
 
 
+def _title(report: dict[str, Any], args: argparse.Namespace) -> str:
+    work = report["workload"]
+    return f"{args.backend} | {args.trace} | {work['arrival']} R={work['rate_parameter']}"
+
+
 def print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
-    title = f"{args.backend} | {args.trace} | {report['workload']['arrival']} R={args.request_rate}"
-    print(M.format_summary(report["metrics"], title))
+    print(M.format_summary(report["metrics"], _title(report, args)))
     for model, m in report["per_model"].items():
         print(M.format_summary(m, f"model {model}"))
     for error, count in report["errors"].items():
@@ -274,8 +380,7 @@ def write_outputs(report: dict[str, Any], results: list[M.RequestResult], args: 
     if args.plot:
         from bench.plots import plot_results
 
-        title = f"{args.backend} {args.trace} {report['workload']['arrival']} R={args.request_rate}"
-        plot_results(results, report["timeline"], args.plot, title)
+        plot_results(results, report["timeline"], args.plot, _title(report, args))
         print(f"wrote {args.plot}")
 
 
@@ -284,15 +389,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     validate(args)
     specs, info = build_requests(workload_config(args))
     if args.dry_run:
-        report = _jsonable({"config": vars(args), "workload": {**info, "scheduled": len(specs)}})
+        report = _jsonable({"config": public_config(args), "workload": {**info, "scheduled": len(specs)}})
         print(json.dumps(report["workload"], indent=2))
         return report
     cfg = BackendConfig(args.backend, args.base_url, args.api_key, args.request_timeout)
     connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)
     async with aiohttp.ClientSession(connector=connector) as session:
         if args.warmup_requests > 0:
-            warm_cfg = BackendConfig(cfg.backend, cfg.base_url, cfg.api_key,
-                                     min(cfg.request_timeout_s, args.max_duration))
+            warm_cfg = BackendConfig(
+                cfg.backend, cfg.base_url, cfg.api_key, min(cfg.request_timeout_s, args.max_duration)
+            )
             await warmup(session, warm_cfg, specs, args.warmup_requests)
         results, duration = await dispatch(session, cfg, specs, args)
     report = build_report(args, info, results, duration, len(specs))

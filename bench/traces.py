@@ -109,8 +109,9 @@ def _iter_azure(path: Path) -> Iterator[TraceRow]:
         for rec in csv.DictReader(handle):
             stamp = _parse_azure_time(rec["TIMESTAMP"])
             first = first or stamp
-            yield TraceRow((stamp - first).total_seconds(), int(rec["ContextTokens"]),
-                           int(rec["GeneratedTokens"]))
+            yield TraceRow(
+                (stamp - first).total_seconds(), int(rec["ContextTokens"]), int(rec["GeneratedTokens"])
+            )
 
 
 def _iter_mooncake(path: Path) -> Iterator[TraceRow]:
@@ -119,8 +120,12 @@ def _iter_mooncake(path: Path) -> Iterator[TraceRow]:
             if line.strip():
                 rec = json.loads(line)
                 hashes = tuple(int(h) for h in rec.get("hash_ids") or ())
-                yield TraceRow(float(rec["timestamp"]) / 1000.0, int(rec["input_length"]),
-                               int(rec["output_length"]), hashes or None)
+                yield TraceRow(
+                    float(rec["timestamp"]) / 1000.0,
+                    int(rec["input_length"]),
+                    int(rec["output_length"]),
+                    hashes or None,
+                )
 
 
 def load_trace(name: str, traces_dir: Path, offset: int = 0, limit: int | None = None) -> list[TraceRow]:
@@ -139,9 +144,11 @@ def load_trace(name: str, traces_dir: Path, offset: int = 0, limit: int | None =
     return [TraceRow(r.timestamp_s - t0, r.input_len, r.output_len, r.hash_ids) for r in rows]
 
 
-def synthetic_rows(n: int, input_len: int, output_len: int, range_ratio: float,
-                   rng: np.random.Generator) -> list[TraceRow]:
+def synthetic_rows(
+    n: int, input_len: int, output_len: int, range_ratio: float, rng: np.random.Generator
+) -> list[TraceRow]:
     """Lengths uniform in ``[len * range_ratio, len]`` (range_ratio=1: fixed lengths); no timestamps."""
+
     def draw(length: int) -> np.ndarray:
         low = max(1, int(length * range_ratio))
         return rng.integers(low, max(low, length) + 1, size=n)
@@ -150,8 +157,9 @@ def synthetic_rows(n: int, input_len: int, output_len: int, range_ratio: float,
     return [TraceRow(0.0, int(i), int(o)) for i, o in zip(ins, outs, strict=True)]
 
 
-def clip_lengths(rows: Iterable[TraceRow], max_in: int | None, max_out: int | None,
-                 block_scale: float = 1.0) -> list[TraceRow]:
+def clip_lengths(
+    rows: Iterable[TraceRow], max_in: int | None, max_out: int | None, block_scale: float = 1.0
+) -> list[TraceRow]:
     """Scale block-structured inputs by ``1/block_scale``, then clip both lengths to the caps (min 1)."""
     out: list[TraceRow] = []
     for r in rows:
@@ -263,8 +271,9 @@ def resolve_model_weights(cfg: WorkloadConfig, traces_dir: Path) -> list[float]:
     return [w / sum(raw) for w in raw]
 
 
-def assign_models(n: int, models: Sequence[str], weights: Sequence[float],
-                  rng: np.random.Generator) -> list[str | None]:
+def assign_models(
+    n: int, models: Sequence[str], weights: Sequence[float], rng: np.random.Generator
+) -> list[str | None]:
     if not models:
         return [None] * n
     picks = rng.choice(len(models), size=n, p=np.asarray(weights, dtype=float))
@@ -283,13 +292,19 @@ def resolve_arrival(cfg: WorkloadConfig) -> str:
 
 def load_rows(cfg: WorkloadConfig, rng: np.random.Generator) -> list[TraceRow]:
     if cfg.trace == "synthetic":
-        return synthetic_rows(cfg.num_requests, cfg.synthetic_input_len, cfg.synthetic_output_len,
-                              cfg.synthetic_range_ratio, rng)
+        return synthetic_rows(
+            cfg.num_requests,
+            cfg.synthetic_input_len,
+            cfg.synthetic_output_len,
+            cfg.synthetic_range_ratio,
+            rng,
+        )
     return load_trace(cfg.trace, cfg.traces_dir or default_traces_dir(), cfg.trace_offset, cfg.num_requests)
 
 
-def schedule(cfg: WorkloadConfig, rows: Sequence[TraceRow],
-             rng: np.random.Generator) -> tuple[list[float], float]:
+def schedule(
+    cfg: WorkloadConfig, rows: Sequence[TraceRow], rng: np.random.Generator
+) -> tuple[list[float], float]:
     """Arrival offsets and the effective rate parameter (trace factor, or Poisson req/s)."""
     if resolve_arrival(cfg) == "trace":
         rate = cfg.request_rate if cfg.request_rate is not None else 1.0
@@ -311,8 +326,9 @@ def build_requests(cfg: WorkloadConfig) -> tuple[list[RequestSpec], dict[str, ob
     models = assign_models(len(rows), cfg.models, weights, rng)
     block_tokens = max(1, round(MOONCAKE_BLOCK_TOKENS / cfg.block_scale))
     prompts = PromptBuilder(cfg.vocab_size, cfg.min_token_id, cfg.seed, block_tokens)
-    specs = [RequestSpec(i, arrivals[i], prompts.build(r, i), r.output_len, models[i])
-             for i, r in enumerate(rows)]
+    specs = [
+        RequestSpec(i, arrivals[i], prompts.build(r, i), r.output_len, models[i]) for i, r in enumerate(rows)
+    ]
     info: dict[str, object] = {
         "arrival": resolve_arrival(cfg),
         "rate_parameter": rate,
@@ -324,5 +340,6 @@ def build_requests(cfg: WorkloadConfig) -> tuple[list[RequestSpec], dict[str, ob
         "mean_trace_output_len": float(np.mean([r.output_len for r in raw])),
         "block_tokens": block_tokens if cfg.trace == "mooncake" else None,
         "model_weights": dict(zip(cfg.models, weights, strict=True)),
+        "model_counts": {m: models.count(m) for m in cfg.models},
     }
     return specs, info

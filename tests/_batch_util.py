@@ -110,7 +110,9 @@ def _t(values: list[int], dtype: torch.dtype) -> torch.Tensor:
 
 
 @torch.no_grad()
-def run_logits(model: DecoderForCausalLM, backend: TorchAttentionBackend, batch: ForwardBatch) -> torch.Tensor:
+def run_logits(
+    model: DecoderForCausalLM, backend: TorchAttentionBackend, batch: ForwardBatch
+) -> torch.Tensor:
     """Float32 logits of `batch.logits_indices` rows."""
     dev = backend.pool.device
     for name in ("input_ids", "positions", "out_cache_loc", "seq_lens", "logits_indices"):

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from _batch_util import PagedSeqs, make_pool_and_backend, run_logits
 
 from sglang_ext.configs import preset_config_file, preset_dir, preset_names
 from sglang_ext.engine.forward_batch import ForwardMode
@@ -17,8 +18,6 @@ from sglang_ext.models.decoder import DecoderForCausalLM
 from sglang_ext.models.default_model import ensure_default_model
 from sglang_ext.models.loader import load_model
 from sglang_ext.models.resolve import resolve_model_path
-
-from _batch_util import PagedSeqs, make_pool_and_backend, run_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -66,7 +65,9 @@ def _hf_model(family: str) -> Any:
 
 
 @pytest.fixture(scope="module", params=[*FAMILIES, "llama-mha-sharded"])
-def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, DecoderForCausalLM]:
+def pair(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Any, DecoderForCausalLM]:
     """(HF model, our model loaded from the HF model's safetensors save)."""
     family = request.param.removesuffix("-sharded")
     hf = _hf_model(family)
@@ -110,6 +111,20 @@ def test_incremental_decode_matches_hf(pair: tuple[Any, DecoderForCausalLM]) -> 
     for p in range(PREFILL_LEN, PROMPT_LEN):
         batch = seqs.batch(ForwardMode.DECODE, [seq], [[ids[p]]])
         torch.testing.assert_close(run_logits(ours, backend, batch)[0], ref[p], atol=ATOL, rtol=0)
+
+
+def test_chunked_prefill_matches_hf(pair: tuple[Any, DecoderForCausalLM]) -> None:
+    """Extend batches on top of a cached prefix (chunked prefill / prefix-cache hit)."""
+    hf, ours = pair
+    ids = _prompt(5)
+    ref = _hf_logits(hf, ids)
+    pool, backend = make_pool_and_backend(ours.cfg, page_size=3)
+    seqs = PagedSeqs(pool)
+    seq = seqs.new_seq()
+    for lo, hi in [(0, 7), (7, 8), (8, PROMPT_LEN)]:
+        batch = seqs.batch(ForwardMode.EXTEND, [seq], [ids[lo:hi]], all_logits=True)
+        assert batch.prefix_lens == [lo]
+        torch.testing.assert_close(run_logits(ours, backend, batch), ref[lo:hi], atol=ATOL, rtol=0)
 
 
 def test_greedy_matches_hf_generate(pair: tuple[Any, DecoderForCausalLM]) -> None:
@@ -255,7 +270,7 @@ def test_resolve_model_path(default_dir: Path, tmp_path: Path, monkeypatch: pyte
     assert resolve_model_path(str(default_dir)) == default_dir
     with pytest.raises(FileNotFoundError, match="not a local directory"):
         resolve_model_path(str(tmp_path / "missing"))
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
         resolve_model_path(str(tmp_path))
     with pytest.raises(ValueError, match="unknown preset"):
         resolve_model_path("preset:gpt-5")

@@ -6,6 +6,7 @@ the router does, so offline and served runs share every code path below the sock
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import subprocess
@@ -72,10 +73,8 @@ class Engine:
         if getattr(self, "_proc", None) is None:
             return
         if self._proc.poll() is None:
-            try:
+            with contextlib.suppress(zmq.ZMQError):
                 self._send(ShutdownReq())
-            except zmq.ZMQError:
-                pass
             try:
                 self._proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
@@ -92,10 +91,8 @@ class Engine:
         self.shutdown()
 
     def __del__(self) -> None:  # best effort; explicit shutdown() is the contract
-        try:
+        with contextlib.suppress(Exception):
             self.shutdown()
-        except Exception:
-            pass
 
     # ---- transport --------------------------------------------------------------------------
     def _send(self, msg: msgspec.Struct) -> None:
@@ -185,10 +182,8 @@ class Engine:
                             pending.discard(o.rid)
         except BaseException:
             for rid in pending:
-                try:
+                with contextlib.suppress(zmq.ZMQError):
                     self._send(AbortReq(rid=rid))
-                except zmq.ZMQError:
-                    pass
             raise
         return [acc[r.rid] for r in reqs]
 

@@ -18,7 +18,7 @@ _clock = itertools.count()
 
 
 class _Node:
-    __slots__ = ("children", "parent", "key", "pages", "lock_ref", "last_access")
+    __slots__ = ("children", "key", "last_access", "lock_ref", "pages", "parent")
 
     def __init__(self, parent: _Node | None, key: tuple[int, ...], pages: list[int]) -> None:
         self.children: dict[tuple[int, ...], _Node] = {}

@@ -19,7 +19,21 @@ from sglang_ext.messages.io import (
 )
 
 __all__ = [
-    "AbortReq", "BatchOut", "ErrorOut", "FlushCacheReq", "FromWorker", "GenerateReq", "LoadReport",
-    "ReplyOut", "ShutdownReq", "TokenOut", "ToWorker", "TokenizeReq", "WorkerHello", "WorkerInfo",
-    "decode_from_worker", "decode_to_worker", "encode",
+    "AbortReq",
+    "BatchOut",
+    "ErrorOut",
+    "FlushCacheReq",
+    "FromWorker",
+    "GenerateReq",
+    "LoadReport",
+    "ReplyOut",
+    "ShutdownReq",
+    "ToWorker",
+    "TokenOut",
+    "TokenizeReq",
+    "WorkerHello",
+    "WorkerInfo",
+    "decode_from_worker",
+    "decode_to_worker",
+    "encode",
 ]

@@ -21,4 +21,4 @@ def model_class(cfg: ModelConfig) -> type[DecoderForCausalLM]:
     return getattr(module, cfg.architecture)
 
 
-__all__ = ["ModelConfig", "DecoderForCausalLM", "model_class"]
+__all__ = ["DecoderForCausalLM", "ModelConfig", "model_class"]

@@ -52,6 +52,12 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         is_qwen2 = arch == "Qwen2ForCausalLM"
+        # transformers v5 moves RoPE settings under `rope_parameters`; accept both spellings.
+        rope = cfg.get("rope_parameters") or {}
+        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        scaling = cfg.get("rope_scaling")
+        if scaling is None and rope.get("rope_type") not in (None, "default"):
+            scaling = rope
         # Mistral v0.1 uses a 4K sliding window; v0.2+ sets null. Qwen2 carries one but disables it.
         window = cfg.get("sliding_window") if arch == "MistralForCausalLM" else None
         if is_qwen2 or arch == "Qwen3ForCausalLM":
@@ -66,8 +72,8 @@ class ModelConfig:
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", is_qwen2)),

@@ -111,7 +111,7 @@ class DecoderForCausalLM(nn.Module):
             target, rows = name, None
             if len(parts) >= 2 and parts[-2] in shards:
                 fused, off, n = shards[parts[-2]]
-                target = ".".join(parts[:-2] + [fused, parts[-1]])
+                target = ".".join([*parts[:-2], fused, parts[-1]])
                 rows = (off, n)
             if target == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head

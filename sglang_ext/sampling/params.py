@@ -66,9 +66,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise bad("min_new_tokens", "must be in [0, max_new_tokens]")
         if self.stop is not None and any(not s for s in self.stop):
             raise bad("stop", "must not contain empty strings")
-        if self.stop_token_ids is not None and vocab_size is not None:
-            if any(not 0 <= t < vocab_size for t in self.stop_token_ids):
-                raise bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
+        ids = self.stop_token_ids or []
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in ids):
+            raise bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise bad("seed", "must be in [0, 2**63)")
 

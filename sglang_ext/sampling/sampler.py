@@ -35,7 +35,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[RowInfo]) -> torch.Tensor:
                 logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if r.output_ids and (p.frequency_penalty or p.presence_penalty):
             ids = torch.tensor(r.output_ids, dtype=torch.long, device=dev)
-            counts = torch.zeros(logits.shape[1], device=dev).scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.float))
+            ones = torch.ones_like(ids, dtype=torch.float)
+            counts = torch.zeros(logits.shape[1], device=dev).scatter_add_(0, ids, ones)
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
     return logits
 
@@ -76,7 +77,9 @@ def sample(logits: torch.Tensor, rows: list[RowInfo], default_gen: torch.Generat
     return out
 
 
-def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor, top_n: int) -> tuple[list[float], list[list[tuple[float, int]]]]:
+def logprobs_of(
+    logits: torch.Tensor, token_ids: torch.Tensor, top_n: int
+) -> tuple[list[float], list[list[tuple[float, int]]]]:
     """Log-probabilities (raw logits, before temperature/penalties) of `token_ids`, plus top-n."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     chosen = lp.gather(1, token_ids.view(-1, 1)).squeeze(1).tolist()

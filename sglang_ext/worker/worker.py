@@ -6,7 +6,6 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from sglang_ext.engine.model_runner import ModelRunner
