@@ -27,8 +27,8 @@ def tiny_config(**over: Any) -> ModelConfig:
     return ModelConfig.from_dict(cfg)
 
 
-def make_scheduler(device: str = "cpu", page_size: int = 4, **args: Any) -> Scheduler:
-    sa = ServerArgs(device=device, dtype="float32", load_format="dummy", page_size=page_size, **args)
+def make_scheduler(device: str = "cpu", page_size: int = 4, dtype: str = "float32", **args: Any) -> Scheduler:
+    sa = ServerArgs(device=device, dtype=dtype, load_format="dummy", page_size=page_size, **args)
     runner = ModelRunner(sa, None, tiny_config())  # type: ignore[arg-type]
     with torch.no_grad():  # sharper logits than the default 0.02 init: no near-ties in argmax
         for p in runner.model.parameters():

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
 
 from sglang_ext.attention import get_backend_class
+from sglang_ext.engine.cuda_graph import DEFAULT_MAX_BS, CudaGraphRunner
 from sglang_ext.engine.forward_batch import ForwardBatch
 from sglang_ext.kvcache.pool import KVGeometry, KVPool
 from sglang_ext.models.config import ModelConfig
@@ -53,11 +55,27 @@ class ModelRunner:
         self.pool = KVPool(geom, self.num_pages, self.device)
         backend_cls = get_backend_class(args.resolved_attention_backend)
         self.attn = backend_cls(self.pool, cfg.num_heads, cfg.head_dim, cfg.head_dim**-0.5)
+        self.graphs: CudaGraphRunner | None = None
         logger.info(
             "model %s on %s/%s, KV pool %d pages x %d tokens (%.1f MiB), attention=%s",
             cfg.architecture, self.device, self.dtype, self.num_pages, geom.page_size,
             self.pool.total_bytes / 2**20, args.resolved_attention_backend,
         )
+        self.init_cuda_graphs()
+
+    def init_cuda_graphs(self) -> None:
+        """Capture decode graphs (CUDA, a backend that supports them, not --disable-cuda-graph)."""
+        self.graphs = None
+        a = self.args
+        if self.device.type != "cuda" or a.disable_cuda_graph or not self.attn.supports_cuda_graph():
+            return
+        max_bs = a.cuda_graph_max_bs or DEFAULT_MAX_BS
+        if a.max_running_requests:
+            max_bs = min(max_bs, a.max_running_requests)
+        if max_bs < 1:
+            return
+        pages_per_req = -(-self.context_len // self.pool.page_size)
+        self.graphs = CudaGraphRunner(self.model, self.attn, self.device, max_bs, pages_per_req)
 
     def _num_pages(self, geom: KVGeometry) -> int:
         a = self.args
@@ -74,6 +92,14 @@ class ModelRunner:
                 )
             return int(budget // geom.page_bytes)
         tokens = _CPU_DEFAULT_TOKENS
+        if a.mem_fraction_static is not None:
+            # On CPU the fraction is of physical RAM, minus what the weights already take.
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            budget = ram * a.mem_fraction_static - weights
+            if budget <= geom.page_bytes * 2:
+                raise RuntimeError(f"mem_fraction_static={a.mem_fraction_static} leaves no RAM for the KV cache")
+            return int(budget // geom.page_bytes)
         return -(-tokens // geom.page_size) + 1
 
     @property
@@ -84,6 +110,9 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [len(logits_indices), vocab] in float32."""
         batch.attn_backend = self.attn
-        self.attn.prepare(batch)
-        hidden = self.model(batch)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            hidden = self.graphs.replay(batch)
+        else:
+            self.attn.prepare(batch)
+            hidden = self.model(batch)
         return self.model.compute_logits(hidden)

@@ -20,6 +20,8 @@ from typing import Any
 import msgspec
 import zmq
 
+from sglang_ext.entry.outputs import expand_n
+from sglang_ext.entry.outputs import merge_output as _merge
 from sglang_ext.messages import (
     AbortReq,
     BatchOut,
@@ -128,8 +130,7 @@ class Engine:
         for item, raw in zip(items, params, strict=True):
             sp = parse_sampling_params(raw)
             sp.validate()
-            for k in range(sp.n):
-                child = msgspec.structs.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + k)
+            for child in expand_n(sp):
                 kw = {"text": item} if input_ids is None else {"input_ids": list(item)}
                 reqs.append(GenerateReq(rid=f"{self._worker_id}-{next(self._ids)}", sampling_params=child,
                                         **kw, **extra))
@@ -228,16 +229,6 @@ def spawn_worker(args: ServerArgs, addr: str, worker_id: str) -> subprocess.Pope
     """Start `python -m sglang_ext.worker` connected to `addr`; it exits when its parent does."""
     cmd = [sys.executable, "-m", "sglang_ext.worker", addr, worker_id, msgspec.json.encode(args).decode()]
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-
-
-def _merge(acc: dict[str, Any], text: str, ids: list[int], meta: dict[str, Any]) -> None:
-    acc["text"] += text
-    acc["output_ids"].extend(ids)
-    old = acc["meta_info"]
-    for key in ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs"):
-        if key in meta:
-            meta[key] = old.get(key, []) + meta[key]
-    old.update(meta)
 
 
 __all__ = ["Engine", "SamplingParams", "WorkerDied"]

@@ -142,6 +142,17 @@ class Scheduler:
     def step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
         entries, mode = self._schedule()
+        if not entries and self.running:
+            # Part-prefilled requests hold every page and none can grow: free the newest so the
+            # others progress (never spin on empty steps).
+            newest = max(self.running, key=lambda r: r.arrival_time)
+            if len(self.running) > 1 or self.waiting:
+                self._preempt(newest)
+            else:
+                self.running.remove(newest)
+                self._finish(newest, FinishReason("abort", message="out of KV cache memory"))
+                outputs.append(self._output(newest))
+            return outputs
         if not entries:
             return outputs
         batch = build_batch(entries, mode, self.page_size, self.runner.device)

@@ -145,13 +145,23 @@ class Worker:
         for msg in inbox:
             out.extend(self.handle(msg))
         t0 = time.perf_counter()
-        results = self.scheduler.step()
+        try:
+            results = self.scheduler.step()
+        except Exception as e:  # a failed forward must not take the worker (or other models) down
+            logger.exception("forward failed; failing the requests in flight")
+            results = self._fail_all(f"internal error in the worker: {type(e).__name__}: {e}")
         if results:
             self.last_step_ms = (time.perf_counter() - t0) * 1e3
             outs = [o for o in (self._token_out(r) for r in results) if o is not None]
             if outs:
                 out.append(BatchOut(outs=outs))
         return out
+
+    def _fail_all(self, message: str) -> list[StepOutput]:
+        s = self.scheduler
+        for r in list(s.running) + list(s.waiting):
+            s.abort(r.rid, message)
+        return s.step()  # drains the abort outputs; nothing is left to run
 
     def _token_out(self, r: StepOutput) -> TokenOut | None:
         live = self.live.get(r.rid)

@@ -1,0 +1,119 @@
+"""CUDA graphs for decode forwards, one per captured batch size.
+
+A DECODE batch of `bs` rows replays the graph of the smallest captured size >= bs. Its inputs
+are copied into static buffers first; padding rows get token 0 at position 0, write their KV to
+the reserved page 0 and attend to one token there, and their outputs are dropped. The graph
+covers embedding -> all layers -> final norm; the LM head runs after it on the rows that need
+logits (it is one GEMM, and keeping it out saves a [bs, vocab] buffer per graph).
+
+    static buffers (max_bs rows)      graph(bs)                     after replay
+    input_ids / positions / loc  -->  model(batch_bs) -> hidden  -->  lm_head(hidden[logits_indices])
+    attention: backend.prepare_for_replay re-plans into its fixed index buffers
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Final
+
+import torch
+
+from sglang_ext.engine.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from sglang_ext.attention.base import AttentionBackend
+    from sglang_ext.models.decoder import DecoderForCausalLM
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BS: Final = 256
+
+
+def capture_sizes(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 to 64, every 16 to 256, every 32 beyond (as fine as padding warrants)."""
+    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 257, 16)) + list(range(288, max_bs + 1, 32))
+    out = sorted({s for s in sizes if s <= max_bs} | {max_bs})
+    return out
+
+
+def padded_size(sizes: list[int], bs: int) -> int | None:
+    for s in sizes:
+        if s >= bs:
+            return s
+    return None
+
+
+class CudaGraphRunner:
+    def __init__(
+        self, model: DecoderForCausalLM, attn: AttentionBackend, device: torch.device,
+        max_bs: int, max_pages_per_req: int,
+    ) -> None:
+        self.model = model
+        self.attn = attn
+        self.device = device
+        self.sizes = capture_sizes(max_bs)
+        self.max_bs = self.sizes[-1]
+        n = self.max_bs
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=device)  # slot 0 of page 0
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.rows = torch.arange(n, dtype=torch.int64, device=device)
+        attn.init_cuda_graph_state(n, n * max_pages_per_req)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.batches: dict[int, ForwardBatch] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+        self.capture()
+
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        return ForwardBatch(
+            mode=ForwardMode.DECODE, batch_size=bs,
+            input_ids=self.input_ids[:bs], positions=self.positions[:bs],
+            out_cache_loc=self.out_cache_loc[:bs], seq_lens=self.seq_lens[:bs],
+            extend_lens=[1] * bs, prefix_lens=[0] * bs,
+            kv_page_indptr=torch.empty(0), kv_page_indices=torch.empty(0), kv_last_page_len=torch.empty(0),
+            logits_indices=self.rows[:bs], attn_backend=self.attn, seq_lens_cpu=[1] * bs,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        self.pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its pool memory
+            batch = self._static_batch(bs)
+            self.attn.prepare_for_capture(batch)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm up: Triton/FlashInfer JIT, cuBLAS handles
+                    self.model(batch)
+            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                out = self.model(batch)
+            self.graphs[bs], self.batches[bs], self.outputs[bs] = graph, batch, out
+        torch.cuda.synchronize(self.device)
+        logger.info("captured %d decode CUDA graphs (bs %d..%d) in %.1f s",
+                    len(self.sizes), self.sizes[0], self.max_bs, time.perf_counter() - t0)
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return batch.mode.is_decode and batch.batch_size <= self.max_bs and not batch.remote_rows
+
+    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states (final-normed) of `batch.logits_indices`, like `model(batch)`."""
+        bs = batch.batch_size
+        pbs = padded_size(self.sizes, bs)
+        assert pbs is not None
+        self.input_ids[:bs].copy_(batch.input_ids, non_blocking=True)
+        self.positions[:bs].copy_(batch.positions, non_blocking=True)
+        self.out_cache_loc[:bs].copy_(batch.out_cache_loc, non_blocking=True)
+        if pbs > bs:
+            self.input_ids[bs:pbs].zero_()
+            self.positions[bs:pbs].zero_()
+            self.out_cache_loc[bs:pbs].zero_()
+        self.attn.prepare_for_replay(batch, pbs)
+        self.graphs[pbs].replay()
+        return self.outputs[pbs][batch.logits_indices]
