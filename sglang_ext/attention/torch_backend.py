@@ -13,6 +13,8 @@ import torch
 from sglang_ext.attention.base import AttentionBackend
 from sglang_ext.engine.forward_batch import ForwardBatch
 
+_PAD_LIMIT = 1 << 24  # score elements (B x L x S x heads) below which prefill is batched with padding
+
 
 @dataclass
 class _TorchMeta:
@@ -20,6 +22,9 @@ class _TorchMeta:
     offset: torch.Tensor  # [B, S]
     valid: torch.Tensor  # [B, S] bool
     q_starts: list[int]
+    # Prefill of many short requests: one padded attention instead of a loop (None: loop).
+    padded_q: torch.Tensor | None = None  # [B, L] row of each padded query in q (-1 = pad)
+    padded_mask: torch.Tensor | None = None  # [B, L, S]
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -43,7 +48,18 @@ class TorchAttentionBackend(AttentionBackend):
         for e in batch.extend_lens:
             q_starts.append(acc)
             acc += e
-        batch.attn_meta = _TorchMeta(page_idx, offset, valid, q_starts)
+        meta = _TorchMeta(page_idx, offset, valid, q_starts)
+        ext = batch.extend_lens
+        if not batch.mode.is_decode and b > 1 and b * max(ext) * max_s * self.num_q_heads <= _PAD_LIMIT:
+            l_ = max(ext)
+            j = torch.arange(l_, device=dev)
+            e_t = torch.tensor(ext, device=dev)
+            rows = torch.tensor(q_starts, device=dev).unsqueeze(1) + j
+            meta.padded_q = torch.where(j < e_t.unsqueeze(1), rows, -1)
+            # query j of request i sits at position seq_i - ext_i + j and sees keys up to it
+            qpos = (torch.tensor(seq, device=dev) - e_t).unsqueeze(1) + j  # [B, L]
+            meta.padded_mask = (pos.view(1, 1, -1) <= qpos.unsqueeze(2)) & valid.unsqueeze(1)
+        batch.attn_meta = meta
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
@@ -54,6 +70,8 @@ class TorchAttentionBackend(AttentionBackend):
         vc = self.pool.v_view(layer_id)[meta.page_idx, meta.offset]
         if batch.mode.is_decode:
             return self._attend(q.unsqueeze(1), kc, vc, meta.valid.unsqueeze(1)).squeeze(1).to(q.dtype)
+        if meta.padded_q is not None:
+            return self._attend_padded(q, kc, vc, meta)
         out = torch.empty_like(q)
         for i, e in enumerate(batch.extend_lens):
             s = batch.seq_lens_cpu[i]
@@ -64,6 +82,15 @@ class TorchAttentionBackend(AttentionBackend):
             mask = (kpos <= qpos).unsqueeze(0)  # [1, e, s]
             o = self._attend(q[qs : qs + e].unsqueeze(0), kc[i : i + 1, :s], vc[i : i + 1, :s], mask)
             out[qs : qs + e] = o.squeeze(0).to(q.dtype)
+        return out
+
+    def _attend_padded(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: _TorchMeta) -> torch.Tensor:
+        assert meta.padded_q is not None and meta.padded_mask is not None
+        real = meta.padded_q >= 0
+        qp = q[meta.padded_q.clamp(min=0)]  # [B, L, Hq, D]
+        o = self._attend(qp, kc, vc, meta.padded_mask & real.unsqueeze(2) | ~real.unsqueeze(2))
+        out = torch.empty_like(q)
+        out[meta.padded_q[real]] = o[real].to(q.dtype)
         return out
 
     def _attend(
