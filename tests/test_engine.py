@@ -103,6 +103,10 @@ def test_logprobs(engine: Engine) -> None:
     assert all(len(row) == 2 for row in meta["output_top_logprobs"])
     # greedy: the chosen token is the top-1
     assert all(row[0][1] == t for row, (_, t, _) in zip(meta["output_top_logprobs"], outp, strict=True))
+    only_out = engine.generate(prompt="Once upon a time,", sampling_params={**GREEDY, "max_new_tokens": 3},
+                               return_logprob=True)  # logprob_start_len -1 (default): output logprobs only
+    assert only_out["meta_info"]["input_token_logprobs"] == []
+    assert len(only_out["meta_info"]["output_token_logprobs"]) == 3
     zero = engine.generate(prompt="Once upon a time,", sampling_params={"max_new_tokens": 0},
                            return_logprob=True, logprob_start_len=2)
     assert zero["output_ids"] == [] and len(zero["meta_info"]["input_token_logprobs"]) == meta["prompt_tokens"] - 2

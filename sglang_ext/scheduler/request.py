@@ -91,9 +91,7 @@ class Req:
 
     @property
     def logprob_start(self) -> int:
-        """First input position whose logprob is reported (SGLang: -1 means the last prompt token)."""
-        if not self.return_logprob:
+        """First input position whose logprob is reported (SGLang: -1 means output logprobs only)."""
+        if not self.return_logprob or self.logprob_start_len < 0:
             return len(self.input_ids)
-        if self.logprob_start_len < 0:
-            return max(len(self.input_ids) - 1, 0)
         return min(self.logprob_start_len, len(self.input_ids))
