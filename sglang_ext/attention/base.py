@@ -40,10 +40,10 @@ class AttentionBackend(ABC):
         return False
 
     def init_cuda_graph_state(self, max_bs: int, max_pages: int) -> None:
-        raise NotImplementedError
+        raise RuntimeError(f"{type(self).__name__} does not support CUDA graphs")
 
     def prepare_for_capture(self, batch: ForwardBatch) -> None:
-        raise NotImplementedError
+        raise RuntimeError(f"{type(self).__name__} does not support CUDA graphs")
 
     def prepare_for_replay(self, batch: ForwardBatch, padded_bs: int) -> None:
-        raise NotImplementedError
+        raise RuntimeError(f"{type(self).__name__} does not support CUDA graphs")
