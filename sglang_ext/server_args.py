@@ -83,7 +83,8 @@ class ServerArgs:
     def resolved_attention_backend(self) -> str:
         if self.attention_backend:
             return self.attention_backend
-        if self.resolved_device.startswith("cuda"):
+        # FlashInfer has no float32 kernels: float32 on a GPU uses the exact torch backend.
+        if self.resolved_device.startswith("cuda") and self.dtype != "float32":
             import importlib.util
 
             if importlib.util.find_spec("flashinfer") is not None:

@@ -28,6 +28,8 @@ def tiny_config(**over: Any) -> ModelConfig:
 
 
 def make_scheduler(device: str = "cpu", page_size: int = 4, dtype: str = "float32", **args: Any) -> Scheduler:
+    if device.startswith("cuda") and "mem_fraction_static" not in args:
+        args.setdefault("max_total_tokens", 65536)  # several runners share one GPU in a test process
     sa = ServerArgs(device=device, dtype=dtype, load_format="dummy", page_size=page_size, **args)
     runner = ModelRunner(sa, None, tiny_config())  # type: ignore[arg-type]
     with torch.no_grad():  # sharper logits than the default 0.02 init: no near-ties in argmax

@@ -18,7 +18,8 @@ PROMPTS = ["The weather today is", "Once upon a time,", "A list of fruits: apple
 
 @pytest.fixture(scope="module")
 def engine(test_device: str) -> Iterator[Engine]:
-    with Engine(device=test_device, dtype="float32", page_size=4, chunked_prefill_size=16) as eng:
+    kw = {"page_size": 4, "chunked_prefill_size": 16, "max_total_tokens": 65536}
+    with Engine(device=test_device, dtype="float32", **kw) as eng:
         yield eng
 
 
@@ -135,7 +136,7 @@ def test_skip_tokenizer_init(tmp_path: Path, test_device: str) -> None:
     src = ensure_default_model()
     for f in ("config.json", "model.safetensors"):
         shutil.copy(src / f, tmp_path / f)
-    with Engine(model_path=str(tmp_path), device=test_device, skip_tokenizer_init=True) as eng:
+    with Engine(model_path=str(tmp_path), device=test_device, skip_tokenizer_init=True, max_total_tokens=8192) as eng:
         out = eng.generate(input_ids=[1, 50, 60, 70], sampling_params=GREEDY)
         assert out["text"] == "" and len(out["output_ids"]) > 0
         with pytest.raises(InvalidRequest, match="skip_tokenizer_init"):

@@ -207,7 +207,7 @@ def test_default_model_tokenizer(default_dir: Path) -> None:
                     "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     no_prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
     assert not no_prompt.endswith("assistant\n")
-    ids = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+    ids = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False)
     assert ids.count(tok.bos_token_id) == 1
 
 

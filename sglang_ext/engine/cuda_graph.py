@@ -32,9 +32,8 @@ DEFAULT_MAX_BS: Final = 256
 
 def capture_sizes(max_bs: int) -> list[int]:
     """1, 2, 4, 8, then every 8 to 64, every 16 to 256, every 32 beyond (as fine as padding warrants)."""
-    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 257, 16)) + list(range(288, max_bs + 1, 32))
-    out = sorted({s for s in sizes if s <= max_bs} | {max_bs})
-    return out
+    sizes = [1, 2, 4, *range(8, 65, 8), *range(80, 257, 16), *range(288, max_bs + 1, 32)]
+    return sorted({s for s in sizes if s <= max_bs} | {max_bs})
 
 
 def padded_size(sizes: list[int], bs: int) -> int | None:

@@ -82,6 +82,7 @@ class ModelRunner:
         if a.max_total_tokens is not None:
             return -(-a.max_total_tokens // geom.page_size) + 1  # +1: page 0 is reserved
         if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # memory this process cached but no longer uses counts as free
             free, total = torch.cuda.mem_get_info(self.device)
             frac = a.mem_fraction_static or 0.85
             budget = free - total * (1.0 - frac)

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from sglang_ext import ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -16,6 +18,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if ops.use_fused(x):  # one Triton kernel on GPU, same numerics
+            return ops.rms_norm(x, self.weight, self.eps)
         # Normalise in float32 as the reference implementations do, then cast back.
         dtype = x.dtype
         x32 = x.float()
@@ -64,6 +68,8 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D]."""
+        if ops.use_fused(q):
+            return ops.rope(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -80,5 +86,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if ops.use_fused(x):
+            return ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return nn.functional.silu(gate) * up

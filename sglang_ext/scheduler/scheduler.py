@@ -155,9 +155,12 @@ class Scheduler:
             return outputs
         if not entries:
             return outputs
+        return outputs + self._run(entries, mode)
+
+    def _run(self, entries: list[Entry], mode: ForwardMode) -> list[StepOutput]:
+        """One forward of the scheduled entries and its results (`OverlapScheduler` defers them)."""
         batch = build_batch(entries, mode, self.page_size, self.runner.device)
-        logits = self.runner.forward(batch)
-        return outputs + self._process(entries, logits)
+        return self._process(entries, self.runner.forward(batch))
 
     def _schedule(self) -> tuple[list[Entry], ForwardMode]:
         entries: list[Entry] = []

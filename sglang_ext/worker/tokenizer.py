@@ -23,10 +23,13 @@ class Tokenizer:
         if not self.has_chat_template:
             raise InvalidRequest("this model's tokenizer has no chat template; use /v1/completions")
         try:
-            ids = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+            # return_dict=False: a plain id list on transformers 4.x and 5.x alike.
+            ids = self.hf.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+            )
         except Exception as e:  # template errors are the caller's input problem
             raise InvalidRequest(f"messages could not be formatted with the chat template: {e}") from None
-        if isinstance(ids, dict):  # newer transformers return a BatchEncoding
+        if hasattr(ids, "keys"):  # a BatchEncoding despite return_dict=False
             ids = ids["input_ids"]
         return list(ids)
 

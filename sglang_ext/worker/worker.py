@@ -28,6 +28,7 @@ from sglang_ext.models.config import ModelConfig
 from sglang_ext.models.resolve import resolve_model_path
 from sglang_ext.sampling.params import InvalidRequest
 from sglang_ext.scheduler.output import StepOutput
+from sglang_ext.scheduler.overlap import scheduler_class
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
 from sglang_ext.server_args import ServerArgs
@@ -56,7 +57,8 @@ class Worker:
         if not args.skip_tokenizer_init:
             self.tokenizer = Tokenizer(args.tokenizer_path or self.model_dir)
         eos = set(self.cfg.eos_token_ids) | set(self.tokenizer.eos_ids if self.tokenizer else ())
-        self.scheduler = Scheduler(
+        sched_cls = scheduler_class(self.runner.device, args.disable_overlap_schedule)
+        self.scheduler: Scheduler = sched_cls(
             args, self.runner, args.resolved_page_size, frozenset(eos),
             decode_fn=(lambda ids: self.tokenizer.decode(ids, False)) if self.tokenizer else None,
             vocab_size=self.cfg.vocab_size,

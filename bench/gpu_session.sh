@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device session for the GPU fast path (the run behind docs/benchmarks.md's GPU section).
+# Needs the carried wheel folder .whl (../shared/tools/gpu-wheels.sh .whl). Writes logs and JSON to $OUT.
+#   bash bench/gpu_session.sh [test] [bench] [cputests]
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+steps=${*:-test bench}
+pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$@"; }
+# FlashInfer and its runtime needs apart, so the torch-backend tests can run without it on the path.
+fi_whl=$(ls .whl/*.whl | grep -E 'flashinfer|tvm_ffi|cuda_tile|cudnn_frontend')
+pipi /tmp/fi $fi_whl || exit 1
+pipi /tmp/site $(ls .whl/*.whl | grep -v -E 'flashinfer|tvm_ffi|cuda_tile|cudnn_frontend') || exit 1
+if [ -f .whl/fi_so.tgz ]; then  # kernels built by an earlier run: load them as FlashInfer AOT modules
+  mkdir -p /tmp/fi/flashinfer/data/aot && tar xzf .whl/fi_so.tgz -C /tmp/fi/flashinfer/data/aot
+fi
+BASE=$PWD:/tmp/site
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,clocks.max.sm,clocks.mem --format=csv
+for s in $steps; do
+  case $s in
+    test) PYTHONPATH=$BASE:/tmp/fi timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_equivalence.py \
+            2>&1 | tee "$OUT/gpu_test.log" ;;
+    bench) PYTHONPATH=$BASE:/tmp/fi timeout 360 python3 bench/offline.py --out "$OUT/offline.json" ${BENCH_ARGS:-} 2>&1 \
+            | grep -v '^offline bench' | tee "$OUT/bench.log" ;;
+    cputests) SGLANG_EXT_TEST_DEVICE=cuda PYTHONPATH=$BASE timeout 240 python3 -m pytest -q -p no:cacheprovider \
+            --continue-on-collection-errors tests -k "engine or scheduler or models or overlap" 2>&1 | tee "$OUT/cpu_tests_on_cuda.log" ;;
+  esac
+done
+jit=$(ls -d ~/.cache/flashinfer/*/*/cached_ops 2>/dev/null | head -1)
+if [ -n "$jit" ]; then (cd "$jit" && tar czf "$OUT/fi_so.tgz" */*.so && ls -la "$OUT/fi_so.tgz"); fi

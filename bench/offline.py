@@ -1,0 +1,582 @@
+"""Offline GPU benchmark of the engine's fast path against the hardware's limits.
+
+    python bench/offline.py --model-path preset:llama-3-8b --load-format dummy --out offline.json
+
+Drives `ModelRunner` (real model, KV pool, FlashInfer backend, CUDA graphs, fused ops) with
+synthetic batches and reports, for decode at every (context, batch size):
+  step_ms      back-to-back decode steps (forward + greedy argmax), events over many steps
+  graph_ms     the decode CUDA graph alone (attention metadata already planned)
+  cpu_ms       host time of one `runner.forward` (plan + copies + replay + LM head launch)
+  serial_ms    forward + synchronize per step: what a loop without overlap pays (CPU + GPU)
+  eager_ms     the same step without CUDA graphs
+  build_ms     the scheduler's `build_batch` for this batch (CPU; overlap scheduling hides it)
+  roofline_ms  (weight bytes + KV bytes read) / HBM read bandwidth measured in this run
+plus attention alone (tensor-core vs CUDA-core decode), variants (fused ops off, the other decode
+kernel), prefill tokens/s against the dense-FLOP roofline, the scheduler loop with and without
+overlap, and a per-kernel profile of one decode step naming the largest gap to the roofline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from tqdm import tqdm
+
+from sglang_ext import ops
+from sglang_ext.engine.cuda_graph import CudaGraphRunner
+from sglang_ext.engine.forward_batch import ForwardBatch, ForwardMode
+from sglang_ext.engine.model_runner import ModelRunner
+from sglang_ext.models import loader
+from sglang_ext.models.config import ModelConfig
+from sglang_ext.models.resolve import resolve_model_path
+from sglang_ext.sampling.params import SamplingParams
+from sglang_ext.scheduler.batch_builder import Entry, build_batch
+from sglang_ext.scheduler.overlap import OverlapScheduler
+from sglang_ext.scheduler.request import Req
+from sglang_ext.scheduler.scheduler import Scheduler
+from sglang_ext.server_args import ServerArgs
+
+PAGE = 16
+
+
+# ---- measurement helpers ---------------------------------------------------------------------------
+def time_gpu(fn: Callable[[], Any], iters: int, warmup: int = 3) -> float:
+    """Milliseconds per call, calls issued back to back, timed with events."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def hbm_read_bw() -> dict[str, float]:
+    """Bytes/s of streaming reads (a sum over a large tensor), median of 10 each; the best is the
+    ceiling the roofline uses (a higher ceiling makes the roofline harder to reach)."""
+    out = {}
+    for name, gib, dtype in (("sum_fp32_2GiB", 2, torch.float32), ("sum_fp32_4GiB", 4, torch.float32),
+                             ("sum_bf16_4GiB", 4, torch.bfloat16)):
+        x = torch.randn(gib * 2**30 // torch.empty((), dtype=dtype).element_size(), device="cuda", dtype=dtype)
+        ts = [time_gpu(lambda x=x: x.sum(), 1, warmup=1) for _ in range(10)]
+        out[name] = gib * 2**30 / (statistics.median(ts) / 1e3)
+        del x
+        torch.cuda.empty_cache()
+    return out
+
+
+def gemm_peak(n: int = 8192) -> float:
+    """FLOP/s of an n^3 bf16 matmul on random data."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = time_gpu(lambda: a @ b, 10)
+    return 2 * n**3 / (ms / 1e3)
+
+
+def gpu_dummy_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
+    """`--load-format dummy` drawn on the GPU (the loader draws on CPU: minutes for 8B params)."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=gen)
+
+
+# ---- synthetic batches -----------------------------------------------------------------------------
+class Layout:
+    """Scattered pages of the pool handed to synthetic requests (page 0 stays reserved)."""
+
+    def __init__(self, num_pages: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.perm = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
+
+    def pages(self, bs: int, ctx: int) -> list[list[int]]:
+        n = -(-ctx // PAGE)
+        assert bs * n <= len(self.perm), "pool too small for this batch"
+        return [self.perm[i * n : (i + 1) * n] for i in range(bs)]
+
+
+def decode_batch(pages: list[list[int]], ctx: int, vocab: int) -> ForwardBatch:
+    """Each request holds ctx - 1 tokens of KV and decodes token ctx - 1."""
+    bs = len(pages)
+    dev = "cuda"
+    n = -(-ctx // PAGE)
+    pos = ctx - 1
+    loc = [p[pos // PAGE] * PAGE + pos % PAGE for p in pages]
+    i32 = dict(dtype=torch.int32, device=dev)
+    return ForwardBatch(
+        mode=ForwardMode.DECODE, batch_size=bs,
+        input_ids=torch.randint(0, vocab, (bs,), device=dev),
+        positions=torch.full((bs,), pos, dtype=torch.int64, device=dev),
+        out_cache_loc=torch.tensor(loc, dtype=torch.int64, device=dev),
+        seq_lens=torch.full((bs,), ctx, **i32), extend_lens=[1] * bs, prefix_lens=[ctx - 1] * bs,
+        kv_page_indptr=torch.arange(0, bs * n + 1, n, **i32),
+        kv_page_indices=torch.tensor([q for p in pages for q in p], **i32),
+        kv_last_page_len=torch.full((bs,), ctx - (n - 1) * PAGE, **i32),
+        logits_indices=torch.arange(bs, device=dev), seq_lens_cpu=[ctx] * bs,
+    )
+
+
+def prefill_batch(pages: list[list[int]], length: int, vocab: int) -> ForwardBatch:
+    bs = len(pages)
+    dev = "cuda"
+    n = -(-length // PAGE)
+    loc = [p[t // PAGE] * PAGE + t % PAGE for p in pages for t in range(length)]
+    i32 = dict(dtype=torch.int32, device=dev)
+    return ForwardBatch(
+        mode=ForwardMode.EXTEND, batch_size=bs,
+        input_ids=torch.randint(0, vocab, (bs * length,), device=dev),
+        positions=torch.arange(length, device=dev).repeat(bs),
+        out_cache_loc=torch.tensor(loc, dtype=torch.int64, device=dev),
+        seq_lens=torch.full((bs,), length, **i32), extend_lens=[length] * bs, prefix_lens=[0] * bs,
+        kv_page_indptr=torch.arange(0, bs * n + 1, n, **i32),
+        kv_page_indices=torch.tensor([q for p in pages for q in p], **i32),
+        kv_last_page_len=torch.full((bs,), length - (n - 1) * PAGE, **i32),
+        logits_indices=torch.arange(length - 1, bs * length, length, device=dev), seq_lens_cpu=[length] * bs,
+    )
+
+
+def build_ms(pages: list[list[int]], ctx: int) -> float:
+    """CPU cost of the scheduler's `build_batch` for this decode batch (median of 5)."""
+    fill = list(range(ctx))
+    entries = [Entry(SimpleNamespace(kv_len=ctx - 1, fill_ids=fill, pages=p), 1, [], True)  # type: ignore[arg-type]
+               for p in pages]
+    ts = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        build_batch(entries, ForwardMode.DECODE, PAGE, torch.device("cuda"))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+# ---- sections --------------------------------------------------------------------------------------
+class Bench:
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a = a
+        self.res: dict[str, Any] = {"errors": {}}
+        self.bs_list = [int(x) for x in a.batch_sizes.split(",")]
+        self.ctx_list = [int(x) for x in a.contexts.split(",")]
+
+    def setup(self) -> None:
+        a = self.a
+        reads = hbm_read_bw()
+        self.bw = max(reads.values())
+        self.peak = gemm_peak()
+        torch.cuda.empty_cache()
+        loader.init_dummy_weights = gpu_dummy_weights  # type: ignore[assignment]
+        model_dir = resolve_model_path(a.model_path)
+        self.cfg = cfg = ModelConfig.from_path(model_dir)
+        tokens = max(self.bs_list) * max(self.ctx_list) + 8192 + 64 * PAGE
+        self.args = ServerArgs(model_path=a.model_path, load_format=a.load_format, device="cuda", dtype="bfloat16",
+                               page_size=PAGE, max_total_tokens=tokens, cuda_graph_max_bs=max(self.bs_list),
+                               attention_backend=a.attention_backend, skip_tokenizer_init=True)
+        t0 = time.perf_counter()
+        self.runner = ModelRunner(self.args, model_dir, cfg)
+        init_s = time.perf_counter() - t0
+        self.runner.pool.data.normal_()  # never time attention on zeros
+        model = self.runner.model
+        self.weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                                if cfg.tie_word_embeddings or not n.startswith("embed_tokens"))
+        self.kv_token_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+        self.layout = Layout(self.runner.num_pages)
+        gpu = torch.cuda.get_device_properties(0)
+        self.res["env"] = {
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": gpu.name,
+            "sms": gpu.multi_processor_count, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "flashinfer": _version("flashinfer"), "triton": _version("triton"), "python": platform.python_version(),
+            "model": a.model_path, "layers": cfg.num_layers, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+            "attention_backend": self.args.resolved_attention_backend,
+            "decode_tensor_cores": getattr(self.runner.attn, "decode_tc", None),
+            "hbm_read_TBps": self.bw / 1e12, "hbm_reads_TBps": {k: v / 1e12 for k, v in reads.items()},
+            "bf16_gemm_TFLOPs": self.peak / 1e12,
+            "weight_GB": self.weight_bytes / 1e9, "runner_init_s": init_s,
+            "graph_sizes": self.runner.graphs.sizes if self.runner.graphs else None,
+        }
+
+    def roofline_ms(self, bs: int, ctx: int) -> float:
+        emb = bs * self.cfg.hidden_size * 2
+        return (self.weight_bytes + emb + bs * ctx * self.kv_token_bytes) / self.bw * 1e3
+
+    def roofline_flops_ms(self, bs: int, ctx: int) -> float:
+        """The dense layers at max(bytes / bandwidth, FLOPs / GEMM peak), plus the KV read: at large
+        batches the GEMMs turn compute-bound and the bytes-only roofline is unreachable."""
+        w = self.weight_bytes + bs * self.cfg.hidden_size * 2
+        dense = max(w / self.bw, 2 * (self.weight_bytes / 2) * bs / self.peak)
+        return (dense + bs * ctx * self.kv_token_bytes / self.bw) * 1e3
+
+    def decode_point(self, bs: int, ctx: int) -> dict[str, Any]:
+        r = self.runner
+        pages = self.layout.pages(bs, ctx)
+        batch = decode_batch(pages, ctx, self.cfg.vocab_size)
+
+        def step() -> None:
+            r.forward(batch).argmax(-1)
+
+        out: dict[str, Any] = {"bs": bs, "ctx": ctx}
+        out["step_ms"] = time_gpu(step, self.a.steps)
+        host, wall = [], []
+        for _ in range(10):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            r.forward(batch)
+            host.append(time.perf_counter() - t0)
+            torch.cuda.synchronize()
+            wall.append(time.perf_counter() - t0)
+        out["cpu_ms"] = statistics.median(host) * 1e3
+        out["serial_ms"] = statistics.median(wall) * 1e3
+        if r.graphs is not None:
+            from sglang_ext.engine.cuda_graph import padded_size
+
+            g = r.graphs.graphs[padded_size(r.graphs.sizes, bs)]  # type: ignore[index]
+            out["graph_ms"] = time_gpu(g.replay, self.a.steps)
+            graphs, r.graphs = r.graphs, None
+            try:
+                out["eager_ms"] = time_gpu(step, max(self.a.steps // 2, 3), warmup=1)
+                t0 = time.perf_counter()
+                r.forward(batch)
+                out["eager_cpu_ms"] = (time.perf_counter() - t0) * 1e3
+            finally:
+                r.graphs = graphs
+        out["build_ms"] = build_ms(pages, ctx)
+        out["roofline_ms"] = self.roofline_ms(bs, ctx)
+        out["roofline_flops_ms"] = self.roofline_flops_ms(bs, ctx)
+        out["frac_of_roofline"] = out["roofline_ms"] / out["step_ms"]
+        out["tok_per_s"] = bs / out["step_ms"] * 1e3
+        return out
+
+    def layout_points(self) -> list[dict[str, Any]]:
+        """bs 64 decode with scattered vs consecutive page ids and page-aligned vs ragged lengths
+        (the scheduler's allocator hands out consecutive pages; the sweep above uses scattered)."""
+        rows = []
+        bs = 64
+        for ctx in (1024, 1040, 1088):
+            n = -(-ctx // PAGE)
+            for kind in ("scattered", "consecutive"):
+                if kind == "scattered":
+                    pages = self.layout.pages(bs, ctx)
+                else:
+                    pages = [list(range(1 + i * n, 1 + (i + 1) * n)) for i in range(bs)]
+                batch = decode_batch(pages, ctx, self.cfg.vocab_size)
+                ms = time_gpu(lambda batch=batch: self.runner.forward(batch).argmax(-1), self.a.steps)
+                rows.append({"bs": bs, "ctx": ctx, "pages": kind, "step_ms": ms})
+        return rows
+
+    def attention_point(self, bs: int, ctx: int) -> dict[str, Any]:
+        """Decode attention alone over all layers' KV (CUDA-core vs tensor-core kernels)."""
+        from sglang_ext.attention.flashinfer_backend import FlashInferAttentionBackend
+
+        cfg, pool = self.cfg, self.runner.pool
+        batch = decode_batch(self.layout.pages(bs, ctx), ctx, cfg.vocab_size)
+        q = torch.randn(bs, cfg.num_heads, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
+        out: dict[str, Any] = {"bs": bs, "ctx": ctx}
+        kv_bytes = bs * ctx * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+        for tc in (False, True):
+            be = FlashInferAttentionBackend(pool, cfg.num_heads, cfg.head_dim, cfg.head_dim**-0.5,
+                                            decode_tensor_cores=tc)
+            be.prepare(batch)
+            w = batch.attn_meta
+            views = [pool.layer_view(i) for i in range(cfg.num_layers)]
+            ms = time_gpu(lambda w=w, views=views: [w.run(q, v) for v in views], 5) / cfg.num_layers
+            key = "tc" if tc else "cuda_core"
+            out[f"{key}_us"] = ms * 1e3
+            out[f"{key}_TBps"] = kv_bytes / (ms / 1e3) / 1e12
+            del be
+        return out
+
+    def variants(self) -> list[dict[str, Any]]:
+        """Step time with one choice flipped (graphs recaptured): fused ops off; other decode kernel."""
+        from sglang_ext.attention.flashinfer_backend import FlashInferAttentionBackend
+
+        r, cfg = self.runner, self.cfg
+        points = [(b, c) for b, c in ((1, 1024), (8, 2048), (64, 2048), (256, 1024), (256, 2048))
+                  if b in self.bs_list and c in self.ctx_list]
+        rows = []
+        base_attn, base_graphs = r.attn, r.graphs
+        pages_per_req = -(-r.context_len // PAGE)
+        for name in ("fused_ops_off", "other_decode_kernel"):
+            r.graphs = None
+            torch.cuda.empty_cache()
+            if name == "fused_ops_off":
+                ops.set_enabled(False)
+            else:
+                r.attn = FlashInferAttentionBackend(r.pool, cfg.num_heads, cfg.head_dim, cfg.head_dim**-0.5,
+                                                    decode_tensor_cores=not base_attn.decode_tc)
+            try:
+                r.graphs = CudaGraphRunner(r.model, r.attn, r.device, max(self.bs_list), pages_per_req)
+                for bs, ctx in points:
+                    batch = decode_batch(self.layout.pages(bs, ctx), ctx, cfg.vocab_size)
+                    ms = time_gpu(lambda batch=batch: r.forward(batch).argmax(-1), self.a.steps)
+                    rows.append({"variant": name, "bs": bs, "ctx": ctx, "step_ms": ms,
+                                 "decode_tensor_cores": r.attn.decode_tc})
+            finally:
+                ops.set_enabled(True)
+                r.graphs = None
+                r.attn = base_attn
+                torch.cuda.empty_cache()
+        r.graphs = base_graphs
+        return rows
+
+    def prefill(self) -> list[dict[str, Any]]:
+        cfg = self.cfg
+        layer_params = (self.weight_bytes - cfg.vocab_size * cfg.hidden_size * 2) / 2  # lm_head runs on R rows
+        rows = []
+        for reqs, length in ((1, 1024), (4, 2048), (1, 8192)):
+            batch = prefill_batch(self.layout.pages(reqs, length), length, cfg.vocab_size)
+            ms = time_gpu(lambda batch=batch: self.runner.forward(batch), 5, warmup=2)
+            t = reqs * length
+            flops = 2 * layer_params * t + 2 * cfg.vocab_size * cfg.hidden_size * reqs \
+                + reqs * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * length * (length + 1)
+            roof = flops / self.peak * 1e3
+            rows.append({"reqs": reqs, "len": length, "ms": ms, "tok_per_s": t / ms * 1e3,
+                         "roofline_ms": roof, "frac_of_roofline": roof / ms, "TFLOPs": flops / ms / 1e9})
+        return rows
+
+    def loop(self) -> list[dict[str, Any]]:
+        """The scheduler loop end to end (build, forward, sample, finish) with and without overlap."""
+        rows = []
+        n, plen, out_len = self.a.loop_requests, self.a.loop_prompt, self.a.loop_output
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(10, self.cfg.vocab_size, (plen,), generator=g).tolist() for _ in range(n)]
+        real_forward = self.runner.forward
+        for cls in (Scheduler, OverlapScheduler):
+            s = cls(self.args, self.runner, PAGE, frozenset(), vocab_size=self.cfg.vocab_size)
+            sp = SamplingParams(max_new_tokens=out_len, temperature=0.0, ignore_eos=True)
+            for i, p in enumerate(prompts):
+                s.add_request(Req(f"{cls.__name__}-{i}", p, sp))
+            fwd_host: list[float] = []
+            fwd_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+            def timed_forward(batch: ForwardBatch, host: list[float] = fwd_host,
+                              events: list[Any] = fwd_events) -> torch.Tensor:
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                t0 = time.perf_counter()
+                out = real_forward(batch)
+                host.append(time.perf_counter() - t0)
+                e1.record()
+                if batch.mode.is_decode:
+                    events.append((e0, e1))
+                return out
+
+            self.runner.forward = timed_forward  # type: ignore[method-assign]
+            started: set[str] = set()
+            t_first, decode_tokens, steps = None, 0, 0
+            t0 = time.perf_counter()
+            try:
+                while s.has_work():
+                    for o in s.step():
+                        if t_first is not None:
+                            decode_tokens += len(o.new_token_ids)
+                        elif o.new_token_ids:
+                            started.add(o.rid)
+                    if t_first is not None:
+                        steps += 1
+                    elif len(started) == n:
+                        t_first = time.perf_counter()  # every request has its first token: decode phase
+                torch.cuda.synchronize()
+            finally:
+                del self.runner.forward  # back to the method
+            t1 = time.perf_counter()
+            dec_s = t1 - (t_first or t0)
+            gpu = [a.elapsed_time(b) for a, b in fwd_events[-steps:]] if steps else []
+            rows.append({"scheduler": cls.__name__, "requests": n, "prompt": plen, "output": out_len,
+                         "total_s": t1 - t0, "decode_s": dec_s, "decode_steps": steps,
+                         "decode_tokens": decode_tokens,
+                         "decode_tok_per_s": decode_tokens / dec_s if dec_s > 0 else None,
+                         "step_wall_ms": dec_s / steps * 1e3 if steps else None,
+                         "forward_gpu_ms_median": statistics.median(gpu) if gpu else None,
+                         "forward_host_ms_median": statistics.median(fwd_host[-steps:]) * 1e3 if steps else None,
+                         "overlapped_steps": getattr(s, "overlapped_steps", 0)})
+            s.flush_cache()
+        return rows
+
+    def profile(self, bs: int, ctx: int) -> dict[str, Any]:
+        out = {"graph": self._profile(bs, ctx)}
+        graphs, self.runner.graphs = self.runner.graphs, None
+        try:
+            out["eager"] = self._profile(bs, ctx)
+        finally:
+            self.runner.graphs = graphs
+        return out
+
+    def _profile(self, bs: int, ctx: int) -> dict[str, Any]:
+        from torch.profiler import ProfilerActivity, profile
+
+        r, cfg = self.runner, self.cfg
+        batch = decode_batch(self.layout.pages(bs, ctx), ctx, cfg.vocab_size)
+        steps = 5
+        for _ in range(3):
+            r.forward(batch)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                r.forward(batch).argmax(-1)
+            torch.cuda.synchronize()
+        kernels = []
+        for e in prof.key_averages():
+            us = getattr(e, "self_device_time_total", None)
+            if us is None:
+                us = getattr(e, "self_cuda_time_total", 0.0)
+            if us > 0:
+                kernels.append({"name": e.key[:120], "us_per_step": us / steps, "calls_per_step": e.count / steps,
+                                "category": _category(e.key)})
+        kernels.sort(key=lambda k: -k["us_per_step"])
+        cats: dict[str, float] = {}
+        for k in kernels:
+            cats[k["category"]] = cats.get(k["category"], 0.0) + k["us_per_step"]
+        kv = bs * ctx * self.kv_token_bytes
+        ideal = {"gemm": self.weight_bytes / self.bw * 1e6, "attention": kv / self.bw * 1e6}
+        gaps = {c: t - ideal.get(c, 0.0) for c, t in cats.items()}
+        return {"bs": bs, "ctx": ctx, "kernel_us_per_step": sum(cats.values()), "by_category_us": cats,
+                "ideal_us": ideal, "gap_us": gaps, "largest_gap": max(gaps, key=gaps.__getitem__) if gaps else None,
+                "top_kernels": kernels[:25]}
+
+    def run(self) -> dict[str, Any]:
+        a = self.a
+        points = [(b, c) for c in self.ctx_list for b in self.bs_list]
+        want = set(a.sections.split(","))
+        tasks: list[tuple[str, Callable[[], Any]]] = [("setup", self.setup)]
+        self.res["decode"], self.res["attention"] = [], []
+        if "decode" in want:
+            tasks += [(f"decode bs={b} ctx={c}",
+                       lambda b=b, c=c: self.res["decode"].append(self.decode_point(b, c))) for b, c in points]
+        if "layout" in want:
+            tasks.append(("layout", lambda: self.res.__setitem__("layout", self.layout_points())))
+        if "flashinfer" in str(a.attention_backend or "flashinfer"):
+            if "attention" in want:
+                tasks += [(f"attention bs={b} ctx={c}",
+                           lambda b=b, c=c: self.res["attention"].append(self.attention_point(b, c)))
+                          for b, c in points]
+            if "variants" in want:
+                tasks.append(("variants", lambda: self.res.__setitem__("variants", self.variants())))
+        if "prefill" in want:
+            tasks.append(("prefill", lambda: self.res.__setitem__("prefill", self.prefill())))
+        if "loop" in want:
+            tasks.append(("loop", lambda: self.res.__setitem__("loop", self.loop())))
+        if "profile" in want:
+            tasks.append(("profile",
+                          lambda: self.res.__setitem__("profile", self.profile(a.profile_bs, a.profile_ctx))))
+        bar = tqdm(tasks, desc="offline bench", file=sys.stderr)
+        for name, fn in bar:
+            bar.set_postfix_str(name)
+            try:
+                fn()
+            except Exception:
+                self.res["errors"][name] = traceback.format_exc(limit=6)
+                if name == "setup":
+                    break
+            finally:  # partial results survive a timeout
+                Path(a.out).write_text(json.dumps(self.res, indent=1))
+        return self.res
+
+
+def _category(name: str) -> str:
+    n = name.lower()
+    if any(s in n for s in ("batchprefill", "batchdecode", "flashinfer", "mergestate", "attention")):
+        return "attention"
+    if any(s in n for s in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "gemv", "splitk")):
+        return "gemm"
+    if any(s in n for s in ("_rms_norm", "_rope", "_silu_mul", "_store_kv")):
+        return "fused_ops"
+    if "memcpy" in n or "memset" in n:
+        return "copies"
+    return "other"
+
+
+def _version(mod: str) -> str | None:
+    try:
+        return __import__(mod).__version__
+    except Exception:
+        return None
+
+
+def summary(res: dict[str, Any]) -> str:
+    lines = []
+    env = res.get("env", {})
+    lines.append(f"{env.get('gpu')}  HBM read {env.get('hbm_read_TBps', 0):.2f} TB/s  "
+                 f"bf16 GEMM {env.get('bf16_gemm_TFLOPs', 0):.0f} TFLOP/s  weights {env.get('weight_GB', 0):.2f} GB  "
+                 f"decode tensor cores: {env.get('decode_tensor_cores')}")
+    lines.append(f"{'ctx':>5} {'bs':>4} {'step':>7} {'graph':>7} {'roof':>7} {'%roof':>6} {'%roofF':>6} {'tok/s':>8} "
+                 f"{'cpu':>6} {'serial':>7} {'eager':>7} {'build':>6}   (ms)")
+    for d in res.get("decode", []):
+        lines.append(f"{d['ctx']:>5} {d['bs']:>4} {d['step_ms']:7.2f} {d.get('graph_ms', math.nan):7.2f} "
+                     f"{d['roofline_ms']:7.2f} {100 * d['frac_of_roofline']:5.1f}% "
+                     f"{100 * d['roofline_flops_ms'] / d['step_ms']:5.1f}% {d['tok_per_s']:8.0f} "
+                     f"{d['cpu_ms']:6.2f} {d['serial_ms']:7.2f} {d.get('eager_ms', math.nan):7.2f} "
+                     f"{d['build_ms']:6.2f}")
+    for at in res.get("attention", []):
+        lines.append(f"attn ctx={at['ctx']} bs={at['bs']}: cuda-core {at['cuda_core_us']:.0f} us "
+                     f"({at['cuda_core_TBps']:.2f} TB/s), tensor-core {at['tc_us']:.0f} us ({at['tc_TBps']:.2f} TB/s)")
+    for v in res.get("variants", []):
+        lines.append(f"variant {v['variant']} (tc={v['decode_tensor_cores']}) ctx={v['ctx']} bs={v['bs']}: "
+                     f"{v['step_ms']:.2f} ms")
+    for lo in res.get("layout", []):
+        lines.append(f"layout bs={lo['bs']} ctx={lo['ctx']} {lo['pages']} pages: {lo['step_ms']:.2f} ms")
+    for p in res.get("prefill", []):
+        lines.append(f"prefill {p['reqs']}x{p['len']}: {p['ms']:.1f} ms, {p['tok_per_s']:.0f} tok/s, "
+                     f"{p['TFLOPs']:.0f} TFLOP/s = {100 * p['frac_of_roofline']:.0f}% of roofline")
+    for lp in res.get("loop", []):
+        lines.append(f"loop {lp['scheduler']}: decode {lp['decode_tok_per_s'] or 0:.0f} tok/s "
+                     f"({lp['requests']} reqs x {lp['output']} tokens, overlapped steps {lp['overlapped_steps']}); "
+                     f"per step: wall {lp['step_wall_ms'] or 0:.2f} ms, forward on GPU "
+                     f"{lp['forward_gpu_ms_median'] or 0:.2f} ms, "
+                     f"forward on host {lp['forward_host_ms_median'] or 0:.2f} ms")
+    for mode, pr in (res.get("profile") or {}).items():
+        cats = ", ".join(f"{k} {v:.0f}" for k, v in sorted(pr["by_category_us"].items(), key=lambda kv: -kv[1]))
+        lines.append(f"profile[{mode}] bs={pr['bs']} ctx={pr['ctx']}: {pr['kernel_us_per_step']:.0f} us/step ({cats}); "
+                     f"largest gap: {pr['largest_gap']} (+{pr['gap_us'].get(pr['largest_gap'], 0):.0f} us)")
+        for k in pr["top_kernels"][:8]:
+            lines.append(f"   {k['us_per_step']:8.1f} us x{k['calls_per_step']:.0f}  {k['name'][:90]}")
+    for name, err in res.get("errors", {}).items():
+        lines.append(f"ERROR in {name}: {err.strip().splitlines()[-1]}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model-path", default="preset:llama-3-8b")
+    p.add_argument("--load-format", default="dummy", choices=["dummy", "auto", "safetensors"])
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--batch-sizes", default="1,8,32,64,128,256")
+    p.add_argument("--contexts", default="1024,2048")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--profile-bs", type=int, default=64)
+    p.add_argument("--profile-ctx", type=int, default=2048)
+    p.add_argument("--loop-requests", type=int, default=64)
+    p.add_argument("--loop-prompt", type=int, default=1024)
+    p.add_argument("--loop-output", type=int, default=64)
+    p.add_argument("--sections", default="decode,layout,attention,variants,prefill,loop,profile",
+                   help="comma-separated subset to run")
+    p.add_argument("--out", default="offline.json")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench/offline.py needs a CUDA device")
+    res = Bench(a).run()
+    res["command"] = " ".join(["python", "bench/offline.py", *(argv if argv is not None else sys.argv[1:])])
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    print(summary(res))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Overlap scheduling: the CPU prepares decode step t+1 while the GPU still runs step t.
+
+A plain `Scheduler.step` runs forward(t) and then waits for its tokens before it can build t+1, so
+the GPU idles while the CPU samples, checks stop conditions, schedules and plans. Here a decode
+step is *launched* (forward + sampling on the device, tokens copied to pinned host memory behind
+an event) and its results are taken one `step()` later, after the next decode has been launched
+with the in-flight tokens as its input ids:
+
+    step() n:    launch D(t+1) [inputs = D(t) tokens, on device] | wait D(t), append tokens, finish
+    step() n+1:  launch D(t+2) ...                                | wait D(t+1) ...
+
+Step t+1 is built before step t's stop checks, so a request that stops at t (EOS, stop string)
+runs one extra row at t+1 whose token is dropped; its KV write lands in its own, then freed, page
+(never in a prefix-cache page: cached pages hold only positions < kv_len), and anything that
+reuses the page later is ordered after it on the stream. Requests that certainly finish at t
+(max_new_tokens, context length) are left out of t+1.
+
+Only plain decode batches overlap: no prompt/output logprobs and no penalties (those need each
+row's last token on the host while sampling). Anything else (prefill, admissions, preemption,
+logprobs) first drains the in-flight step and then runs exactly as `Scheduler.step`, so the
+scheduling decisions and greedy outputs are the same as without overlap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sglang_ext.engine.forward_batch import ForwardBatch, ForwardMode
+from sglang_ext.sampling.sampler import RowInfo, _filter
+from sglang_ext.scheduler.batch_builder import Entry, build_batch
+from sglang_ext.scheduler.output import StepOutput, check_finish
+from sglang_ext.scheduler.request import Req, ReqStatus
+from sglang_ext.scheduler.scheduler import Scheduler
+
+
+@dataclass
+class _Launched:
+    entries: list[Entry]
+    tokens: torch.Tensor  # [N] int64 on the device: input ids of the follow-up step
+    host: torch.Tensor  # [N] int64 on the host, valid once `done` has fired
+    done: torch.cuda.Event | None
+
+
+class _Ahead:
+    """A request as it will be once the in-flight step lands (one more token, KV one longer);
+    quacks like `Req` for `build_batch`, whose input id is replaced by the in-flight token."""
+
+    def __init__(self, req: Req) -> None:
+        self.kv_len = req.kv_len + 1
+        self.pages = req.pages
+        self.fill_ids = _Unknown()
+
+
+class _Unknown:
+    def __getitem__(self, s: slice) -> list[int]:
+        return [0] * (s.stop - s.start)
+
+
+def sample_on_device(logits: torch.Tensor, rows: list[RowInfo], default_gen: torch.Generator | None) -> torch.Tensor:
+    """`sampler.sample` without the host round trip (no penalties): token ids [N] on the device."""
+    if any(r.banned_ids for r in rows):
+        logits = logits.clone()
+        for i, r in enumerate(rows):
+            if r.banned_ids:
+                logits[i, r.banned_ids] = float("-inf")
+    out = torch.argmax(logits, dim=-1)
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.is_greedy:
+            continue
+        probs = _filter(torch.softmax(logits[i] / p.temperature, dim=-1), p)
+        gen = r.generator if r.generator is not None else default_gen
+        out[i] = torch.multinomial(probs, 1, generator=gen)[0]
+    return out
+
+
+class OverlapScheduler(Scheduler):
+    _inflight: _Launched | None = None
+    overlapped_steps = 0  # decode steps launched before their predecessor landed
+
+    def has_work(self) -> bool:
+        return super().has_work() or self._inflight is not None
+
+    def step(self) -> list[StepOutput]:
+        prev, self._inflight = self._inflight, None
+        if prev is None:
+            return super().step()  # schedules on landed state; `_run` may launch a decode
+        outputs, self._pending = self._pending, []
+        self._inflight = self._launch_follow_up(prev)
+        return outputs + self._land(prev)
+
+    def _run(self, entries: list[Entry], mode: ForwardMode) -> list[StepOutput]:
+        if mode is ForwardMode.DECODE and all(self._plain(e) for e in entries):
+            batch = build_batch(entries, mode, self.page_size, self.runner.device)
+            self._inflight = self._launch(entries, batch, ahead=0)
+            return []
+        return super()._run(entries, mode)
+
+    # ---- launching ----------------------------------------------------------------------------
+    @staticmethod
+    def _plain(e: Entry) -> bool:
+        r = e.req
+        return (e.extend == 1 and e.sample and not e.logprob_positions and not r.return_logprob
+                and not r.sampling.has_penalties)
+
+    def _launch(self, entries: list[Entry], batch: ForwardBatch, ahead: int) -> _Launched:
+        logits = self.runner.forward(batch)
+        infos = [self._row_info_ahead(e.req, ahead) for e in entries]
+        tokens = sample_on_device(logits, infos, self.default_gen)
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            return _Launched(entries, tokens, host, done)
+        return _Launched(entries, tokens, tokens, None)
+
+    def _row_info_ahead(self, r: Req, ahead: int) -> RowInfo:
+        """`_row_info` for the row's next token when `ahead` tokens are still in flight."""
+        info = self._row_info(r)
+        if info.banned_ids and len(r.output_ids) + ahead >= r.sampling.min_new_tokens:
+            info = info._replace(banned_ids=[])
+        return info
+
+    def _launch_follow_up(self, prev: _Launched) -> _Launched | None:
+        """Decode step t+1 from step t's in-flight tokens, or None when it needs t's results."""
+        if self.waiting:
+            return None  # admission (and prefill) decisions are made on landed state
+        rows: list[int] = []
+        live: set[int] = set()
+        for i, e in enumerate(prev.entries):
+            r = e.req
+            if r.status is not ReqStatus.RUNNING:
+                continue  # aborted while in flight
+            live.add(id(r))
+            n_out = len(r.output_ids) + 1
+            if n_out >= r.sampling.max_new_tokens or r.fill_len + 1 >= self.runner.context_len:
+                continue  # finishes at step t for certain
+            rows.append(i)
+        if not rows or any(id(r) not in live for r in self.running):
+            return None
+        for i in rows:
+            r = prev.entries[i].req
+            if not self.kv.can_grow(r, r.kv_len + 2):
+                return None  # would need preemption: decide on landed state
+            self.kv.grow(r, r.kv_len + 2)
+        entries = [Entry(prev.entries[i].req, 1, [], True) for i in rows]
+        ahead = [Entry(_Ahead(e.req), 1, [], True) for e in entries]  # type: ignore[arg-type]
+        batch = build_batch(ahead, ForwardMode.DECODE, self.page_size, self.runner.device)
+        if len(rows) == len(prev.entries):
+            batch.input_ids = prev.tokens
+        else:
+            idx = torch.tensor(rows, dtype=torch.int64).to(prev.tokens.device, non_blocking=True)
+            batch.input_ids = prev.tokens[idx]
+        self.overlapped_steps += 1
+        return self._launch(entries, batch, ahead=1)
+
+    # ---- landing ------------------------------------------------------------------------------
+    def _land(self, launched: _Launched) -> list[StepOutput]:
+        if launched.done is not None:
+            launched.done.synchronize()
+        tokens = launched.host.tolist()
+        landed: list[Req] = []
+        for e, t in zip(launched.entries, tokens, strict=True):
+            r = e.req
+            if r.status is not ReqStatus.RUNNING:
+                continue  # finished or aborted meanwhile: the extra row's token is dropped
+            r.kv_len += 1
+            r.output_ids.append(t)
+            landed.append(r)
+        outputs: list[StepOutput] = []
+        for r in landed:
+            reason = check_finish(r, self.eos_ids, self.runner.context_len, self.decode_fn)
+            if reason is not None:
+                self.running.remove(r)
+                self._finish(r, reason)
+            if reason is not None or self._has_new(r):
+                outputs.append(self._output(r))
+        return outputs
+
+
+def scheduler_class(device: torch.device | str, disable_overlap_schedule: bool) -> type[Scheduler]:
+    """The worker's scheduler: overlap on CUDA unless disabled; the plain loop everywhere else."""
+    if torch.device(device).type == "cuda" and not disable_overlap_schedule:
+        return OverlapScheduler
+    return Scheduler

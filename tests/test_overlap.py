@@ -1,0 +1,91 @@
+"""Overlap scheduling (decode t+1 launched before t lands) gives the same outputs, the same finish
+reasons and the same page accounting as the plain loop. Runs on CPU; on GPU with the test device."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from _tiny import VOCAB, greedy, make_scheduler, prompts, run_all
+
+from sglang_ext.sampling.params import SamplingParams
+from sglang_ext.scheduler.overlap import OverlapScheduler, scheduler_class
+from sglang_ext.scheduler.request import Req
+from sglang_ext.scheduler.scheduler import Scheduler
+
+LENGTHS = [5, 17, 33, 9, 40, 3]
+
+
+def _pair(device: str, **args: Any) -> tuple[Scheduler, OverlapScheduler]:
+    args.setdefault("max_total_tokens", 16384)  # two pools at once: never size them from free GPU memory
+    plain = make_scheduler(device, **args)
+    other = make_scheduler(device, **args)
+    ov = OverlapScheduler(other.args, other.runner, other.page_size, other.eos_ids, vocab_size=VOCAB)
+    return plain, ov
+
+
+def _reqs(params: list[SamplingParams]) -> list[Req]:
+    return [Req(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts(LENGTHS), params, strict=True))]
+
+
+@pytest.mark.parametrize("args", [{}, {"max_total_tokens": 72}, {"chunked_prefill_size": 8}])
+def test_greedy_outputs_equal_plain_loop(test_device: str, args: dict[str, Any]) -> None:
+    plain, ov = _pair(test_device, **args)
+    params = [greedy(12 + i) for i in range(len(LENGTHS))]
+    assert run_all(ov, _reqs(params)) == run_all(plain, _reqs(params))
+    assert ov.overlapped_steps > 0
+    assert ov.allocator.num_free + ov.kv.cache.size_info().cached_pages == ov.allocator.capacity
+
+
+def test_stops_min_new_tokens_and_seeded_sampling(test_device: str) -> None:
+    plain, ov = _pair(test_device)
+    ref = run_all(plain, _reqs([greedy(16)] * len(LENGTHS)))
+    stop = ref["r0"][4]  # stops r0 (and maybe others) mid-run: the overlapped extra row is dropped
+    params = [greedy(16, stop_token_ids=[stop]), greedy(16, stop_token_ids=[stop], min_new_tokens=6),
+              SamplingParams(max_new_tokens=10, temperature=1.0, top_k=20, seed=7),
+              SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.9, min_p=0.05, seed=8),
+              greedy(1), greedy(0)]
+    rs = _reqs(params)
+    got_plain = run_all(plain, rs)
+    rs2 = _reqs(params)
+    got_ov = run_all(ov, rs2)
+    assert got_ov == got_plain
+    assert [r.finish_reason for r in rs2] == [r.finish_reason for r in rs]
+    assert got_ov["r0"][-1] == stop and len(got_ov["r0"]) <= 5
+
+
+@pytest.mark.parametrize("after_steps", [1, 3, 6])
+def test_abort_while_in_flight_frees_pages(test_device: str, after_steps: int) -> None:
+    _, ov = _pair(test_device, disable_radix_cache=True)
+    reqs = _reqs([greedy(20)] * len(LENGTHS))
+    for r in reqs:
+        ov.add_request(r)
+    for _ in range(after_steps):
+        ov.step()
+    for r in reqs[::2]:
+        assert ov.abort(r.rid)
+    finished = {}
+    while ov.has_work():
+        for o in ov.step():
+            if o.finished:
+                finished[o.rid] = o.finish_reason
+        ov.kv.check(ov.running + ov.waiting)
+    assert {finished[r.rid]["type"] for r in reqs[::2]} == {"abort"}
+    assert {finished[r.rid]["type"] for r in reqs[1::2]} == {"length"}
+    assert all(len(r.output_ids) == 20 for r in reqs[1::2])
+    assert ov.allocator.num_free == ov.allocator.capacity
+
+
+def test_logprob_requests_run_without_overlap(test_device: str) -> None:
+    plain, ov = _pair(test_device)
+    mk = lambda: [Req("a", prompts([9])[0], greedy(5), return_logprob=True, top_logprobs_num=2)]  # noqa: E731
+    a, b = mk(), mk()
+    assert run_all(ov, b) == run_all(plain, a)
+    assert ov.overlapped_steps == 0
+    assert [t for _, t in b[0].output_token_logprobs] == [t for _, t in a[0].output_token_logprobs]
+
+
+def test_scheduler_class_choice() -> None:
+    assert scheduler_class("cpu", False) is Scheduler
+    assert scheduler_class("cuda", False) is OverlapScheduler
+    assert scheduler_class("cuda:0", True) is Scheduler
