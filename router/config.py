@@ -91,6 +91,7 @@ class LocalWorker:
 class Cluster:
     router: RouterConfig
     workers: tuple[LocalWorker, ...]
+    models: tuple[str, ...] = ()  # served names in file order, including models without local workers
 
 
 def model_name(model_path: str | None, served_model_name: str | None = None) -> str:
@@ -114,14 +115,14 @@ def build_cluster(spec: ClusterSpec) -> Cluster:
     if not spec.models:
         raise ConfigError("models: list at least one model")
     workers: list[LocalWorker] = []
-    names: set[str] = set()
+    names: list[str] = []
     slo: dict[str, SloSpec] = {}
     for i, m in enumerate(spec.models):
         where = f"models[{i}]"
         name = model_name(m.model_path, m.name or m.args.get("served_model_name"))
         if name in names:
             raise ConfigError(f"{where}: model name {name!r} is used twice; set distinct `name`s")
-        names.add(name)
+        names.append(name)
         if m.slo is not None:
             slo[name] = m.slo
         if m.replicas < 0:
@@ -142,7 +143,7 @@ def build_cluster(spec: ClusterSpec) -> Cluster:
     r = spec.router
     router = RouterConfig(r.host, r.port, r.worker_host, r.worker_port, r.api_key, r.heartbeat_timeout_s,
                           r.log_level, slo)
-    return Cluster(router, tuple(workers))
+    return Cluster(router, tuple(workers), tuple(names))
 
 
 def load_cluster(path: str | Path) -> Cluster:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,7 @@ class WorkerState:
     load: LoadReport | None = None
     inflight: dict[str, RequestState] = field(default_factory=dict)
     outstanding_tokens: int = 0  # prompt tokens not yet prefilled + output tokens not yet generated
+    num_served: int = 0  # requests placed here since the router started
 
     def touch(self) -> None:
         self.last_seen = time.monotonic()
@@ -54,19 +56,48 @@ class ModelEntry:
 
 class Balancer(ABC):
     @abstractmethod
-    def pick(self, candidates: list[WorkerState]) -> WorkerState:
-        """Choose one of `candidates` (non-empty, all up) for a new request."""
+    def pick(self, candidates: list[WorkerState], prefix_key: str | None = None) -> WorkerState:
+        """Choose one of `candidates` (non-empty, all up) for a new request; `prefix_key` names the
+        start of its prompt (requests with equal keys likely share a cached prefix)."""
 
 
 class LeastOutstandingTokens(Balancer):
-    """Fewest tokens still to compute; ties go to fewer requests, then the emptier KV cache."""
+    """Fewest tokens still to compute; ties go to fewer requests, then the emptier KV cache, then
+    the one that was given fewer requests so far (idle replicas take turns)."""
 
-    def pick(self, candidates: list[WorkerState]) -> WorkerState:
-        def key(w: WorkerState) -> tuple[int, int, int]:
+    def pick(self, candidates: list[WorkerState], prefix_key: str | None = None) -> WorkerState:
+        def key(w: WorkerState) -> tuple[int, int, int, int]:
             kv = w.load.kv_used_tokens - w.load.kv_cached_tokens if w.load else 0
-            return (w.outstanding_tokens, len(w.inflight), kv)
+            return (w.outstanding_tokens, len(w.inflight), kv, w.num_served)
 
         return min(candidates, key=key)
+
+
+class PrefixAware(Balancer):
+    """Least outstanding tokens, except that a prompt whose start was routed recently goes back to
+    the same worker (its prefix cache likely holds it) while that worker is within `slack_tokens`
+    of the least loaded one. Frontend programs (fork, select, multi-turn) send such prompts."""
+
+    def __init__(self, slack_tokens: int = 1024, capacity: int = 4096) -> None:
+        self.base = LeastOutstandingTokens()
+        self.slack = slack_tokens
+        self.capacity = capacity
+        self.recent: OrderedDict[str, str] = OrderedDict()  # prefix key -> worker id, LRU order
+
+    def pick(self, candidates: list[WorkerState], prefix_key: str | None = None) -> WorkerState:
+        best = self.base.pick(candidates)
+        if prefix_key is None:
+            return best
+        chosen = best
+        wid = self.recent.get(prefix_key)
+        for w in candidates:
+            if w.worker_id == wid and w.outstanding_tokens <= best.outstanding_tokens + self.slack:
+                chosen = w
+        self.recent[prefix_key] = chosen.worker_id
+        self.recent.move_to_end(prefix_key)
+        if len(self.recent) > self.capacity:
+            self.recent.popitem(last=False)
+        return chosen
 
 
 class Registry:
@@ -83,6 +114,10 @@ class Registry:
             self.workers[worker_id] = w
         self._entry(model).workers[worker_id] = w
         return w
+
+    def declare(self, model: str) -> ModelEntry:
+        """Make a model known before any worker of it registers (503 until one does, not 404)."""
+        return self._entry(model)
 
     def _entry(self, model: str) -> ModelEntry:
         if model not in self.models:

@@ -49,6 +49,10 @@ class ShutdownReq(msgspec.Struct, tag="shutdown", kw_only=True):
     pass
 
 
+class HelloReq(msgspec.Struct, tag="hello_req", kw_only=True):
+    """The router asks a worker it does not know (the router restarted under it) to say hello again."""
+
+
 class TokenOut(msgspec.Struct, kw_only=True):
     """New output of one request since its previous TokenOut (deltas), plus running totals."""
 
@@ -112,5 +116,5 @@ class LoadReport(msgspec.Struct, tag="load", kw_only=True):
     timestamp: float
 
 
-ToWorker = GenerateReq | AbortReq | FlushCacheReq | TokenizeReq | ShutdownReq
+ToWorker = GenerateReq | AbortReq | FlushCacheReq | TokenizeReq | ShutdownReq | HelloReq
 FromWorker = BatchOut | ErrorOut | ReplyOut | WorkerHello | LoadReport

@@ -18,7 +18,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from sglang_ext.messages import FromWorker, ToWorker, WorkerHello, decode_to_worker, encode
+from sglang_ext.messages import FromWorker, HelloReq, ToWorker, WorkerHello, decode_to_worker, encode
 from sglang_ext.server_args import ServerArgs
 from sglang_ext.worker.worker import Worker
 
@@ -51,6 +51,9 @@ class WorkerServer:
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 # Strict decoding: a malformed control message is dropped and logged, never guessed.
                 logger.warning("dropping malformed control message: %s", e)
+                continue
+            if isinstance(msg, HelloReq):  # answered here: it must not wait behind a forward
+                await self.send([WorkerHello(info=self.worker.info())])
                 continue
             self.inbox.append(msg)
             self.wake.set()

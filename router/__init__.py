@@ -1,0 +1,14 @@
+"""The router: HTTP in (SGLang-native and OpenAI APIs), ZeroMQ to workers, events for planners.
+
+Layout: `core` (socket, request tracking, health), `registry` (models, workers, balancing),
+`events` (the bus planners subscribe to), `metrics` (Prometheus), `api/` (HTTP), `server`
+(uvicorn + signals), `procs` (local worker processes), `config` (settings and cluster YAML).
+"""
+
+from __future__ import annotations
+
+from router.config import Cluster, RouterConfig, load_cluster
+from router.core import Router
+from router.events import EventBus
+
+__all__ = ["Cluster", "EventBus", "Router", "RouterConfig", "load_cluster"]

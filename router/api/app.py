@@ -1,0 +1,82 @@
+"""The FastAPI application: routes, API-key check, and one error format per API family."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from router.api import native, openai_api
+from router.api.common import ApiError, ClientGone, error_body
+from router.core import Router
+
+logger = logging.getLogger(__name__)
+OPEN_PATHS = frozenset({"/health"})
+
+
+class ApiKeyMiddleware:
+    """Requires `Authorization: Bearer <key>` on every path but /health (pure ASGI: streams untouched)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        auth = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            await self.app(scope, receive, send)
+            return
+        body = error_body(scope["path"], 401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                          code="invalid_api_key")
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def build_app(router: Router) -> FastAPI:
+    app = FastAPI(title="sglang_ext router", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.router = router
+    app.include_router(native.build(router))
+    app.include_router(openai_api.build(router))
+
+    def err(request: Request, status: int, message: str, param: str | None = None,
+            code: str | None = None) -> Response:
+        return Response(error_body(request.url.path, status, message, param, code), status_code=status,
+                        media_type="application/json")
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError) -> Response:
+        return err(request, e.status, e.message, e.param, e.code)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, e: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it; the request was aborted in the worker
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> Response:
+        known = {404: f"no such endpoint: {request.method} {request.url.path}",
+                 405: f"method {request.method} is not allowed on {request.url.path}"}
+        message = known.get(e.status_code, str(e.detail))
+        return err(request, e.status_code, message)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError) -> Response:
+        return err(request, 400, f"invalid request: {e.errors()}")
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> Response:
+        logger.exception("internal error on %s", request.url.path)
+        return err(request, 500, f"internal error: {type(e).__name__}: {e}")
+
+    if router.config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=router.config.api_key)
+    return app

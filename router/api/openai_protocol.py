@@ -1,0 +1,154 @@
+"""OpenAI request bodies (typed, strict on types) and their translation to SGLang sampling params.
+
+Unknown keys are ignored, as OpenAI-compatible servers do (clients add new fields freely); the
+known ones must have the right types. SGLang's extensions (top_k, min_p, ignore_eos, ...) are
+accepted, as SGLang's OpenAI server accepts them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from router.api.common import ApiError
+from router.api.sampling import check_max_tokens, make_sampling_params
+from router.registry import ModelEntry
+from sglang_ext.sampling.params import SamplingParams
+
+_MAX_LOGPROBS_COMPLETIONS = 5
+_MAX_TOP_LOGPROBS_CHAT = 20
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Common(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # SGLang extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    stop_token_ids: list[int] | None = None
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+
+
+class CompletionRequest(_Common, kw_only=True):
+    prompt: str | list[Any]  # str, list[str], list[int] or list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatRequest(_Common, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+
+
+def sampling_params(body: _Common, model: ModelEntry, max_tokens: int | None, default_max: int) -> SamplingParams:
+    if body.logit_bias:
+        raise ApiError(400, "logit_bias is not supported by this server", param="logit_bias")
+    if not 1 <= body.n <= 64:
+        raise ApiError(400, f"n must be in [1, 64], got {body.n}", param="n")
+    n_tokens = default_max if max_tokens is None else max_tokens
+    check_max_tokens(n_tokens, model, "max_tokens")
+    raw: dict[str, Any] = {
+        "max_new_tokens": n_tokens, "temperature": body.temperature, "top_p": body.top_p, "n": body.n,
+        "stop": body.stop, "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty, "seed": body.seed, "top_k": body.top_k, "min_p": body.min_p,
+        "repetition_penalty": body.repetition_penalty, "min_new_tokens": body.min_tokens,
+        "ignore_eos": body.ignore_eos, "skip_special_tokens": body.skip_special_tokens,
+        "no_stop_trim": body.no_stop_trim, "stop_token_ids": body.stop_token_ids,
+        "regex": body.regex, "json_schema": body.json_schema, "ebnf": body.ebnf,
+    }
+    return make_sampling_params(raw, model, "")
+
+
+def completion_prompts(prompt: str | list[Any]) -> list[dict[str, Any]]:
+    """The prompts of a completion request as worker-request fields (`text` or `input_ids`)."""
+    if isinstance(prompt, str):
+        return [{"text": prompt}]
+    if not prompt:
+        raise ApiError(400, "prompt must not be empty", param="prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return [{"text": p} for p in prompt]
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        return [{"input_ids": list(prompt)}]
+    if all(isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt):
+        return [{"input_ids": list(p)} for p in prompt]
+    raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids, or a list of such lists",
+                   param="prompt")
+
+
+def check_completion(body: CompletionRequest) -> None:
+    if body.logprobs is not None and not 0 <= body.logprobs <= _MAX_LOGPROBS_COMPLETIONS:
+        raise ApiError(400, f"logprobs must be in [0, {_MAX_LOGPROBS_COMPLETIONS}], got {body.logprobs}",
+                       param="logprobs")
+    if body.best_of is not None and body.best_of != body.n:
+        raise ApiError(400, "best_of other than n is not supported", param="best_of")
+    if body.suffix:
+        raise ApiError(400, "suffix is not supported", param="suffix")
+
+
+def chat_messages(body: ChatRequest) -> list[dict[str, Any]]:
+    """Messages for the chat template: content parts joined into text; images are refused."""
+    if not body.messages:
+        raise ApiError(400, "messages must not be empty", param="messages")
+    if body.tools:
+        raise ApiError(400, "tools (function calling) are not supported by this server", param="tools")
+    fmt = (body.response_format or {}).get("type", "text")
+    if fmt != "text":
+        raise ApiError(400, f"response_format {fmt!r} is not supported", param="response_format")
+    if body.top_logprobs is not None:
+        if not 0 <= body.top_logprobs <= _MAX_TOP_LOGPROBS_CHAT:
+            raise ApiError(400, f"top_logprobs must be in [0, {_MAX_TOP_LOGPROBS_CHAT}]", param="top_logprobs")
+        if not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    out = []
+    for i, m in enumerate(body.messages):
+        content = m.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(400, f"messages[{i}].content: only text parts are supported",
+                                   param="messages")
+                parts.append(part["text"])
+            content = "".join(parts)
+        d: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out

@@ -1,0 +1,371 @@
+"""The router's control plane: one ZeroMQ ROUTER socket that workers connect to, in the asyncio loop.
+
+    HTTP handlers ── submit() ──> outbox ──> sender task ──> ROUTER ──> worker DEALERs
+                 <── Submission.sink <── receive task <───────┘
+    monitor task: a worker silent for `heartbeat_timeout_s` is marked down and its requests fail (503)
+
+Every message is a msgspec Struct, decoded strictly; a malformed one is dropped and logged.
+Nothing here runs per iteration: work happens when a message, a request or a timeout arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import Collection
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from router.config import RouterConfig
+from router.events import (
+    EventBus,
+    FirstToken,
+    LoadReported,
+    RequestArrived,
+    RequestFinished,
+    SloMissed,
+    WorkerDown,
+    WorkerUp,
+)
+from router.metrics import RouterMetrics
+from router.registry import Balancer, ModelEntry, PrefixAware, Registry, WorkerState
+from router.tracker import Failure, Item, RequestState, Submission
+from sglang_ext.messages import (
+    AbortReq,
+    BatchOut,
+    ErrorOut,
+    FlushCacheReq,
+    GenerateReq,
+    HelloReq,
+    LoadReport,
+    ReplyOut,
+    ShutdownReq,
+    TokenOut,
+    WorkerHello,
+    decode_from_worker,
+    encode,
+)
+
+logger = logging.getLogger(__name__)
+_MONITOR_PERIOD_S = 0.25
+_HELLO_REQ_PERIOD_S = 2.0
+_PREFIX_CHARS = 128
+
+
+def prefix_key(req: GenerateReq) -> str | None:
+    """The first few dozen tokens' worth of a prompt, as a key for prefix-aware placement."""
+    if req.text is not None:
+        return "t:" + req.text[:_PREFIX_CHARS]
+    if req.input_ids is not None:
+        return "i:" + ",".join(map(str, req.input_ids[: _PREFIX_CHARS // 4]))
+    if req.messages:
+        return "m:" + repr(req.messages)[:_PREFIX_CHARS]
+    return None
+
+
+class NoWorker(RuntimeError):
+    """No worker of the model is up (HTTP 503)."""
+
+
+class Router:
+    def __init__(self, config: RouterConfig, balancer: Balancer | None = None) -> None:
+        self.config = config
+        self.registry = Registry()
+        self.balancer = balancer or PrefixAware()
+        self.bus = EventBus()
+        self.metrics = RouterMetrics()
+        self.requests: dict[str, RequestState] = {}
+        self._replies: dict[str, asyncio.Future[ReplyOut]] = {}
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+        self._outbox: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._hello_asked: dict[str, float] = {}  # unknown identity -> when we last asked it to say hello
+        self.ctx: zmq.asyncio.Context | None = None
+        self.sock: zmq.asyncio.Socket | None = None
+        self.worker_addr = ""
+        self.started = time.time()
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.ctx = zmq.asyncio.Context()
+        sock = self.sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone worker errors instead of vanishing
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker may reuse its id at once
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        host, port = self.config.worker_host, self.config.worker_port
+        if port:
+            sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = sock.bind_to_random_port(f"tcp://{host}")
+        self.worker_addr = f"tcp://{host}:{port}"
+        self._tasks = [asyncio.create_task(t) for t in (self._recv_loop(), self._send_loop(), self._monitor())]
+
+    def fail_all(self, message: str, status: int = 503) -> None:
+        for st in list(self.requests.values()):
+            self._fail(st, status, message)
+
+    async def stop(self, shutdown: Collection[str] = ()) -> None:
+        """Fail what is running and close; workers in `shutdown` (the launcher's own) are told to
+        exit. Workers that joined by themselves stay up, to rejoin the next router on this address."""
+        self.fail_all("the server is shutting down")
+        for wid in shutdown:
+            w = self.registry.workers.get(wid)
+            if w is not None and w.up:
+                self.send(wid, ShutdownReq())
+        # Let the sender drain (shutdown and abort messages) before closing the socket.
+        for _ in range(20):
+            if self._outbox.empty():
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the last message taken may still be on its way out
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks = []
+        if self.sock is not None:
+            self.sock.close(0)
+        if self.ctx is not None:
+            self.ctx.term()
+        self.sock = self.ctx = None
+
+    # ---- sending ------------------------------------------------------------------------------
+    def send(self, worker_id: str, msg: msgspec.Struct) -> None:
+        """Queue a message; never blocks, so it is safe in `finally` blocks of cancelled handlers."""
+        self._outbox.put_nowait((worker_id, encode(msg)))
+
+    async def _send_loop(self) -> None:
+        assert self.sock is not None
+        while True:
+            worker_id, buf = await self._outbox.get()
+            try:
+                await self.sock.send_multipart([worker_id.encode(), buf])
+            except zmq.ZMQError as e:
+                # EHOSTUNREACH: the worker's connection is gone; its heartbeat timeout will follow.
+                logger.warning("cannot send to worker %s: %s", worker_id, e)
+                w = self.registry.workers.get(worker_id)
+                if w is not None:
+                    for st in list(w.inflight.values()):
+                        self._fail(st, 503, f"worker {worker_id} of model {w.model} is not connected")
+
+    # ---- requests -----------------------------------------------------------------------------
+    def new_rid(self) -> str:
+        return f"r-{self._prefix}-{next(self._ids)}"
+
+    def pick(self, model: ModelEntry, prefix_key: str | None = None) -> WorkerState:
+        candidates = model.up_workers
+        if not candidates:
+            raise NoWorker(f"no worker of model {model.name!r} is up; try again later")
+        return self.balancer.pick(candidates, prefix_key)
+
+    def submit(self, model: ModelEntry, reqs: list[GenerateReq], est_prompt_tokens: list[int]) -> Submission:
+        """Send the sub-requests of one HTTP request to one worker (they often share a prefix)."""
+        worker = self.pick(model, prefix_key(reqs[0]) if reqs else None)
+        sink: asyncio.Queue[Item] = asyncio.Queue()
+        now = time.monotonic()
+        states = []
+        for i, (req, est) in enumerate(zip(reqs, est_prompt_tokens, strict=True)):
+            st = RequestState(req.rid, i, model.name, worker, sink, req.sampling_params.max_new_tokens, est, now)
+            st.recharge()
+            self.requests[req.rid] = st
+            worker.inflight[req.rid] = st
+            worker.num_served += 1
+            self.send(worker.worker_id, req)
+            self.bus.publish(RequestArrived(req.rid, model.name, worker.worker_id, est,
+                                            req.sampling_params.max_new_tokens))
+            states.append(st)
+        return Submission(states, sink, self._abort)
+
+    def _abort(self, st: RequestState) -> None:
+        if st.done:
+            return
+        self.send(st.worker.worker_id, AbortReq(rid=st.rid))
+        self._close(st, ok=False, status="abort", finish_reason={"type": "abort", "message": "client aborted"})
+
+    def _close(self, st: RequestState, ok: bool, status: str, finish_reason: dict[str, Any] | None) -> None:
+        st.done = True
+        st.recharge()
+        self.requests.pop(st.rid, None)
+        st.worker.inflight.pop(st.rid, None)
+        now = time.monotonic()
+        e2e = now - st.arrival
+        self.metrics.requests.labels(st.model, status).inc()
+        if ok:
+            self.metrics.e2e.labels(st.model).observe(e2e)
+            if st.first_token is not None and st.completion_tokens > 1:
+                self.metrics.tpot.labels(st.model).observe((now - st.first_token) / (st.completion_tokens - 1))
+            self.metrics.prompt_tokens.labels(st.model).inc(st.prompt_tokens or 0)
+        self.bus.publish(RequestFinished(st.rid, st.model, st.worker.worker_id, ok, st.prompt_tokens or 0,
+                                         st.completion_tokens, e2e, finish_reason))
+
+    def _fail(self, st: RequestState, status: int, message: str) -> None:
+        if st.done:
+            return
+        self._close(st, ok=False, status=str(status), finish_reason={"type": "abort", "message": message})
+        st.sink.put_nowait((st.index, Failure(status, message)))
+
+    async def request_reply(self, worker: WorkerState, make: Any, timeout: float = 10.0) -> ReplyOut | None:
+        """Send `make(rid)` (flush cache, tokenize) and wait for the worker's ReplyOut."""
+        rid = self.new_rid()
+        fut: asyncio.Future[ReplyOut] = asyncio.get_running_loop().create_future()
+        self._replies[rid] = fut
+        self.send(worker.worker_id, make(rid))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            self._replies.pop(rid, None)
+
+    async def flush_cache(self) -> tuple[bool, str]:
+        workers = [w for w in self.registry.workers.values() if w.up]
+        replies = await asyncio.gather(*(self.request_reply(w, lambda rid: FlushCacheReq(rid=rid)) for w in workers))
+        bad = [w.worker_id for w, r in zip(workers, replies, strict=True) if r is None or not r.ok]
+        if bad:
+            return False, f"cache not flushed on {', '.join(bad)}: requests are still running there"
+        return True, f"Cache flushed on {len(workers)} worker(s)."
+
+    # ---- receiving ----------------------------------------------------------------------------
+    async def _recv_loop(self) -> None:
+        assert self.sock is not None
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            ident = bytes(frames[0].buffer).decode(errors="replace")
+            try:
+                msg = decode_from_worker(frames[1].buffer)
+            except (msgspec.DecodeError, msgspec.ValidationError, IndexError) as e:
+                logger.warning("dropping a malformed message from %s: %s", ident, e)
+                continue
+            try:
+                self._handle(ident, msg)
+            except Exception:  # one bad message must not stop the router
+                logger.exception("error handling %s from %s", type(msg).__name__, ident)
+
+    def _handle(self, ident: str, msg: Any) -> None:
+        if isinstance(msg, BatchOut):
+            self._touch(ident)
+            for out in msg.outs:
+                self._on_token(out)
+        elif isinstance(msg, LoadReport):
+            self._on_load(ident, msg)
+        elif isinstance(msg, ErrorOut):
+            self._touch(ident)
+            st = self.requests.get(msg.rid)
+            if st is not None:
+                self._fail(st, msg.status, msg.message)
+        elif isinstance(msg, ReplyOut):
+            self._touch(ident)
+            fut = self._replies.get(msg.rid)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        elif isinstance(msg, WorkerHello):
+            self._on_hello(ident, msg)
+
+    def _touch(self, ident: str) -> None:
+        w = self.registry.workers.get(ident)
+        if w is not None:
+            w.touch()
+
+    def _on_hello(self, ident: str, msg: WorkerHello) -> None:
+        if msg.info.worker_id != ident:
+            logger.warning("worker identity %r says it is %r; using the identity", ident, msg.info.worker_id)
+            msg = WorkerHello(info=msgspec.structs.replace(msg.info, worker_id=ident))
+        old = self.registry.workers.get(ident)
+        if old is not None and old.inflight:
+            # A restart faster than the heartbeat timeout: the new process knows none of these.
+            for st in list(old.inflight.values()):
+                self._fail(st, 503, f"worker {ident} restarted; the request was lost")
+        self._hello_asked.pop(ident, None)
+        w, known = self.registry.register(msg.info)
+        self.metrics.up.labels(w.model, ident).set(1)
+        logger.info("worker %s (%s, model %s, pid %d) %s", ident, w.info.device if w.info else "?", w.model,
+                    msg.info.pid, "re-registered" if known else "registered")
+        self.bus.publish(WorkerUp(w.model, ident, w.role, known))
+
+    def _on_load(self, ident: str, r: LoadReport) -> None:
+        w = self.registry.workers.get(ident)
+        if w is None or w.info is None:
+            # Alive but unknown: this router (re)started after the worker's hello. Ask for another.
+            now = time.monotonic()
+            if now - self._hello_asked.get(ident, -_HELLO_REQ_PERIOD_S) >= _HELLO_REQ_PERIOD_S:
+                self._hello_asked[ident] = now
+                self.send(ident, HelloReq())
+            return
+        w.touch()
+        w.load = r
+        if not w.up:
+            w.up = True  # it was only slow: take it back
+            self.metrics.up.labels(w.model, ident).set(1)
+            logger.info("worker %s is responding again", ident)
+            self.bus.publish(WorkerUp(w.model, ident, w.role, True))
+        self.metrics.on_load(w.model, r, len(w.inflight))
+        self.bus.publish(LoadReported(w.model, ident, r))
+
+    def _on_token(self, out: TokenOut) -> None:
+        st = self.requests.get(out.rid)
+        if st is None:
+            return  # aborted or failed already
+        now = time.monotonic()
+        meta = out.meta_info
+        if st.prompt_tokens is None and "prompt_tokens" in meta:
+            st.prompt_tokens = int(meta["prompt_tokens"])
+        slo = self.config.slo.get(st.model)
+        if out.token_ids:
+            if st.first_token is None:
+                st.first_token = now
+                ttft = now - st.arrival
+                self.metrics.ttft.labels(st.model).observe(ttft)
+                self.bus.publish(FirstToken(st.rid, st.model, st.worker.worker_id, ttft, st.prompt_tokens or 0))
+                if slo is not None and slo.ttft_ms is not None and ttft * 1e3 > slo.ttft_ms:
+                    self._slo_miss(st, "ttft", ttft, slo.ttft_ms / 1e3)
+            elif st.last_token is not None:
+                gap = now - st.last_token
+                self.metrics.itl.labels(st.model).observe(gap)
+                if (slo is not None and slo.tpot_ms is not None and not st.tbt_missed
+                        and gap * 1e3 > slo.tpot_ms):
+                    st.tbt_missed = True
+                    self._slo_miss(st, "tbt", gap, slo.tpot_ms / 1e3)
+            st.last_token = now
+            st.completion_tokens += len(out.token_ids)
+            self.metrics.gen_tokens.labels(st.model).inc(len(out.token_ids))
+        st.sink.put_nowait((st.index, out))
+        if out.finished:
+            reason = meta.get("finish_reason")
+            self._close(st, ok=True, status="ok", finish_reason=reason if isinstance(reason, dict) else None)
+        else:
+            st.recharge()
+
+    def _slo_miss(self, st: RequestState, kind: str, value: float, slo: float) -> None:
+        self.metrics.slo_miss.labels(st.model, kind).inc()
+        self.bus.publish(SloMissed(st.rid, st.model, st.worker.worker_id, kind, value, slo))
+
+    # ---- health -------------------------------------------------------------------------------
+    async def _monitor(self) -> None:
+        timeout = self.config.heartbeat_timeout_s
+        while True:
+            await asyncio.sleep(_MONITOR_PERIOD_S)
+            now = time.monotonic()
+            for w in list(self.registry.workers.values()):
+                if w.up and now - w.last_seen > timeout:
+                    self.mark_down(w, f"no heartbeat for {now - w.last_seen:.1f} s")
+
+    def mark_down(self, w: WorkerState, reason: str) -> None:
+        w.up = False
+        logger.warning("worker %s of model %s is down: %s", w.worker_id, w.model, reason)
+        for st in list(w.inflight.values()):
+            self._fail(st, 503, f"worker {w.worker_id} of model {w.model} went down ({reason}); "
+                                "the request was not completed")
+            self.send(w.worker_id, AbortReq(rid=st.rid))  # in case it is alive but slow
+        self.metrics.up.labels(w.model, w.worker_id).set(0)
+        self.bus.publish(WorkerDown(w.model, w.worker_id, reason))

@@ -1,0 +1,131 @@
+"""Run the router and its HTTP server in one asyncio (uvloop) loop until SIGINT / SIGTERM.
+
+uvicorn's own signal capture re-raises the signal after shutdown, which would kill the process
+before the workers are stopped; ours only asks the server to exit, and cleanup runs after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Awaitable, Callable, Generator
+
+import uvicorn
+
+from router.api.app import build_app
+from router.config import Cluster
+from router.core import Router
+from router.procs import LocalWorkers
+
+logger = logging.getLogger(__name__)
+_STARTUP_TIMEOUT_S = 900.0
+
+
+class _Server(uvicorn.Server):
+    on_exit: Callable[[], None] | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        loop = asyncio.get_running_loop()
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        for sig in sigs:
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            yield
+        finally:
+            for sig in sigs:
+                loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: int) -> None:
+        if self.should_exit:
+            self.force_exit = True  # a second Ctrl-C: stop waiting for open streams
+        self.should_exit = True
+        if self.on_exit is not None:
+            self.on_exit()
+
+
+def bind_http(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
+
+
+def say(msg: str) -> None:
+    print(f"[sglang_ext] {msg}", flush=True)
+
+
+async def serve_cluster(cluster: Cluster, on_ready: Callable[[Router], Awaitable[None]] | None = None) -> int:
+    """Serve until a signal; returns the process exit code."""
+    cfg = cluster.router
+    try:
+        http_sock = bind_http(cfg.host, cfg.port)
+    except OSError as e:
+        say(f"cannot listen on {cfg.host}:{cfg.port}: {e}")
+        return 1
+    router = Router(cfg)
+    await router.start()
+    for name in cluster.models:
+        router.registry.declare(name)
+    workers = LocalWorkers(router, cluster.workers)
+    workers.start()
+    host, port = http_sock.getsockname()[:2]
+    server = _Server(uvicorn.Config(build_app(router), log_level="warning", access_log=False,
+                                    timeout_graceful_shutdown=5, timeout_keep_alive=30))
+    # End running requests (503) at once, so open streams close instead of holding up the exit.
+    server.on_exit = lambda: router.fail_all("the server is shutting down")
+    names = list(cluster.models) or sorted({w.model for w in cluster.workers})
+    say(f"listening on http://{host}:{port} (models: {', '.join(names) or 'none yet'}; "
+        f"workers join at {router.worker_addr})")
+    serve_task = asyncio.create_task(server.serve(sockets=[http_sock]))
+    code = 0
+    try:
+        if cluster.workers:
+            ready = asyncio.create_task(workers.wait_ready(_STARTUP_TIMEOUT_S))
+            await asyncio.wait({ready, serve_task}, return_when=asyncio.FIRST_COMPLETED)
+            if ready.done():
+                failed = ready.result()
+                if failed and len(failed) == len(cluster.workers):
+                    say(f"no worker started ({', '.join(failed)} failed); stopping")
+                    server.should_exit = True
+                    code = 1
+                elif failed:
+                    say(f"workers that failed to start: {', '.join(failed)}")
+                if not code:
+                    up = sum(1 for w in router.registry.workers.values() if w.up)
+                    say(f"ready: {up} worker(s) up; try: curl http://{host}:{port}/generate "
+                        "-d '{\"text\": \"Hello\", \"sampling_params\": {\"max_new_tokens\": 8}}'")
+            else:
+                ready.cancel()
+        if on_ready is not None and not code:
+            await on_ready(router)
+        await serve_task
+    finally:
+        say("shutting down")
+        if not serve_task.done():
+            server.should_exit = True
+            with contextlib.suppress(Exception):
+                await serve_task
+        await router.stop(shutdown=[w.worker_id for w in cluster.workers])
+        await workers.stop()
+        http_sock.close()
+        say("stopped")
+    return code
+
+
+def run(cluster: Cluster) -> int:
+    logging.basicConfig(level=cluster.router.log_level.upper(),
+                        format="[router] %(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        import uvloop
+
+        return uvloop.run(serve_cluster(cluster))
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return asyncio.run(serve_cluster(cluster))

@@ -1,0 +1,84 @@
+"""Per-request state in the router, and a `Submission`: the sub-requests of one HTTP request.
+
+Every sub-request (a prompt of a batch, a sample of n) is one worker request with its own rid; they
+share one queue, tagged with their index, so an HTTP handler waits on a single queue whatever the
+shape of the request. A failure (worker down, bad input) arrives on the same queue as tokens do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from router.registry import WorkerState
+from sglang_ext.messages import TokenOut
+
+
+@dataclass(frozen=True)
+class Failure:
+    status: int
+    message: str
+
+
+Item = tuple[int, TokenOut | Failure]
+
+
+@dataclass(eq=False)
+class RequestState:
+    rid: str
+    index: int
+    model: str
+    worker: WorkerState
+    sink: asyncio.Queue[Item]
+    max_new_tokens: int
+    est_prompt_tokens: int
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int = 0
+    charged: int = 0  # this request's share of worker.outstanding_tokens
+    tbt_missed: bool = False
+    done: bool = False
+
+    def remaining_tokens(self) -> int:
+        prefill = 0 if self.first_token is not None else (self.prompt_tokens or self.est_prompt_tokens)
+        return prefill + max(0, self.max_new_tokens - self.completion_tokens)
+
+    def recharge(self) -> None:
+        """Bring the worker's outstanding-token count in line with this request's progress."""
+        new = 0 if self.done else self.remaining_tokens()
+        self.worker.outstanding_tokens += new - self.charged
+        self.charged = new
+
+
+class Submission:
+    """The router-side handle of one HTTP request: its sub-requests and their shared event queue."""
+
+    def __init__(self, states: list[RequestState], sink: asyncio.Queue[Item],
+                 abort: Callable[[RequestState], None]) -> None:
+        self.states = states
+        self.sink = sink
+        self._abort = abort
+        self.created = time.monotonic()
+
+    @property
+    def finished(self) -> bool:
+        return all(s.done for s in self.states)
+
+    async def next(self, timeout: float | None = None) -> Item | None:
+        """The next event, or None after `timeout` seconds without one."""
+        if timeout is None:
+            return await self.sink.get()
+        try:
+            return await asyncio.wait_for(self.sink.get(), timeout)
+        except asyncio.TimeoutError:
+            return None
+
+    def abort(self) -> None:
+        """Abort every sub-request still running (client gone, or a sibling failed)."""
+        for s in self.states:
+            if not s.done:
+                self._abort(s)

@@ -1,0 +1,80 @@
+"""SGLang frontend programs, written as a user would write them against any SGLang server.
+
+Run: `python tests/frontend/run_program.py tests/frontend/programs.py http://127.0.0.1:PORT`.
+Prints one JSON object with what each program produced; the test checks it.
+"""
+
+import json
+import sys
+
+import sglang as sgl
+
+
+@sgl.function
+def qa(s, question):
+    s += "Q: " + question + "\n"
+    s += "A:" + sgl.gen("answer", max_tokens=12, stop="\n", temperature=0)
+
+
+@sgl.function
+def capped(s, prompt):
+    s += prompt
+    s += sgl.gen("out", max_tokens=6, temperature=0)
+
+
+@sgl.function
+def pick_color(s):
+    s += "My favourite colour is"
+    s += sgl.select("color", choices=[" red", " blue", " green"])
+
+
+@sgl.function
+def branches(s):
+    s += "List two things.\n"
+    forks = s.fork(2)
+    for i, f in enumerate(forks):
+        f += f"Thing {i + 1}:" + sgl.gen("thing", max_tokens=5, temperature=0)
+    s += "First:" + forks[0]["thing"] + "\nSecond:" + forks[1]["thing"]
+
+
+@sgl.function
+def chat(s, question):
+    s += sgl.system("You are terse.")
+    s += sgl.user(question)
+    s += sgl.assistant(sgl.gen("reply", max_tokens=6, temperature=0))
+
+
+def main(url):
+    backend = sgl.RuntimeEndpoint(url)
+    sgl.set_default_backend(backend)
+    out = {"model_name": backend.get_model_name()}
+
+    state = qa.run(question="What is one plus one?")
+    out["qa"] = {"answer": state["answer"], "text": state.text(), "meta": state.get_meta_info("answer")}
+
+    state = capped.run(prompt="Once upon a time")
+    out["capped"] = state["out"]
+
+    stream = qa.run(question="Say something.", stream=True)
+    out["stream_pieces"] = list(stream.text_iter("answer"))
+    out["stream_final"] = stream["answer"]
+
+    states = qa.run_batch([{"question": "Who?"}, {"question": "Where?"}, {"question": "What is one plus one?"}])
+    out["batch"] = [s["answer"] for s in states]
+
+    state = pick_color.run()
+    out["select"] = state["color"]
+
+    state = branches.run()
+    out["fork"] = {"text": state.text()}
+
+    state = chat.run(question="Hi there")
+    out["chat"] = state["reply"]
+
+    out["server_info_ok"] = "version" in backend.get_server_info()
+    backend.flush_cache()
+    print("RESULT " + json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

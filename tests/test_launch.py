@@ -1,0 +1,191 @@
+"""`python -m sglang_ext.launch`: defaults, clean stops without orphans, and config errors."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from _router_util import ROOT, SMALL, Proc, Server, free_port, sse_events
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def wait_dead(pids: list[int], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while any(pid_alive(p) for p in pids):
+        assert time.monotonic() < deadline, f"still alive: {[p for p in pids if pid_alive(p)]}"
+        time.sleep(0.1)
+
+
+def worker_pids(srv: Server) -> list[int]:
+    return [w["info"]["pid"] for m in srv.info()["models"].values() for w in m["workers"] if w.get("info")]
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_no_arguments_serves_default_on_30000_and_ctrl_c_stops(tmp_path: Path) -> None:
+    if not port_free(30000):
+        pytest.skip("127.0.0.1:30000 is in use on this machine")
+    srv = Server([], tmp_path / "default.log", 30000)
+    try:
+        srv.wait_workers(1)
+        assert "listening on http://127.0.0.1:30000" in srv.log()
+        r = httpx.post(srv.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 200 and len(r.json()["output_ids"]) <= 2
+        pids = worker_pids(srv)
+        srv.signal(signal.SIGINT)  # Ctrl-C
+        assert srv.p.wait(30) == 0, srv.log()
+        wait_dead(pids, 10)
+        assert "stopped" in srv.log()
+    finally:
+        srv.stop()
+
+
+def test_sigterm_stops_replicas_without_orphans(tmp_path: Path) -> None:
+    port = free_port()
+    srv = Server([*SMALL, "--port", str(port), "--dp-size", "2"], tmp_path / "dp.log", port)
+    try:
+        srv.wait_workers(2)
+        assert sorted(srv.up_workers()["default"]) == ["default-0", "default-1"]
+        pids = worker_pids(srv)
+        # An open stream ends with a 503 event instead of holding up the stop.
+        body = {"text": "endless", "stream": True, "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+        with httpx.Client(base_url=srv.url, timeout=60) as c, c.stream("POST", "/generate", json=body) as r:
+            events = sse_events(r.iter_lines())
+            next(events)
+            t0 = time.monotonic()
+            srv.signal(signal.SIGTERM)
+            last = list(events)[-1]
+        assert last["error"]["code"] == 503 and "shutting down" in last["error"]["message"]
+        assert srv.p.wait(30) == 0, srv.log()
+        assert time.monotonic() - t0 < 15
+        wait_dead(pids, 10)
+    finally:
+        srv.stop()
+
+
+def test_workers_exit_when_the_launcher_is_killed(tmp_path: Path) -> None:
+    port = free_port()
+    srv = Server([*SMALL, "--port", str(port)], tmp_path / "killed.log", port)
+    try:
+        srv.wait_workers(1)
+        pids = worker_pids(srv)
+        srv.p.send_signal(signal.SIGKILL)  # no cleanup at all: the worker must notice by itself
+        srv.p.wait(10)
+        wait_dead(pids, 10)
+    finally:
+        srv.stop()
+
+
+def _launch(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "sglang_ext.launch", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize(("yaml_text", "needle"), [
+    ("models: [{name: a, replicaz: 2}]", "replicaz"),
+    ("models: [{name: a, args: {max_total_tokenz: 5}}]", "max_total_tokenz"),
+    ("models: [{name: a, workers: [{role: chef}]}]", "role"),
+    ("models: [{name: a}, {name: a}]", "used twice"),
+    ("models: []", "at least one model"),
+    ("router: {port: '80'}\nmodels: [{name: a}]", "port"),
+    ("models: [{name: a, args: {port: 1}}]", "router section"),
+])
+def test_config_errors_name_the_problem(tmp_path: Path, yaml_text: str, needle: str) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(yaml_text)
+    p = _launch(["--config", str(cfg)])
+    assert p.returncode == 2 and needle in p.stderr, p.stderr
+
+
+def test_config_excludes_other_flags(tmp_path: Path) -> None:
+    cfg = tmp_path / "ok.yaml"
+    cfg.write_text("models: [{name: a}]")
+    p = _launch(["--config", str(cfg), "--port", "1234"])
+    assert p.returncode == 2 and "--port cannot be combined with --config" in p.stderr
+
+
+def test_bad_model_path_exits_with_error(tmp_path: Path) -> None:
+    p = _launch(["--model-path", str(tmp_path / "missing"), "--port", str(free_port())], timeout=180)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "no worker started" in p.stdout and "is not a local directory" in p.stderr
+
+
+def test_worker_subcommand_needs_router() -> None:
+    p = _launch(["worker"])
+    assert p.returncode == 2 and "--router" in p.stderr
+    p = _launch(["worker", "--router", "localhost:5"])
+    assert p.returncode == 2 and "tcp://" in p.stderr
+
+
+def test_help_lists_sglang_flags() -> None:
+    out = _launch(["--help"]).stdout
+    for flag in ("--model-path", "--port", "--mem-fraction-static", "--max-total-tokens", "--api-key",
+                 "--chunked-prefill-size", "--page-size", "--config", "--dp-size"):
+        assert flag in out
+
+
+def test_log_mentions_worker_address(tmp_path: Path) -> None:
+    # A quick check of what a user needs to attach a remote worker: the printed ZeroMQ address.
+    port = free_port()
+    srv = Proc(["-m", "sglang_ext.launch", *SMALL, "--port", str(port), "--worker-port", str(free_port())],
+               tmp_path / "addr.log")
+    try:
+        deadline = time.monotonic() + 60
+        while "workers join at tcp://127.0.0.1:" not in srv.log():
+            assert srv.alive() and time.monotonic() < deadline, srv.log()
+            time.sleep(0.1)
+    finally:
+        srv.stop()
+
+
+def test_router_restart_keeps_remote_workers(tmp_path: Path) -> None:
+    """A worker started with `launch worker` outlives its router (stopped cleanly: only the launcher's
+    own workers are shut down); a new router on the same worker port takes it back (it asks the
+    unknown worker to say hello again)."""
+    from _router_util import start_worker
+
+    wport = free_port()
+    cfg = tmp_path / "empty.yaml"
+
+    def router(name: str) -> Server:
+        port = free_port()
+        cfg.write_text(f"router: {{port: {port}, worker_port: {wport}, log_level: warning}}\n"
+                       "models: [{name: remote, replicas: 0}]\n")
+        return Server(["--config", str(cfg)], tmp_path / f"{name}.log", port)
+
+    first = router("first")
+    worker = start_worker(tmp_path, f"tcp://127.0.0.1:{wport}", "remote-0", ["--served-model-name", "remote"])
+    second = None
+    try:
+        first.wait_workers(1)
+        first.signal(signal.SIGTERM)
+        assert first.p.wait(20) == 0
+        second = router("second")
+        second.wait_workers(1, timeout=60)
+        r = httpx.post(second.url + "/generate", json={"text": "back", "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 200, r.text
+        assert worker.alive()
+    finally:
+        for p in (second, first, worker):
+            if p is not None:
+                p.stop()

@@ -1,0 +1,69 @@
+"""Cluster file schema (docs/launcher.md's worked example is parsed here) and launcher flag handling."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from router.config import ConfigError, build_cluster, load_cluster
+from sglang_ext.launch import _cluster_from_flags, _serve_parser
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "launcher.md"
+
+
+def test_documented_example_parses(tmp_path: Path) -> None:
+    block = re.search(r"```yaml\n(.*?)```", DOC.read_text(), re.S)
+    assert block is not None
+    cfg = tmp_path / "cluster.yaml"
+    cfg.write_text(block.group(1))
+    c = load_cluster(cfg)
+    assert c.models == ("llama-8b", "qwen-7b", "tiny")
+    assert c.router.port == 30000 and c.router.heartbeat_timeout_s == 3.0 and c.router.host == "127.0.0.1"
+    by_id = {w.worker_id: w for w in c.workers}
+    assert list(by_id) == ["llama-hot-0", "llama-hot-1", "qwen-7b-0", "tiny-0", "tiny-1"]
+    hot = by_id["llama-hot-1"]
+    assert hot.role == "hot" and hot.model == "llama-8b"
+    assert hot.args.device == "cuda:1" and hot.args.mem_fraction_static == 0.55
+    assert hot.args.dtype == "bfloat16" and hot.args.chunked_prefill_size == 8192  # the model's args
+    assert hot.args.served_model_name == "llama-8b" and hot.args.model_path == "/models/Meta-Llama-3-8B-Instruct"
+    assert by_id["qwen-7b-0"].role == "cold" and by_id["qwen-7b-0"].args.max_total_tokens == 200000
+    assert by_id["tiny-1"].args.model_path is None and by_id["tiny-1"].args.device == "cpu"
+    assert c.router.slo["llama-8b"].ttft_ms == 1000
+
+
+def test_worker_args_override_model_args() -> None:
+    import msgspec
+
+    from router.config import ClusterSpec
+
+    spec = msgspec.convert({"models": [{"args": {"device": "cpu", "page_size": 8},
+                                        "workers": [{"device": "cuda:3", "args": {"page_size": 32}}, {}]}]},
+                           ClusterSpec)
+    c = build_cluster(spec)
+    assert [(w.worker_id, w.args.device, w.args.page_size) for w in c.workers] == [
+        ("default-0", "cuda:3", 32), ("default-1", "cpu", 8)]
+
+
+def test_duplicate_worker_ids_rejected() -> None:
+    import msgspec
+
+    from router.config import ClusterSpec
+
+    spec = msgspec.convert({"models": [{"name": "a", "workers": [{"id": "x"}]},
+                                       {"name": "b", "workers": [{"id": "x"}]}]}, ClusterSpec)
+    with pytest.raises(ConfigError, match="unique"):
+        build_cluster(spec)
+
+
+def test_flags_make_a_one_model_cluster() -> None:
+    p = _serve_parser()
+    c = _cluster_from_flags(p.parse_args(["--model-path", "/m/My-Model", "--dp-size", "3", "--api-key", "k",
+                                          "--port", "31000", "--max-total-tokens", "4096"]), p)
+    assert c.models == ("My-Model",) and [w.worker_id for w in c.workers] == ["My-Model-0", "My-Model-1",
+                                                                                "My-Model-2"]
+    assert c.router.api_key == "k" and c.router.port == 31000 and c.router.host == "127.0.0.1"
+    assert all(w.args.max_total_tokens == 4096 for w in c.workers)
+    default = _cluster_from_flags(p.parse_args([]), p)
+    assert default.models == ("default",) and default.router.port == 30000 and len(default.workers) == 1
