@@ -25,7 +25,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def result(server: Server) -> dict:
-    p = subprocess.run([sys.executable, "tests/frontend/run_program.py", "tests/frontend/programs.py", server.url],
+    p = subprocess.run([sys.executable, "tests/frontend/programs.py", server.url],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     assert p.returncode == 0 and lines, f"stdout:\n{p.stdout}\nstderr:\n{p.stderr}"

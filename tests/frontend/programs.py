@@ -1,6 +1,6 @@
 """SGLang frontend programs, written as a user would write them against any SGLang server.
 
-Run: `python tests/frontend/run_program.py tests/frontend/programs.py http://127.0.0.1:PORT`.
+Run: `python tests/frontend/programs.py http://127.0.0.1:PORT`.
 Prints one JSON object with what each program produced; the test checks it.
 """
 
