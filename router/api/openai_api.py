@@ -138,10 +138,9 @@ def build(router: Router) -> APIRouter:
                         yield sse({**head, "choices": [choice]})
                     item = await events.next()
                 if _include_usage(body):
-                    ordered = [metas[i] for i in sorted(metas)]
-                    yield sse({**head, "choices": [], "usage": usage(ordered, body.n)})
+                    yield _usage_chunk(head, metas, body.n)
             except ApiError as e:
-                yield sse({"error": {"message": e.message, "type": error_type(e.status), "code": e.status}})
+                yield _error_chunk(e)
             yield DONE
 
         return SSEResponse(stream(), on_close=sub.abort)
@@ -203,10 +202,9 @@ def build(router: Router) -> APIRouter:
                                                         "finish_reason": reason, "matched_stop": matched}]})
                     item = await events.next()
                 if _include_usage(body):
-                    ordered = [metas[i] for i in sorted(metas)]
-                    yield sse({**head, "choices": [], "usage": usage(ordered, body.n)})
+                    yield _usage_chunk(head, metas, body.n)
             except ApiError as e:
-                yield sse({"error": {"message": e.message, "type": error_type(e.status), "code": e.status}})
+                yield _error_chunk(e)
             yield DONE
 
         return SSEResponse(stream(), on_close=sub.abort)
@@ -218,3 +216,13 @@ def _echo_text(prompt: dict[str, Any], meta: dict[str, Any]) -> str:
     if "text" in prompt:
         return str(prompt["text"])
     return "".join(e[2] or "" for e in meta.get("input_token_logprobs", []) if len(e) > 2)
+
+
+def _usage_chunk(head: dict[str, Any], metas: dict[int, dict[str, Any]], n: int) -> bytes:
+    """The final `usage` chunk of a stream (stream_options.include_usage)."""
+    return sse({**head, "choices": [], "usage": usage([metas[i] for i in sorted(metas)], n)})
+
+
+def _error_chunk(e: ApiError) -> bytes:
+    """An error after the stream started: the status is already sent, so it travels as an event."""
+    return sse({"error": {"message": e.message, "type": error_type(e.status), "code": e.status}})

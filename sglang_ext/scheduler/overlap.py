@@ -30,7 +30,7 @@ import torch
 from sglang_ext.engine.forward_batch import ForwardBatch, ForwardMode
 from sglang_ext.sampling.sampler import RowInfo, _filter
 from sglang_ext.scheduler.batch_builder import Entry, build_batch
-from sglang_ext.scheduler.output import StepOutput, check_finish
+from sglang_ext.scheduler.output import StepOutput
 from sglang_ext.scheduler.request import Req, ReqStatus
 from sglang_ext.scheduler.scheduler import Scheduler
 
@@ -170,15 +170,7 @@ class OverlapScheduler(Scheduler):
             r.kv_len += 1
             r.output_ids.append(t)
             landed.append(r)
-        outputs: list[StepOutput] = []
-        for r in landed:
-            reason = check_finish(r, self.eos_ids, self.runner.context_len, self.decode_fn)
-            if reason is not None:
-                self.running.remove(r)
-                self._finish(r, reason)
-            if reason is not None or self._has_new(r):
-                outputs.append(self._output(r))
-        return outputs
+        return self._finish_or_report(landed)
 
 
 def scheduler_class(device: torch.device | str, disable_overlap_schedule: bool) -> type[Scheduler]:

@@ -295,11 +295,14 @@ class Scheduler:
                     r.output_top_logprobs.append(tops[j][: r.top_logprobs_num] if tops else [])
             for r, t in zip(sample_reqs, tokens, strict=True):
                 r.output_ids.append(t)
+        return self._finish_or_report([e.req for e in entries])
+
+    def _finish_or_report(self, reqs: list[Req]) -> list[StepOutput]:
+        """Apply the finish rules to requests whose forward just landed; report what is new."""
         outputs: list[StepOutput] = []
-        for e in entries:
-            r = e.req
-            reason = check_finish(r, self.eos_ids, self.runner.context_len, self.decode_fn) \
-                if r.kv_len >= r.fill_len - 1 else None
+        for r in reqs:
+            done = r.kv_len >= r.fill_len - 1  # mid-prefill chunks cannot finish
+            reason = check_finish(r, self.eos_ids, self.runner.context_len, self.decode_fn) if done else None
             if reason is not None:
                 self.running.remove(r)
                 self._finish(r, reason)
