@@ -94,7 +94,8 @@ class ServerArgs:
     @property
     def resolved_chunked_prefill_size(self) -> int | None:
         if self.chunked_prefill_size is None:
-            return 8192 if self.resolved_device.startswith("cuda") else 2048
+            # CPU: small chunks keep decode streams moving (a 2K-token chunk is ~1 s of CPU compute)
+            return 8192 if self.resolved_device.startswith("cuda") else 512
         return self.chunked_prefill_size if self.chunked_prefill_size > 0 else None
 
     @classmethod

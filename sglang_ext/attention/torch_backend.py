@@ -1,7 +1,9 @@
 """Exact attention in plain PyTorch over the paged pool: the reference backend (CPU and GPU).
 
-Prefill runs one request at a time (ragged lengths); decode gathers every request's KV into a
-padded [B, S] block and runs one masked softmax. Math is in float32 whatever the KV dtype.
+Each request's KV pages are gathered with whole-page copies (into reused buffers) into a padded
+[B, S] block, and torch's fused SDPA runs on it. Requests with one new token (decode rows, also
+when they ride along a prefill) share one masked call; prefill requests share one padded causal
+call while that stays small, else run one at a time. Math is in float32 whatever the KV dtype.
 """
 
 from __future__ import annotations
@@ -9,56 +11,106 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from sglang_ext.attention.base import AttentionBackend
 from sglang_ext.engine.forward_batch import ForwardBatch
+from sglang_ext.kvcache.pool import KVPool
 
-_PAD_LIMIT = 1 << 24  # score elements (B x L x S x heads) below which prefill is batched with padding
+_PAD_LIMIT = 1 << 24  # score elements (B x L x S x heads) below which prefills are batched with padding
+
+
+@dataclass
+class _Group:
+    """Requests attended together: their page tables and the KV positions each may see."""
+
+    pages: torch.Tensor  # [G, max_pages] page ids, padded with page 0
+    valid: torch.Tensor  # [G, max_pages * page_size] bool
+
+    def gather(self, view: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+        """[G, S, Hkv, D] from a per-layer [pages, P, Hkv, D] view: whole-page copies, not per token,
+        into a reused buffer (a fresh multi-MB tensor per layer costs more in page faults than the copy)."""
+        g, n = self.pages.shape
+        out = scratch[: g * n * view[0].numel()].view(g * n, *view.shape[1:])
+        torch.index_select(view, 0, self.pages.reshape(-1), out=out)
+        return out.view(g, n * view.shape[1], *view.shape[2:])
 
 
 @dataclass
 class _TorchMeta:
-    page_idx: torch.Tensor  # [B, S] page of each KV position (padded with page 0)
-    offset: torch.Tensor  # [B, S]
-    valid: torch.Tensor  # [B, S] bool
+    single: _Group | None  # requests with one new token (decode rows)
+    single_rows: torch.Tensor  # their rows in q
+    multi: list[int]  # requests with several new tokens
+    multi_group: _Group | None
     q_starts: list[int]
-    # Prefill of many short requests: one padded attention instead of a loop (None: loop).
-    padded_q: torch.Tensor | None = None  # [B, L] row of each padded query in q (-1 = pad)
-    padded_mask: torch.Tensor | None = None  # [B, L, S]
+    # Batched prefill (None: one request at a time): rows of q per padded query (-1 = pad), and mask.
+    padded_q: torch.Tensor | None = None  # [M, L]
+    padded_mask: torch.Tensor | None = None  # [M, L, S]
 
 
 class TorchAttentionBackend(AttentionBackend):
-    def prepare(self, batch: ForwardBatch) -> None:
+    def __init__(self, pool: KVPool, num_q_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__(pool, num_q_heads, head_dim, scale)
+        self._scratch: dict[str, torch.Tensor] = {}
+
+    def _buf(self, name: str, group: _Group) -> torch.Tensor:
+        """A reusable flat buffer big enough for one gather of `group` (grows, never shrinks)."""
+        pool = self.pool.data
+        need = group.pages.numel() * pool[0, 0, 0].numel()
+        buf = self._scratch.get(name)
+        if buf is None or buf.numel() < need:
+            buf = self._scratch[name] = torch.empty(need, dtype=pool.dtype, device=pool.device)
+        return buf
+
+    def _gather(self, group: _Group, layer: int, tag: str) -> tuple[torch.Tensor, torch.Tensor]:
+        k = group.gather(self.pool.k_view(layer), self._buf("k" + tag, group))
+        v = group.gather(self.pool.v_view(layer), self._buf("v" + tag, group))
+        return k, v
+
+    def _group(self, idx: list[int], indptr: list[int], pages: list[int], seq: list[int]) -> _Group:
         ps = self.pool.page_size
+        dev = self.pool.device
+        n = max(indptr[i + 1] - indptr[i] for i in idx)
+        table = [pages[indptr[i] : indptr[i + 1]] + [0] * (n - indptr[i + 1] + indptr[i]) for i in idx]
+        pos = torch.arange(n * ps, device=dev)
+        valid = pos.unsqueeze(0) < torch.tensor([seq[i] for i in idx], device=dev).unsqueeze(1)
+        return _Group(torch.tensor(table, dtype=torch.long, device=dev), valid)
+
+    def prepare(self, batch: ForwardBatch) -> None:
         dev = self.pool.device
         b = batch.batch_size
         seq = batch.seq_lens_cpu
-        max_s = max(seq) if seq else 0
+        ext = batch.extend_lens
         indptr = batch.kv_page_indptr.tolist()
-        pages = batch.kv_page_indices.to(dev, torch.int64)
-        pos = torch.arange(max_s, device=dev)
-        page_idx = torch.zeros((b, max_s), dtype=torch.int64, device=dev)
-        for i in range(b):
-            n = seq[i]
-            row_pages = pages[indptr[i] : indptr[i + 1]]
-            page_idx[i, :n] = row_pages[pos[:n] // ps]
-        offset = (pos % ps).expand(b, max_s)
-        valid = pos.unsqueeze(0) < torch.tensor(seq, device=dev).unsqueeze(1)
+        pages = batch.kv_page_indices.tolist()
         q_starts, acc = [], 0
-        for e in batch.extend_lens:
+        for e in ext:
             q_starts.append(acc)
             acc += e
-        meta = _TorchMeta(page_idx, offset, valid, q_starts)
-        ext = batch.extend_lens
-        if not batch.mode.is_decode and b > 1 and b * max(ext) * max_s * self.num_q_heads <= _PAD_LIMIT:
-            l_ = max(ext)
-            j = torch.arange(l_, device=dev)
-            e_t = torch.tensor(ext, device=dev)
-            rows = torch.tensor(q_starts, device=dev).unsqueeze(1) + j
-            meta.padded_q = torch.where(j < e_t.unsqueeze(1), rows, -1)
-            # query j of request i sits at position seq_i - ext_i + j and sees keys up to it
-            qpos = (torch.tensor(seq, device=dev) - e_t).unsqueeze(1) + j  # [B, L]
-            meta.padded_mask = (pos.view(1, 1, -1) <= qpos.unsqueeze(2)) & valid.unsqueeze(1)
+        single = [i for i in range(b) if ext[i] == 1]
+        multi = [i for i in range(b) if ext[i] > 1]
+        meta = _TorchMeta(
+            self._group(single, indptr, pages, seq) if single else None,
+            torch.tensor([q_starts[i] for i in single], dtype=torch.long, device=dev),
+            multi,
+            self._group(multi, indptr, pages, seq) if multi else None,
+            q_starts,
+        )
+        if len(multi) > 1:
+            assert meta.multi_group is not None
+            l_ = max(ext[i] for i in multi)
+            max_s = meta.multi_group.valid.shape[1]
+            if len(multi) * l_ * max_s * self.num_q_heads <= _PAD_LIMIT:
+                j = torch.arange(l_, device=dev)
+                e_t = torch.tensor([ext[i] for i in multi], device=dev).unsqueeze(1)
+                rows = torch.tensor([q_starts[i] for i in multi], device=dev).unsqueeze(1) + j
+                real = j < e_t
+                meta.padded_q = torch.where(real, rows, -1)
+                # query j of request i sits at position seq_i - ext_i + j and sees keys up to it
+                qpos = torch.tensor([seq[i] for i in multi], device=dev).unsqueeze(1) - e_t + j  # [M, L]
+                kpos = torch.arange(max_s, device=dev).view(1, 1, -1)
+                mask = (kpos <= qpos.unsqueeze(2)) & meta.multi_group.valid.unsqueeze(1)
+                meta.padded_mask = mask | ~real.unsqueeze(2)  # pad rows see everything (no NaN)
         batch.attn_meta = meta
 
     def forward(
@@ -66,43 +118,38 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         self.pool.write(layer_id, batch.out_cache_loc, k, v)
         meta: _TorchMeta = batch.attn_meta
-        kc = self.pool.k_view(layer_id)[meta.page_idx, meta.offset]  # [B, S, Hkv, D]
-        vc = self.pool.v_view(layer_id)[meta.page_idx, meta.offset]
-        if batch.mode.is_decode:
-            return self._attend(q.unsqueeze(1), kc, vc, meta.valid.unsqueeze(1)).squeeze(1).to(q.dtype)
+        if meta.single is not None:
+            g = meta.single
+            ks, vs = self._gather(g, layer_id, "single")
+            o = self._attend(q[meta.single_rows].unsqueeze(1), ks, vs, g.valid.unsqueeze(1)).squeeze(1).to(q.dtype)
+            if not meta.multi:  # pure decode: rows are already in order
+                return o
+            out = torch.empty_like(q)
+            out[meta.single_rows] = o
+        else:
+            out = torch.empty_like(q)
+        assert meta.multi_group is not None
+        kc, vc = self._gather(meta.multi_group, layer_id, "multi")
         if meta.padded_q is not None:
-            return self._attend_padded(q, kc, vc, meta)
-        out = torch.empty_like(q)
-        for i, e in enumerate(batch.extend_lens):
-            s = batch.seq_lens_cpu[i]
-            qs = meta.q_starts[i]
-            # Query j sits at absolute position s - e + j and sees keys 0 .. s - e + j.
+            assert meta.padded_mask is not None
+            real = meta.padded_q >= 0
+            o = self._attend(q[meta.padded_q.clamp(min=0)], kc, vc, meta.padded_mask)
+            out[meta.padded_q[real]] = o[real].to(q.dtype)
+            return out
+        for gi, i in enumerate(meta.multi):
+            e, s, qs = batch.extend_lens[i], batch.seq_lens_cpu[i], meta.q_starts[i]
             qpos = torch.arange(s - e, s, device=q.device).unsqueeze(1)
-            kpos = torch.arange(s, device=q.device).unsqueeze(0)
-            mask = (kpos <= qpos).unsqueeze(0)  # [1, e, s]
-            o = self._attend(q[qs : qs + e].unsqueeze(0), kc[i : i + 1, :s], vc[i : i + 1, :s], mask)
+            mask = (torch.arange(s, device=q.device).unsqueeze(0) <= qpos).unsqueeze(0)  # [1, e, s]
+            o = self._attend(q[qs : qs + e].unsqueeze(0), kc[gi : gi + 1, :s], vc[gi : gi + 1, :s], mask)
             out[qs : qs + e] = o.squeeze(0).to(q.dtype)
         return out
 
-    def _attend_padded(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: _TorchMeta) -> torch.Tensor:
-        assert meta.padded_q is not None and meta.padded_mask is not None
-        real = meta.padded_q >= 0
-        qp = q[meta.padded_q.clamp(min=0)]  # [B, L, Hq, D]
-        o = self._attend(qp, kc, vc, meta.padded_mask & real.unsqueeze(2) | ~real.unsqueeze(2))
-        out = torch.empty_like(q)
-        out[meta.padded_q[real]] = o[real].to(q.dtype)
-        return out
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [B, L, Hq, D], k/v [B, S, Hkv, D], mask [B, L, S] (True = attend) -> [B, L, Hq, D] float32.
 
-    def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
-        """q [B, L, Hq, D], k/v [B, S, Hkv, D], mask [B, L, S] -> [B, L, Hq, D] (float32)."""
-        b, l_, hq, d = q.shape
-        hkv = k.shape[2]
-        g = hq // hkv
-        qf = q.float().reshape(b, l_, hkv, g, d)
-        scores = torch.einsum("blhgd,bshd->bhgls", qf, k.float()) * self.scale
-        scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        o = torch.einsum("bhgls,bshd->blhgd", probs, v.float())
-        return o.reshape(b, l_, hq, d)
+        torch's fused SDPA reads the head-strided views directly (no transposed copies of K/V)."""
+        o = F.scaled_dot_product_attention(
+            q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2),
+            attn_mask=mask.unsqueeze(1), scale=self.scale, enable_gqa=True,
+        )
+        return o.transpose(1, 2)
