@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session for the GPU fast path (the run behind docs/benchmarks.md's GPU section).
 # Needs the carried wheel folder .whl (../shared/tools/gpu-wheels.sh .whl). Writes logs and JSON to $OUT.
-#   bash bench/gpu_session.sh [test] [bench] [cputests]
+#   bash bench/gpu_session.sh [test] [serving] [bench] [cputests]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 steps=${*:-test bench}
@@ -20,6 +20,8 @@ for s in $steps; do
   case $s in
     test) PYTHONPATH=$BASE:/tmp/fi timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_equivalence.py \
             2>&1 | tee "$OUT/gpu_test.log" ;;
+    serving) PYTHONPATH=$BASE:/tmp/fi timeout 400 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_serving.py \
+            2>&1 | tee "$OUT/gpu_serving.log" ;;
     bench) PYTHONPATH=$BASE:/tmp/fi timeout 360 python3 bench/offline.py --out "$OUT/offline.json" ${BENCH_ARGS:-} 2>&1 \
             | grep -v '^offline bench' | tee "$OUT/bench.log" ;;
     cputests) SGLANG_EXT_TEST_DEVICE=cuda PYTHONPATH=$BASE timeout 240 python3 -m pytest -q -p no:cacheprovider \
