@@ -29,7 +29,6 @@ import traceback
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 if __package__ in (None, ""):
@@ -40,137 +39,44 @@ from tqdm import tqdm
 
 from sglang_ext import ops
 from sglang_ext.engine.cuda_graph import CudaGraphRunner
-from sglang_ext.engine.forward_batch import ForwardBatch, ForwardMode
+from sglang_ext.engine.forward_batch import ForwardBatch
 from sglang_ext.engine.model_runner import ModelRunner
 from sglang_ext.models import loader
 from sglang_ext.models.config import ModelConfig
 from sglang_ext.models.resolve import resolve_model_path
 from sglang_ext.sampling.params import SamplingParams
-from sglang_ext.scheduler.batch_builder import Entry, build_batch
 from sglang_ext.scheduler.overlap import OverlapScheduler
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
 from sglang_ext.server_args import ServerArgs
 
-PAGE = 16
-
-
-# ---- measurement helpers ---------------------------------------------------------------------------
-def time_gpu(fn: Callable[[], Any], iters: int, warmup: int = 3) -> float:
-    """Milliseconds per call, calls issued back to back, timed with events."""
-    for _ in range(warmup):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
-
-
-def hbm_read_bw() -> dict[str, float]:
-    """Bytes/s of streaming reads (a sum over a large tensor), median of 10 each; the best is the
-    ceiling the roofline uses (a higher ceiling makes the roofline harder to reach)."""
-    out = {}
-    for name, gib, dtype in (("sum_fp32_2GiB", 2, torch.float32), ("sum_fp32_4GiB", 4, torch.float32),
-                             ("sum_bf16_4GiB", 4, torch.bfloat16)):
-        x = torch.randn(gib * 2**30 // torch.empty((), dtype=dtype).element_size(), device="cuda", dtype=dtype)
-        ts = [time_gpu(lambda x=x: x.sum(), 1, warmup=1) for _ in range(10)]
-        out[name] = gib * 2**30 / (statistics.median(ts) / 1e3)
-        del x
-        torch.cuda.empty_cache()
-    return out
-
-
-def gemm_peak(n: int = 8192) -> float:
-    """FLOP/s of an n^3 bf16 matmul on random data."""
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ms = time_gpu(lambda: a @ b, 10)
-    return 2 * n**3 / (ms / 1e3)
-
-
-def gpu_dummy_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
-    """`--load-format dummy` drawn on the GPU (the loader draws on CPU: minutes for 8B params)."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, std, generator=gen)
-
-
-# ---- synthetic batches -----------------------------------------------------------------------------
-class Layout:
-    """Scattered pages of the pool handed to synthetic requests (page 0 stays reserved)."""
-
-    def __init__(self, num_pages: int, seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.perm = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
-
-    def pages(self, bs: int, ctx: int) -> list[list[int]]:
-        n = -(-ctx // PAGE)
-        assert bs * n <= len(self.perm), "pool too small for this batch"
-        return [self.perm[i * n : (i + 1) * n] for i in range(bs)]
-
-
-def decode_batch(pages: list[list[int]], ctx: int, vocab: int) -> ForwardBatch:
-    """Each request holds ctx - 1 tokens of KV and decodes token ctx - 1."""
-    bs = len(pages)
-    dev = "cuda"
-    n = -(-ctx // PAGE)
-    pos = ctx - 1
-    loc = [p[pos // PAGE] * PAGE + pos % PAGE for p in pages]
-    i32 = dict(dtype=torch.int32, device=dev)
-    return ForwardBatch(
-        mode=ForwardMode.DECODE, batch_size=bs,
-        input_ids=torch.randint(0, vocab, (bs,), device=dev),
-        positions=torch.full((bs,), pos, dtype=torch.int64, device=dev),
-        out_cache_loc=torch.tensor(loc, dtype=torch.int64, device=dev),
-        seq_lens=torch.full((bs,), ctx, **i32), extend_lens=[1] * bs, prefix_lens=[ctx - 1] * bs,
-        kv_page_indptr=torch.arange(0, bs * n + 1, n, **i32),
-        kv_page_indices=torch.tensor([q for p in pages for q in p], **i32),
-        kv_last_page_len=torch.full((bs,), ctx - (n - 1) * PAGE, **i32),
-        logits_indices=torch.arange(bs, device=dev), seq_lens_cpu=[ctx] * bs,
+if __package__ in (None, ""):
+    from gpu_measure import (  # type: ignore[import-not-found, no-redef]
+        PAGE,
+        Layout,
+        build_ms,
+        decode_batch,
+        gemm_peak,
+        gpu_dummy_weights,
+        hbm_read_bw,
+        kernel_category,
+        prefill_batch,
+        time_gpu,
+    )
+else:
+    from bench.gpu_measure import (
+        PAGE,
+        Layout,
+        build_ms,
+        decode_batch,
+        gemm_peak,
+        gpu_dummy_weights,
+        hbm_read_bw,
+        kernel_category,
+        prefill_batch,
+        time_gpu,
     )
 
-
-def prefill_batch(pages: list[list[int]], length: int, vocab: int) -> ForwardBatch:
-    bs = len(pages)
-    dev = "cuda"
-    n = -(-length // PAGE)
-    loc = [p[t // PAGE] * PAGE + t % PAGE for p in pages for t in range(length)]
-    i32 = dict(dtype=torch.int32, device=dev)
-    return ForwardBatch(
-        mode=ForwardMode.EXTEND, batch_size=bs,
-        input_ids=torch.randint(0, vocab, (bs * length,), device=dev),
-        positions=torch.arange(length, device=dev).repeat(bs),
-        out_cache_loc=torch.tensor(loc, dtype=torch.int64, device=dev),
-        seq_lens=torch.full((bs,), length, **i32), extend_lens=[length] * bs, prefix_lens=[0] * bs,
-        kv_page_indptr=torch.arange(0, bs * n + 1, n, **i32),
-        kv_page_indices=torch.tensor([q for p in pages for q in p], **i32),
-        kv_last_page_len=torch.full((bs,), length - (n - 1) * PAGE, **i32),
-        logits_indices=torch.arange(length - 1, bs * length, length, device=dev), seq_lens_cpu=[length] * bs,
-    )
-
-
-def build_ms(pages: list[list[int]], ctx: int) -> float:
-    """CPU cost of the scheduler's `build_batch` for this decode batch (median of 5)."""
-    fill = list(range(ctx))
-    entries = [Entry(SimpleNamespace(kv_len=ctx - 1, fill_ids=fill, pages=p), 1, [], True)  # type: ignore[arg-type]
-               for p in pages]
-    ts = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        build_batch(entries, ForwardMode.DECODE, PAGE, torch.device("cuda"))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
-
-
-# ---- sections --------------------------------------------------------------------------------------
 class Bench:
     def __init__(self, a: argparse.Namespace) -> None:
         self.a = a
@@ -440,7 +346,7 @@ class Bench:
                 us = getattr(e, "self_cuda_time_total", 0.0)
             if us > 0:
                 kernels.append({"name": e.key[:120], "us_per_step": us / steps, "calls_per_step": e.count / steps,
-                                "category": _category(e.key)})
+                                "category": kernel_category(e.key)})
         kernels.sort(key=lambda k: -k["us_per_step"])
         cats: dict[str, float] = {}
         for k in kernels:
@@ -489,19 +395,6 @@ class Bench:
             finally:  # partial results survive a timeout
                 Path(a.out).write_text(json.dumps(self.res, indent=1))
         return self.res
-
-
-def _category(name: str) -> str:
-    n = name.lower()
-    if any(s in n for s in ("batchprefill", "batchdecode", "flashinfer", "mergestate", "attention")):
-        return "attention"
-    if any(s in n for s in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "gemv", "splitk")):
-        return "gemm"
-    if any(s in n for s in ("_rms_norm", "_rope", "_silu_mul", "_store_kv")):
-        return "fused_ops"
-    if "memcpy" in n or "memset" in n:
-        return "copies"
-    return "other"
 
 
 def _version(mod: str) -> str | None:

@@ -1,0 +1,148 @@
+"""Measurement helpers for bench/offline.py: GPU timing, hardware ceilings (HBM read, bf16 GEMM),
+synthetic paged batches and dummy weights drawn on the GPU."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from sglang_ext.engine.forward_batch import ForwardBatch, ForwardMode
+from sglang_ext.scheduler.batch_builder import Entry, build_batch
+
+PAGE = 16
+
+
+# ---- measurement helpers ---------------------------------------------------------------------------
+def time_gpu(fn: Callable[[], Any], iters: int, warmup: int = 3) -> float:
+    """Milliseconds per call, calls issued back to back, timed with events."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def hbm_read_bw() -> dict[str, float]:
+    """Bytes/s of streaming reads (a sum over a large tensor), median of 10 each; the best is the
+    ceiling the roofline uses (a higher ceiling makes the roofline harder to reach)."""
+    out = {}
+    for name, gib, dtype in (("sum_fp32_2GiB", 2, torch.float32), ("sum_fp32_4GiB", 4, torch.float32),
+                             ("sum_bf16_4GiB", 4, torch.bfloat16)):
+        x = torch.randn(gib * 2**30 // torch.empty((), dtype=dtype).element_size(), device="cuda", dtype=dtype)
+        ts = [time_gpu(lambda x=x: x.sum(), 1, warmup=1) for _ in range(10)]
+        out[name] = gib * 2**30 / (statistics.median(ts) / 1e3)
+        del x
+        torch.cuda.empty_cache()
+    return out
+
+
+def gemm_peak(n: int = 8192) -> float:
+    """FLOP/s of an n^3 bf16 matmul on random data."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = time_gpu(lambda: a @ b, 10)
+    return 2 * n**3 / (ms / 1e3)
+
+
+def gpu_dummy_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
+    """`--load-format dummy` drawn on the GPU (the loader draws on CPU: minutes for 8B params)."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=gen)
+
+
+# ---- synthetic batches -----------------------------------------------------------------------------
+class Layout:
+    """Scattered pages of the pool handed to synthetic requests (page 0 stays reserved)."""
+
+    def __init__(self, num_pages: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.perm = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
+
+    def pages(self, bs: int, ctx: int) -> list[list[int]]:
+        n = -(-ctx // PAGE)
+        assert bs * n <= len(self.perm), "pool too small for this batch"
+        return [self.perm[i * n : (i + 1) * n] for i in range(bs)]
+
+
+def decode_batch(pages: list[list[int]], ctx: int, vocab: int) -> ForwardBatch:
+    """Each request holds ctx - 1 tokens of KV and decodes token ctx - 1."""
+    bs = len(pages)
+    dev = "cuda"
+    n = -(-ctx // PAGE)
+    pos = ctx - 1
+    loc = [p[pos // PAGE] * PAGE + pos % PAGE for p in pages]
+    i32 = dict(dtype=torch.int32, device=dev)
+    return ForwardBatch(
+        mode=ForwardMode.DECODE, batch_size=bs,
+        input_ids=torch.randint(0, vocab, (bs,), device=dev),
+        positions=torch.full((bs,), pos, dtype=torch.int64, device=dev),
+        out_cache_loc=torch.tensor(loc, dtype=torch.int64, device=dev),
+        seq_lens=torch.full((bs,), ctx, **i32), extend_lens=[1] * bs, prefix_lens=[ctx - 1] * bs,
+        kv_page_indptr=torch.arange(0, bs * n + 1, n, **i32),
+        kv_page_indices=torch.tensor([q for p in pages for q in p], **i32),
+        kv_last_page_len=torch.full((bs,), ctx - (n - 1) * PAGE, **i32),
+        logits_indices=torch.arange(bs, device=dev), seq_lens_cpu=[ctx] * bs,
+    )
+
+
+def prefill_batch(pages: list[list[int]], length: int, vocab: int) -> ForwardBatch:
+    bs = len(pages)
+    dev = "cuda"
+    n = -(-length // PAGE)
+    loc = [p[t // PAGE] * PAGE + t % PAGE for p in pages for t in range(length)]
+    i32 = dict(dtype=torch.int32, device=dev)
+    return ForwardBatch(
+        mode=ForwardMode.EXTEND, batch_size=bs,
+        input_ids=torch.randint(0, vocab, (bs * length,), device=dev),
+        positions=torch.arange(length, device=dev).repeat(bs),
+        out_cache_loc=torch.tensor(loc, dtype=torch.int64, device=dev),
+        seq_lens=torch.full((bs,), length, **i32), extend_lens=[length] * bs, prefix_lens=[0] * bs,
+        kv_page_indptr=torch.arange(0, bs * n + 1, n, **i32),
+        kv_page_indices=torch.tensor([q for p in pages for q in p], **i32),
+        kv_last_page_len=torch.full((bs,), length - (n - 1) * PAGE, **i32),
+        logits_indices=torch.arange(length - 1, bs * length, length, device=dev), seq_lens_cpu=[length] * bs,
+    )
+
+
+def build_ms(pages: list[list[int]], ctx: int) -> float:
+    """CPU cost of the scheduler's `build_batch` for this decode batch (median of 5)."""
+    fill = list(range(ctx))
+    entries = [Entry(SimpleNamespace(kv_len=ctx - 1, fill_ids=fill, pages=p), 1, [], True)  # type: ignore[arg-type]
+               for p in pages]
+    ts = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        build_batch(entries, ForwardMode.DECODE, PAGE, torch.device("cuda"))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+# ---- sections --------------------------------------------------------------------------------------
+def kernel_category(name: str) -> str:
+    n = name.lower()
+    if any(s in n for s in ("batchprefill", "batchdecode", "flashinfer", "mergestate", "attention")):
+        return "attention"
+    if any(s in n for s in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "gemv", "splitk")):
+        return "gemm"
+    if any(s in n for s in ("_rms_norm", "_rope", "_silu_mul", "_store_kv")):
+        return "fused_ops"
+    if "memcpy" in n or "memset" in n:
+        return "copies"
+    return "other"
+
+
