@@ -76,6 +76,18 @@ def test_completion_stop(oai: openai.OpenAI) -> None:
     assert free.startswith(r.choices[0].text)
 
 
+def test_completion_logit_bias(oai: openai.OpenAI) -> None:
+    forced = 1000  # a plain (non-special) token of the default model's vocabulary
+    r = oai.completions.create(model="default", prompt="Bias", max_tokens=4, temperature=0,
+                               logit_bias={str(forced): 100}, extra_body={"ignore_eos": True})
+    ids = oai.completions.create(model="default", prompt="Bias", max_tokens=4, temperature=0,
+                                 logit_bias={str(forced): 100}, logprobs=1, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 4
+    assert ids.choices[0].logprobs is not None and len(set(ids.choices[0].logprobs.tokens)) == 1
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        oai.completions.create(model="default", prompt="Bias", max_tokens=2, logit_bias={"999999": 5})
+
+
 def test_completion_stream_with_usage(oai: openai.OpenAI) -> None:
     full = oai.completions.create(model="default", prompt="Stream", max_tokens=6, temperature=0,
                                   extra_body={"ignore_eos": True}).choices[0].text

@@ -87,3 +87,16 @@ def test_logprobs_of() -> None:
     lp, tops = logprobs_of(logits, torch.tensor([0, 1]), 1)
     assert lp[0] == pytest.approx(-0.6931, abs=1e-3) and lp[1] == pytest.approx(0.0, abs=1e-3)
     assert tops[1][0][1] == 1
+
+
+def test_logit_bias_steers_and_is_validated() -> None:
+    logits = torch.zeros(2, 10)
+    logits[:, 3] = 5.0
+    rows = [_row(temperature=0.0, logit_bias={"7": 10.0}), _row(temperature=0.0, logit_bias={"3": -100.0, "2": 1.0})]
+    assert sample(logits, rows, None) == [7, 2]
+    with pytest.raises(InvalidRequest, match="logit_bias"):
+        parse_sampling_params({"logit_bias": {"x": 1.0}}).validate(10)
+    with pytest.raises(InvalidRequest, match="logit_bias"):
+        parse_sampling_params({"logit_bias": {"3": 500.0}}).validate(10)
+    with pytest.raises(InvalidRequest, match="logit_bias"):
+        parse_sampling_params({"logit_bias": {"10": 1.0}}).validate(10)

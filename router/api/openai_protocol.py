@@ -78,8 +78,6 @@ class ChatRequest(_Common, kw_only=True):
 
 
 def sampling_params(body: _Common, model: ModelEntry, max_tokens: int | None, default_max: int) -> SamplingParams:
-    if body.logit_bias:
-        raise ApiError(400, "logit_bias is not supported by this server", param="logit_bias")
     if not 1 <= body.n <= 64:
         raise ApiError(400, f"n must be in [1, 64], got {body.n}", param="n")
     n_tokens = default_max if max_tokens is None else max_tokens
@@ -91,7 +89,7 @@ def sampling_params(body: _Common, model: ModelEntry, max_tokens: int | None, de
         "repetition_penalty": body.repetition_penalty, "min_new_tokens": body.min_tokens,
         "ignore_eos": body.ignore_eos, "skip_special_tokens": body.skip_special_tokens,
         "no_stop_trim": body.no_stop_trim, "stop_token_ids": body.stop_token_ids,
-        "regex": body.regex, "json_schema": body.json_schema, "ebnf": body.ebnf,
+        "logit_bias": body.logit_bias, "regex": body.regex, "json_schema": body.json_schema, "ebnf": body.ebnf,
     }
     return make_sampling_params(raw, model, "")
 

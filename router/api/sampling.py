@@ -13,7 +13,7 @@ from router.registry import ModelEntry
 from sglang_ext.sampling.params import InvalidRequest, SamplingParams, parse_sampling_params
 
 UNSUPPORTED: Final = ("regex", "json_schema", "ebnf", "structural_tag", "stop_regex", "custom_params",
-                      "logit_bias", "lora_path", "stream_interval")
+                      "lora_path", "stream_interval")
 
 
 def make_sampling_params(raw: Any, model: ModelEntry, where: str = "sampling_params") -> SamplingParams:

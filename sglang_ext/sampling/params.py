@@ -31,6 +31,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     n: int = 1
     seed: int | None = None
     min_new_tokens: int = 0
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as in OpenAI) -> added to its logit
 
     @property
     def is_greedy(self) -> bool:
@@ -69,6 +70,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ids = self.stop_token_ids or []
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in ids):
             raise bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit() or (vocab_size is not None and not 0 <= int(key) < vocab_size):
+                raise bad("logit_bias", f"keys must be token ids in [0, {vocab_size or 'vocab'})")
+            if not -100.0 <= bias <= 100.0:
+                raise bad("logit_bias", "values must be in [-100, 100]")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise bad("seed", "must be in [0, 2**63)")
 

@@ -1,8 +1,9 @@
 """Batched sampling with per-request parameters and optional per-request seeds.
 
-Greedy rows take the argmax of the raw logits, so a request's greedy tokens never depend on what
-else is in the batch. Penalties follow SGLang/OpenAI: frequency and presence count output tokens;
-repetition divides positive (multiplies negative) logits of any token seen in prompt or output.
+Greedy rows take the argmax of the logits (after `logit_bias`, bans and penalties), so a request's
+greedy tokens never depend on what else is in the batch. Penalties follow SGLang/OpenAI: frequency
+and presence count output tokens; repetition divides positive (multiplies negative) logits of any
+token seen in prompt or output.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ def sample(logits: torch.Tensor, rows: list[RowInfo], default_gen: torch.Generat
     """logits [N, V] float32 -> one token id per row."""
     logits = logits.clone()
     for i, r in enumerate(rows):
+        if r.params.logit_bias:
+            ids = [int(k) for k in r.params.logit_bias]
+            logits[i, ids] += torch.tensor(list(r.params.logit_bias.values()), device=logits.device)
         if r.banned_ids:
             logits[i, r.banned_ids] = float("-inf")
     logits = apply_penalties(logits, rows)

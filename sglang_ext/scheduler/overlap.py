@@ -103,7 +103,7 @@ class OverlapScheduler(Scheduler):
     def _plain(e: Entry) -> bool:
         r = e.req
         return (e.extend == 1 and e.sample and not e.logprob_positions and not r.return_logprob
-                and not r.sampling.has_penalties)
+                and not r.sampling.has_penalties and not r.sampling.logit_bias)
 
     def _launch(self, entries: list[Entry], batch: ForwardBatch, ahead: int) -> _Launched:
         logits = self.runner.forward(batch)
