@@ -37,6 +37,18 @@ if __package__ in (None, ""):
 import torch
 from tqdm import tqdm
 
+from bench.gpu_measure import (  # the repo root is on sys.path above when run as a script
+    PAGE,
+    Layout,
+    build_ms,
+    decode_batch,
+    gemm_peak,
+    gpu_dummy_weights,
+    hbm_read_bw,
+    kernel_category,
+    prefill_batch,
+    time_gpu,
+)
 from sglang_ext import ops
 from sglang_ext.engine.cuda_graph import CudaGraphRunner
 from sglang_ext.engine.forward_batch import ForwardBatch
@@ -50,32 +62,6 @@ from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
 from sglang_ext.server_args import ServerArgs
 
-if __package__ in (None, ""):
-    from gpu_measure import (  # type: ignore[import-not-found, no-redef]
-        PAGE,
-        Layout,
-        build_ms,
-        decode_batch,
-        gemm_peak,
-        gpu_dummy_weights,
-        hbm_read_bw,
-        kernel_category,
-        prefill_batch,
-        time_gpu,
-    )
-else:
-    from bench.gpu_measure import (
-        PAGE,
-        Layout,
-        build_ms,
-        decode_batch,
-        gemm_peak,
-        gpu_dummy_weights,
-        hbm_read_bw,
-        kernel_category,
-        prefill_batch,
-        time_gpu,
-    )
 
 class Bench:
     def __init__(self, a: argparse.Namespace) -> None:
