@@ -6,13 +6,14 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from sglang_ext.engine.forward_batch import ForwardBatch, ForwardMode
+from sglang_ext.engine.forward_batch import BatchRow, ForwardBatch, ForwardMode
+from sglang_ext.sampling.params import SamplingParams
 from sglang_ext.scheduler.batch_builder import Entry, build_batch
+from sglang_ext.scheduler.request import Req
 
 PAGE = 16
 
@@ -81,49 +82,22 @@ class Layout:
 
 def decode_batch(pages: list[list[int]], ctx: int, vocab: int) -> ForwardBatch:
     """Each request holds ctx - 1 tokens of KV and decodes token ctx - 1."""
-    bs = len(pages)
-    dev = "cuda"
-    n = -(-ctx // PAGE)
-    pos = ctx - 1
-    loc = [p[pos // PAGE] * PAGE + pos % PAGE for p in pages]
-    i32 = dict(dtype=torch.int32, device=dev)
-    return ForwardBatch(
-        mode=ForwardMode.DECODE, batch_size=bs,
-        input_ids=torch.randint(0, vocab, (bs,), device=dev),
-        positions=torch.full((bs,), pos, dtype=torch.int64, device=dev),
-        out_cache_loc=torch.tensor(loc, dtype=torch.int64, device=dev),
-        seq_lens=torch.full((bs,), ctx, **i32), extend_lens=[1] * bs, prefix_lens=[ctx - 1] * bs,
-        kv_page_indptr=torch.arange(0, bs * n + 1, n, **i32),
-        kv_page_indices=torch.tensor([q for p in pages for q in p], **i32),
-        kv_last_page_len=torch.full((bs,), ctx - (n - 1) * PAGE, **i32),
-        logits_indices=torch.arange(bs, device=dev), seq_lens_cpu=[ctx] * bs,
-    )
+    ids = torch.randint(0, vocab, (len(pages),)).tolist()
+    rows = [BatchRow(ctx - 1, [t], p, [0]) for p, t in zip(pages, ids, strict=True)]
+    return ForwardBatch.build(rows, ForwardMode.DECODE, PAGE, "cuda")
 
 
 def prefill_batch(pages: list[list[int]], length: int, vocab: int) -> ForwardBatch:
-    bs = len(pages)
-    dev = "cuda"
-    n = -(-length // PAGE)
-    loc = [p[t // PAGE] * PAGE + t % PAGE for p in pages for t in range(length)]
-    i32 = dict(dtype=torch.int32, device=dev)
-    return ForwardBatch(
-        mode=ForwardMode.EXTEND, batch_size=bs,
-        input_ids=torch.randint(0, vocab, (bs * length,), device=dev),
-        positions=torch.arange(length, device=dev).repeat(bs),
-        out_cache_loc=torch.tensor(loc, dtype=torch.int64, device=dev),
-        seq_lens=torch.full((bs,), length, **i32), extend_lens=[length] * bs, prefix_lens=[0] * bs,
-        kv_page_indptr=torch.arange(0, bs * n + 1, n, **i32),
-        kv_page_indices=torch.tensor([q for p in pages for q in p], **i32),
-        kv_last_page_len=torch.full((bs,), length - (n - 1) * PAGE, **i32),
-        logits_indices=torch.arange(length - 1, bs * length, length, device=dev), seq_lens_cpu=[length] * bs,
-    )
+    rows = [BatchRow(0, torch.randint(0, vocab, (length,)).tolist(), p, [length - 1]) for p in pages]
+    return ForwardBatch.build(rows, ForwardMode.EXTEND, PAGE, "cuda")
 
 
 def build_ms(pages: list[list[int]], ctx: int) -> float:
     """CPU cost of the scheduler's `build_batch` for this decode batch (median of 5)."""
-    fill = list(range(ctx))
-    entries = [Entry(SimpleNamespace(kv_len=ctx - 1, fill_ids=fill, pages=p), 1, [], True)  # type: ignore[arg-type]
-               for p in pages]
+    entries = []
+    for i, p in enumerate(pages):
+        r = Req(f"b{i}", list(range(ctx - 1)), SamplingParams(), output_ids=[0], pages=p, kv_len=ctx - 1)
+        entries.append(Entry(r, 1, [], True))
     ts = []
     for _ in range(5):
         t0 = time.perf_counter()

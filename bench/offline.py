@@ -29,7 +29,7 @@ import traceback
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -187,7 +187,7 @@ class Bench:
             be = FlashInferAttentionBackend(pool, cfg.num_heads, cfg.head_dim, cfg.head_dim**-0.5,
                                             decode_tensor_cores=tc)
             be.prepare(batch)
-            w = batch.attn_meta
+            w = batch.attn_meta.wrapper  # type: ignore[union-attr]
             views = [pool.layer_view(i) for i in range(cfg.num_layers)]
             ms = time_gpu(lambda w=w, views=views: [w.run(q, v) for v in views], 5) / cfg.num_layers
             key = "tc" if tc else "cuda_core"
@@ -244,64 +244,74 @@ class Bench:
                          "roofline_ms": roof, "frac_of_roofline": roof / ms, "TFLOPs": flops / ms / 1e9})
         return rows
 
+    SAMPLING: ClassVar[dict[str, dict[str, Any]]] = {
+        "greedy": {"temperature": 0.0},
+        # the sampled row of docs/benchmarks.md: every filter and a penalty, unseeded
+        "sampled": {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "frequency_penalty": 0.5},
+    }
+
     def loop(self) -> list[dict[str, Any]]:
-        """The scheduler loop end to end (build, forward, sample, finish) with and without overlap."""
+        """The scheduler loop end to end (build, forward, sample, finish), with and without overlap,
+        greedy and sampled, at each --loop-requests batch size."""
         rows = []
-        n, plen, out_len = self.a.loop_requests, self.a.loop_prompt, self.a.loop_output
+        plen, out_len = self.a.loop_prompt, self.a.loop_output
+        for n in (int(x) for x in str(self.a.loop_requests).split(",")):
+            for mode in self.a.loop_sampling.split(","):
+                for cls in (Scheduler, OverlapScheduler):
+                    rows.append(self._loop_run(cls, n, plen, out_len, mode))
+        return rows
+
+    def _loop_run(self, cls: type[Scheduler], n: int, plen: int, out_len: int, mode: str) -> dict[str, Any]:
         g = torch.Generator().manual_seed(1)
         prompts = [torch.randint(10, self.cfg.vocab_size, (plen,), generator=g).tolist() for _ in range(n)]
         real_forward = self.runner.forward
-        for cls in (Scheduler, OverlapScheduler):
-            s = cls(self.args, self.runner, PAGE, frozenset(), vocab_size=self.cfg.vocab_size)
-            sp = SamplingParams(max_new_tokens=out_len, temperature=0.0, ignore_eos=True)
-            for i, p in enumerate(prompts):
-                s.add_request(Req(f"{cls.__name__}-{i}", p, sp))
-            fwd_host: list[float] = []
-            fwd_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        s = cls(self.args, self.runner, PAGE, frozenset(), vocab_size=self.cfg.vocab_size)
+        sp = SamplingParams(max_new_tokens=out_len, ignore_eos=True, **self.SAMPLING[mode])
+        for i, p in enumerate(prompts):
+            s.add_request(Req(f"{cls.__name__}-{mode}-{i}", p, sp))
+        fwd_host: list[float] = []
+        fwd_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
-            def timed_forward(batch: ForwardBatch, host: list[float] = fwd_host,
-                              events: list[Any] = fwd_events) -> torch.Tensor:
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                t0 = time.perf_counter()
-                out = real_forward(batch)
-                host.append(time.perf_counter() - t0)
-                e1.record()
-                if batch.mode.is_decode:
-                    events.append((e0, e1))
-                return out
-
-            self.runner.forward = timed_forward  # type: ignore[method-assign]
-            started: set[str] = set()
-            t_first, decode_tokens, steps = None, 0, 0
+        def timed_forward(batch: ForwardBatch) -> torch.Tensor:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
             t0 = time.perf_counter()
-            try:
-                while s.has_work():
-                    for o in s.step():
-                        if t_first is not None:
-                            decode_tokens += len(o.new_token_ids)
-                        elif o.new_token_ids:
-                            started.add(o.rid)
+            out = real_forward(batch)
+            fwd_host.append(time.perf_counter() - t0)
+            e1.record()
+            if batch.mode.is_decode:
+                fwd_events.append((e0, e1))
+            return out
+
+        self.runner.forward = timed_forward  # type: ignore[method-assign]
+        started: set[str] = set()
+        t_first, decode_tokens, steps = None, 0, 0
+        t0 = time.perf_counter()
+        try:
+            while s.has_work():
+                for o in s.step():
                     if t_first is not None:
-                        steps += 1
-                    elif len(started) == n:
-                        t_first = time.perf_counter()  # every request has its first token: decode phase
-                torch.cuda.synchronize()
-            finally:
-                del self.runner.forward  # back to the method
-            t1 = time.perf_counter()
-            dec_s = t1 - (t_first or t0)
-            gpu = [a.elapsed_time(b) for a, b in fwd_events[-steps:]] if steps else []
-            rows.append({"scheduler": cls.__name__, "requests": n, "prompt": plen, "output": out_len,
-                         "total_s": t1 - t0, "decode_s": dec_s, "decode_steps": steps,
-                         "decode_tokens": decode_tokens,
-                         "decode_tok_per_s": decode_tokens / dec_s if dec_s > 0 else None,
-                         "step_wall_ms": dec_s / steps * 1e3 if steps else None,
-                         "forward_gpu_ms_median": statistics.median(gpu) if gpu else None,
-                         "forward_host_ms_median": statistics.median(fwd_host[-steps:]) * 1e3 if steps else None,
-                         "overlapped_steps": getattr(s, "overlapped_steps", 0)})
-            s.flush_cache()
-        return rows
+                        decode_tokens += len(o.new_token_ids)
+                    elif o.new_token_ids:
+                        started.add(o.rid)
+                if t_first is not None:
+                    steps += 1
+                elif len(started) == n:
+                    t_first = time.perf_counter()  # every request has its first token: decode phase
+            torch.cuda.synchronize()
+        finally:
+            del self.runner.forward  # back to the method
+        t1 = time.perf_counter()
+        dec_s = t1 - (t_first or t0)
+        gpu = [a.elapsed_time(b) for a, b in fwd_events[-steps:]] if steps else []
+        s.flush_cache()
+        return {"scheduler": cls.__name__, "sampling": mode, "requests": n, "prompt": plen, "output": out_len,
+                "total_s": t1 - t0, "decode_s": dec_s, "decode_steps": steps, "decode_tokens": decode_tokens,
+                "decode_tok_per_s": decode_tokens / dec_s if dec_s > 0 else None,
+                "step_wall_ms": dec_s / steps * 1e3 if steps else None,
+                "forward_gpu_ms_median": statistics.median(gpu) if gpu else None,
+                "forward_host_ms_median": statistics.median(fwd_host[-steps:]) * 1e3 if steps else None,
+                "overlapped_steps": getattr(s, "overlapped_steps", 0)}
 
     def profile(self, bs: int, ctx: int) -> dict[str, Any]:
         out = {"graph": self._profile(bs, ctx)}
@@ -416,7 +426,8 @@ def summary(res: dict[str, Any]) -> str:
         lines.append(f"prefill {p['reqs']}x{p['len']}: {p['ms']:.1f} ms, {p['tok_per_s']:.0f} tok/s, "
                      f"{p['TFLOPs']:.0f} TFLOP/s = {100 * p['frac_of_roofline']:.0f}% of roofline")
     for lp in res.get("loop", []):
-        lines.append(f"loop {lp['scheduler']}: decode {lp['decode_tok_per_s'] or 0:.0f} tok/s "
+        lines.append(f"loop {lp['scheduler']} {lp.get('sampling', 'greedy')} bs={lp['requests']}: "
+                     f"decode {lp['decode_tok_per_s'] or 0:.0f} tok/s "
                      f"({lp['requests']} reqs x {lp['output']} tokens, overlapped steps {lp['overlapped_steps']}); "
                      f"per step: wall {lp['step_wall_ms'] or 0:.2f} ms, forward on GPU "
                      f"{lp['forward_gpu_ms_median'] or 0:.2f} ms, "
@@ -442,7 +453,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile-bs", type=int, default=64)
     p.add_argument("--profile-ctx", type=int, default=2048)
-    p.add_argument("--loop-requests", type=int, default=64)
+    p.add_argument("--loop-requests", default="64", help="comma-separated batch sizes of the loop section")
+    p.add_argument("--loop-sampling", default="greedy,sampled", help="greedy and/or sampled (see Bench.SAMPLING)")
     p.add_argument("--loop-prompt", type=int, default=1024)
     p.add_argument("--loop-output", type=int, default=64)
     p.add_argument("--sections", default="decode,layout,attention,variants,prefill,loop,profile",

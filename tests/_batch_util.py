@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sglang_ext.attention.torch_backend import TorchAttentionBackend
-from sglang_ext.engine.forward_batch import ForwardBatch, ForwardMode
+from sglang_ext.engine.forward_batch import BatchRow, ForwardBatch, ForwardMode
 from sglang_ext.kvcache.pool import KVGeometry, KVPool
 from sglang_ext.models.config import ModelConfig
 from sglang_ext.models.decoder import DecoderForCausalLM
@@ -62,51 +62,15 @@ class PagedSeqs:
         assert len(seqs) == len(new_tokens) and all(new_tokens)
         if mode.is_decode:
             assert all(len(t) == 1 for t in new_tokens), "decode appends exactly one token"
-        ps = self.page_size
-        ids: list[int] = []
-        pos: list[int] = []
-        locs: list[int] = []
-        seq_lens: list[int] = []
-        indptr = [0]
-        indices: list[int] = []
-        last_page_len: list[int] = []
-        logit_rows: list[int] = []
+        rows = []
         for seq, toks in zip(seqs, new_tokens, strict=True):
-            start, end = seq.length, seq.length + len(toks)
-            self._reserve(seq, end)
-            for p in range(start, end):
-                locs.append(seq.pages[p // ps] * ps + p % ps)
-            pos.extend(range(start, end))
-            rows = range(len(ids), len(ids) + len(toks))
-            logit_rows.extend(rows if all_logits else [rows[-1]])
-            ids.extend(toks)
-            n_pages = -(-end // ps)
-            indices.extend(seq.pages[:n_pages])
-            indptr.append(len(indices))
-            last_page_len.append(end - (n_pages - 1) * ps)
-            seq_lens.append(end)
-        batch = ForwardBatch(
-            mode=mode,
-            batch_size=len(seqs),
-            input_ids=_t(ids, torch.int64),
-            positions=_t(pos, torch.int64),
-            out_cache_loc=_t(locs, torch.int64),
-            seq_lens=_t(seq_lens, torch.int32),
-            extend_lens=[len(t) for t in new_tokens],
-            prefix_lens=[s.length for s in seqs],
-            kv_page_indptr=_t(indptr, torch.int32),
-            kv_page_indices=_t(indices, torch.int32),
-            kv_last_page_len=_t(last_page_len, torch.int32),
-            logits_indices=_t(logit_rows, torch.int64),
-            seq_lens_cpu=seq_lens,
-        )
+            self._reserve(seq, seq.length + len(toks))
+            offsets = range(len(toks)) if all_logits else [len(toks) - 1]
+            rows.append(BatchRow(seq.length, toks, list(seq.pages), offsets))
+        batch = ForwardBatch.build(rows, mode, self.page_size, "cpu")
         for seq, toks in zip(seqs, new_tokens, strict=True):
             seq.length += len(toks)
         return batch
-
-
-def _t(values: list[int], dtype: torch.dtype) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype)
 
 
 @torch.no_grad()
@@ -115,7 +79,7 @@ def run_logits(
 ) -> torch.Tensor:
     """Float32 logits of `batch.logits_indices` rows."""
     dev = backend.pool.device
-    for name in ("input_ids", "positions", "out_cache_loc", "seq_lens", "logits_indices"):
+    for name in ("input_ids", "positions", "out_cache_loc", "kv_indices", "logits_indices"):
         setattr(batch, name, getattr(batch, name).to(dev))
     backend.prepare(batch)
     batch.attn_backend = backend

@@ -55,8 +55,7 @@ def _runner(backend: str, tensor_cores: bool | None = None, graphs: bool = True)
 
 
 def _to(batch: ForwardBatch, dev: str) -> ForwardBatch:
-    for name in ("input_ids", "positions", "out_cache_loc", "seq_lens", "kv_page_indptr", "kv_page_indices",
-                 "kv_last_page_len", "logits_indices"):
+    for name in ("input_ids", "positions", "out_cache_loc", "kv_indices", "logits_indices"):
         setattr(batch, name, getattr(batch, name).to(dev))
     return batch
 

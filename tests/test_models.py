@@ -123,7 +123,7 @@ def test_chunked_prefill_matches_hf(pair: tuple[Any, DecoderForCausalLM]) -> Non
     seq = seqs.new_seq()
     for lo, hi in [(0, 7), (7, 8), (8, PROMPT_LEN)]:
         batch = seqs.batch(ForwardMode.EXTEND, [seq], [ids[lo:hi]], all_logits=True)
-        assert batch.prefix_lens == [lo]
+        assert batch.seq_lens == [hi] and batch.extend_lens == [hi - lo]
         torch.testing.assert_close(run_logits(ours, backend, batch), ref[lo:hi], atol=ATOL, rtol=0)
 
 

@@ -54,6 +54,24 @@ def test_stops_min_new_tokens_and_seeded_sampling(test_device: str) -> None:
     assert got_ov["r0"][-1] == stop and len(got_ov["r0"]) <= 5
 
 
+def test_penalties_bias_and_bans_overlap(test_device: str) -> None:
+    """Penalised, biased and min_new_tokens rows no longer drain the overlap loop: the statistics
+    they need live on the device. Outputs equal the plain loop's (greedy and seeded rows)."""
+    plain, ov = _pair(test_device)
+    params = [greedy(14, frequency_penalty=1.5), greedy(14, presence_penalty=1.0, repetition_penalty=1.4),
+              greedy(14, logit_bias={"5": 3.0, "9": -50.0}),
+              SamplingParams(max_new_tokens=14, temperature=0.0, min_new_tokens=8, stop_token_ids=[7]),
+              SamplingParams(max_new_tokens=14, temperature=0.9, top_k=40, frequency_penalty=0.7, seed=3),
+              SamplingParams(max_new_tokens=14, temperature=1.1, repetition_penalty=1.2, seed=4)]
+    got_plain = run_all(plain, _reqs(params))
+    got_ov = run_all(ov, _reqs(params))
+    assert got_ov == got_plain
+    assert ov.overlapped_steps > 5
+    # the penalties did something: the unpenalised greedy run differs
+    assert run_all(make_scheduler(test_device), _reqs([greedy(14)] * 6))["r0"] != got_plain["r0"]
+    assert ov.sampler.penalties._free and len(ov.sampler.penalties._free) == ov.sampler.penalties.capacity
+
+
 @pytest.mark.parametrize("after_steps", [1, 3, 6])
 def test_abort_while_in_flight_frees_pages(test_device: str, after_steps: int) -> None:
     _, ov = _pair(test_device, disable_radix_cache=True)

@@ -1,17 +1,32 @@
-"""Sampling parameters: validation messages, filters, penalties and seeded reproducibility."""
+"""Sampling: parameter validation, and the batched sampler checked against per-row references --
+exact equality for greedy rows, bias, bans and penalties on the same random numbers; chi-square
+agreement with the filtered distribution for random draws; batch-independent seeded draws."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from sglang_ext.sampling.batch import SampleRow
 from sglang_ext.sampling.params import InvalidRequest, SamplingParams, parse_sampling_params
-from sglang_ext.sampling.sampler import RowInfo, apply_penalties, logprobs_of, sample
+from sglang_ext.sampling.rng import RowRandom, seeded_uniforms
+from sglang_ext.sampling.sampler import Sampler, logprobs_of
+
+V = 40
 
 
-def _row(**kw: object) -> RowInfo:
-    gen = kw.pop("gen", None)
-    return RowInfo(SamplingParams(**kw), [1, 2], [3], gen, [])  # type: ignore[arg-type]
+def _logits(rows: int, seed: int = 0, scale: float = 2.0) -> torch.Tensor:
+    return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def _sample(logits: torch.Tensor, params: list[SamplingParams], sampler: Sampler | None = None,
+            counters: list[int] | None = None, slots: list[int] | None = None,
+            banned: list[list[int]] | None = None) -> list[int]:
+    sampler = sampler or Sampler(logits.shape[1], "cpu")
+    n = len(params)
+    rows = [SampleRow(p, (counters or [0] * n)[i], (banned or [[]] * n)[i], (slots or [-1] * n)[i])
+            for i, p in enumerate(params)]
+    return sampler.sample(logits, sampler.batch(rows)).tolist()
 
 
 @pytest.mark.parametrize(
@@ -48,38 +63,179 @@ def test_string_stop_and_int_stop_id_accepted() -> None:
     assert p.stop == ["END"] and p.stop_token_ids == [7] and p.is_greedy
 
 
+
+
+# ---- per-row references (the semantics the batched code must reproduce) -----------------------------
+def ref_adjust(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int],
+               banned: list[int]) -> torch.Tensor:
+    x = logits.clone()
+    for key, val in (p.logit_bias or {}).items():
+        x[int(key)] += val
+    x[banned] = float("-inf")
+    if p.repetition_penalty != 1.0:
+        for t in set(prompt) | set(output):
+            x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    for t in set(output):
+        c = output.count(t)
+        x[t] -= p.frequency_penalty * c + p.presence_penalty
+    return x
+
+
+def ref_filtered(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Sort-based SGLang filtering of one row: top-k, top-p, min-p as masks on one distribution."""
+    probs = torch.softmax(logits.double() / p.temperature, dim=-1)
+    order = torch.argsort(probs, descending=True)
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if p.top_k > 0:
+        keep[order[p.top_k:]] = False
+    mass = 0.0
+    for rank, t in enumerate(order.tolist()):
+        if mass > p.top_p and rank > 0:
+            keep[t] = False
+        mass += float(probs[t])
+    keep &= probs >= p.min_p * probs.max()
+    out = torch.where(keep, probs, torch.zeros_like(probs))
+    return out / out.sum()
+
+
+def chi2_pvalue(counts: torch.Tensor, expected_p: torch.Tensor) -> float:
+    n = counts.sum()
+    support = expected_p > 0
+    assert counts[~support].sum() == 0, "drew a token outside the filtered support"
+    exp = expected_p[support] * n
+    stat = ((counts[support] - exp) ** 2 / exp).sum()
+    df = int(support.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat.double() / 2))
+
+
+# ---- tests ---------------------------------------------------------------------------------------------
 def test_greedy_and_top_k_1_take_argmax() -> None:
-    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
-    rows = [_row(temperature=0.0), _row(temperature=0.7, top_k=1), _row(temperature=0.0)]
-    assert sample(logits, rows, None) == logits.argmax(-1).tolist()
+    logits = _logits(3)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=1),
+              SamplingParams(temperature=0.0)]
+    assert _sample(logits, params) == logits.argmax(-1).tolist()
 
 
-def test_seeded_sampling_reproducible_and_seed_dependent() -> None:
-    logits = torch.zeros(1, 1000)
-    draws = []
-    for seed in (1, 1, 2):
-        g = torch.Generator().manual_seed(seed)
-        draws.append([sample(logits, [_row(temperature=1.0, gen=g)], None)[0] for _ in range(5)])
-    assert draws[0] == draws[1] and draws[0] != draws[2]
+@pytest.mark.parametrize("kw", [
+    {"temperature": 1.0},
+    {"temperature": 0.7, "top_k": 5},
+    {"temperature": 0.8, "top_p": 0.6},
+    {"temperature": 1.3, "min_p": 0.2},
+    {"temperature": 0.8, "top_p": 0.9, "top_k": 12},
+    {"temperature": 0.9, "top_k": 20, "top_p": 0.8, "min_p": 0.05},
+    {"temperature": 1.0, "top_p": 0.7, "seed": 11},
+])
+def test_draws_follow_the_filtered_distribution(kw: dict) -> None:
+    """10,000 draws in batches of 500 rows (each row its own uniform) against the reference."""
+    row = _logits(1, seed=3)[0]
+    p = SamplingParams(**kw)
+    sampler = Sampler(V, "cpu", seed=5)
+    counts = torch.zeros(V, dtype=torch.float64)
+    for b in range(20):
+        ps = [p] * 500
+        counters = [b * 500 + i for i in range(500)]  # seeded rows: distinct positions
+        for t in _sample(row.expand(500, V).contiguous(), ps, sampler, counters=counters):
+            counts[t] += 1
+    assert chi2_pvalue(counts, ref_filtered(row, p)) > 1e-4
 
 
-def test_top_p_and_min_p_restrict_support() -> None:
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    g = torch.Generator().manual_seed(0)
-    seen = {sample(logits, [_row(temperature=1.0, top_p=0.7, gen=g)], None)[0] for _ in range(200)}
-    assert seen == {0, 1}
-    seen = {sample(logits, [_row(temperature=1.0, min_p=0.5, gen=g)], None)[0] for _ in range(200)}
-    assert seen == {0, 1}
+def test_seeded_rows_do_not_depend_on_their_batch() -> None:
+    logits = _logits(8, seed=1)
+    mine = SamplingParams(temperature=0.9, top_p=0.95, top_k=30, seed=1234)
+    alone = [_sample(logits[3:4], [mine], counters=[c])[0] for c in range(6)]
+    for c in range(6):
+        others = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0),
+                  SamplingParams(temperature=0.5, min_p=0.1, seed=9)] * 3
+        batch = [*others[:3], mine, *others[3:7]]
+        counters = [7] * 3 + [c] + [2] * 4
+        assert _sample(logits, batch, Sampler(V, "cpu", seed=c), counters=counters)[3] == alone[c]
+    assert len(set(alone)) > 1, "the draws should vary with the position"
+    other_seed = [_sample(logits[3:4], [SamplingParams(temperature=0.9, top_p=0.95, top_k=30, seed=99)],
+                          counters=[c])[0] for c in range(6)]
+    assert other_seed != alone
 
 
-def test_penalties() -> None:
-    logits = torch.tensor([[1.0, 1.0, 1.0, -1.0, 1.0]])
-    row = RowInfo(SamplingParams(repetition_penalty=2.0), [0], [3], None, [])
-    out = apply_penalties(logits.clone(), [row])
-    assert out[0].tolist() == [0.5, 1.0, 1.0, -2.0, 1.0]
-    row = RowInfo(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), [0], [4, 4, 1], None, [])
-    out = apply_penalties(logits.clone(), [row])
-    assert out[0].tolist() == pytest.approx([1.0, 0.25, 1.0, -1.0, -0.25])
+def test_uniforms_are_counter_based() -> None:
+    a = seeded_uniforms([5, 5, 6], [0, 1, 0])
+    assert a.tolist() == seeded_uniforms([5, 5, 6], [0, 1, 0]).tolist()
+    assert len(set(a.tolist())) == 3 and all(0 <= x < 1 for x in a)
+    r1, r2 = RowRandom(0), RowRandom(0)
+    assert r1.uniforms([None, 3], [0, 4]).tolist() == r2.uniforms([None, 3], [0, 4]).tolist()
+    assert r1.uniforms([None], [0])[0] != RowRandom(1).uniforms([None], [0])[0]
+
+
+def test_bias_bans_and_penalties_match_per_row_reference() -> None:
+    """Mixed rows (some penalised, some biased, some banned): the batched adjustment equals the
+    per-row reference exactly, and so do the tokens drawn with the same uniforms."""
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, V, (9,), generator=g).tolist() for _ in range(6)]
+    outputs = [torch.randint(0, V, (n,), generator=g).tolist() for n in (0, 5, 3, 8, 1, 4)]
+    params = [
+        SamplingParams(temperature=0.0, frequency_penalty=0.5),
+        SamplingParams(temperature=0.8, presence_penalty=1.5, repetition_penalty=1.3, seed=1),
+        SamplingParams(temperature=0.0, logit_bias={"3": 4.0, "7": -2.5}),
+        SamplingParams(temperature=1.0, repetition_penalty=0.7, frequency_penalty=-0.4, top_k=9, seed=2),
+        SamplingParams(temperature=0.6, top_p=0.8, seed=3),
+        SamplingParams(temperature=0.0, repetition_penalty=1.8, logit_bias={"1": 1.0}),
+    ]
+    banned = [[], [2, 5], [], [0], [], []]
+    logits = _logits(6, seed=2)
+    sampler = Sampler(V, "cpu")
+    slots = [sampler.penalties.acquire(pr, out, p.frequency_penalty, p.presence_penalty) if p.has_penalties else -1
+             for p, pr, out in zip(params, prompts, outputs, strict=True)]
+    counters = [len(o) for o in outputs]
+    rows = [SampleRow(p, c, b, s) for p, c, b, s in zip(params, counters, banned, slots, strict=True)]
+    sb = sampler.batch(rows)
+    from sglang_ext.sampling.sampler import adjust_logits, filtered_probs, invert_cdf
+
+    got = adjust_logits(logits, sb, sampler.penalties)
+    want = torch.stack([ref_adjust(logits[i], params[i], prompts[i], outputs[i], banned[i]) for i in range(6)])
+    assert torch.equal(got, want)
+    tokens = sampler.sample(logits, sb).tolist()
+    for i, p in enumerate(params):
+        if p.is_greedy:
+            assert tokens[i] == int(want[i].argmax())
+        else:  # the same uniform through the one-row path
+            one = sampler.batch([rows[i]._replace(penalty_slot=-1)])
+            probs = filtered_probs(want[i : i + 1], one.temperature, one.top_k, one.top_p, one.min_p,
+                                   one.max_top_k, one.any_top_p, one.any_min_p)
+            assert tokens[i] == int(invert_cdf(probs, sb.uniforms[i : i + 1])[0])
+        assert tokens[i] not in banned[i]
+
+
+def test_penalty_table_tracks_sampled_tokens() -> None:
+    sampler = Sampler(V, "cpu")
+    p = SamplingParams(temperature=0.0, frequency_penalty=1.0, presence_penalty=0.5)
+    table = sampler.penalties
+    slot = table.acquire([1, 2], [4, 4], 1.0, 0.5)
+    assert float(table.additive[slot, 4]) == 2.5 and bool(table.seen[slot, 1]) and not bool(table.in_output[slot, 1])
+    logits = torch.zeros(1, V)
+    logits[0, 4] = 2.6  # 2.6 - (2 * 1.0 + 0.5) = 0.1 > 0: still the argmax
+    logits[0, 9] = 0.05
+    t = _sample(logits, [p], sampler, counters=[2], slots=[slot])
+    assert t == [4] and float(table.additive[slot, 4]) == 3.5  # recorded on the device at once
+    assert _sample(logits, [p], sampler, counters=[3], slots=[slot]) == [9]  # 2.6 - 3.5 < 0.05
+    assert float(table.additive[slot, 9]) == 1.5  # first occurrence: frequency + presence
+    table.release(slot)
+    again = table.acquire([3], [], 0.2, 0.0)
+    assert again == slot and float(table.additive[slot].abs().sum()) == 0  # reused, reset
+    assert bool(table.seen[slot, 3]) and not bool(table.seen[slot, 4])
+
+
+def test_penalty_table_grows() -> None:
+    table = Sampler(V, "cpu").penalties
+    slots = [table.acquire([i % V], [i % V], 1.0, 0.0) for i in range(20)]
+    assert len(set(slots)) == 20 and table.capacity >= 20
+    assert all(float(table.additive[s, i % V]) == 1.0 for i, s in enumerate(slots))
+
+
+def test_min_new_tokens_bans_and_logit_bias() -> None:
+    logits = torch.zeros(2, 10)
+    logits[:, 3] = 5.0
+    params = [SamplingParams(temperature=0.0, logit_bias={"7": 10.0}),
+              SamplingParams(temperature=0.0, logit_bias={"3": -100.0, "2": 1.0})]
+    assert _sample(logits, params) == [7, 2]
+    assert _sample(logits, [SamplingParams(temperature=0.0)] * 2, banned=[[3], []]) != [3, 3]
 
 
 def test_logprobs_of() -> None:
@@ -89,11 +245,7 @@ def test_logprobs_of() -> None:
     assert tops[1][0][1] == 1
 
 
-def test_logit_bias_steers_and_is_validated() -> None:
-    logits = torch.zeros(2, 10)
-    logits[:, 3] = 5.0
-    rows = [_row(temperature=0.0, logit_bias={"7": 10.0}), _row(temperature=0.0, logit_bias={"3": -100.0, "2": 1.0})]
-    assert sample(logits, rows, None) == [7, 2]
+def test_logit_bias_is_validated() -> None:
     with pytest.raises(InvalidRequest, match="logit_bias"):
         parse_sampling_params({"logit_bias": {"x": 1.0}}).validate(10)
     with pytest.raises(InvalidRequest, match="logit_bias"):

@@ -18,6 +18,11 @@ if TYPE_CHECKING:
     from sglang_ext.kvcache.pool import KVPool
 
 
+class AttentionMetadata:
+    """A backend's plan for one forward (kernel wrappers, gathered page tables); each backend
+    subclasses it, and only that backend reads it."""
+
+
 class AttentionBackend(ABC):
     def __init__(self, pool: KVPool, num_q_heads: int, head_dim: int, scale: float) -> None:
         self.pool = pool
@@ -27,7 +32,8 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> None:
-        """Plan the whole forward (index math, kernel plans); stores state in `batch.attn_meta`."""
+        """Plan the whole forward (index math, kernel plans) from the batch's host-side layout;
+        stores the plan in `batch.attn_meta`. Must not read device tensors back (no sync)."""
 
     @abstractmethod
     def forward(

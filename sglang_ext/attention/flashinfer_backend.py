@@ -8,8 +8,8 @@
 
 Planning happens once per forward in `prepare`; every layer reuses the plan. The per-layer KV is
 the pool's strided `layer_view` ([pages, 2, P, Hkv, D], page stride = all layers), which FlashInfer
-reads in place. Host copies of indptr / last-page lengths are rebuilt from `seq_lens_cpu`, so
-planning never waits on the GPU.
+reads in place. Plans use the batch's host copies of indptr / last-page lengths, so planning
+never waits on the GPU.
 
 CUDA graphs: one graph-mode decode wrapper per captured batch size, all sharing fixed index
 buffers; `prepare_for_replay` re-plans into those buffers (padding rows point at page 0 with one
@@ -18,13 +18,14 @@ token) before the graph runs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Final
 
 import flashinfer
 import torch
 
 from sglang_ext import ops
-from sglang_ext.attention.base import AttentionBackend
+from sglang_ext.attention.base import AttentionBackend, AttentionMetadata
 from sglang_ext.engine.forward_batch import ForwardBatch
 from sglang_ext.kvcache.pool import KVPool
 
@@ -35,18 +36,20 @@ WORKSPACE_BYTES: Final = 256 * 1024 * 1024
 PREFILL_KERNEL: Final = "fa2"
 
 
-def host_layout(seq_lens: list[int], page_size: int, pad_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kv_page_indptr, kv_last_page_len) as CPU int32 tensors; each padding row has one page."""
-    indptr = [0]
-    last: list[int] = []
-    for s in seq_lens:
-        n = -(-s // page_size)
-        indptr.append(indptr[-1] + n)
-        last.append(s - (n - 1) * page_size)
-    for _ in range(pad_rows):
-        indptr.append(indptr[-1] + 1)
-        last.append(1)
-    return torch.tensor(indptr, dtype=torch.int32), torch.tensor(last, dtype=torch.int32)
+def pad_layout(batch: ForwardBatch, pad_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The batch's (indptr, indices, last_page_len) plus `pad_rows` rows of one token in page 0."""
+    if not pad_rows:
+        return batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len
+    n = int(batch.kv_indptr[-1])
+    indptr = torch.cat([batch.kv_indptr, torch.arange(n + 1, n + pad_rows + 1, dtype=torch.int32)])
+    last = torch.cat([batch.kv_last_page_len, torch.ones(pad_rows, dtype=torch.int32)])
+    indices = torch.cat([batch.kv_indices, batch.kv_indices.new_zeros(pad_rows)])
+    return indptr, indices, last
+
+
+@dataclass
+class FlashInferMeta(AttentionMetadata):
+    wrapper: Any  # a planned BatchPrefill/BatchDecode wrapper; `run(q, kv)` per layer
 
 
 def default_decode_tensor_cores(num_q_heads: int, num_kv_heads: int) -> bool:
@@ -95,23 +98,21 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._plan_done.record()
 
     def prepare(self, batch: ForwardBatch) -> None:
-        ps = self.pool.page_size
-        indptr, last = host_layout(batch.seq_lens_cpu, ps)
         if batch.mode.is_decode:
-            self._plan_decode(self.decode_wrapper, indptr, batch.kv_page_indices, last)
-            batch.attn_meta = self.decode_wrapper
+            self._plan_decode(self.decode_wrapper, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len)
+            batch.attn_meta = FlashInferMeta(self.decode_wrapper)
             return
         qo = [0]
         for e in batch.extend_lens:
             qo.append(qo[-1] + e)
         self._wait_previous_plan()
         self.prefill_wrapper.plan(
-            torch.tensor(qo, dtype=torch.int32), indptr, batch.kv_page_indices, last,
-            self.num_q_heads, self.num_kv_heads, self.head_dim, ps, causal=True, sm_scale=self.scale,
-            q_data_type=self.dtype, kv_data_type=self.dtype,
+            torch.tensor(qo, dtype=torch.int32), batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
+            self.num_q_heads, self.num_kv_heads, self.head_dim, self.pool.page_size, causal=True,
+            sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
         )
         self._mark_plan()
-        batch.attn_meta = self.prefill_wrapper
+        batch.attn_meta = FlashInferMeta(self.prefill_wrapper)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
@@ -120,7 +121,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         q = q.to(self.dtype)
         if not q.is_contiguous():
             q = q.contiguous()
-        return batch.attn_meta.run(q, self.pool.layer_view(layer_id))
+        meta = batch.attn_meta
+        assert isinstance(meta, FlashInferMeta)
+        return meta.wrapper.run(q, self.pool.layer_view(layer_id))
 
     # ---- CUDA graphs (decode) -------------------------------------------------------------------------
     def supports_cuda_graph(self) -> bool:
@@ -145,21 +148,13 @@ class FlashInferAttentionBackend(AttentionBackend):
         return w
 
     def prepare_for_capture(self, batch: ForwardBatch) -> None:
-        """Plan a dummy layout (every row: page 0, one token) for the graph of this batch size."""
-        bs = batch.batch_size
-        w = self._graph_wrapper(bs)
-        indptr, last = host_layout([], self.pool.page_size, pad_rows=bs)
-        zeros = torch.zeros(bs, dtype=torch.int32, device=self.pool.device)
-        self._plan_decode(w, indptr, zeros, last)
-        batch.attn_meta = w
+        """Plan the capture batch's layout (every row: page 0, one token) for its graph."""
+        w = self._graph_wrapper(batch.batch_size)
+        self._plan_decode(w, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len)
+        batch.attn_meta = FlashInferMeta(w)
 
     def prepare_for_replay(self, batch: ForwardBatch, padded_bs: int) -> None:
         """Re-plan the captured wrapper for `batch` padded to `padded_bs` rows (in-place buffers)."""
         w = self._graph_wrapper(padded_bs)
-        pad = padded_bs - batch.batch_size
-        indptr, last = host_layout(batch.seq_lens_cpu, self.pool.page_size, pad_rows=pad)
-        indices = batch.kv_page_indices
-        if pad:
-            indices = torch.cat([indices, torch.zeros(pad, dtype=indices.dtype, device=indices.device)])
-        self._plan_decode(w, indptr, indices, last)
-        batch.attn_meta = w
+        self._plan_decode(w, *pad_layout(batch, padded_bs - batch.batch_size))
+        batch.attn_meta = FlashInferMeta(w)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from sglang_ext.attention.base import AttentionBackend
+from sglang_ext.attention.base import AttentionBackend, AttentionMetadata
 from sglang_ext.engine.forward_batch import ForwardBatch
 from sglang_ext.kvcache.pool import KVPool
 
@@ -37,7 +37,7 @@ class _Group:
 
 
 @dataclass
-class _TorchMeta:
+class _TorchMeta(AttentionMetadata):
     single: _Group | None  # requests with one new token (decode rows)
     single_rows: torch.Tensor  # their rows in q
     multi: list[int]  # requests with several new tokens
@@ -67,22 +67,19 @@ class TorchAttentionBackend(AttentionBackend):
         v = group.gather(self.pool.v_view(layer), self._buf("v" + tag, group))
         return k, v
 
-    def _group(self, idx: list[int], indptr: list[int], pages: list[int], seq: list[int]) -> _Group:
-        ps = self.pool.page_size
+    def _group(self, idx: list[int], batch: ForwardBatch) -> _Group:
         dev = self.pool.device
-        n = max(indptr[i + 1] - indptr[i] for i in idx)
-        table = [pages[indptr[i] : indptr[i + 1]] + [0] * (n - indptr[i + 1] + indptr[i]) for i in idx]
-        pos = torch.arange(n * ps, device=dev)
-        valid = pos.unsqueeze(0) < torch.tensor([seq[i] for i in idx], device=dev).unsqueeze(1)
+        n = max(len(batch.page_table[i]) for i in idx)
+        table = [list(batch.page_table[i]) + [0] * (n - len(batch.page_table[i])) for i in idx]
+        pos = torch.arange(n * self.pool.page_size, device=dev)
+        valid = pos.unsqueeze(0) < torch.tensor([batch.seq_lens[i] for i in idx], device=dev).unsqueeze(1)
         return _Group(torch.tensor(table, dtype=torch.long, device=dev), valid)
 
     def prepare(self, batch: ForwardBatch) -> None:
         dev = self.pool.device
         b = batch.batch_size
-        seq = batch.seq_lens_cpu
+        seq = batch.seq_lens
         ext = batch.extend_lens
-        indptr = batch.kv_page_indptr.tolist()
-        pages = batch.kv_page_indices.tolist()
         q_starts, acc = [], 0
         for e in ext:
             q_starts.append(acc)
@@ -90,10 +87,10 @@ class TorchAttentionBackend(AttentionBackend):
         single = [i for i in range(b) if ext[i] == 1]
         multi = [i for i in range(b) if ext[i] > 1]
         meta = _TorchMeta(
-            self._group(single, indptr, pages, seq) if single else None,
+            self._group(single, batch) if single else None,
             torch.tensor([q_starts[i] for i in single], dtype=torch.long, device=dev),
             multi,
-            self._group(multi, indptr, pages, seq) if multi else None,
+            self._group(multi, batch) if multi else None,
             q_starts,
         )
         if len(multi) > 1:
@@ -117,7 +114,8 @@ class TorchAttentionBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
     ) -> torch.Tensor:
         self.pool.write(layer_id, batch.out_cache_loc, k, v)
-        meta: _TorchMeta = batch.attn_meta
+        meta = batch.attn_meta
+        assert isinstance(meta, _TorchMeta)
         if meta.single is not None:
             g = meta.single
             ks, vs = self._gather(g, layer_id, "single")
@@ -137,7 +135,7 @@ class TorchAttentionBackend(AttentionBackend):
             out[meta.padded_q[real]] = o[real].to(q.dtype)
             return out
         for gi, i in enumerate(meta.multi):
-            e, s, qs = batch.extend_lens[i], batch.seq_lens_cpu[i], meta.q_starts[i]
+            e, s, qs = batch.extend_lens[i], batch.seq_lens[i], meta.q_starts[i]
             qpos = torch.arange(s - e, s, device=q.device).unsqueeze(1)
             mask = (torch.arange(s, device=q.device).unsqueeze(0) <= qpos).unsqueeze(0)  # [1, e, s]
             o = self._attend(q[qs : qs + e].unsqueeze(0), kc[gi : gi + 1, :s], vc[gi : gi + 1, :s], mask)

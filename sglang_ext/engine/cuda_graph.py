@@ -57,7 +57,6 @@ class CudaGraphRunner:
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=device)  # slot 0 of page 0
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.rows = torch.arange(n, dtype=torch.int64, device=device)
         attn.init_cuda_graph_state(n, n * max_pages_per_req)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -67,13 +66,13 @@ class CudaGraphRunner:
         self.capture()
 
     def _static_batch(self, bs: int) -> ForwardBatch:
+        """The graph's inputs: the static buffers; every row attends to one token in page 0."""
         return ForwardBatch(
-            mode=ForwardMode.DECODE, batch_size=bs,
-            input_ids=self.input_ids[:bs], positions=self.positions[:bs],
-            out_cache_loc=self.out_cache_loc[:bs], seq_lens=self.seq_lens[:bs],
-            extend_lens=[1] * bs, prefix_lens=[0] * bs,
-            kv_page_indptr=torch.empty(0), kv_page_indices=torch.empty(0), kv_last_page_len=torch.empty(0),
-            logits_indices=self.rows[:bs], attn_backend=self.attn, seq_lens_cpu=[1] * bs,
+            mode=ForwardMode.DECODE, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
+            out_cache_loc=self.out_cache_loc[:bs], logits_indices=self.rows[:bs],
+            extend_lens=[1] * bs, seq_lens=[1] * bs, page_table=[[0]] * bs,
+            kv_indptr=torch.arange(bs + 1, dtype=torch.int32), kv_last_page_len=torch.ones(bs, dtype=torch.int32),
+            kv_indices=torch.zeros(bs, dtype=torch.int32, device=self.device), attn_backend=self.attn,
         )
 
     @torch.inference_mode()
@@ -99,7 +98,7 @@ class CudaGraphRunner:
                     len(self.sizes), self.sizes[0], self.max_bs, time.perf_counter() - t0)
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.mode.is_decode and batch.batch_size <= self.max_bs and not batch.remote_rows
+        return batch.mode.is_decode and batch.batch_size <= self.max_bs
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states (final-normed) of `batch.logits_indices`, like `model(batch)`."""

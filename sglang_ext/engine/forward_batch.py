@@ -1,22 +1,27 @@
-"""The tensors one model forward needs, built by the scheduler and read by the model and attention.
+"""The tensors one model forward needs, built once per step and read by the model and attention.
 
 KV addressing is FlashInfer's paged layout, so GPU backends take it as is:
 
-    request i's pages   = kv_page_indices[kv_page_indptr[i] : kv_page_indptr[i+1]]
+    request i's pages   = kv_indices[kv_indptr[i] : kv_indptr[i+1]]
     its KV length       = seq_lens[i]  (prefix + tokens written by this forward)
     new token j's slot  = out_cache_loc[j] = page * page_size + offset
+
+Every piece of layout is computed here, once, on the host (`build`); the per-token tensors go to
+the device without a sync. Backends plan from the host copies (`kv_indptr`, `kv_last_page_len`,
+`page_table`) and never read device tensors back.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 if TYPE_CHECKING:
-    from sglang_ext.attention.base import AttentionBackend
+    from sglang_ext.attention.base import AttentionBackend, AttentionMetadata
 
 
 class ForwardMode(enum.IntEnum):
@@ -28,26 +33,81 @@ class ForwardMode(enum.IntEnum):
         return self is ForwardMode.DECODE
 
 
+class BatchRow(NamedTuple):
+    """What the batch needs of one request: nothing else of the scheduler's state."""
+
+    start: int  # tokens whose KV is already present (the new tokens' first position)
+    tokens: Sequence[int]  # ids of the new tokens (placeholders when the ids come on the device)
+    pages: Sequence[int]  # the request's page table, covering start + len(tokens)
+    logit_offsets: Sequence[int] = ()  # offsets within the new tokens whose logits are wanted
+
+
 @dataclass
 class ForwardBatch:
     mode: ForwardMode
-    batch_size: int
-    input_ids: torch.Tensor  # [T] int64, new tokens of all requests, request-major
+    # per new token, request-major (device)
+    input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    out_cache_loc: torch.Tensor  # [T] int64 slot of each new token
-    seq_lens: torch.Tensor  # [B] int32, KV length after this forward (device)
-    extend_lens: list[int]  # new tokens per request (1 for decode)
-    prefix_lens: list[int]  # KV already present per request
-    kv_page_indptr: torch.Tensor  # [B+1] int32
-    kv_page_indices: torch.Tensor  # [sum pages] int32
-    kv_last_page_len: torch.Tensor  # [B] int32
+    out_cache_loc: torch.Tensor  # [T] int64
     logits_indices: torch.Tensor  # [N] rows of the hidden states that need logits
+    # per request (host)
+    extend_lens: list[int]  # new tokens
+    seq_lens: list[int]  # KV length after this forward
+    page_table: list[Sequence[int]]  # each request's pages, exactly those covering seq_lens
+    kv_indptr: torch.Tensor  # [B+1] int32, CPU
+    kv_last_page_len: torch.Tensor  # [B] int32, CPU
+    kv_indices: torch.Tensor  # [sum pages] int32 (device): the page tables, concatenated
     attn_backend: AttentionBackend | None = None
-    # Rows (request indices) whose attention runs elsewhere; empty until remote attention exists.
-    remote_rows: list[int] = field(default_factory=list)
-    attn_meta: Any = None  # backend-private planning state
-    seq_lens_cpu: list[int] = field(default_factory=list)
+    attn_meta: AttentionMetadata | None = None  # the backend's plan for this forward
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_lens)
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @classmethod
+    def build(cls, rows: Sequence[BatchRow], mode: ForwardMode, page_size: int,
+              device: torch.device | str) -> ForwardBatch:
+        ids: list[int] = []
+        pos: list[int] = []
+        loc: list[int] = []
+        seq_lens: list[int] = []
+        table: list[Sequence[int]] = []
+        indptr = [0]
+        indices: list[int] = []
+        last: list[int] = []
+        logit_rows: list[int] = []
+        for r in rows:
+            end = r.start + len(r.tokens)
+            row0 = len(ids)
+            ids.extend(r.tokens)
+            pos.extend(range(r.start, end))
+            loc.extend(r.pages[p // page_size] * page_size + p % page_size for p in range(r.start, end))
+            n_pages = -(-end // page_size)
+            pages = r.pages[:n_pages]
+            table.append(pages)
+            indices.extend(pages)
+            indptr.append(len(indices))
+            seq_lens.append(end)
+            last.append(end - (n_pages - 1) * page_size)
+            logit_rows.extend(row0 + o for o in r.logit_offsets)
+
+        def dev(x: list[int], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
+
+        return cls(
+            mode=mode,
+            input_ids=dev(ids, torch.long),
+            positions=dev(pos, torch.long),
+            out_cache_loc=dev(loc, torch.long),
+            logits_indices=dev(logit_rows, torch.long),
+            extend_lens=[len(r.tokens) for r in rows],
+            seq_lens=seq_lens,
+            page_table=table,
+            kv_indptr=torch.tensor(indptr, dtype=torch.int32),
+            kv_last_page_len=torch.tensor(last, dtype=torch.int32),
+            kv_indices=dev(indices, torch.int32),
+        )

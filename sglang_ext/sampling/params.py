@@ -6,8 +6,6 @@ from typing import Any
 
 import msgspec
 
-_MAX_TOP_LOGPROBS = 64
-
 
 class InvalidRequest(ValueError):
     """A request the server rejects (HTTP 400); the message names the offending parameter."""
@@ -92,7 +90,3 @@ def parse_sampling_params(raw: dict[str, Any] | SamplingParams | None) -> Sampli
         return msgspec.convert(raw, SamplingParams)
     except msgspec.ValidationError as e:
         raise InvalidRequest(f"sampling_params: {e}") from None
-
-
-def top_logprobs_limit() -> int:
-    return _MAX_TOP_LOGPROBS

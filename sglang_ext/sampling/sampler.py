@@ -1,84 +1,167 @@
-"""Batched sampling with per-request parameters and optional per-request seeds.
+"""The batched sampler, shared by the plain and the overlap loops; tokens stay on the device.
 
-Greedy rows take the argmax of the logits (after `logit_bias`, bans and penalties), so a request's
-greedy tokens never depend on what else is in the batch. Penalties follow SGLang/OpenAI: frequency
-and presence count output tokens; repetition divides positive (multiplies negative) logits of any
-token seen in prompt or output.
+    logits ─ logit_bias, bans, penalties (batched) ─┬─ argmax ─────────────────────── greedy rows
+                                                    └─ / temperature ─ filter ─ draw ── sampled rows
+
+Filters follow SGLang: top-k, top-p and min-p are each a mask on the same (unrenormalised)
+distribution, and a token survives all three; ties at a threshold survive. Two ways to draw:
+
+* exact (CPU and GPU): the row's kept probabilities are summed in vocabulary order and the
+  token is found by inverting that CDF at the row's uniform (`rng.py`) -- so a seeded row's token
+  depends on its own logits and seed alone, never on its batch. Top-p needs the row sorted.
+* FlashInfer (GPU, unseeded rows without min-p): its sorting-free rejection kernels, drawing
+  from the worker's device generator. Its Philox streams are keyed by the row's place in the
+  batch, which is why seeded rows never take this path.
+
+Greedy rows are exactly the argmax of the adjusted logits. Penalty statistics are updated on the
+device as the tokens are drawn (`penalties.py`).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import importlib.util
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from sglang_ext.sampling.params import SamplingParams
+from sglang_ext.sampling.batch import SampleRow, SamplingBatch
+from sglang_ext.sampling.penalties import PenaltyTable
+from sglang_ext.sampling.rng import RowRandom
+
+Rows = slice | torch.Tensor
 
 
-class RowInfo(NamedTuple):
-    params: SamplingParams
-    prompt_ids: list[int]
-    output_ids: list[int]
-    generator: torch.Generator | None
-    banned_ids: list[int]  # masked until min_new_tokens is reached (eos / stop ids)
-
-
-def apply_penalties(logits: torch.Tensor, rows: list[RowInfo]) -> torch.Tensor:
-    for i, r in enumerate(rows):
-        p = r.params
-        if not p.has_penalties:
-            continue
-        dev = logits.device
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.long, device=dev)
-            if seen.numel():
-                vals = logits[i, seen]
-                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if r.output_ids and (p.frequency_penalty or p.presence_penalty):
-            ids = torch.tensor(r.output_ids, dtype=torch.long, device=dev)
-            ones = torch.ones_like(ids, dtype=torch.float)
-            counts = torch.zeros(logits.shape[1], device=dev).scatter_add_(0, ids, ones)
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
-    return logits
-
-
-def _filter(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """top-k, top-p and min-p on one row of probabilities (renormalised)."""
-    if p.top_k > 0 and p.top_k < probs.shape[-1]:
-        kth = torch.topk(probs, p.top_k).values[-1]
-        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-    if p.top_p < 1.0:
-        sorted_p, idx = torch.sort(probs, descending=True)
-        cum = torch.cumsum(sorted_p, dim=-1)
-        drop = (cum - sorted_p) > p.top_p  # keep the smallest set whose mass reaches top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-    if p.min_p > 0.0:
-        probs = torch.where(probs >= p.min_p * probs.max(), probs, torch.zeros_like(probs))
-    return probs / probs.sum()
-
-
-def sample(logits: torch.Tensor, rows: list[RowInfo], default_gen: torch.Generator | None) -> list[int]:
-    """logits [N, V] float32 -> one token id per row."""
-    logits = logits.clone()
-    for i, r in enumerate(rows):
-        if r.params.logit_bias:
-            ids = [int(k) for k in r.params.logit_bias]
-            logits[i, ids] += torch.tensor(list(r.params.logit_bias.values()), device=logits.device)
-        if r.banned_ids:
-            logits[i, r.banned_ids] = float("-inf")
-    logits = apply_penalties(logits, rows)
-    greedy = torch.argmax(logits, dim=-1)
-    out = greedy.tolist()
-    for i, r in enumerate(rows):
-        p = r.params
-        if p.is_greedy:
-            continue
-        probs = torch.softmax(logits[i] / p.temperature, dim=-1)
-        probs = _filter(probs, p)
-        gen = r.generator if r.generator is not None else default_gen
-        out[i] = int(torch.multinomial(probs, 1, generator=gen).item())
+def adjust_logits(logits: torch.Tensor, sb: SamplingBatch, table: PenaltyTable | None) -> torch.Tensor:
+    """logit_bias, then min_new_tokens bans, then repetition / frequency / presence penalties.
+    Never writes to `logits` (the caller may still want the raw values for logprobs)."""
+    out = logits
+    vocab = logits.shape[1]
+    if sb.bias is not None or sb.bans is not None:
+        out = logits.clone()
+        if sb.bias is not None:
+            rows, ids, vals = sb.bias
+            out.view(-1).index_add_(0, rows * vocab + ids, vals)
+        if sb.bans is not None:
+            rows, ids = sb.bans
+            out.view(-1).index_fill_(0, rows * vocab + ids, float("-inf"))
+    if sb.pen_rows is not None:
+        assert table is not None and sb.pen_slots is not None and sb.repetition is not None
+        every = sb.pen_all_rows  # the common case: every row penalised, in order
+        sub = out if every else out.index_select(0, sb.pen_rows)
+        if sb.any_repetition:
+            rep = sb.repetition.unsqueeze(1)
+            sub = torch.where(table.seen.index_select(0, sb.pen_slots),
+                              torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub = sub - table.additive.index_select(0, sb.pen_slots)
+        if every:
+            return sub
+        if out is logits:
+            out = logits.clone()
+        out.index_copy_(0, sb.pen_rows, sub)
     return out
+
+
+def filter_threshold(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                     max_top_k: int, any_top_p: bool, any_min_p: bool, top_p_sorts: bool = True) -> torch.Tensor:
+    """Per row, the smallest probability that survives top-k, top-p and min-p ([B, 1]).
+
+    A row with top-k never keeps more than its k largest, so when every top-p row has a top-k,
+    the top-p boundary is looked for among the `max_top_k` largest only (no full sort): if it lies
+    beyond them, the top-k threshold is the higher one anyway."""
+    t = torch.zeros(probs.shape[0], 1, dtype=probs.dtype, device=probs.device)
+    top = None
+    if max_top_k > 0:
+        top = torch.topk(probs, max_top_k, dim=-1).values  # sorted, as many as the largest k
+        kth = top.gather(1, (top_k.clamp(max=max_top_k) - 1).unsqueeze(1))
+        t = torch.where(top_k.unsqueeze(1) <= max_top_k, kth, t)  # rows without top-k keep 0
+    if any_top_p:
+        sorted_p = torch.sort(probs, dim=-1, descending=True)[0] if top_p_sorts or top is None else top
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly above each token
+        last = (before <= top_p.unsqueeze(1)).sum(-1, keepdim=True).clamp(min=1) - 1
+        t = torch.maximum(t, sorted_p.gather(1, last))
+    if any_min_p:
+        t = torch.maximum(t, min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values)
+    return t
+
+
+def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   min_p: torch.Tensor, max_top_k: int, any_top_p: bool, any_min_p: bool,
+                   top_p_sorts: bool = True) -> torch.Tensor:
+    """softmax(logits / T) with filtered-out tokens set to 0 (not renormalised)."""
+    probs = torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
+    if max_top_k > 0 or any_top_p or any_min_p:
+        t = filter_threshold(probs, top_k, top_p, min_p, max_top_k, any_top_p, any_min_p, top_p_sorts)
+        probs = torch.where(probs >= t, probs, torch.zeros_like(probs))
+    return probs
+
+
+def invert_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The token whose cumulative mass (vocabulary order) first exceeds u * total, per row."""
+    cdf = torch.cumsum(probs, dim=-1)
+    target = uniforms.unsqueeze(1) * cdf[:, -1:]
+    # cdf only rises at tokens with mass, so the first index above the target holds a kept token
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=probs.shape[1] - 1)
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device | str, seed: int = 0,
+                 use_flashinfer: bool | None = None) -> None:
+        self.vocab = vocab_size
+        self.device = torch.device(device)
+        self.rng = RowRandom(seed)
+        self.penalties = PenaltyTable(vocab_size, self.device)
+        if use_flashinfer is None:
+            use_flashinfer = self.device.type == "cuda" and importlib.util.find_spec("flashinfer") is not None
+        self.fi: Any = None
+        self.gen: torch.Generator | None = None
+        if use_flashinfer:
+            import flashinfer.sampling
+
+            self.fi = flashinfer.sampling
+            self.gen = torch.Generator(device=self.device).manual_seed(seed)
+
+    def batch(self, rows: Sequence[SampleRow]) -> SamplingBatch:
+        return SamplingBatch.build(rows, self.vocab, self.rng, self.device)
+
+    def sample(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+        """logits [B, V] float32 -> token ids [B] int64 on the device (no host sync)."""
+        logits = adjust_logits(logits, sb, self.penalties)
+        tokens = torch.argmax(logits, dim=-1)
+        if not sb.all_greedy:
+            fast = [i for i in range(sb.size) if not sb.greedy[i] and self.fi is not None and not sb.exact_only[i]]
+            exact = [i for i in range(sb.size) if not sb.greedy[i] and (self.fi is None or sb.exact_only[i])]
+            for rows, draw in ((fast, self._draw_flashinfer), (exact, self._draw_exact)):
+                if rows:
+                    self._draw_rows(tokens, logits, rows, sb, draw)
+        if sb.pen_rows is not None:
+            assert sb.pen_slots is not None
+            self.penalties.record(sb.pen_slots, tokens[sb.pen_rows])
+        return tokens
+
+    def _draw_rows(self, tokens: torch.Tensor, logits: torch.Tensor, rows: list[int], sb: SamplingBatch,
+                   draw: Callable[[torch.Tensor, Rows, SamplingBatch], torch.Tensor]) -> None:
+        if len(rows) == sb.size:
+            tokens.copy_(draw(logits, slice(None), sb))
+            return
+        idx = torch.tensor(rows, dtype=torch.int64).to(tokens.device, non_blocking=True)
+        tokens.index_copy_(0, idx, draw(logits[idx], idx, sb))
+
+    @staticmethod
+    def _draw_exact(logits: torch.Tensor, rows: Rows, sb: SamplingBatch) -> torch.Tensor:
+        probs = filtered_probs(logits, sb.temperature[rows], sb.top_k[rows], sb.top_p[rows], sb.min_p[rows],
+                               sb.max_top_k, sb.any_top_p, sb.any_min_p, sb.top_p_sorts)
+        return invert_cdf(probs, sb.uniforms[rows])
+
+    def _draw_flashinfer(self, logits: torch.Tensor, rows: Rows, sb: SamplingBatch) -> torch.Tensor:
+        scaled = logits / sb.temperature[rows].unsqueeze(1)
+        if sb.max_top_k > 0 or sb.any_top_p:
+            out = self.fi.top_k_top_p_sampling_from_logits(
+                scaled, sb.top_k[rows].to(torch.int32), sb.top_p[rows], filter_apply_order="joint",
+                generator=self.gen)
+        else:
+            out = self.fi.sampling_from_logits(scaled, generator=self.gen)
+        return out.long()
 
 
 def logprobs_of(

@@ -15,10 +15,12 @@ runs one extra row at t+1 whose token is dropped; its KV write lands in its own,
 reuses the page later is ordered after it on the stream. Requests that certainly finish at t
 (max_new_tokens, context length) are left out of t+1.
 
-Only plain decode batches overlap: no prompt/output logprobs and no penalties (those need each
-row's last token on the host while sampling). Anything else (prefill, admissions, preemption,
-logprobs) first drains the in-flight step and then runs exactly as `Scheduler.step`, so the
-scheduling decisions and greedy outputs are the same as without overlap.
+Only decode batches without logprobs overlap. Sampling needs nothing of step t on the host:
+penalty statistics live on the device and are updated as each token is drawn, min_new_tokens
+bans count the in-flight token, and seeded rows number their draws by output position. Anything
+else (prefill, admissions, preemption, logprobs) first drains the in-flight step and then runs
+exactly as `Scheduler.step`, so the scheduling decisions and outputs are the same as without
+overlap.
 """
 
 from __future__ import annotations
@@ -27,8 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_ext.engine.forward_batch import ForwardBatch, ForwardMode
-from sglang_ext.sampling.sampler import RowInfo, _filter
+from sglang_ext.engine.forward_batch import BatchRow, ForwardBatch, ForwardMode
 from sglang_ext.scheduler.batch_builder import Entry, build_batch
 from sglang_ext.scheduler.output import StepOutput
 from sglang_ext.scheduler.request import Req, ReqStatus
@@ -41,39 +42,6 @@ class _Launched:
     tokens: torch.Tensor  # [N] int64 on the device: input ids of the follow-up step
     host: torch.Tensor  # [N] int64 on the host, valid once `done` has fired
     done: torch.cuda.Event | None
-
-
-class _Ahead:
-    """A request as it will be once the in-flight step lands (one more token, KV one longer);
-    quacks like `Req` for `build_batch`, whose input id is replaced by the in-flight token."""
-
-    def __init__(self, req: Req) -> None:
-        self.kv_len = req.kv_len + 1
-        self.pages = req.pages
-        self.fill_ids = _Unknown()
-
-
-class _Unknown:
-    def __getitem__(self, s: slice) -> list[int]:
-        return [0] * (s.stop - s.start)
-
-
-def sample_on_device(logits: torch.Tensor, rows: list[RowInfo], default_gen: torch.Generator | None) -> torch.Tensor:
-    """`sampler.sample` without the host round trip (no penalties): token ids [N] on the device."""
-    if any(r.banned_ids for r in rows):
-        logits = logits.clone()
-        for i, r in enumerate(rows):
-            if r.banned_ids:
-                logits[i, r.banned_ids] = float("-inf")
-    out = torch.argmax(logits, dim=-1)
-    for i, r in enumerate(rows):
-        p = r.params
-        if p.is_greedy:
-            continue
-        probs = _filter(torch.softmax(logits[i] / p.temperature, dim=-1), p)
-        gen = r.generator if r.generator is not None else default_gen
-        out[i] = torch.multinomial(probs, 1, generator=gen)[0]
-    return out
 
 
 class OverlapScheduler(Scheduler):
@@ -102,13 +70,12 @@ class OverlapScheduler(Scheduler):
     @staticmethod
     def _plain(e: Entry) -> bool:
         r = e.req
-        return (e.extend == 1 and e.sample and not e.logprob_positions and not r.return_logprob
-                and not r.sampling.has_penalties and not r.sampling.logit_bias)
+        return e.extend == 1 and e.sample and not e.logprob_positions and not r.return_logprob
 
     def _launch(self, entries: list[Entry], batch: ForwardBatch, ahead: int) -> _Launched:
         logits = self.runner.forward(batch)
-        infos = [self._row_info_ahead(e.req, ahead) for e in entries]
-        tokens = sample_on_device(logits, infos, self.default_gen)
+        sb = self.sampler.batch([self._sample_row(e.req, ahead) for e in entries])
+        tokens = self.sampler.sample(logits, sb)
         if tokens.is_cuda:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
@@ -116,13 +83,6 @@ class OverlapScheduler(Scheduler):
             done.record()
             return _Launched(entries, tokens, host, done)
         return _Launched(entries, tokens, tokens, None)
-
-    def _row_info_ahead(self, r: Req, ahead: int) -> RowInfo:
-        """`_row_info` for the row's next token when `ahead` tokens are still in flight."""
-        info = self._row_info(r)
-        if info.banned_ids and len(r.output_ids) + ahead >= r.sampling.min_new_tokens:
-            info = info._replace(banned_ids=[])
-        return info
 
     def _launch_follow_up(self, prev: _Launched) -> _Launched | None:
         """Decode step t+1 from step t's in-flight tokens, or None when it needs t's results."""
@@ -147,8 +107,9 @@ class OverlapScheduler(Scheduler):
                 return None  # would need preemption: decide on landed state
             self.kv.grow(r, r.kv_len + 2)
         entries = [Entry(prev.entries[i].req, 1, [], True) for i in rows]
-        ahead = [Entry(_Ahead(e.req), 1, [], True) for e in entries]  # type: ignore[arg-type]
-        batch = build_batch(ahead, ForwardMode.DECODE, self.page_size, self.runner.device)
+        # Each row decodes its in-flight token (id filled in on the device below) at kv_len + 1.
+        ahead = [BatchRow(e.req.kv_len + 1, (0,), e.req.pages, (0,)) for e in entries]
+        batch = ForwardBatch.build(ahead, ForwardMode.DECODE, self.page_size, self.runner.device)
         if len(rows) == len(prev.entries):
             batch.input_ids = prev.tokens
         else:

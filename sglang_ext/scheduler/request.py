@@ -12,8 +12,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from sglang_ext.sampling.params import SamplingParams
 
 
@@ -70,11 +68,18 @@ class Req:
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
-    generator: torch.Generator | None = None
+    penalty_slot: int = -1  # row of the sampler's penalty table while the request has one
 
     @property
     def fill_ids(self) -> list[int]:
         return self.input_ids + self.output_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """fill_ids[start:end] without concatenating the whole sequence (decode asks every step)."""
+        n = len(self.input_ids)
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.fill_ids[start:end]
 
     @property
     def fill_len(self) -> int:

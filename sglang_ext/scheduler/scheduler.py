@@ -12,7 +12,6 @@ pages go to the prefix cache and they re-enter the waiting queue (recompute).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,8 +21,9 @@ from sglang_ext.engine.forward_batch import ForwardBatch, ForwardMode
 from sglang_ext.kvcache.allocator import PageAllocator
 from sglang_ext.kvcache.base import NoPrefixCache, PrefixCache
 from sglang_ext.kvcache.radix_cache import RadixCache
+from sglang_ext.sampling.batch import SampleRow
 from sglang_ext.sampling.params import InvalidRequest
-from sglang_ext.sampling.sampler import RowInfo, logprobs_of, sample
+from sglang_ext.sampling.sampler import Sampler, logprobs_of
 from sglang_ext.scheduler.batch_builder import Entry, build_batch
 from sglang_ext.scheduler.kv_manager import KVManager
 from sglang_ext.scheduler.output import DecodeFn, StepOutput, check_finish
@@ -60,7 +60,8 @@ class Scheduler:
         page_size: int,
         eos_ids: frozenset[int],
         decode_fn: DecodeFn | None = None,
-        vocab_size: int | None = None,
+        *,
+        vocab_size: int,
     ) -> None:
         self.args = args
         self.runner = runner
@@ -79,8 +80,7 @@ class Scheduler:
         self._pending: list[StepOutput] = []  # outputs produced outside a forward (aborts)
         self._sent: dict[str, tuple[int, int, int]] = {}  # rid -> (tokens, in-logprobs, out-logprobs) sent
         self.num_preemptions = 0
-        self.default_gen = torch.Generator(device=runner.device).manual_seed(args.random_seed)
-        self.on_finish: Callable[[Req], None] | None = None
+        self.sampler = Sampler(vocab_size, runner.device, args.random_seed)
 
     # ---- requests in and out ------------------------------------------------------------------
     @property
@@ -90,7 +90,7 @@ class Scheduler:
     def validate(self, req: Req) -> None:
         if not req.input_ids:
             raise InvalidRequest("the prompt is empty: give text or input_ids with at least one token")
-        if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in req.input_ids):
+        if any(not 0 <= t < self.vocab_size for t in req.input_ids):
             raise InvalidRequest(f"input_ids must be token ids in [0, {self.vocab_size})")
         req.sampling.validate(self.vocab_size)
         n = len(req.input_ids)
@@ -104,8 +104,6 @@ class Scheduler:
 
     def add_request(self, req: Req) -> None:
         self.validate(req)
-        if req.sampling.seed is not None:
-            req.generator = torch.Generator(device=self.runner.device).manual_seed(req.sampling.seed)
         if req.return_logprob and req.logprob_start == 0:
             req.input_token_logprobs.append((None, req.input_ids[0]))
             req.input_top_logprobs.append(None)
@@ -282,8 +280,8 @@ class Scheduler:
                 row += 1
         if sample_rows:
             rows_logits = logits[sample_rows]
-            infos = [self._row_info(r) for r in sample_reqs]
-            tokens = sample(rows_logits, infos, self.default_gen)
+            sb = self.sampler.batch([self._sample_row(r) for r in sample_reqs])
+            tokens = self.sampler.sample(rows_logits, sb).tolist()
             want_lp = [i for i, r in enumerate(sample_reqs) if r.return_logprob]
             if want_lp:
                 top_n = max(sample_reqs[i].top_logprobs_num for i in want_lp)
@@ -310,19 +308,25 @@ class Scheduler:
                 outputs.append(self._output(r))
         return outputs
 
-    def _row_info(self, r: Req) -> RowInfo:
+    def _sample_row(self, r: Req, ahead: int = 0) -> SampleRow:
+        """How to sample request r's next token, `ahead` tokens after those already landed."""
         p = r.sampling
+        n_out = len(r.output_ids) + ahead
         banned: list[int] = []
-        if len(r.output_ids) < p.min_new_tokens:
+        if n_out < p.min_new_tokens:
             banned = sorted(set(self.eos_ids) | set(p.stop_token_ids or []))
-        return RowInfo(p, r.input_ids, r.output_ids, r.generator, banned)
+        if p.has_penalties and r.penalty_slot < 0:
+            r.penalty_slot = self.sampler.penalties.acquire(r.input_ids, r.output_ids, p.frequency_penalty,
+                                                             p.presence_penalty)
+        return SampleRow(p, n_out, banned, r.penalty_slot)
 
     def _finish(self, r: Req, reason: FinishReason) -> None:
         r.status = ReqStatus.FINISHED
         r.finish_reason = reason
         self.kv.release(r, keep_in_cache=True)
-        if self.on_finish is not None:
-            self.on_finish(r)
+        if r.penalty_slot >= 0:
+            self.sampler.penalties.release(r.penalty_slot)
+            r.penalty_slot = -1
 
     def _has_new(self, r: Req) -> bool:
         sent = self._sent.get(r.rid, (0, 0, 0))
