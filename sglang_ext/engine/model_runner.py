@@ -87,7 +87,9 @@ class ModelRunner:
                 max_positions=max(self.context_len, cfg.max_position_embeddings), seed=args.random_seed,
             )
             nbytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            notes += [load_format, f"{cfg.num_params() / 1e9:.2f} B params", f"{nbytes / 2**30:.2f} GiB",
+            n = cfg.num_params()
+            params = f"{n / 1e9:.2f} B params" if n >= 1e9 else f"{n / 1e6:.1f} M params"
+            notes += [load_format, params, f"{nbytes / 2**30:.2f} GiB",
                       f"{self.dtype}".removeprefix("torch."), str(self.device)]
         backend = args.resolved_attention_backend
         with self.timer.stage("kv pool", self.device) as notes:
