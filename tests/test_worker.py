@@ -253,3 +253,22 @@ def test_startup_logs_each_stage_with_its_time(caplog: pytest.LogCaptureFixture)
         assert any(ln.startswith(f"{stage} ") and " s" in ln for ln in lines), (stage, lines)
     assert any("zero-filled" in ln for ln in lines)  # the torch backend reads whole pages: zeros
     assert lines[-1].startswith(f"worker {w.worker_id} ready in ")
+
+
+@pytest.mark.parametrize(("model_path", "extra", "needle"), [
+    ("/nonexistent/model", {}, "is not a local directory"),
+    ("preset:gpt-5", {"load_format": "dummy"}, "unknown preset"),
+    ("preset:llama-3-8b", {}, "add --load-format dummy"),
+    ("NO_WEIGHTS", {"skip_tokenizer_init": True}, "no *.safetensors"),
+])
+def test_configuration_errors_are_one_line_startup_errors(tmp_path: Path, model_path: str, extra: dict[str, Any],
+                                                          needle: str) -> None:
+    from sglang_ext.models.default_model import ensure_default_model
+    from sglang_ext.worker.tokenizer import StartupError
+
+    if model_path == "NO_WEIGHTS":
+        (tmp_path / "config.json").write_bytes((ensure_default_model() / "config.json").read_bytes())
+        model_path = str(tmp_path)
+    with pytest.raises(StartupError) as e:
+        Worker(_args(model_path=model_path, **extra))
+    assert needle in str(e.value) and "\n" not in str(e.value)

@@ -89,7 +89,8 @@ class WorkerServer:
             try:
                 await self._route(msg)
             except Exception:  # one odd message must not stop the worker from receiving
-                logger.exception("dropping a message that could not be routed: %r", msg)
+                logger.exception("dropping a %s message (rid %r) that could not be routed", type(msg).__name__,
+                                 getattr(msg, "rid", None))
 
     async def _route(self, msg: ToWorker) -> None:
         if isinstance(msg, HelloReq):  # answered here: it must not wait behind a forward

@@ -33,7 +33,7 @@ from sglang_ext.messages import (
     WorkerInfo,
 )
 from sglang_ext.models.config import ModelConfig
-from sglang_ext.models.resolve import resolve_model_path
+from sglang_ext.models.resolve import PRESET_PREFIX, resolve_model_path
 from sglang_ext.sampling.params import InvalidRequest
 from sglang_ext.scheduler.output import StepOutput
 from sglang_ext.scheduler.overlap import scheduler_class
@@ -67,6 +67,10 @@ class Worker:
                 self.cfg = ModelConfig.from_path(self.model_dir)
             except (FileNotFoundError, ValueError) as e:  # a wrong --model-path: say so in one line
                 raise StartupError(str(e)) from None
+            except KeyError as e:
+                raise StartupError(f"the config.json of {args.model_path!r} has no {e} field") from None
+            if (args.model_path or "").startswith(PRESET_PREFIX) and args.load_format != "dummy":
+                raise StartupError(f"{args.model_path} is a geometry without weights: add --load-format dummy")
             notes += [self.cfg.architecture, str(self.model_dir)]
         # Before the weights: a missing tokenizer is reported in seconds, not after loading 16 GB.
         with timer.stage("tokenizer") as notes:
@@ -74,7 +78,10 @@ class Worker:
             self.max_token_chars = self.tokenizer.max_token_chars if self.tokenizer else 0
             notes.append(f"{len(self.tokenizer.hf)} tokens, longest {self.max_token_chars} chars"
                          if self.tokenizer else "skipped")
-        self.runner = ModelRunner(args, self.model_dir, self.cfg, timer=timer)
+        try:
+            self.runner = ModelRunner(args, self.model_dir, self.cfg, timer=timer)
+        except FileNotFoundError as e:  # no weight files: a configuration problem, one line
+            raise StartupError(str(e)) from None
         eos = set(self.cfg.eos_token_ids) | set(self.tokenizer.eos_ids if self.tokenizer else ())
         with timer.stage("scheduler"):
             sched_cls = scheduler_class(self.runner.device, args.disable_overlap_schedule)
