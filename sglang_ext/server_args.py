@@ -8,47 +8,80 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import types
+import typing
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, get_args, get_origin
 
 DEFAULT_PORT: Final = 30000
-ATTENTION_BACKENDS: Final = ("torch", "flashinfer")
-SCHEDULE_POLICIES: Final = ("fcfs", "lpm")
+LoadFormat = Literal["auto", "safetensors", "dummy"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+SchedulePolicy = Literal["fcfs", "lpm"]
+AttentionBackendName = Literal["torch", "flashinfer"]
+LOAD_FORMATS: Final = get_args(LoadFormat)
+SCHEDULE_POLICIES: Final = get_args(SchedulePolicy)
+ATTENTION_BACKENDS: Final = get_args(AttentionBackendName)
+
+
+def _help(text: str, shown: str | None = None) -> dict[str, str | None]:
+    """Field metadata for the CLI: the flag's help and, where the default value alone does not say
+    it (None = decided at startup), how `--help` states the default."""
+    return {"help": text, "shown": shown}
 
 
 @dataclass(frozen=True)
 class ServerArgs:
     # model
-    model_path: str | None = None  # None -> the embedded default model
-    tokenizer_path: str | None = None
-    served_model_name: str | None = None
-    load_format: Literal["auto", "safetensors", "dummy"] = "auto"
-    skip_tokenizer_init: bool = False
-    context_length: int | None = None
-    random_seed: int = 0
+    model_path: str | None = field(default=None, metadata=_help(
+        "HF model directory, or preset:NAME (a config-only geometry from sglang_ext/configs, served with "
+        "--load-format dummy and the embedded byte-level tokenizer)", "the embedded default model"))
+    tokenizer_path: str | None = field(default=None, metadata=_help(
+        "tokenizer directory, if not the model's", "the model directory"))
+    served_model_name: str | None = field(default=None, metadata=_help(
+        "the model name clients use", "the directory name; 'default' for the embedded model"))
+    load_format: LoadFormat = field(default="auto", metadata=_help(
+        "weights: auto/safetensors, or dummy (deterministic random weights from the config alone)"))
+    skip_tokenizer_init: bool = field(default=False, metadata=_help(
+        "serve without a tokenizer: requests give input_ids, outputs carry ids and no text"))
+    context_length: int | None = field(default=None, metadata=_help(
+        "longest prompt + output in tokens", "the model's max_position_embeddings, capped at its sliding_window"))
+    random_seed: int = field(default=0, metadata=_help("seed of dummy weights and of unseeded sampling"))
     # device and memory
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    mem_fraction_static: float | None = None
-    max_total_tokens: int | None = None
-    page_size: int | None = None  # None -> 16 (also on CPU, so prefix hits align the same way)
+    device: str = field(default="auto", metadata=_help(
+        "cpu, cuda or cuda:N", "auto: cuda if available, else cpu"))
+    dtype: DType = field(default="auto", metadata=_help(
+        "weights and KV cache dtype", "auto: float32 on CPU; bfloat16 on GPU, float16 if the model says so"))
+    mem_fraction_static: float | None = field(default=None, metadata=_help(
+        "fraction of device memory for weights + KV pool (of RAM on CPU)",
+        "0.85 on GPU; on CPU a fixed 65536-token pool"))
+    max_total_tokens: int | None = field(default=None, metadata=_help(
+        "KV pool size in tokens; overrides --mem-fraction-static", "from memory on GPU, 65536 on CPU"))
+    page_size: int | None = field(default=None, metadata=_help(
+        "tokens per KV page; prefix-cache hits are whole pages", "16"))
     # scheduling
-    max_running_requests: int | None = None
-    chunked_prefill_size: int | None = None
-    schedule_policy: str = "fcfs"
-    disable_radix_cache: bool = False
-    max_prefill_tokens: int = 16384
+    max_running_requests: int | None = field(default=None, metadata=_help(
+        "cap on concurrently running requests", "256"))
+    chunked_prefill_size: int | None = field(default=None, metadata=_help(
+        "max prefill tokens per step; -1 disables chunking", "8192 on GPU, 512 on CPU"))
+    schedule_policy: SchedulePolicy = field(default="fcfs", metadata=_help(
+        "waiting-queue order: fcfs, or lpm (longest prefix match first)"))
+    disable_radix_cache: bool = field(default=False, metadata=_help("no prefix sharing between requests"))
+    max_prefill_tokens: int = field(default=16384, metadata=_help(
+        "max prompt tokens per step when chunking is disabled (--chunked-prefill-size -1)"))
     # kernels
-    attention_backend: str | None = None  # None -> flashinfer on cuda when installed, else torch
-    disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int | None = None
-    disable_overlap_schedule: bool = False
+    attention_backend: AttentionBackendName | None = field(default=None, metadata=_help(
+        "attention kernels", "flashinfer on GPU when installed and dtype is not float32, else torch"))
+    disable_cuda_graph: bool = field(default=False, metadata=_help("run decode without CUDA graphs (GPU)"))
+    cuda_graph_max_bs: int | None = field(default=None, metadata=_help(
+        "largest decode batch captured as a CUDA graph", "256, capped at --max-running-requests"))
+    disable_overlap_schedule: bool = field(default=False, metadata=_help(
+        "do not overlap CPU scheduling with GPU work (GPU)"))
     # serving
-    host: str = "127.0.0.1"
-    port: int = DEFAULT_PORT
-    api_key: str | None = None
-    log_level: str = "info"
-    extra: dict[str, Any] = field(default_factory=dict)
+    host: str = field(default="127.0.0.1", metadata=_help("HTTP bind address"))
+    port: int = field(default=DEFAULT_PORT, metadata=_help("HTTP port"))
+    api_key: str | None = field(default=None, metadata=_help(
+        "require 'Authorization: Bearer KEY' on every route but /health", "none"))
+    log_level: str = field(default="info", metadata=_help("debug, info, warning or error"))
 
     def __post_init__(self) -> None:
         if self.page_size is not None and self.page_size < 1:
@@ -61,8 +94,8 @@ class ServerArgs:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
-        if self.load_format not in ("auto", "safetensors", "dummy"):
-            raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0:
             raise ValueError("chunked_prefill_size must be positive, or negative/None to disable")
 
@@ -106,36 +139,41 @@ class ServerArgs:
             raise TypeError(f"unknown server argument(s): {', '.join(unknown)}")
         return cls(**kwargs)
 
-    # ---- CLI ---------------------------------------------------------------------------------
-    @staticmethod
-    def add_cli_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--model-path", default=None, help="HF model directory; omit for the embedded default")
-        p.add_argument("--tokenizer-path", default=None)
-        p.add_argument("--served-model-name", default=None)
-        p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
-        p.add_argument("--skip-tokenizer-init", action="store_true")
-        p.add_argument("--context-length", type=int, default=None)
-        p.add_argument("--random-seed", type=int, default=0)
-        p.add_argument("--device", default="auto")
-        p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-        p.add_argument("--mem-fraction-static", type=float, default=None)
-        p.add_argument("--max-total-tokens", type=int, default=None)
-        p.add_argument("--page-size", type=int, default=None)
-        p.add_argument("--max-running-requests", type=int, default=None)
-        p.add_argument("--chunked-prefill-size", type=int, default=None)
-        p.add_argument("--schedule-policy", default="fcfs", choices=list(SCHEDULE_POLICIES))
-        p.add_argument("--disable-radix-cache", action="store_true")
-        p.add_argument("--max-prefill-tokens", type=int, default=16384)
-        p.add_argument("--attention-backend", default=None, choices=list(ATTENTION_BACKENDS))
-        p.add_argument("--disable-cuda-graph", action="store_true")
-        p.add_argument("--cuda-graph-max-bs", type=int, default=None)
-        p.add_argument("--disable-overlap-schedule", action="store_true")
-        p.add_argument("--host", default="127.0.0.1")
-        p.add_argument("--port", type=int, default=DEFAULT_PORT)
-        p.add_argument("--api-key", default=None)
-        p.add_argument("--log-level", default="info")
+    # ---- CLI: derived from the fields, so a new argument is a flag with help by construction ----
+    @classmethod
+    def add_cli_args(cls, p: argparse.ArgumentParser) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            kind, choices = _cli_type(hints[f.name])
+            shown = f.metadata["shown"]
+            if kind is bool:
+                if f.default is not False:
+                    raise TypeError(f"{f.name}: a bool flag must default to False (store_true)")
+                text = f"{f.metadata['help']} (default: off)"
+                p.add_argument(flag, action="store_true", help=text.replace("%", "%%"))
+                continue
+            if f.default is None and shown is None:
+                raise TypeError(f"{f.name}: a field defaulting to None needs `shown` (what None means)")
+            text = f"{f.metadata['help']} (default: {shown if shown is not None else f.default})"
+            p.add_argument(flag, type=kind, default=f.default, choices=choices, help=text.replace("%", "%%"))
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> ServerArgs:
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def _cli_type(t: Any) -> tuple[type, list[Any] | None]:
+    """(argparse type, choices) of a field type: Optional is unwrapped, a Literal gives choices."""
+    if get_origin(t) in (typing.Union, types.UnionType):
+        args = [a for a in get_args(t) if a is not type(None)]
+        if len(args) != 1:
+            raise TypeError(f"unsupported CLI type {t!r}")
+        t = args[0]
+    if get_origin(t) is Literal:
+        choices = list(get_args(t))
+        return type(choices[0]), choices
+    if t in (bool, int, float, str):
+        return t, None
+    raise TypeError(f"unsupported CLI type {t!r}")

@@ -274,3 +274,27 @@ def test_resolve_model_path(default_dir: Path, tmp_path: Path, monkeypatch: pyte
         resolve_model_path(str(tmp_path))
     with pytest.raises(ValueError, match="unknown preset"):
         resolve_model_path("preset:gpt-5")
+
+
+# ---- startup costs ----------------------------------------------------------------------------------
+def test_dummy_weights_are_deterministic_per_seed() -> None:
+    cfg = ModelConfig.from_dict({**_SMALL, "architectures": ["Qwen2ForCausalLM"], "num_attention_heads": 4,
+                                 "num_key_value_heads": 2})  # Qwen2: q/k/v biases are drawn too
+    cpu = torch.device("cpu")
+    a, b, c = (load_model(None, cfg, "dummy", torch.float32, cpu, seed=s) for s in (1, 1, 2))  # type: ignore[arg-type]
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not torch.equal(sa["embed_tokens.weight"], sc["embed_tokens.weight"])
+    bias = next(k for k in sa if k.endswith("bias"))
+    assert sa[bias].abs().sum() > 0 and all(torch.all(v == 1) for k, v in sa.items() if "norm" in k)
+    std = sa["embed_tokens.weight"].std().item()
+    assert 0.015 < std < 0.025
+
+
+def test_uninitialised_pool_keeps_page_zero_zeroed() -> None:
+    from sglang_ext.kvcache.pool import KVGeometry, KVPool
+
+    geom = KVGeometry(2, 2, 8, 4, torch.float32)
+    pool = KVPool(geom, 8, "cpu", zero_fill=False)
+    assert torch.count_nonzero(pool.data[0]) == 0
+    assert torch.count_nonzero(KVPool(geom, 8, "cpu").data) == 0  # the default (torch backend): all zeros

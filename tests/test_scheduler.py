@@ -178,30 +178,3 @@ def test_bfloat16_runs_and_batches_consistently(test_device: str) -> None:
 def test_mem_fraction_sizes_the_pool(test_device: str) -> None:
     small = make_scheduler(test_device, mem_fraction_static=0.01 if test_device == "cpu" else 0.5)
     assert small.allocator.capacity > 0
-
-
-def test_worker_survives_a_failed_forward(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A crash inside a forward fails the requests in flight explicitly; the next ones are served."""
-    from sglang_ext.messages import BatchOut, GenerateReq
-    from sglang_ext.server_args import ServerArgs
-    from sglang_ext.worker.worker import Worker
-
-    w = Worker(ServerArgs(device="cpu", page_size=4))
-    real = w.runner.forward
-
-    def boom(batch: object) -> object:
-        raise RuntimeError("simulated device fault")
-
-    monkeypatch.setattr(w.runner, "forward", boom)
-    out = w.step([GenerateReq(rid="x", text="hello", sampling_params=SamplingParams(max_new_tokens=4))])
-    outs = [o for m in out if isinstance(m, BatchOut) for o in m.outs]
-    assert outs and outs[0].finished and outs[0].meta_info["finish_reason"]["type"] == "abort"
-    assert "simulated device fault" in outs[0].meta_info["finish_reason"]["message"]
-    monkeypatch.setattr(w.runner, "forward", real)
-    got = []
-    msgs = [GenerateReq(rid="y", text="hello", sampling_params=SamplingParams(max_new_tokens=4))]
-    while msgs or w.has_work():
-        got += [o for m in w.step(msgs) if isinstance(m, BatchOut) for o in m.outs]
-        msgs = []
-    assert got[-1].finished and got[-1].meta_info["completion_tokens"] == 4
-    assert w.scheduler.allocator.num_free + w.scheduler.stats().cached_pages == w.scheduler.allocator.capacity

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Final
 
 import torch
 
@@ -16,10 +20,40 @@ from sglang_ext.models.config import ModelConfig
 from sglang_ext.models.loader import load_model
 from sglang_ext.server_args import ServerArgs
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("sglang_ext.startup")  # this module logs only startup stages
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CPU_DEFAULT_TOKENS = 65536
+# Backends that read only KV slots written before (FlashInfer bounds every read by the sequence
+# length, the last page by kv_last_page_len): their pool is allocated uninitialised, since filling
+# ~100 GB with zeros at startup is avoidable work. The torch backend gathers whole pages and
+# masks the scores: a masked slot still meets its V through a zero weight, and 0 * NaN = NaN, so
+# uninitialised garbage would poison real rows; its pool starts zeroed.
+_READS_ONLY_WRITTEN_KV: Final = frozenset({"flashinfer"})
+
+
+class StartupTimer:
+    """Times the stages of a worker's startup and logs each as it ends, so a slow start says where
+    its time went. GPU work is asynchronous: each stage synchronises before it is timed."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.stages: dict[str, float] = {}
+
+    @contextmanager
+    def stage(self, name: str, device: torch.device | None = None) -> Iterator[list[str]]:
+        notes: list[str] = []  # the stage appends details for its log line
+        t = time.perf_counter()
+        yield notes
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t
+        self.stages[name] = self.stages.get(name, 0.0) + dt
+        logger.info("%s %.2f s%s", name, dt, f" ({', '.join(notes)})" if notes else "")
+
+    def summary(self) -> str:
+        parts = ", ".join(f"{k} {v:.2f} s" for k, v in self.stages.items())
+        return f"{time.perf_counter() - self.t0:.2f} s ({parts})"
 
 
 def resolve_dtype(args: ServerArgs, cfg: ModelConfig, device: str) -> torch.dtype:
@@ -38,30 +72,41 @@ def context_length(args: ServerArgs, cfg: ModelConfig) -> int:
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs, model_dir: Path, cfg: ModelConfig) -> None:
+    def __init__(self, args: ServerArgs, model_dir: Path, cfg: ModelConfig, timer: StartupTimer | None = None) -> None:
         self.args = args
         self.cfg = cfg
         self.device = torch.device(args.resolved_device)
         self.dtype = resolve_dtype(args, cfg, args.resolved_device)
         self.context_len = context_length(args, cfg)
+        self.timer = timer or StartupTimer()
         load_format = "dummy" if args.load_format == "dummy" else "safetensors"
         torch.manual_seed(args.random_seed)
-        self.model = load_model(
-            model_dir, cfg, load_format, self.dtype, self.device,
-            max_positions=max(self.context_len, cfg.max_position_embeddings), seed=args.random_seed,
-        )
-        geom = KVGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.resolved_page_size, self.dtype)
-        self.num_pages = self._num_pages(geom)
-        self.pool = KVPool(geom, self.num_pages, self.device)
-        backend_cls = get_backend_class(args.resolved_attention_backend)
-        self.attn = backend_cls(self.pool, cfg.num_heads, cfg.head_dim, cfg.head_dim**-0.5)
+        with self.timer.stage("weights", self.device) as notes:
+            self.model = load_model(
+                model_dir, cfg, load_format, self.dtype, self.device,
+                max_positions=max(self.context_len, cfg.max_position_embeddings), seed=args.random_seed,
+            )
+            nbytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            n = cfg.num_params()
+            params = f"{n / 1e9:.2f} B params" if n >= 1e9 else f"{n / 1e6:.1f} M params"
+            notes += [load_format, params, f"{nbytes / 2**30:.2f} GiB",
+                      f"{self.dtype}".removeprefix("torch."), str(self.device)]
+        backend = args.resolved_attention_backend
+        with self.timer.stage("kv pool", self.device) as notes:
+            geom = KVGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.resolved_page_size, self.dtype)
+            self.num_pages = self._num_pages(geom)
+            zero = backend not in _READS_ONLY_WRITTEN_KV
+            self.pool = KVPool(geom, self.num_pages, self.device, zero_fill=zero)
+            notes += [f"{self.num_pages} pages x {geom.page_size} tokens", f"{self.pool.total_bytes / 2**30:.2f} GiB",
+                      "zero-filled" if zero else "uninitialised"]
+        with self.timer.stage("attention backend", self.device) as notes:
+            backend_cls = get_backend_class(backend)
+            self.attn = backend_cls(self.pool, cfg.num_heads, cfg.head_dim, cfg.head_dim**-0.5)
+            notes.append(backend)
         self.graphs: CudaGraphRunner | None = None
-        logger.info(
-            "model %s on %s/%s, KV pool %d pages x %d tokens (%.1f MiB), attention=%s",
-            cfg.architecture, self.device, self.dtype, self.num_pages, geom.page_size,
-            self.pool.total_bytes / 2**20, args.resolved_attention_backend,
-        )
-        self.init_cuda_graphs()
+        with self.timer.stage("cuda graphs", self.device) as notes:
+            self.init_cuda_graphs()
+            notes.append(f"{len(self.graphs.sizes)} batch sizes up to {self.graphs.max_bs}" if self.graphs else "none")
 
     def init_cuda_graphs(self) -> None:
         """Capture decode graphs (CUDA, a backend that supports them, not --disable-cuda-graph)."""

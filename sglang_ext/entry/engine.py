@@ -46,6 +46,16 @@ class WorkerDied(RuntimeError):
     pass
 
 
+def _error(msg: ErrorOut) -> Exception:
+    """The exception for a worker's error answer: 400 the request's fault, 503 the worker died
+    (a fatal error: it failed every request and exited), anything else a server-side error."""
+    if msg.status == 400:
+        return InvalidRequest(msg.message)
+    if msg.status == 503:
+        return WorkerDied(msg.message)
+    return RuntimeError(f"the worker failed this request ({msg.status}): {msg.message}")
+
+
 class Engine:
     def __init__(self, **kwargs: Any) -> None:
         self.server_args = ServerArgs.from_kwargs(**kwargs)
@@ -59,7 +69,11 @@ class Engine:
         self._proc: subprocess.Popen[bytes] | None = spawn_worker(self.server_args, self._addr, self._worker_id)
         self._ids = itertools.count()
         self.load: LoadReport | None = None
-        self.info: WorkerInfo = self._wait_hello()
+        try:
+            self.info: WorkerInfo = self._wait_hello()
+        except BaseException:  # the worker could not start: release the socket and the process
+            self.shutdown()
+            raise
 
     # ---- lifecycle --------------------------------------------------------------------------
     def _wait_hello(self) -> WorkerInfo:
@@ -103,7 +117,10 @@ class Engine:
     def _recv(self, timeout_ms: int) -> Any:
         if self._sock.poll(timeout_ms) == 0:
             if self._proc is not None and self._proc.poll() is not None:
-                raise WorkerDied(f"the worker process exited with code {self._proc.returncode}")
+                code = self._proc.returncode
+                if code == 2:  # the worker's startup-error exit: its one-line reason is in its log
+                    raise WorkerDied("the worker could not start (exit code 2); its error is logged above")
+                raise WorkerDied(f"the worker process exited with code {code}")
             return None
         _, buf = self._sock.recv_multipart()
         msg = decode_from_worker(buf)
@@ -173,7 +190,7 @@ class Engine:
                 if isinstance(msg, ErrorOut) and msg.rid in pending:
                     for rid in pending - {msg.rid}:
                         self._send(AbortReq(rid=rid))
-                    raise InvalidRequest(msg.message)
+                    raise _error(msg)
                 if isinstance(msg, BatchOut):
                     for o in msg.outs:
                         if o.rid not in acc:
@@ -196,7 +213,7 @@ class Engine:
             while not done:
                 msg = self._recv(timeout_ms=1000)
                 if isinstance(msg, ErrorOut) and msg.rid == req.rid:
-                    raise InvalidRequest(msg.message)
+                    raise _error(msg)
                 if isinstance(msg, BatchOut):
                     for o in msg.outs:
                         if o.rid == req.rid:

@@ -30,7 +30,11 @@ class KVGeometry(NamedTuple):
 
 
 class KVPool:
-    def __init__(self, geometry: KVGeometry, num_pages: int, device: torch.device | str) -> None:
+    def __init__(
+        self, geometry: KVGeometry, num_pages: int, device: torch.device | str, zero_fill: bool = True
+    ) -> None:
+        """`zero_fill=False` leaves every page but page 0 uninitialised: only for attention backends
+        that never read a slot before it is written (the model runner decides)."""
         if num_pages < 2:
             raise ValueError(f"KV pool needs at least 2 pages (one is reserved), got {num_pages}")
         g = geometry
@@ -38,11 +42,14 @@ class KVPool:
         self.page_size = g.page_size
         self.num_pages = num_pages
         self.device = torch.device(device)
-        self.data = torch.zeros(
+        alloc = torch.zeros if zero_fill else torch.empty
+        self.data = alloc(
             (num_pages, g.num_layers, 2, g.page_size, g.num_kv_heads, g.head_dim),
             dtype=g.dtype,
             device=self.device,
         )
+        if not zero_fill:  # page 0 still starts zeroed: padded rows of CUDA-graph batches attend to it
+            self.data[0].zero_()
 
     def k_view(self, layer: int) -> torch.Tensor:
         """[pages, page_size, kv_heads, head_dim], strided over pages."""

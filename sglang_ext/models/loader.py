@@ -37,21 +37,30 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
-    """Deterministic random weights (SGLang's `--load-format dummy`); norms stay at one."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Deterministic random weights (SGLang's `--load-format dummy`); norms stay at one.
+
+    Drawn on the parameters' device: drawing 8B values on the CPU and copying them over took most
+    of a minute of a GPU worker's start. A seed gives the same weights on every run on the same
+    kind of device (CPU and CUDA generators draw different sequences)."""
+    dev = next(model.parameters()).device
+    gen = torch.Generator(device=dev).manual_seed(seed)
+
+    def draw(n: int | tuple[int, ...]) -> torch.Tensor:
+        return torch.randn(n, generator=gen, dtype=torch.float32, device=dev).mul_(std)
+
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.fill_(1.0)
             elif name.endswith("bias"):
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+                p.copy_(draw(tuple(p.shape)))
             else:
-                # Generate on CPU (deterministic across devices) in chunks to bound host memory.
+                # In chunks: the float32 draw of a whole embedding would be a large extra buffer.
                 flat = p.view(-1)
                 step = 1 << 26
                 for i in range(0, flat.numel(), step):
                     n = min(step, flat.numel() - i)
-                    flat[i : i + n].copy_((torch.randn(n, generator=gen) * std).to(p.dtype))
+                    flat[i : i + n].copy_(draw(n))
 
 
 def load_model(

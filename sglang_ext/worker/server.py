@@ -2,8 +2,18 @@
 
 The loop sleeps until a message arrives or work is pending; each forward runs in one helper
 thread (so heartbeats and new requests are taken while the model computes) and every scheduler
-call happens on that thread, in order. The worker *connects* to its router (or offline Engine),
-so it can join from another process or host and leave without taking the router down.
+call happens on that thread, in order. Prompts are tokenized on two more threads before they
+reach it (short ones and long ones, so a multi-MB prompt delays neither the running requests nor
+a short prompt behind it; the fast tokenizer releases the GIL). The worker *connects* to its
+router (or offline Engine), so it can join from another process or host and leave without taking
+the router down.
+
+    recv ─┬─ text/messages ──> tokenize lane (short | long) ─┐
+          └─ input_ids, abort, flush, shutdown ──────────────┴─> inbox ─> forward thread: Worker.step
+
+An abort for a request still being tokenized cancels it there; one that arrives later follows its
+request through the inbox, in order. An exception out of `Worker.step` is fatal: every request
+gets an explicit error and the process exits 1, for its supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -12,18 +22,36 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 from concurrent.futures import ThreadPoolExecutor
+from typing import Final
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from sglang_ext.messages import FromWorker, HelloReq, ToWorker, WorkerHello, decode_to_worker, encode
+from sglang_ext.messages import (
+    AbortReq,
+    ErrorOut,
+    FromWorker,
+    GenerateReq,
+    HelloReq,
+    TokenizeReq,
+    ToWorker,
+    WorkerHello,
+    decode_to_worker,
+    encode,
+)
+from sglang_ext.sampling.params import InvalidRequest
 from sglang_ext.server_args import ServerArgs
+from sglang_ext.worker.tokenizer import StartupError
 from sglang_ext.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 HEARTBEAT_S = 0.5
+SHORT_PROMPT_CHARS: Final = 16384  # ~4K tokens, a few ms to tokenize: the short lane
+EXIT_FATAL: Final = 1  # a runtime failure: restart me
+EXIT_STARTUP: Final = 2  # a configuration error (bad model path, no tokenizer): restarting will not help
 
 
 class WorkerServer:
@@ -37,6 +65,12 @@ class WorkerServer:
         self.inbox: list[ToWorker] = []
         self.wake = asyncio.Event()
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="forward")
+        # One thread per lane: a lane tokenizes one prompt at a time, which also bounds the memory
+        # that tokenizing takes to one long prompt's.
+        self.short_lane = ThreadPoolExecutor(1, thread_name_prefix="tokenize-short")
+        self.long_lane = ThreadPoolExecutor(1, thread_name_prefix="tokenize-long")
+        self.tokenizing: dict[str, bool] = {}  # rid -> aborted meanwhile
+        self.tasks: set[asyncio.Task[None]] = set()
         self.parent_pid = os.getppid()
 
     async def send(self, msgs: list[FromWorker]) -> None:
@@ -52,11 +86,52 @@ class WorkerServer:
                 # Strict decoding: a malformed control message is dropped and logged, never guessed.
                 logger.warning("dropping malformed control message: %s", e)
                 continue
-            if isinstance(msg, HelloReq):  # answered here: it must not wait behind a forward
-                await self.send([WorkerHello(info=self.worker.info())])
-                continue
+            try:
+                await self._route(msg)
+            except Exception:  # one odd message must not stop the worker from receiving
+                logger.exception("dropping a %s message (rid %r) that could not be routed", type(msg).__name__,
+                                 getattr(msg, "rid", None))
+
+    async def _route(self, msg: ToWorker) -> None:
+        if isinstance(msg, HelloReq):  # answered here: it must not wait behind a forward
+            await self.send([WorkerHello(info=self.worker.info())])
+        elif isinstance(msg, AbortReq) and msg.rid in self.tokenizing:
+            self.tokenizing[msg.rid] = True  # dropped when its tokenization ends
+        elif isinstance(msg, TokenizeReq) or (isinstance(msg, GenerateReq) and msg.input_ids is None):
+            await self._start_tokenizing(msg)
+        else:
             self.inbox.append(msg)
             self.wake.set()
+
+    async def _start_tokenizing(self, msg: GenerateReq | TokenizeReq) -> None:
+        if msg.rid in self.tokenizing:
+            await self.send([ErrorOut(rid=msg.rid, message=f"duplicate request id {msg.rid!r}", status=400)])
+            return
+        self.tokenizing[msg.rid] = False
+        chars = self.worker.prompt_chars(msg.text, msg.messages)
+        lane = self.short_lane if chars <= SHORT_PROMPT_CHARS else self.long_lane
+        task = asyncio.create_task(self._tokenize(msg, lane))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _tokenize(self, msg: GenerateReq | TokenizeReq, lane: ThreadPoolExecutor) -> None:
+        loop = asyncio.get_running_loop()
+        fn = self.worker.prepare if isinstance(msg, GenerateReq) else self.worker.reply_tokenize
+        try:
+            result: ToWorker | FromWorker = await loop.run_in_executor(lane, fn, msg)  # type: ignore[arg-type]
+        except InvalidRequest as e:
+            result = ErrorOut(rid=msg.rid, message=str(e), status=400)
+        except Exception as e:  # a bug or a broken tokenizer, not the client's input: 500, logged
+            logger.exception("tokenizing request %s failed", msg.rid)
+            result = ErrorOut(rid=msg.rid, message=f"internal error while tokenizing: {type(e).__name__}: {e}",
+                              status=500)
+        if self.tokenizing.pop(msg.rid, True):
+            return  # aborted meanwhile (or the worker is failing and has answered it already)
+        if isinstance(result, GenerateReq):
+            self.inbox.append(result)
+            self.wake.set()
+        else:
+            await self.send([result])  # type: ignore[list-item]
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -67,11 +142,13 @@ class WorkerServer:
                 self.wake.set()
             await asyncio.sleep(HEARTBEAT_S)
 
-    async def run(self) -> None:
+    async def run(self) -> int:
+        """Serve until shutdown (returns 0) or a fatal error (returns EXIT_FATAL)."""
         self.sock.connect(self.router_addr)
         await self.send([WorkerHello(info=self.worker.info())])
         tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._heartbeat_loop())]
         loop = asyncio.get_running_loop()
+        code = 0
         try:
             while not self.worker.stopped:
                 if not self.inbox and not self.worker.has_work():
@@ -79,14 +156,34 @@ class WorkerServer:
                     await self.wake.wait()
                     continue
                 inbox, self.inbox = self.inbox, []
-                out = await loop.run_in_executor(self.pool, self.worker.step, inbox)
+                try:
+                    out = await loop.run_in_executor(self.pool, self.worker.step, inbox)
+                except Exception as e:
+                    code = EXIT_FATAL
+                    await self._fail_everything(e, inbox)
+                    break
                 await self.send(out)
         finally:
             for t in tasks:
                 t.cancel()
             self.pool.shutdown(wait=False)
-            self.sock.close(0)
+            for lane in (self.short_lane, self.long_lane):
+                lane.shutdown(wait=False, cancel_futures=True)
+            self.sock.close()
             self.ctx.term()
+        return code
+
+    async def _fail_everything(self, e: Exception, inbox: list[ToWorker]) -> None:
+        """After a fatal error (a CUDA fault leaves the device unusable; a bug, the scheduler's state
+        untrusted), every request this worker holds fails explicitly instead of hanging."""
+        logger.exception("fatal error in worker %s; failing all its requests and exiting", self.worker.worker_id)
+        message = (f"worker {self.worker.worker_id} failed ({type(e).__name__}: {e}); "
+                   "it exits and is restarted by its launcher")
+        pending = {m.rid for m in [*inbox, *self.inbox] if isinstance(m, GenerateReq | TokenizeReq)}
+        pending |= {rid for rid, aborted in self.tokenizing.items() if not aborted}
+        self.tokenizing = {rid: True for rid in self.tokenizing}  # their tokenization ends unanswered
+        await self.send(self.worker.fatal_errors(message, pending))
+        self.sock.setsockopt(zmq.LINGER, 2000)  # deliver those errors before the socket closes
 
 
 def run_worker_encoded(args_json: bytes, router_addr: str, worker_id: str) -> None:
@@ -104,5 +201,14 @@ def run_worker(args: ServerArgs, router_addr: str, worker_id: str) -> None:
         uvloop.install()
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         pass
-    worker = Worker(args, worker_id)
-    asyncio.run(WorkerServer(worker, router_addr).run())
+    try:
+        worker = Worker(args, worker_id)
+    except StartupError as e:  # a configuration problem: one clear line, no traceback
+        logger.error("cannot start: %s", e)
+        sys.exit(EXIT_STARTUP)
+    code = asyncio.run(WorkerServer(worker, router_addr).run())
+    if code:
+        # Skip interpreter teardown: after a device fault, joining threads or freeing CUDA memory
+        # can hang, and the process must go so that its supervisor can restart it.
+        logging.shutdown()
+        os._exit(code)

@@ -1,4 +1,10 @@
-"""A worker's logic without sockets: messages in, messages out, one forward per `step`."""
+"""A worker's logic without sockets: messages in, messages out, one forward per `step`.
+
+`prepare` (tokenizing) is separate from `step` so the server can run it on another thread; `step`
+takes requests with input_ids. An exception out of `step` is fatal (the device or the scheduler's
+state can no longer be trusted): the server fails every request and exits. A bad request only
+fails itself (`InvalidRequest` -> a 400 for its rid).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from sglang_ext.engine.model_runner import ModelRunner
+import msgspec
+
+from sglang_ext.engine.model_runner import ModelRunner, StartupTimer
 from sglang_ext.messages import (
     AbortReq,
     BatchOut,
@@ -25,16 +33,18 @@ from sglang_ext.messages import (
     WorkerInfo,
 )
 from sglang_ext.models.config import ModelConfig
-from sglang_ext.models.resolve import resolve_model_path
+from sglang_ext.models.resolve import PRESET_PREFIX, resolve_model_path
 from sglang_ext.sampling.params import InvalidRequest
 from sglang_ext.scheduler.output import StepOutput
 from sglang_ext.scheduler.overlap import scheduler_class
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
 from sglang_ext.server_args import ServerArgs
-from sglang_ext.worker.tokenizer import IncrementalDetokenizer, Tokenizer
+from sglang_ext.worker.tokenizer import IncrementalDetokenizer, StartupError, Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
+# A request failed because its worker died: the same status the router gives when a worker vanishes.
+FATAL_STATUS = 503
 
 
 @dataclass
@@ -50,22 +60,40 @@ class Worker:
     def __init__(self, args: ServerArgs, worker_id: str = "worker-0") -> None:
         self.args = args
         self.worker_id = worker_id
-        self.model_dir = resolve_model_path(args.model_path)
-        self.cfg = ModelConfig.from_path(self.model_dir)
-        self.runner = ModelRunner(args, self.model_dir, self.cfg)
-        self.tokenizer: Tokenizer | None = None
-        if not args.skip_tokenizer_init:
-            self.tokenizer = Tokenizer(args.tokenizer_path or self.model_dir)
+        timer = StartupTimer()
+        with timer.stage("config") as notes:
+            try:
+                self.model_dir = resolve_model_path(args.model_path)
+                self.cfg = ModelConfig.from_path(self.model_dir)
+            except (FileNotFoundError, ValueError) as e:  # a wrong --model-path: say so in one line
+                raise StartupError(str(e)) from None
+            except KeyError as e:
+                raise StartupError(f"the config.json of {args.model_path!r} has no {e} field") from None
+            if (args.model_path or "").startswith(PRESET_PREFIX) and args.load_format != "dummy":
+                raise StartupError(f"{args.model_path} is a geometry without weights: add --load-format dummy")
+            notes += [self.cfg.architecture, str(self.model_dir)]
+        # Before the weights: a missing tokenizer is reported in seconds, not after loading 16 GB.
+        with timer.stage("tokenizer") as notes:
+            self.tokenizer: Tokenizer | None = load_tokenizer(args, self.model_dir, self.cfg)
+            self.max_token_chars = self.tokenizer.max_token_chars if self.tokenizer else 0
+            notes.append(f"{len(self.tokenizer.hf)} tokens, longest {self.max_token_chars} chars"
+                         if self.tokenizer else "skipped")
+        try:
+            self.runner = ModelRunner(args, self.model_dir, self.cfg, timer=timer)
+        except FileNotFoundError as e:  # no weight files: a configuration problem, one line
+            raise StartupError(str(e)) from None
         eos = set(self.cfg.eos_token_ids) | set(self.tokenizer.eos_ids if self.tokenizer else ())
-        sched_cls = scheduler_class(self.runner.device, args.disable_overlap_schedule)
-        self.scheduler: Scheduler = sched_cls(
-            args, self.runner, args.resolved_page_size, frozenset(eos),
-            decode_fn=(lambda ids: self.tokenizer.decode(ids, False)) if self.tokenizer else None,
-            vocab_size=self.cfg.vocab_size,
-        )
+        with timer.stage("scheduler"):
+            sched_cls = scheduler_class(self.runner.device, args.disable_overlap_schedule)
+            self.scheduler: Scheduler = sched_cls(
+                args, self.runner, args.resolved_page_size, frozenset(eos),
+                decode_fn=(lambda ids: self.tokenizer.decode(ids, False)) if self.tokenizer else None,
+                vocab_size=self.cfg.vocab_size,
+            )
         self.live: dict[str, _Live] = {}
         self.last_step_ms = 0.0
         self.stopped = False
+        logging.getLogger("sglang_ext.startup").info("worker %s ready in %s", worker_id, timer.summary())
 
     # ---- identity -----------------------------------------------------------------------------
     def info(self) -> WorkerInfo:
@@ -81,6 +109,7 @@ class Worker:
             attention_backend=self.args.resolved_attention_backend,
             has_tokenizer=self.tokenizer is not None,
             chat_template=bool(self.tokenizer and self.tokenizer.has_chat_template), pid=os.getpid(),
+            max_token_chars=self.max_token_chars,
         )
 
     def load_report(self) -> LoadReport:
@@ -96,7 +125,45 @@ class Worker:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    # ---- messages in ----------------------------------------------------------------------------
+    # ---- tokenizing (any thread: touches only the tokenizer) ------------------------------------
+    def prompt_chars(self, text: str | None, messages: list[dict[str, Any]] | None) -> int:
+        if messages is not None:
+            return _chars(messages)
+        return len(text) if text is not None else 0
+
+    def tokenize(self, text: str | None, messages: list[dict[str, Any]] | None, gen_prompt: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequest("this server was started with skip_tokenizer_init: send input_ids, not text")
+        # Refuse what cannot fit before tokenizing it: a 100 MB prompt would take minutes and tens of
+        # GB to tokenize only to be rejected by length. Tokens >= characters / longest token.
+        chars, ctx = self.prompt_chars(text, messages), self.runner.context_len
+        limit = ctx * self.max_token_chars
+        if chars > limit:
+            what = "the messages' text is" if messages is not None else "the prompt is"
+            raise InvalidRequest(
+                f"{what} {chars} characters; the limit is {limit} (context length {ctx} tokens x at most "
+                f"{self.max_token_chars} characters per token), so it cannot fit"
+            )
+        if messages is not None:
+            return self.tokenizer.apply_chat_template(messages, gen_prompt)
+        if text is None:
+            raise InvalidRequest("give text or messages")
+        return self.tokenizer.encode(text)
+
+    def prepare(self, m: GenerateReq) -> GenerateReq:
+        """The request with input_ids in place of text or messages (the prompt text is dropped)."""
+        given = sum(x is not None for x in (m.input_ids, m.text, m.messages))
+        if given != 1:
+            raise InvalidRequest("give exactly one of text, input_ids or messages")
+        if m.input_ids is not None:
+            return m
+        return msgspec.structs.replace(m, input_ids=self.tokenize(m.text, m.messages), text=None, messages=None)
+
+    def reply_tokenize(self, m: TokenizeReq) -> ReplyOut:
+        ids = self.tokenize(m.text, m.messages, m.add_generation_prompt)
+        return ReplyOut(rid=m.rid, ok=True, data={"input_ids": ids})
+
+    # ---- messages in (the forward thread) -----------------------------------------------------------
     def handle(self, msg: ToWorker) -> list[FromWorker]:
         try:
             if isinstance(msg, GenerateReq):
@@ -106,8 +173,7 @@ class Worker:
             elif isinstance(msg, FlushCacheReq):
                 return [ReplyOut(rid=msg.rid, ok=self.scheduler.flush_cache())]
             elif isinstance(msg, TokenizeReq):
-                return [ReplyOut(rid=msg.rid, ok=True, data={"input_ids": self._tokenize(msg.text, msg.messages,
-                                                                                         msg.add_generation_prompt)})]
+                return [self.reply_tokenize(msg)]
             elif isinstance(msg, ShutdownReq):
                 self.stopped = True
         except InvalidRequest as e:
@@ -116,21 +182,10 @@ class Worker:
             return [ErrorOut(rid=rid, message=str(e), status=400)]
         return []
 
-    def _tokenize(self, text: str | None, messages: list[dict[str, Any]] | None, gen_prompt: bool = True) -> list[int]:
-        if self.tokenizer is None:
-            raise InvalidRequest("this server was started with skip_tokenizer_init: send input_ids, not text")
-        if messages is not None:
-            return self.tokenizer.apply_chat_template(messages, gen_prompt)
-        assert text is not None
-        return self.tokenizer.encode(text)
-
     def _add(self, m: GenerateReq) -> None:
         if m.rid in self.live:
             raise InvalidRequest(f"duplicate request id {m.rid!r}")
-        given = sum(x is not None for x in (m.input_ids, m.text, m.messages))
-        if given != 1:
-            raise InvalidRequest("give exactly one of text, input_ids or messages")
-        ids = m.input_ids if m.input_ids is not None else self._tokenize(m.text, m.messages)
+        m = self.prepare(m)  # a no-op for what the server prepared on its tokenizer thread
         if m.sampling_params.n != 1:
             raise InvalidRequest("a worker takes n=1; the client expands n>1 into separate requests")
         p = m.sampling_params
@@ -138,7 +193,8 @@ class Worker:
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.stop, p.no_stop_trim)
         self.live[m.rid] = _Live(m, time.monotonic(), detok)
-        req = Req(m.rid, list(ids), p, m.return_logprob, m.logprob_start_len, m.top_logprobs_num)
+        assert m.input_ids is not None
+        req = Req(m.rid, list(m.input_ids), p, m.return_logprob, m.logprob_start_len, m.top_logprobs_num)
         self.scheduler.add_request(req)
 
     # ---- one iteration ----------------------------------------------------------------------------
@@ -147,11 +203,7 @@ class Worker:
         for msg in inbox:
             out.extend(self.handle(msg))
         t0 = time.perf_counter()
-        try:
-            results = self.scheduler.step()
-        except Exception as e:  # a failed forward must not take the worker (or other models) down
-            logger.exception("forward failed; failing the requests in flight")
-            results = self._fail_all(f"internal error in the worker: {type(e).__name__}: {e}")
+        results = self.scheduler.step()  # raises on a fatal error (see the module docstring)
         if results:
             self.last_step_ms = (time.perf_counter() - t0) * 1e3
             outs = [o for o in (self._token_out(r) for r in results) if o is not None]
@@ -159,11 +211,9 @@ class Worker:
                 out.append(BatchOut(outs=outs))
         return out
 
-    def _fail_all(self, message: str) -> list[StepOutput]:
-        s = self.scheduler
-        for r in list(s.running) + list(s.waiting):
-            s.abort(r.rid, message)
-        return s.step()  # drains the abort outputs; nothing is left to run
+    def fatal_errors(self, message: str, also: set[str]) -> list[FromWorker]:
+        """An explicit error for every request this worker holds (and `also`), before it exits."""
+        return [ErrorOut(rid=rid, message=message, status=FATAL_STATUS) for rid in sorted(set(self.live) | also)]
 
     def _token_out(self, r: StepOutput) -> TokenOut | None:
         live = self.live.get(r.rid)
@@ -203,3 +253,18 @@ class Worker:
 
     def _lp(self, lp: float | None, tok: int, with_text: bool) -> list[Any]:
         return [lp, tok, self.tokenizer.token_text(tok) if with_text and self.tokenizer else None]
+
+
+def _chars(messages: list[dict[str, Any]]) -> int:
+    """Characters of text in a chat message list: every value in it (contents, names, tool calls)
+    counts, as a template may render any of them. Iterative: nesting depth is the client's choice."""
+    n, stack = 0, [messages]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+        elif x is not None:
+            n += len(x) if isinstance(x, str) else len(str(x))
+    return n

@@ -1,0 +1,63 @@
+"""The CLI is derived from the `ServerArgs` dataclass: every field is a flag with help and its default."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from sglang_ext.server_args import ServerArgs
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(p)
+    return p
+
+
+def _flags(p: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {s: a for a in p._actions for s in a.option_strings}
+
+
+def test_every_field_has_a_flag_with_help_and_default() -> None:
+    flags = _flags(_parser())
+    for f in dataclasses.fields(ServerArgs):
+        action = flags.get("--" + f.name.replace("_", "-"))
+        assert action is not None, f"no flag for {f.name}"
+        assert action.dest == f.name
+        assert action.help and "(default: " in action.help and not action.help.startswith("("), f.name
+
+
+def test_defaults_round_trip() -> None:
+    assert ServerArgs.from_cli(_parser().parse_args([])) == ServerArgs()
+
+
+def test_flags_parse_to_typed_values() -> None:
+    ns = _parser().parse_args([
+        "--model-path", "preset:llama-3-8b", "--load-format", "dummy", "--skip-tokenizer-init",
+        "--mem-fraction-static", "0.5", "--max-total-tokens", "4096", "--chunked-prefill-size", "-1",
+        "--schedule-policy", "lpm", "--attention-backend", "torch", "--dtype", "bfloat16", "--port", "31000",
+        "--disable-radix-cache", "--disable-cuda-graph", "--disable-overlap-schedule", "--api-key", "k",
+    ])
+    a = ServerArgs.from_cli(ns)
+    assert a == ServerArgs(
+        model_path="preset:llama-3-8b", load_format="dummy", skip_tokenizer_init=True, mem_fraction_static=0.5,
+        max_total_tokens=4096, chunked_prefill_size=-1, schedule_policy="lpm", attention_backend="torch",
+        dtype="bfloat16", port=31000, disable_radix_cache=True, disable_cuda_graph=True,
+        disable_overlap_schedule=True, api_key="k",
+    )
+
+
+@pytest.mark.parametrize("argv", [["--dtype", "float8"], ["--schedule-policy", "lifo"],
+                                  ["--attention-backend", "triton"], ["--max-total-tokens", "many"]])
+def test_bad_flag_values_are_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        _parser().parse_args(argv)
+    assert e.value.code == 2 and argv[0] in capsys.readouterr().err
+
+
+def test_keywords_are_the_field_names() -> None:
+    assert ServerArgs.from_kwargs(max_total_tokens=8).max_total_tokens == 8
+    with pytest.raises(TypeError, match="extra"):
+        ServerArgs.from_kwargs(extra={})  # the dead `extra` field is gone
