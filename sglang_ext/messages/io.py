@@ -96,6 +96,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     has_tokenizer: bool
     chat_template: bool
     pid: int
+    max_token_chars: int = 0  # longest token's text in characters (0: unknown); bounds tokens by characters
 
 
 class WorkerHello(msgspec.Struct, tag="hello", kw_only=True):
