@@ -16,14 +16,14 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from router.config import RouterConfig
+from router.config import RouterConfig, SloSpec
 from router.events import (
     EventBus,
     FirstToken,
@@ -75,8 +75,10 @@ class NoWorker(RuntimeError):
 
 
 class Router:
-    def __init__(self, config: RouterConfig, balancer: Balancer | None = None) -> None:
+    def __init__(self, config: RouterConfig, balancer: Balancer | None = None,
+                 slo: Mapping[str, SloSpec] | None = None) -> None:
         self.config = config
+        self.slo = dict(slo or {})  # per model name (the cluster file's `slo:`)
         self.registry = Registry()
         self.balancer = balancer or PrefixAware()
         self.bus = EventBus()
@@ -320,7 +322,7 @@ class Router:
         meta = out.meta_info
         if st.prompt_tokens is None and "prompt_tokens" in meta:
             st.prompt_tokens = int(meta["prompt_tokens"])
-        slo = self.config.slo.get(st.model)
+        slo = self.slo.get(st.model)
         if out.token_ids:
             if st.first_token is None:
                 st.first_token = now

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Generator
 import uvicorn
 
 from router.api.app import build_app
-from router.config import Cluster
+from router.config import API_KEY_ENV, Cluster, RouterConfig
 from router.core import Router
 from router.procs import LocalWorkers
 
@@ -62,6 +62,14 @@ def say(msg: str) -> None:
     print(f"[sglang_ext] {msg}", flush=True)
 
 
+def try_hint(cfg: RouterConfig, host: str, port: int) -> str:
+    """A curl line that works as printed; the key is never printed: the line reads it from the environment."""
+    auth = f" -H \"Authorization: Bearer ${API_KEY_ENV}\"" if cfg.api_key else ""
+    hint = (f"try: curl http://{host}:{port}/generate{auth} "
+            "-d '{\"text\": \"Hello\", \"sampling_params\": {\"max_new_tokens\": 8}}'")
+    return hint + (f" (with the API key in ${API_KEY_ENV})" if cfg.api_key else "")
+
+
 async def serve_cluster(cluster: Cluster, on_ready: Callable[[Router], Awaitable[None]] | None = None) -> int:
     """Serve until a signal; returns the process exit code."""
     cfg = cluster.router
@@ -70,7 +78,7 @@ async def serve_cluster(cluster: Cluster, on_ready: Callable[[Router], Awaitable
     except OSError as e:
         say(f"cannot listen on {cfg.host}:{cfg.port}: {e}")
         return 1
-    router = Router(cfg)
+    router = Router(cfg, slo=cluster.slo)
     await router.start()
     for name in cluster.models:
         router.registry.declare(name)
@@ -100,8 +108,7 @@ async def serve_cluster(cluster: Cluster, on_ready: Callable[[Router], Awaitable
                     say(f"workers that failed to start: {', '.join(failed)}")
                 if not code:
                     up = sum(1 for w in router.registry.workers.values() if w.up)
-                    say(f"ready: {up} worker(s) up; try: curl http://{host}:{port}/generate "
-                        "-d '{\"text\": \"Hello\", \"sampling_params\": {\"max_new_tokens\": 8}}'")
+                    say(f"ready: {up} worker(s) up; {try_hint(cfg, host, port)}")
             else:
                 ready.cancel()
         if on_ready is not None and not code:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _router_util import ROOT, SMALL, Proc, Server, free_port, sse_events
+from _router_util import ROOT, SMALL, Proc, Server, free_port, sse_events, wait_for
 
 
 def pid_alive(pid: int) -> bool:
@@ -122,6 +123,8 @@ def test_config_excludes_other_flags(tmp_path: Path) -> None:
     cfg.write_text("models: [{name: a}]")
     p = _launch(["--config", str(cfg), "--port", "1234"])
     assert p.returncode == 2 and "--port cannot be combined with --config" in p.stderr
+    p = _launch(["--config", str(cfg), "--heartbeat-timeout", "9"])
+    assert p.returncode == 2 and "--heartbeat-timeout cannot be combined with --config" in p.stderr
 
 
 def test_bad_model_path_exits_with_error(tmp_path: Path) -> None:
@@ -137,11 +140,13 @@ def test_worker_subcommand_needs_router() -> None:
     assert p.returncode == 2 and "tcp://" in p.stderr
 
 
-def test_help_lists_sglang_flags() -> None:
+def test_help_lists_sglang_flags_and_the_worker_subcommand() -> None:
     out = _launch(["--help"]).stdout
     for flag in ("--model-path", "--port", "--mem-fraction-static", "--max-total-tokens", "--api-key",
-                 "--chunked-prefill-size", "--page-size", "--config", "--dp-size"):
+                 "--chunked-prefill-size", "--page-size", "--config", "--dp-size", "--api-key-file",
+                 "--max-request-mb", "--max-connections", "--header-timeout", "--restart-backoff"):
         assert flag in out
+    assert "worker --router tcp://HOST:PORT" in out and "SGLANG_EXT_API_KEY" in out
 
 
 def test_log_mentions_worker_address(tmp_path: Path) -> None:
@@ -189,3 +194,39 @@ def test_router_restart_keeps_remote_workers(tmp_path: Path) -> None:
         for p in (second, first, worker):
             if p is not None:
                 p.stop()
+
+
+def test_api_key_stays_out_of_worker_command_lines(tmp_path: Path) -> None:
+    key = "sekret-cmdline-key"
+    port = free_port()
+    srv = Server([*SMALL, "--port", str(port), "--api-key", key], tmp_path / "key.log", port, api_key=key)
+    try:
+        srv.wait_workers(1)
+        cmdline = Path(f"/proc/{srv.worker('default-0')['info']['pid']}/cmdline").read_bytes()
+        assert b"sglang_ext.worker" in cmdline and key.encode() not in cmdline
+        wait_for(lambda: "ready:" in srv.log(), 30, "the ready line")
+        assert 'Bearer $SGLANG_EXT_API_KEY' in srv.log() and key not in srv.log()
+    finally:
+        srv.stop()
+    # `launch worker` takes the server flags too; its worker child gets no key either.
+    joiner = Proc(["-m", "sglang_ext.launch", "worker", "--router", f"tcp://127.0.0.1:{free_port()}", *SMALL,
+                   "--api-key", key], tmp_path / "joiner.log")
+    try:
+        m = wait_for(lambda: re.search(r"\(pid (\d+)\) joining", joiner.log()), 30, "the worker's pid")
+        cmdline = Path(f"/proc/{m.group(1)}/cmdline").read_bytes()
+        assert b"sglang_ext.worker" in cmdline and key.encode() not in cmdline
+    finally:
+        joiner.stop()
+
+
+def test_api_key_from_the_environment(tmp_path: Path) -> None:
+    key = "env-key-456"
+    port = free_port()
+    srv = Server([*SMALL, "--port", str(port)], tmp_path / "env.log", port, api_key=key,
+                 env={"SGLANG_EXT_API_KEY": key})
+    try:
+        srv.wait_workers(1)
+        assert httpx.get(srv.url + "/v1/models").status_code == 401
+        assert httpx.get(srv.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+    finally:
+        srv.stop()
