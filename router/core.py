@@ -82,7 +82,7 @@ class Router:
         self.registry = Registry()
         self.balancer = balancer or PrefixAware()
         self.bus = EventBus()
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(lambda: self.registry.workers.values())
         self.requests: dict[str, RequestState] = {}
         self._replies: dict[str, asyncio.Future[ReplyOut]] = {}
         self._ids = itertools.count()
@@ -290,7 +290,6 @@ class Router:
                 self._fail(st, 503, f"worker {ident} restarted; the request was lost")
         self._hello_asked.pop(ident, None)
         w, known = self.registry.register(msg.info)
-        self.metrics.up.labels(w.model, ident).set(1)
         logger.info("worker %s (%s, model %s, pid %d) %s", ident, w.info.device if w.info else "?", w.model,
                     msg.info.pid, "re-registered" if known else "registered")
         self.bus.publish(WorkerUp(w.model, ident, w.role, known))
@@ -308,10 +307,8 @@ class Router:
         w.load = r
         if not w.up:
             w.up = True  # it was only slow: take it back
-            self.metrics.up.labels(w.model, ident).set(1)
             logger.info("worker %s is responding again", ident)
             self.bus.publish(WorkerUp(w.model, ident, w.role, True))
-        self.metrics.on_load(w.model, r, len(w.inflight))
         self.bus.publish(LoadReported(w.model, ident, r))
 
     def _on_token(self, out: TokenOut) -> None:
@@ -369,5 +366,4 @@ class Router:
             self._fail(st, 503, f"worker {w.worker_id} of model {w.model} went down ({reason}); "
                                 "the request was not completed")
             self.send(w.worker_id, AbortReq(rid=st.rid))  # in case it is alive but slow
-        self.metrics.up.labels(w.model, w.worker_id).set(0)
         self.bus.publish(WorkerDown(w.model, w.worker_id, reason))

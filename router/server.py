@@ -105,7 +105,7 @@ async def serve_cluster(cluster: Cluster, on_ready: Callable[[Router], Awaitable
                     server.should_exit = True
                     code = 1
                 elif failed:
-                    say(f"workers that failed to start: {', '.join(failed)}")
+                    say(f"workers that failed to start: {', '.join(failed)} (restarting them with backoff)")
                 if not code:
                     up = sum(1 for w in router.registry.workers.values() if w.up)
                     say(f"ready: {up} worker(s) up; {try_hint(cfg, host, port)}")
@@ -120,6 +120,7 @@ async def serve_cluster(cluster: Cluster, on_ready: Callable[[Router], Awaitable
             server.should_exit = True
             with contextlib.suppress(Exception):
                 await serve_task
+        await workers.stop_supervising()  # workers told to shut down must not be restarted
         await router.stop(shutdown=[w.worker_id for w in cluster.workers])
         await workers.stop()
         http_sock.close()

@@ -99,9 +99,12 @@ def build(router: Router) -> APIRouter:
 
     @api.get("/health")
     async def health() -> Response:
-        if any(w.up for w in router.registry.workers.values()):
+        workers = router.registry.workers.values()
+        if any(w.up for w in workers):
             return Response(status_code=200)
-        raise ApiError(503, "no worker is up yet")
+        if not workers:
+            raise ApiError(503, "no worker is up yet")
+        raise ApiError(503, "no worker is up: " + "; ".join(f"{w.worker_id} {w.describe()}" for w in workers))
 
     @api.get("/health_generate")
     async def health_generate(request: Request, model: str | None = None) -> Response:
@@ -131,7 +134,8 @@ def server_info_dict(router: Router) -> dict[str, Any]:
     for name, m in reg.models.items():
         workers = []
         for w in m.workers.values():
-            d: dict[str, Any] = {"worker_id": w.worker_id, "role": w.role, "up": w.up,
+            d: dict[str, Any] = {"worker_id": w.worker_id, "role": w.role, "up": w.up, "state": w.describe(),
+                                 "restarts": w.supervision.restarts if w.supervision else 0,
                                  "inflight": len(w.inflight), "num_served": w.num_served,
                                  "outstanding_tokens": w.outstanding_tokens,
                                  "last_seen_s_ago": round(time.monotonic() - w.last_seen, 3) if w.last_seen else None}
