@@ -171,9 +171,12 @@ class Router:
             raise NoWorker(f"no worker of model {model.name!r} is up; try again later")
         return self.balancer.pick(candidates, prefix_key)
 
-    def submit(self, model: ModelEntry, reqs: list[GenerateReq], est_prompt_tokens: list[int]) -> Submission:
-        """Send the sub-requests of one HTTP request to one worker (they often share a prefix)."""
-        worker = self.pick(model, prefix_key(reqs[0]) if reqs else None)
+    def submit(self, model: ModelEntry, reqs: list[GenerateReq], est_prompt_tokens: list[int],
+               worker: WorkerState | None = None) -> Submission:
+        """Send the sub-requests of one HTTP request to one worker (they often share a prefix):
+        `worker`, or the one the balancer picks."""
+        if worker is None:
+            worker = self.pick(model, prefix_key(reqs[0]) if reqs else None)
         sink: asyncio.Queue[Item] = asyncio.Queue()
         now = time.monotonic()
         states = []

@@ -19,6 +19,7 @@ import uvicorn
 from router.api.app import build_app
 from router.config import API_KEY_ENV, Cluster, RouterConfig
 from router.core import Router
+from router.http_guard import ConnLimits, GuardedH11Protocol, connection_cap, raise_fd_limit
 from router.procs import LocalWorkers
 
 logger = logging.getLogger(__name__)
@@ -70,9 +71,18 @@ def try_hint(cfg: RouterConfig, host: str, port: int) -> str:
     return hint + (f" (with the API key in ${API_KEY_ENV})" if cfg.api_key else "")
 
 
+def uvicorn_config(router: Router, fd_limit: int) -> uvicorn.Config:
+    cfg = router.config
+    limits = ConnLimits(connection_cap(cfg.max_connections, fd_limit), cfg.header_timeout_s, cfg.body_timeout_s)
+    return uvicorn.Config(build_app(router), http=GuardedH11Protocol.with_limits(limits), log_level="warning",
+                          access_log=False, timeout_graceful_shutdown=5,
+                          timeout_keep_alive=cfg.keep_alive_timeout_s)  # type: ignore[arg-type]
+
+
 async def serve_cluster(cluster: Cluster, on_ready: Callable[[Router], Awaitable[None]] | None = None) -> int:
     """Serve until a signal; returns the process exit code."""
     cfg = cluster.router
+    fd_limit = raise_fd_limit()  # so that max_connections, not the OS, is what refuses connections
     try:
         http_sock = bind_http(cfg.host, cfg.port)
     except OSError as e:
@@ -85,8 +95,7 @@ async def serve_cluster(cluster: Cluster, on_ready: Callable[[Router], Awaitable
     workers = LocalWorkers(router, cluster.workers)
     workers.start()
     host, port = http_sock.getsockname()[:2]
-    server = _Server(uvicorn.Config(build_app(router), log_level="warning", access_log=False,
-                                    timeout_graceful_shutdown=5, timeout_keep_alive=30))
+    server = _Server(uvicorn_config(router, fd_limit))
     # End running requests (503) at once, so open streams close instead of holding up the exit.
     server.on_exit = lambda: router.fail_all("the server is shutting down")
     names = list(cluster.models) or sorted({w.model for w in cluster.workers})

@@ -11,8 +11,9 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from router.api.common import DONE, ApiError, EventStream, SSEResponse, json_response, read_json, sse
+from router.api.limits import check_prompt_size
 from router.api.native_protocol import GeneratePlan, parse_generate, resolve_model
-from router.core import NoWorker, Router
+from router.core import NoWorker, Router, prefix_key
 from router.tracker import Submission
 from sglang_ext import __version__
 from sglang_ext.entry.outputs import merge_output, new_result
@@ -25,9 +26,11 @@ def submit(router: Router, plan: GeneratePlan) -> Submission:
     if dup or len({r.rid for r in plan.reqs}) != len(plan.reqs):
         raise ApiError(400, f"duplicate request id(s): {', '.join(dup) or 'repeated in this request'}", param="rid")
     try:
-        return router.submit(plan.model, plan.reqs, plan.est_tokens)
+        worker = router.pick(plan.model, prefix_key(plan.reqs[0]) if plan.reqs else None)
     except NoWorker as e:
         raise ApiError(503, str(e)) from None
+    check_prompt_size(worker.info, plan.reqs)
+    return router.submit(plan.model, plan.reqs, plan.est_tokens, worker)
 
 
 async def collect(sub: Submission, request: Request | None) -> list[dict[str, Any]]:
