@@ -81,6 +81,19 @@ def test_router_flags_come_from_the_settings() -> None:
         _cluster_from_flags(p.parse_args(["--max-request-mb", "0"]), p)  # must be > 0
 
 
+def test_every_router_setting_has_a_flag_and_is_documented() -> None:
+    import msgspec
+
+    from router.config import SERVER_FLAG_FIELDS, flag_name
+
+    help_text = _serve_parser().format_help()
+    doc = DOC.read_text()
+    for f in msgspec.structs.fields(RouterConfig):
+        assert f"  {f.name}:" in doc, f"router.{f.name} is missing from docs/launcher.md's example"
+        if f.name not in SERVER_FLAG_FIELDS:
+            assert flag_name(f.name) in help_text, f.name
+
+
 def test_router_section_is_strict(tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text("router: {max_request_mb: 4, body_timeout_s: 9, max_connections: 100}\nmodels: [{name: a}]")
