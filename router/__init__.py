@@ -2,7 +2,8 @@
 
 Layout: `core` (socket, request tracking, health), `registry` (models, workers, balancing),
 `events` (the bus planners subscribe to), `metrics` (Prometheus), `api/` (HTTP), `server`
-(uvicorn + signals), `procs` (local worker processes), `config` (settings and cluster YAML).
+(uvicorn + signals), `http_guard` (connection cap, slow-client timeouts), `procs` (local worker
+processes and their supervision), `config` (settings and cluster YAML).
 """
 
 from __future__ import annotations

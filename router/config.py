@@ -1,26 +1,71 @@
 """Router settings and the cluster file (`--config cluster.yaml`) schema.
 
-The YAML is decoded strictly into msgspec Structs: an unknown key, a wrong type or an unknown server
-argument is an error that names where it is, so a typo never silently falls back to a default.
+`RouterConfig` is the one definition of the router's settings: the cluster file's `router:` section
+decodes into it, and the launcher derives its router flags from its fields (`cli.py`). The YAML is
+decoded strictly into msgspec Structs: an unknown key, a wrong type or an unknown server argument is
+an error that names where it is, so a typo never silently falls back to a default.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+import argparse
+import os
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Annotated, Any, Final, Literal, Union, get_args, get_origin
 
 import msgspec
+from msgspec import Meta
 
 from sglang_ext.server_args import DEFAULT_PORT, ServerArgs
 
-ROLES: Final = ("serve", "hot", "cold", "prefill", "decode")
 Role = Literal["serve", "hot", "cold", "prefill", "decode"]
+API_KEY_ENV: Final = "SGLANG_EXT_API_KEY"
+
+# Router settings the launcher's server flags already carry (`--host`, `--port`, `--api-key`, `--log-level`).
+SERVER_FLAG_FIELDS: Final = frozenset({"host", "port", "api_key", "log_level"})
 
 
 class ConfigError(ValueError):
     pass
+
+
+class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The router's settings. A field's description is its launcher flag's help text."""
+
+    host: str = "127.0.0.1"  # HTTP address (`--host`)
+    port: Annotated[int, Meta(ge=0, le=65535)] = DEFAULT_PORT  # (`--port`)
+    worker_host: Annotated[str, Meta(description="address the worker-facing ZeroMQ socket binds")] = "127.0.0.1"
+    worker_port: Annotated[int, Meta(ge=0, le=65535, description="port of that socket (0: a free one, printed)")] = 0
+    api_key: str | None = None  # Bearer key for everything but /health (`--api-key`)
+    api_key_file: Annotated[str | None, Meta(
+        description=f"read the API key from this file (keeps it out of `ps`; also ${API_KEY_ENV})")] = None
+    heartbeat_timeout_s: Annotated[float, Meta(
+        gt=0, description="seconds of worker silence before it is marked down")] = 3.0
+    log_level: str = "info"  # (`--log-level`)
+    # HTTP hardening: bounded request size, connections and time per connection.
+    max_request_mb: Annotated[float, Meta(gt=0, description="largest HTTP request body in MiB (larger: 413)")] = 32.0
+    max_connections: Annotated[int, Meta(ge=1, description="open HTTP connections at most (more: 503)")] = 4096
+    header_timeout_s: Annotated[float, Meta(
+        gt=0, description="seconds for a connection to send its request headers before it is closed")] = 10.0
+    body_timeout_s: Annotated[float, Meta(
+        gt=0, description="seconds for a request body to arrive, once its headers have (else 408)")] = 60.0
+    keep_alive_timeout_s: Annotated[float, Meta(
+        gt=0, description="seconds an idle keep-alive connection stays open")] = 5.0
+    # Supervision of the workers the launcher starts.
+    restart_backoff_s: Annotated[float, Meta(
+        gt=0, description="wait before restarting a crashed local worker; doubles per fast crash")] = 1.0
+    restart_backoff_max_s: Annotated[float, Meta(gt=0, description="longest wait between restarts")] = 30.0
+    restart_max_fast_crashes: Annotated[int, Meta(
+        ge=1, description="give up on a local worker after this many crashes in a row, each soon after start")] = 5
+    restart_fast_crash_s: Annotated[float, Meta(
+        gt=0, description="a crash within this many seconds of start counts as fast")] = 60.0
+
+    @property
+    def max_request_bytes(self) -> int:
+        return int(self.max_request_mb * (1 << 20))
 
 
 class SloSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -46,35 +91,9 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True):
     slo: SloSpec | None = None
 
 
-class RouterSpec(msgspec.Struct, forbid_unknown_fields=True):
-    host: str = "127.0.0.1"
-    port: int = DEFAULT_PORT
-    worker_host: str = "127.0.0.1"  # where the worker-facing ZeroMQ socket binds
-    worker_port: int = 0  # 0 -> a free port (printed at startup)
-    api_key: str | None = None
-    heartbeat_timeout_s: float = 3.0
-    log_level: str = "info"
-
-
 class ClusterSpec(msgspec.Struct, forbid_unknown_fields=True):
     models: list[ModelSpec]
-    router: RouterSpec = msgspec.field(default_factory=RouterSpec)
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    host: str = "127.0.0.1"
-    port: int = DEFAULT_PORT
-    worker_host: str = "127.0.0.1"
-    worker_port: int = 0
-    api_key: str | None = None
-    heartbeat_timeout_s: float = 3.0
-    log_level: str = "info"
-    slo: dict[str, SloSpec] = dataclasses.field(default_factory=dict)  # per model name
-
-    @property
-    def worker_bind_addr(self) -> str:
-        return f"tcp://{self.worker_host}:{self.worker_port or '*'}"
+    router: RouterConfig = msgspec.field(default_factory=RouterConfig)
 
 
 @dataclass(frozen=True)
@@ -92,6 +111,7 @@ class Cluster:
     router: RouterConfig
     workers: tuple[LocalWorker, ...]
     models: tuple[str, ...] = ()  # served names in file order, including models without local workers
+    slo: Mapping[str, SloSpec] = field(default_factory=dict)  # per model name
 
 
 def model_name(model_path: str | None, served_model_name: str | None = None) -> str:
@@ -99,6 +119,65 @@ def model_name(model_path: str | None, served_model_name: str | None = None) -> 
     if served_model_name:
         return served_model_name
     return "default" if not model_path else str(model_path).rstrip("/").split("/")[-1]
+
+
+def router_config(values: dict[str, Any], where: str = "router") -> RouterConfig:
+    """Strictly typed settings from plain values (launcher flags), with errors that name the field."""
+    try:
+        return msgspec.convert(values, RouterConfig)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def flag_name(field_name: str) -> str:
+    """`heartbeat_timeout_s` -> `--heartbeat-timeout` (the help text says the unit)."""
+    return "--" + field_name.removesuffix("_s").replace("_", "-")
+
+
+def _cli_type(tp: Any) -> tuple[type, str]:
+    """The argparse type and help text of a RouterConfig field's annotation."""
+    help_text = ""
+    if get_origin(tp) is Annotated:
+        tp, *metas = get_args(tp)
+        help_text = next((m.description for m in metas if isinstance(m, Meta) and m.description), "")
+    if get_origin(tp) in (Union, types.UnionType):
+        tp = next(a for a in get_args(tp) if a is not type(None))
+    return tp, help_text
+
+
+def add_router_flags(group: argparse._ArgumentGroup) -> None:
+    """One launcher flag per RouterConfig field (except those the server flags carry)."""
+    for f in msgspec.structs.fields(RouterConfig):
+        if f.name in SERVER_FLAG_FIELDS:
+            continue
+        tp, help_text = _cli_type(f.type)
+        flag = flag_name(f.name)
+        group.add_argument(flag, dest=f.name, type=tp, default=f.default, metavar=flag[2:].upper().replace("-", "_"),
+                           help=f"{help_text} (default: {f.default})")
+
+
+def router_flag_values(ns: argparse.Namespace) -> dict[str, Any]:
+    """The RouterConfig fields among parsed launcher flags (server flags included)."""
+    return {f.name: getattr(ns, f.name) for f in msgspec.structs.fields(RouterConfig) if hasattr(ns, f.name)}
+
+
+def resolve_api_key(cfg: RouterConfig, env: Mapping[str, str] = os.environ) -> RouterConfig:
+    """The key from `api_key`, else from `api_key_file`, else from $SGLANG_EXT_API_KEY (else none)."""
+    if cfg.api_key is not None and cfg.api_key_file is not None:
+        raise ConfigError("give the API key once: api_key (--api-key) or api_key_file (--api-key-file), not both")
+    key = cfg.api_key
+    if cfg.api_key_file is not None:
+        try:
+            key = Path(cfg.api_key_file).read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read the API key file: {e}") from None
+        if not key:
+            raise ConfigError(f"the API key file {cfg.api_key_file} is empty")
+    elif key is None:
+        key = env.get(API_KEY_ENV) or None
+    if key is not None and not key.strip():
+        raise ConfigError("the API key must not be empty")
+    return msgspec.structs.replace(cfg, api_key=key)
 
 
 def _server_args(where: str, values: dict[str, Any]) -> ServerArgs:
@@ -140,10 +219,7 @@ def build_cluster(spec: ClusterSpec) -> Cluster:
     dup = sorted({x for x in ids if ids.count(x) > 1})
     if dup:
         raise ConfigError(f"worker ids must be unique, repeated: {', '.join(dup)}")
-    r = spec.router
-    router = RouterConfig(r.host, r.port, r.worker_host, r.worker_port, r.api_key, r.heartbeat_timeout_s,
-                          r.log_level, slo)
-    return Cluster(router, tuple(workers), tuple(names))
+    return Cluster(spec.router, tuple(workers), tuple(names), slo)
 
 
 def load_cluster(path: str | Path) -> Cluster:

@@ -16,14 +16,14 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from router.config import RouterConfig
+from router.config import RouterConfig, SloSpec
 from router.events import (
     EventBus,
     FirstToken,
@@ -75,12 +75,14 @@ class NoWorker(RuntimeError):
 
 
 class Router:
-    def __init__(self, config: RouterConfig, balancer: Balancer | None = None) -> None:
+    def __init__(self, config: RouterConfig, balancer: Balancer | None = None,
+                 slo: Mapping[str, SloSpec] | None = None) -> None:
         self.config = config
+        self.slo = dict(slo or {})  # per model name (the cluster file's `slo:`)
         self.registry = Registry()
         self.balancer = balancer or PrefixAware()
         self.bus = EventBus()
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(lambda: self.registry.workers.values())
         self.requests: dict[str, RequestState] = {}
         self._replies: dict[str, asyncio.Future[ReplyOut]] = {}
         self._ids = itertools.count()
@@ -169,9 +171,12 @@ class Router:
             raise NoWorker(f"no worker of model {model.name!r} is up; try again later")
         return self.balancer.pick(candidates, prefix_key)
 
-    def submit(self, model: ModelEntry, reqs: list[GenerateReq], est_prompt_tokens: list[int]) -> Submission:
-        """Send the sub-requests of one HTTP request to one worker (they often share a prefix)."""
-        worker = self.pick(model, prefix_key(reqs[0]) if reqs else None)
+    def submit(self, model: ModelEntry, reqs: list[GenerateReq], est_prompt_tokens: list[int],
+               worker: WorkerState | None = None) -> Submission:
+        """Send the sub-requests of one HTTP request to one worker (they often share a prefix):
+        `worker`, or the one the balancer picks."""
+        if worker is None:
+            worker = self.pick(model, prefix_key(reqs[0]) if reqs else None)
         sink: asyncio.Queue[Item] = asyncio.Queue()
         now = time.monotonic()
         states = []
@@ -288,7 +293,6 @@ class Router:
                 self._fail(st, 503, f"worker {ident} restarted; the request was lost")
         self._hello_asked.pop(ident, None)
         w, known = self.registry.register(msg.info)
-        self.metrics.up.labels(w.model, ident).set(1)
         logger.info("worker %s (%s, model %s, pid %d) %s", ident, w.info.device if w.info else "?", w.model,
                     msg.info.pid, "re-registered" if known else "registered")
         self.bus.publish(WorkerUp(w.model, ident, w.role, known))
@@ -306,10 +310,8 @@ class Router:
         w.load = r
         if not w.up:
             w.up = True  # it was only slow: take it back
-            self.metrics.up.labels(w.model, ident).set(1)
             logger.info("worker %s is responding again", ident)
             self.bus.publish(WorkerUp(w.model, ident, w.role, True))
-        self.metrics.on_load(w.model, r, len(w.inflight))
         self.bus.publish(LoadReported(w.model, ident, r))
 
     def _on_token(self, out: TokenOut) -> None:
@@ -320,7 +322,7 @@ class Router:
         meta = out.meta_info
         if st.prompt_tokens is None and "prompt_tokens" in meta:
             st.prompt_tokens = int(meta["prompt_tokens"])
-        slo = self.config.slo.get(st.model)
+        slo = self.slo.get(st.model)
         if out.token_ids:
             if st.first_token is None:
                 st.first_token = now
@@ -367,5 +369,4 @@ class Router:
             self._fail(st, 503, f"worker {w.worker_id} of model {w.model} went down ({reason}); "
                                 "the request was not completed")
             self.send(w.worker_id, AbortReq(rid=st.rid))  # in case it is alive but slow
-        self.metrics.up.labels(w.model, w.worker_id).set(0)
         self.bus.publish(WorkerDown(w.model, w.worker_id, reason))

@@ -1,25 +1,72 @@
 """Prometheus metrics (prometheus-client), named as SGLang names them where one exists.
 
 Each Router owns its own CollectorRegistry, so several routers in one process (tests) don't clash.
-Latency histograms are per model; load gauges are per model and worker.
+Latency histograms and counters are per model, updated as requests progress. Per-worker gauges are
+read from the registry when /metrics is scraped, so they agree with /get_server_info at that moment
+(load figures are the worker's latest report, sent every 0.5 s).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from collections.abc import Callable, Iterable, Iterator
 
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from router.registry import WorkerState
 from sglang_ext.messages import LoadReport
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0)
 _TOKEN_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                   0.4, 0.5, 0.75, 1.0, 2.5)
+_LABELS = ["model_name", "worker"]
+
+# name, help, value from a load report
+_LOAD_GAUGES: tuple[tuple[str, str, Callable[[LoadReport], float]], ...] = (
+    ("sglang:num_running_reqs", "Running requests (worker report)", lambda r: r.num_running),
+    ("sglang:num_queue_reqs", "Waiting requests (worker report)", lambda r: r.num_waiting),
+    ("sglang_ext:kv_used_tokens", "KV tokens in use, prefix cache included", lambda r: r.kv_used_tokens),
+    ("sglang_ext:kv_cached_tokens", "KV tokens held by the prefix cache", lambda r: r.kv_cached_tokens),
+    ("sglang_ext:kv_total_tokens", "KV capacity in tokens", lambda r: r.kv_total_tokens),
+    ("sglang:token_usage", "Fraction of KV capacity in use",
+     lambda r: r.kv_used_tokens / r.kv_total_tokens if r.kv_total_tokens else 0.0),
+    ("sglang_ext:step_time_ms", "Last forward step time", lambda r: r.step_time_ms),
+)
+
+
+class WorkerGauges(Collector):
+    """Per-worker gauges computed at scrape time from the router's registry."""
+
+    def __init__(self, workers: Callable[[], Iterable[WorkerState]]) -> None:
+        self.workers = workers
+
+    def collect(self) -> Iterator[Metric]:
+        workers = list(self.workers())
+        for name, doc, value in _LOAD_GAUGES:
+            g = GaugeMetricFamily(name, doc, labels=_LABELS)
+            for w in workers:
+                if w.load is not None:
+                    g.add_metric([w.model, w.worker_id], value(w.load))
+            yield g
+        inflight = GaugeMetricFamily("sglang_ext:router_inflight_reqs", "Requests the router waits on", labels=_LABELS)
+        up = GaugeMetricFamily("sglang_ext:worker_up", "1 while the worker sends heartbeats", labels=_LABELS)
+        restarts = CounterMetricFamily("sglang_ext:worker_restarts", "Restarts of a worker the launcher started",
+                                       labels=_LABELS)
+        for w in workers:
+            labels = [w.model, w.worker_id]
+            inflight.add_metric(labels, len(w.inflight))
+            up.add_metric(labels, 1.0 if w.up else 0.0)
+            if w.supervision is not None:
+                restarts.add_metric(labels, w.supervision.restarts)
+        yield from (inflight, up, restarts)
 
 
 class RouterMetrics:
-    def __init__(self) -> None:
+    def __init__(self, workers: Callable[[], Iterable[WorkerState]] = tuple) -> None:
         r = self.registry = CollectorRegistry()
-        m, mw = ["model_name"], ["model_name", "worker"]
+        m = ["model_name"]
         self.ttft = Histogram("sglang:time_to_first_token_seconds", "Time to first token", m,
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("sglang:inter_token_latency_seconds", "Gap between streamed token chunks", m,
@@ -32,26 +79,7 @@ class RouterMetrics:
         self.prompt_tokens = Counter("sglang:prompt_tokens", "Prompt tokens of finished requests", m, registry=r)
         self.gen_tokens = Counter("sglang:generation_tokens", "Generated tokens", m, registry=r)
         self.slo_miss = Counter("sglang_ext:slo_miss", "Requests that missed an SLO", [*m, "kind"], registry=r)
-        self.running = Gauge("sglang:num_running_reqs", "Running requests (worker report)", mw, registry=r)
-        self.waiting = Gauge("sglang:num_queue_reqs", "Waiting requests (worker report)", mw, registry=r)
-        self.kv_used = Gauge("sglang_ext:kv_used_tokens", "KV tokens in use, prefix cache included", mw, registry=r)
-        self.kv_cached = Gauge("sglang_ext:kv_cached_tokens", "KV tokens held by the prefix cache", mw, registry=r)
-        self.kv_total = Gauge("sglang_ext:kv_total_tokens", "KV capacity in tokens", mw, registry=r)
-        self.usage = Gauge("sglang:token_usage", "Fraction of KV capacity in use", mw, registry=r)
-        self.step_ms = Gauge("sglang_ext:step_time_ms", "Last forward step time", mw, registry=r)
-        self.inflight = Gauge("sglang_ext:router_inflight_reqs", "Requests the router waits on", mw, registry=r)
-        self.up = Gauge("sglang_ext:worker_up", "1 while the worker sends heartbeats", mw, registry=r)
-
-    def on_load(self, model: str, r: LoadReport, inflight: int) -> None:
-        labels = (model, r.worker_id)
-        self.running.labels(*labels).set(r.num_running)
-        self.waiting.labels(*labels).set(r.num_waiting)
-        self.kv_used.labels(*labels).set(r.kv_used_tokens)
-        self.kv_cached.labels(*labels).set(r.kv_cached_tokens)
-        self.kv_total.labels(*labels).set(r.kv_total_tokens)
-        self.usage.labels(*labels).set(r.kv_used_tokens / r.kv_total_tokens if r.kv_total_tokens else 0.0)
-        self.step_ms.labels(*labels).set(r.step_time_ms)
-        self.inflight.labels(*labels).set(inflight)
+        r.register(WorkerGauges(workers))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

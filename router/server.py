@@ -17,8 +17,9 @@ from collections.abc import Awaitable, Callable, Generator
 import uvicorn
 
 from router.api.app import build_app
-from router.config import Cluster
+from router.config import API_KEY_ENV, Cluster, RouterConfig
 from router.core import Router
+from router.http_guard import ConnLimits, GuardedH11Protocol, connection_cap, raise_fd_limit
 from router.procs import LocalWorkers
 
 logger = logging.getLogger(__name__)
@@ -62,23 +63,39 @@ def say(msg: str) -> None:
     print(f"[sglang_ext] {msg}", flush=True)
 
 
+def try_hint(cfg: RouterConfig, host: str, port: int) -> str:
+    """A curl line that works as printed; the key is never printed: the line reads it from the environment."""
+    auth = f" -H \"Authorization: Bearer ${API_KEY_ENV}\"" if cfg.api_key else ""
+    hint = (f"try: curl http://{host}:{port}/generate{auth} "
+            "-d '{\"text\": \"Hello\", \"sampling_params\": {\"max_new_tokens\": 8}}'")
+    return hint + (f" (with the API key in ${API_KEY_ENV})" if cfg.api_key else "")
+
+
+def uvicorn_config(router: Router, fd_limit: int) -> uvicorn.Config:
+    cfg = router.config
+    limits = ConnLimits(connection_cap(cfg.max_connections, fd_limit), cfg.header_timeout_s, cfg.body_timeout_s)
+    return uvicorn.Config(build_app(router), http=GuardedH11Protocol.with_limits(limits), log_level="warning",
+                          access_log=False, timeout_graceful_shutdown=5,
+                          timeout_keep_alive=cfg.keep_alive_timeout_s)  # type: ignore[arg-type]
+
+
 async def serve_cluster(cluster: Cluster, on_ready: Callable[[Router], Awaitable[None]] | None = None) -> int:
     """Serve until a signal; returns the process exit code."""
     cfg = cluster.router
+    fd_limit = raise_fd_limit()  # so that max_connections, not the OS, is what refuses connections
     try:
         http_sock = bind_http(cfg.host, cfg.port)
     except OSError as e:
         say(f"cannot listen on {cfg.host}:{cfg.port}: {e}")
         return 1
-    router = Router(cfg)
+    router = Router(cfg, slo=cluster.slo)
     await router.start()
     for name in cluster.models:
         router.registry.declare(name)
     workers = LocalWorkers(router, cluster.workers)
     workers.start()
     host, port = http_sock.getsockname()[:2]
-    server = _Server(uvicorn.Config(build_app(router), log_level="warning", access_log=False,
-                                    timeout_graceful_shutdown=5, timeout_keep_alive=30))
+    server = _Server(uvicorn_config(router, fd_limit))
     # End running requests (503) at once, so open streams close instead of holding up the exit.
     server.on_exit = lambda: router.fail_all("the server is shutting down")
     names = list(cluster.models) or sorted({w.model for w in cluster.workers})
@@ -97,11 +114,10 @@ async def serve_cluster(cluster: Cluster, on_ready: Callable[[Router], Awaitable
                     server.should_exit = True
                     code = 1
                 elif failed:
-                    say(f"workers that failed to start: {', '.join(failed)}")
+                    say(f"workers that failed to start: {', '.join(failed)} (restarting them with backoff)")
                 if not code:
                     up = sum(1 for w in router.registry.workers.values() if w.up)
-                    say(f"ready: {up} worker(s) up; try: curl http://{host}:{port}/generate "
-                        "-d '{\"text\": \"Hello\", \"sampling_params\": {\"max_new_tokens\": 8}}'")
+                    say(f"ready: {up} worker(s) up; {try_hint(cfg, host, port)}")
             else:
                 ready.cancel()
         if on_ready is not None and not code:
@@ -113,6 +129,7 @@ async def serve_cluster(cluster: Cluster, on_ready: Callable[[Router], Awaitable
             server.should_exit = True
             with contextlib.suppress(Exception):
                 await serve_task
+        await workers.stop_supervising()  # workers told to shut down must not be restarted
         await router.stop(shutdown=[w.worker_id for w in cluster.workers])
         await workers.stop()
         http_sock.close()

@@ -12,6 +12,7 @@ started; workers also exit on their own if the launcher dies.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import socket
@@ -25,17 +26,28 @@ if TYPE_CHECKING:  # the router is imported only when serving, so `worker` stays
     from router.config import Cluster
 
 
+_EPILOG = """subcommand:
+  worker --router tcp://HOST:PORT [--worker-id ID] [server flags]
+                        start one worker that joins a running router
+                        (`python -m sglang_ext.launch worker --help`)
+
+The API key can also come from a file (--api-key-file) or from $SGLANG_EXT_API_KEY; either keeps it
+out of the process list. Router settings: docs/launcher.md."""
+
+
 def _serve_parser() -> argparse.ArgumentParser:
+    from router.config import add_router_flags
+
     p = argparse.ArgumentParser(prog="python -m sglang_ext.launch",
-                                description="Serve models (SGLang-native and OpenAI HTTP APIs).")
+                                usage="%(prog)s [server and router flags]\n       %(prog)s worker --router "
+                                      "tcp://HOST:PORT [--worker-id ID] [server flags]",
+                                description="Serve models (SGLang-native and OpenAI HTTP APIs).", epilog=_EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     ServerArgs.add_cli_args(p)
     g = p.add_argument_group("router")
     g.add_argument("--config", default=None, help="cluster YAML: several models and workers (docs/launcher.md)")
     g.add_argument("--dp-size", type=int, default=1, help="replicas of the model (one worker process each)")
-    g.add_argument("--worker-host", default="127.0.0.1", help="address the worker-facing ZeroMQ socket binds")
-    g.add_argument("--worker-port", type=int, default=0, help="port of that socket (0: a free one, printed)")
-    g.add_argument("--heartbeat-timeout", type=float, default=3.0,
-                   help="seconds of worker silence before it is marked down")
+    add_router_flags(g)
     return p
 
 
@@ -49,29 +61,39 @@ def _worker_parser() -> argparse.ArgumentParser:
 
 
 def _cluster_from_flags(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Cluster:
-    from router.config import Cluster, ConfigError, LocalWorker, RouterConfig, load_cluster, model_name
+    from router.config import (
+        Cluster,
+        ConfigError,
+        LocalWorker,
+        flag_name,
+        load_cluster,
+        model_name,
+        resolve_api_key,
+        router_config,
+        router_flag_values,
+    )
 
-    if ns.config:
-        defaults = vars(parser.parse_args([]))
-        given = sorted(k for k, v in vars(ns).items() if k != "config" and v != defaults.get(k))
-        if given:
-            flags = ", ".join("--" + k.replace("_", "-") for k in given)
-            parser.error(f"{flags} cannot be combined with --config; put them in the file")
-        try:
-            return load_cluster(ns.config)
-        except ConfigError as e:
-            parser.error(str(e))
     try:
-        args = ServerArgs.from_cli(ns)
-    except ValueError as e:
+        if ns.config:
+            defaults = vars(parser.parse_args([]))
+            given = sorted(k for k, v in vars(ns).items() if k != "config" and v != defaults.get(k))
+            if given:
+                flags = ", ".join(flag_name(k) if k in router_flag_values(ns) else "--" + k.replace("_", "-")
+                                  for k in given)
+                parser.error(f"{flags} cannot be combined with --config; put them in the file")
+            cluster = load_cluster(ns.config)
+        else:
+            args = ServerArgs.from_cli(ns)
+            if ns.dp_size < 1:
+                parser.error(f"--dp-size must be >= 1, got {ns.dp_size}")
+            name = model_name(args.model_path, args.served_model_name)
+            # Workers never see the key: it would show in their command line (`ps`), and they don't need it.
+            worker_args = dataclasses.replace(args, api_key=None)
+            workers = tuple(LocalWorker(f"{name}-{i}", name, "serve", worker_args) for i in range(ns.dp_size))
+            cluster = Cluster(router_config(router_flag_values(ns), "flags"), workers, (name,))
+        return dataclasses.replace(cluster, router=resolve_api_key(cluster.router))
+    except (ConfigError, ValueError) as e:
         parser.error(str(e))
-    if ns.dp_size < 1:
-        parser.error(f"--dp-size must be >= 1, got {ns.dp_size}")
-    name = model_name(args.model_path, args.served_model_name)
-    workers = tuple(LocalWorker(f"{name}-{i}", name, "serve", args) for i in range(ns.dp_size))
-    router = RouterConfig(host=args.host, port=args.port, worker_host=ns.worker_host, worker_port=ns.worker_port,
-                          api_key=args.api_key, heartbeat_timeout_s=ns.heartbeat_timeout, log_level=args.log_level)
-    return Cluster(router, workers, (name,))
 
 
 def serve(argv: list[str]) -> int:
@@ -96,7 +118,7 @@ def worker(argv: list[str]) -> int:
     if not ns.router.startswith(("tcp://", "ipc://")):
         parser.error(f"--router must look like tcp://HOST:PORT, got {ns.router!r}")
     worker_id = ns.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
-    proc = spawn_worker(args, ns.router, worker_id)
+    proc = spawn_worker(dataclasses.replace(args, api_key=None), ns.router, worker_id)  # not in `ps`
     print(f"[sglang_ext] worker {worker_id} (pid {proc.pid}) joining {ns.router}", flush=True)
 
     def stop(sig: int, _frame: object) -> None:

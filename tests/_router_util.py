@@ -1,4 +1,5 @@
-"""Start and stop real servers (`python -m sglang_ext.launch`) and workers for the HTTP tests.
+"""Start and stop real servers (`python -m sglang_ext.launch`) and workers for the HTTP tests; and a
+fake worker (`FakeWorker`) that speaks the real protocol to an in-process Router, for tests without a model.
 
 Every process is started in its own session and killed as a group at the end, so a failing test
 never leaves a worker behind. Servers bind 127.0.0.1 on free ports.
@@ -6,6 +7,7 @@ never leaves a worker behind. Servers bind 127.0.0.1 on free ports.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -13,11 +15,16 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
+import zmq
+import zmq.asyncio
+
+from sglang_ext.messages import BatchOut, LoadReport, TokenOut, WorkerHello, WorkerInfo, decode_to_worker, encode
 
 ROOT = Path(__file__).resolve().parent.parent
 # Small KV pools keep several workers cheap on a 2-core CI machine.
@@ -33,10 +40,10 @@ def free_port() -> int:
 class Proc:
     """A child process with its output in a log file (read it with `.log()` on failure)."""
 
-    def __init__(self, args: list[str], log_path: Path) -> None:
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.p = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
                                   stdin=subprocess.DEVNULL, start_new_session=True, env=env)
 
@@ -64,8 +71,9 @@ class Proc:
 
 
 class Server(Proc):
-    def __init__(self, args: list[str], log_path: Path, port: int, api_key: str | None = None) -> None:
-        super().__init__(["-m", "sglang_ext.launch", *args], log_path)
+    def __init__(self, args: list[str], log_path: Path, port: int, api_key: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        super().__init__(["-m", "sglang_ext.launch", *args], log_path, env)
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -96,6 +104,14 @@ class Server(Proc):
     @property
     def worker_addr(self) -> str:
         return str(self.info()["worker_addr"])
+
+    def worker(self, worker_id: str) -> dict[str, Any]:
+        """The worker's entry in /get_server_info."""
+        for m in self.info()["models"].values():
+            for w in m["workers"]:
+                if w["worker_id"] == worker_id:
+                    return dict(w)
+        raise KeyError(worker_id)
 
 
 @contextlib.contextmanager
@@ -131,3 +147,81 @@ def sse_events(lines: Iterator[str]) -> Iterator[Any]:
             return
         yield json.loads(data)
     raise AssertionError("stream ended without data: [DONE]")
+
+
+def wait_for(cond: Callable[[], Any], timeout: float, what: str, poll: float = 0.1) -> Any:
+    """Poll until `cond()` is truthy (returned); fails naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(httpx.HTTPError, KeyError):
+            value = cond()
+            if value:
+                return value
+        assert time.monotonic() < deadline, f"not reached in {timeout} s: {what}"
+        time.sleep(poll)
+
+
+# ---- in-process router tests: a fake worker ---------------------------------------------------------
+def info(worker_id: str, model: str = "m", **overrides: Any) -> WorkerInfo:
+    fields: dict[str, Any] = dict(
+        worker_id=worker_id, model_name=model, model_path=f"/models/{model}", architecture="Llama",
+        context_length=4096, vocab_size=2048, max_total_tokens=8192, page_size=16, device="cpu", dtype="float32",
+        attention_backend="torch", has_tokenizer=True, chat_template=True, pid=os.getpid())
+    return WorkerInfo(**{**fields, **overrides})
+
+
+class FakeWorker:
+    """A DEALER with the worker's identity; the test decides what it says and when."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, addr: str, worker_id: str, model: str = "m",
+                 **info_overrides: Any) -> None:
+        self.id = worker_id
+        self.model = model
+        self.info_overrides = info_overrides
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(addr)
+        self.beat: asyncio.Task[None] | None = None
+
+    async def send(self, msg: msgspec.Struct) -> None:
+        await self.sock.send(encode(msg))
+
+    async def hello(self) -> None:
+        await self.send(WorkerHello(info=info(self.id, self.model, **self.info_overrides)))
+
+    def load(self) -> LoadReport:
+        return LoadReport(worker_id=self.id, num_running=0, num_waiting=0, kv_used_tokens=0, kv_total_tokens=8192,
+                          kv_cached_tokens=0, num_preemptions=0, step_time_ms=1.0, timestamp=time.time())
+
+    def start_heartbeat(self) -> None:
+        async def loop() -> None:
+            while True:
+                await self.send(self.load())
+                await asyncio.sleep(0.1)
+
+        self.beat = asyncio.create_task(loop())
+
+    def stop_heartbeat(self) -> None:
+        if self.beat:
+            self.beat.cancel()
+
+    async def recv(self, timeout: float = 2.0) -> object:
+        return decode_to_worker(await asyncio.wait_for(self.sock.recv(), timeout))
+
+    async def token(self, rid: str, ids: list[int], finished: bool = False) -> None:
+        meta = {"prompt_tokens": 3, "completion_tokens": len(ids),
+                "finish_reason": {"type": "length", "length": len(ids)} if finished else None}
+        await self.send(BatchOut(outs=[TokenOut(rid=rid, text_delta="x", token_ids=ids, finished=finished,
+                                                meta_info=meta)]))
+
+    def close(self) -> None:
+        self.stop_heartbeat()
+        self.sock.close(0)
+
+
+async def until(cond: Callable[[], Any], timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)

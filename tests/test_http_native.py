@@ -160,6 +160,7 @@ def test_metrics(client: httpx.Client) -> None:
     ({"text": ["a", "b"], "sampling_params": [{}]}, 400, "sampling_params"),
     ({"text": "x", "model": "nope"}, 404, "nope"),
     ({"text": "x", "image_data": "abc"}, 400, "image_data"),
+    ({"text": "x", "return_logprob": True, "logprob_start_len": -3}, 400, "logprob_start_len"),
 ])
 def test_bad_requests(client: httpx.Client, body: dict[str, object], status: int, needle: str) -> None:
     r = client.post("/generate", json=body)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 import socket
 import subprocess
@@ -11,7 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _router_util import ROOT, SMALL, Proc, Server, free_port, sse_events
+import yaml
+from _router_util import ROOT, SMALL, Proc, Server, free_port, sse_events, wait_for
 
 
 def pid_alive(pid: int) -> bool:
@@ -122,6 +125,8 @@ def test_config_excludes_other_flags(tmp_path: Path) -> None:
     cfg.write_text("models: [{name: a}]")
     p = _launch(["--config", str(cfg), "--port", "1234"])
     assert p.returncode == 2 and "--port cannot be combined with --config" in p.stderr
+    p = _launch(["--config", str(cfg), "--heartbeat-timeout", "9"])
+    assert p.returncode == 2 and "--heartbeat-timeout cannot be combined with --config" in p.stderr
 
 
 def test_bad_model_path_exits_with_error(tmp_path: Path) -> None:
@@ -137,11 +142,13 @@ def test_worker_subcommand_needs_router() -> None:
     assert p.returncode == 2 and "tcp://" in p.stderr
 
 
-def test_help_lists_sglang_flags() -> None:
+def test_help_lists_sglang_flags_and_the_worker_subcommand() -> None:
     out = _launch(["--help"]).stdout
     for flag in ("--model-path", "--port", "--mem-fraction-static", "--max-total-tokens", "--api-key",
-                 "--chunked-prefill-size", "--page-size", "--config", "--dp-size"):
+                 "--chunked-prefill-size", "--page-size", "--config", "--dp-size", "--api-key-file",
+                 "--max-request-mb", "--max-connections", "--header-timeout", "--restart-backoff"):
         assert flag in out
+    assert "worker --router tcp://HOST:PORT" in out and "SGLANG_EXT_API_KEY" in out
 
 
 def test_log_mentions_worker_address(tmp_path: Path) -> None:
@@ -189,3 +196,94 @@ def test_router_restart_keeps_remote_workers(tmp_path: Path) -> None:
         for p in (second, first, worker):
             if p is not None:
                 p.stop()
+
+
+def test_killed_worker_is_restarted_and_health_tells_the_truth(tmp_path: Path) -> None:
+    port = free_port()
+    srv = Server([*SMALL, "--port", str(port), "--restart-backoff", "2"], tmp_path / "restart.log", port)
+    try:
+        srv.wait_workers(1)
+        pid = srv.worker("default-0")["info"]["pid"]
+        os.kill(pid, signal.SIGKILL)  # as the OOM killer would
+        seen: list[str] = []
+
+        def back() -> bool:
+            r = httpx.get(srv.url + "/health", timeout=10)
+            if r.status_code == 503:
+                seen.append(r.json()["error"]["message"])
+            return r.status_code == 200 and bool(seen)
+
+        wait_for(back, 120, "the worker restarted", poll=0.05)
+        assert any("default-0 restarting (restart 1 in" in m and "code -9" in m for m in seen), seen
+        assert any("default-0 starting (restart 1)" in m for m in seen), seen
+        w = srv.worker("default-0")
+        assert w["up"] and w["restarts"] == 1 and w["info"]["pid"] != pid and w["state"] == "up"
+        r = httpx.post(srv.url + "/generate", json={"text": "back", "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 200, r.text
+        assert "restarting it in 2.0 s" in srv.log()
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert 'sglang_ext:worker_restarts_total{model_name="default",worker="default-0"} 1.0' in metrics
+    finally:
+        srv.stop()
+
+
+def test_worker_that_keeps_crashing_is_given_up(tmp_path: Path) -> None:
+    port = free_port()
+    args = {"max_total_tokens": 16384, "dtype": "float32", "device": "cpu", "log_level": "warning"}
+    cfg = tmp_path / "cluster.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "router": {"port": port, "log_level": "warning", "restart_backoff_s": 0.2, "restart_max_fast_crashes": 3},
+        "models": [{"name": "good", "args": args},
+                   {"name": "bad", "model_path": str(tmp_path / "missing"), "args": args}]}))
+    srv = Server(["--config", str(cfg)], tmp_path / "giveup.log", port)
+    try:
+        srv.wait_workers(1)
+        w = wait_for(lambda: (x := srv.worker("bad-0"))["state"].startswith("gave up") and x, 180, "bad-0 given up")
+        assert w["restarts"] == 2 and "3 crashes in a row" in w["state"] and not w["up"]
+        time.sleep(1.0)
+        assert srv.worker("bad-0")["restarts"] == 2  # no more attempts
+        assert srv.log().count("not restarting it again") == 1
+        assert httpx.get(srv.url + "/health").status_code == 200  # "good" is up
+        r = httpx.post(srv.url + "/generate", json={"model": "bad", "text": "x"})
+        assert r.status_code == 503
+        r = httpx.post(srv.url + "/generate", json={"model": "good", "text": "x",
+                                                    "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_api_key_stays_out_of_worker_command_lines(tmp_path: Path) -> None:
+    key = "sekret-cmdline-key"
+    port = free_port()
+    srv = Server([*SMALL, "--port", str(port), "--api-key", key], tmp_path / "key.log", port, api_key=key)
+    try:
+        srv.wait_workers(1)
+        cmdline = Path(f"/proc/{srv.worker('default-0')['info']['pid']}/cmdline").read_bytes()
+        assert b"sglang_ext.worker" in cmdline and key.encode() not in cmdline
+        wait_for(lambda: "ready:" in srv.log(), 30, "the ready line")
+        assert 'Bearer $SGLANG_EXT_API_KEY' in srv.log() and key not in srv.log()
+    finally:
+        srv.stop()
+    # `launch worker` takes the server flags too; its worker child gets no key either.
+    joiner = Proc(["-m", "sglang_ext.launch", "worker", "--router", f"tcp://127.0.0.1:{free_port()}", *SMALL,
+                   "--api-key", key], tmp_path / "joiner.log")
+    try:
+        m = wait_for(lambda: re.search(r"\(pid (\d+)\) joining", joiner.log()), 30, "the worker's pid")
+        cmdline = Path(f"/proc/{m.group(1)}/cmdline").read_bytes()
+        assert b"sglang_ext.worker" in cmdline and key.encode() not in cmdline
+    finally:
+        joiner.stop()
+
+
+def test_api_key_from_the_environment(tmp_path: Path) -> None:
+    key = "env-key-456"
+    port = free_port()
+    srv = Server([*SMALL, "--port", str(port)], tmp_path / "env.log", port, api_key=key,
+                 env={"SGLANG_EXT_API_KEY": key})
+    try:
+        srv.wait_workers(1)
+        assert httpx.get(srv.url + "/v1/models").status_code == 401
+        assert httpx.get(srv.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+    finally:
+        srv.stop()

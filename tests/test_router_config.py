@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from router.config import ConfigError, build_cluster, load_cluster
+from router.config import API_KEY_ENV, ConfigError, RouterConfig, build_cluster, load_cluster, resolve_api_key
 from sglang_ext.launch import _cluster_from_flags, _serve_parser
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "launcher.md"
@@ -30,7 +30,7 @@ def test_documented_example_parses(tmp_path: Path) -> None:
     assert hot.args.served_model_name == "llama-8b" and hot.args.model_path == "/models/Meta-Llama-3-8B-Instruct"
     assert by_id["qwen-7b-0"].role == "cold" and by_id["qwen-7b-0"].args.max_total_tokens == 200000
     assert by_id["tiny-1"].args.model_path is None and by_id["tiny-1"].args.device == "cpu"
-    assert c.router.slo["llama-8b"].ttft_ms == 1000
+    assert c.slo["llama-8b"].ttft_ms == 1000
 
 
 def test_worker_args_override_model_args() -> None:
@@ -67,3 +67,69 @@ def test_flags_make_a_one_model_cluster() -> None:
     assert all(w.args.max_total_tokens == 4096 for w in c.workers)
     default = _cluster_from_flags(p.parse_args([]), p)
     assert default.models == ("default",) and default.router.port == 30000 and len(default.workers) == 1
+
+
+def test_router_flags_come_from_the_settings() -> None:
+    p = _serve_parser()
+    c = _cluster_from_flags(p.parse_args(["--max-request-mb", "8", "--heartbeat-timeout", "2", "--header-timeout",
+                                          "3.5", "--restart-max-fast-crashes", "2", "--worker-port", "31001"]), p)
+    r = c.router
+    assert (r.max_request_mb, r.heartbeat_timeout_s, r.header_timeout_s, r.restart_max_fast_crashes) == (8, 2, 3.5, 2)
+    assert r.max_request_bytes == 8 << 20 and r.worker_port == 31001
+    assert r.body_timeout_s == RouterConfig().body_timeout_s  # untouched: the one default
+    with pytest.raises(SystemExit):
+        _cluster_from_flags(p.parse_args(["--max-request-mb", "0"]), p)  # must be > 0
+
+
+def test_every_router_setting_has_a_flag_and_is_documented() -> None:
+    import msgspec
+
+    from router.config import SERVER_FLAG_FIELDS, flag_name
+
+    help_text = _serve_parser().format_help()
+    doc = DOC.read_text()
+    for f in msgspec.structs.fields(RouterConfig):
+        assert f"  {f.name}:" in doc, f"router.{f.name} is missing from docs/launcher.md's example"
+        if f.name not in SERVER_FLAG_FIELDS:
+            assert flag_name(f.name) in help_text, f.name
+
+
+def test_router_section_is_strict(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("router: {max_request_mb: 4, body_timeout_s: 9, max_connections: 100}\nmodels: [{name: a}]")
+    c = load_cluster(cfg)
+    assert (c.router.max_request_mb, c.router.body_timeout_s, c.router.max_connections) == (4, 9, 100)
+    cfg.write_text("router: {max_request_size: 4}\nmodels: [{name: a}]")
+    with pytest.raises(ConfigError, match="max_request_size"):
+        load_cluster(cfg)
+    cfg.write_text("router: {header_timeout_s: -1}\nmodels: [{name: a}]")
+    with pytest.raises(ConfigError, match="header_timeout_s"):
+        load_cluster(cfg)
+
+
+def test_api_key_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    p = _serve_parser()
+    key_file = tmp_path / "key"
+    key_file.write_text("from-a-file\n")
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    c = _cluster_from_flags(p.parse_args(["--api-key-file", str(key_file)]), p)
+    assert c.router.api_key == "from-a-file"
+    assert all(w.args.api_key is None for w in c.workers)
+    assert _cluster_from_flags(p.parse_args([]), p).router.api_key is None
+    monkeypatch.setenv(API_KEY_ENV, "from-the-env")
+    assert _cluster_from_flags(p.parse_args([]), p).router.api_key == "from-the-env"
+    c = _cluster_from_flags(p.parse_args(["--api-key", "from-a-flag"]), p)
+    assert c.router.api_key == "from-a-flag" and all(w.args.api_key is None for w in c.workers)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"router: {{api_key_file: {key_file}}}\nmodels: [{{name: a}}]")
+    assert _cluster_from_flags(p.parse_args(["--config", str(cfg)]), p).router.api_key == "from-a-file"
+    # Mistakes are errors that say what is wrong, never a server without its key.
+    with pytest.raises(ConfigError, match="not both"):
+        resolve_api_key(RouterConfig(api_key="a", api_key_file=str(key_file)))
+    with pytest.raises(ConfigError, match="cannot read"):
+        resolve_api_key(RouterConfig(api_key_file=str(tmp_path / "missing")))
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ConfigError, match="empty"):
+        resolve_api_key(RouterConfig(api_key_file=str(tmp_path / "empty")))
+    with pytest.raises(SystemExit):
+        _cluster_from_flags(p.parse_args(["--api-key-file", str(tmp_path / "missing")]), p)

@@ -4,7 +4,6 @@ balancing, heartbeat timeouts, restarts, strict decoding. No model, so these run
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import AsyncIterator
 
@@ -12,6 +11,7 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
+from _router_util import FakeWorker, until
 
 from router.config import RouterConfig, SloSpec
 from router.core import NoWorker, Router
@@ -29,77 +29,15 @@ from router.registry import LeastOutstandingTokens, WorkerState
 from router.tracker import Failure
 from sglang_ext.messages import (
     AbortReq,
-    BatchOut,
     ErrorOut,
     GenerateReq,
-    LoadReport,
-    TokenOut,
-    WorkerHello,
-    WorkerInfo,
-    decode_to_worker,
-    encode,
 )
 from sglang_ext.sampling.params import SamplingParams
 
 
-def info(worker_id: str, model: str = "m") -> WorkerInfo:
-    return WorkerInfo(worker_id=worker_id, model_name=model, model_path=f"/models/{model}", architecture="Llama",
-                      context_length=4096, vocab_size=2048, max_total_tokens=8192, page_size=16, device="cpu",
-                      dtype="float32", attention_backend="torch", has_tokenizer=True, chat_template=True,
-                      pid=os.getpid())
-
-
-class FakeWorker:
-    """A DEALER with the worker's identity; the test decides what it says and when."""
-
-    def __init__(self, ctx: zmq.asyncio.Context, addr: str, worker_id: str, model: str = "m") -> None:
-        self.id = worker_id
-        self.model = model
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(addr)
-        self.beat: asyncio.Task[None] | None = None
-
-    async def send(self, msg: msgspec.Struct) -> None:
-        await self.sock.send(encode(msg))
-
-    async def hello(self) -> None:
-        await self.send(WorkerHello(info=info(self.id, self.model)))
-
-    def load(self) -> LoadReport:
-        return LoadReport(worker_id=self.id, num_running=0, num_waiting=0, kv_used_tokens=0, kv_total_tokens=8192,
-                          kv_cached_tokens=0, num_preemptions=0, step_time_ms=1.0, timestamp=time.time())
-
-    def start_heartbeat(self) -> None:
-        async def loop() -> None:
-            while True:
-                await self.send(self.load())
-                await asyncio.sleep(0.1)
-
-        self.beat = asyncio.create_task(loop())
-
-    def stop_heartbeat(self) -> None:
-        if self.beat:
-            self.beat.cancel()
-
-    async def recv(self, timeout: float = 2.0) -> object:
-        return decode_to_worker(await asyncio.wait_for(self.sock.recv(), timeout))
-
-    async def token(self, rid: str, ids: list[int], finished: bool = False) -> None:
-        meta = {"prompt_tokens": 3, "completion_tokens": len(ids),
-                "finish_reason": {"type": "length", "length": len(ids)} if finished else None}
-        await self.send(BatchOut(outs=[TokenOut(rid=rid, text_delta="x", token_ids=ids, finished=finished,
-                                                meta_info=meta)]))
-
-    def close(self) -> None:
-        self.stop_heartbeat()
-        self.sock.close(0)
-
-
 @pytest.fixture
 async def router() -> AsyncIterator[Router]:
-    r = Router(RouterConfig(heartbeat_timeout_s=0.6, slo={"m": SloSpec(ttft_ms=0.0001, tpot_ms=0.0001)}))
+    r = Router(RouterConfig(heartbeat_timeout_s=0.6), slo={"m": SloSpec(ttft_ms=0.0001, tpot_ms=0.0001)})
     await r.start()
     yield r
     await r.stop()
@@ -110,13 +48,6 @@ async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
     c = zmq.asyncio.Context()
     yield c
     c.term()
-
-
-async def until(cond, timeout: float = 3.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)
 
 
 def req(router: Router, max_new: int = 4) -> GenerateReq:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hmac
-import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -13,9 +12,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.api import native, openai_api
 from router.api.common import ApiError, ClientGone, error_body
+from router.api.limits import BodyLimit
 from router.core import Router
 
-logger = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health"})
 
 
@@ -50,8 +49,10 @@ def build_app(router: Router) -> FastAPI:
 
     def err(request: Request, status: int, message: str, param: str | None = None,
             code: str | None = None) -> Response:
+        # A 413 leaves the rest of the body unread: the connection cannot carry another request.
+        headers = {"connection": "close"} if status == 413 else None
         return Response(error_body(request.url.path, status, message, param, code), status_code=status,
-                        media_type="application/json")
+                        media_type="application/json", headers=headers)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> Response:
@@ -74,9 +75,11 @@ def build_app(router: Router) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception) -> Response:
-        logger.exception("internal error on %s", request.url.path)
+        # A bug, never the client's fault: 500. Starlette re-raises it after this answer, and uvicorn
+        # logs it with its traceback (once: not here too).
         return err(request, 500, f"internal error: {type(e).__name__}: {e}")
 
     if router.config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=router.config.api_key)
+    app.add_middleware(BodyLimit, limit=router.config.max_request_bytes)  # outermost: before anything reads
     return app

@@ -6,18 +6,20 @@ SGLang's `{"error": {"message": ...}}` elsewhere. Both carry a message that name
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Final
 
 import msgspec
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from router.tracker import Failure, Submission
 from sglang_ext.messages import TokenOut
 
+logger = logging.getLogger(__name__)
 _enc = msgspec.json.Encoder()
 DISCONNECT_POLL_S: Final = 0.5
 DONE: Final = b"data: [DONE]\n\n"
@@ -33,7 +35,7 @@ class ApiError(Exception):
 
 
 class ClientGone(Exception):
-    """The client disconnected before the response started."""
+    """The client disconnected before the response started (while uploading, or while waiting)."""
 
 
 def error_type(status: int) -> str:
@@ -63,7 +65,14 @@ def sse(obj: Any) -> bytes:
 
 
 async def read_json(request: Request) -> dict[str, Any]:
-    body = await request.body()
+    try:
+        body = await request.body()
+    except ClientDisconnect:
+        # Not a server error: one line, no traceback (the client is gone; nobody reads the answer).
+        client = request.client
+        logger.info("client disconnected during the upload of %s %s (from %s)", request.method, request.url.path,
+                    f"{client.host}:{client.port}" if client else "?")
+        raise ClientGone() from None
     try:
         data = msgspec.json.decode(body)
     except msgspec.DecodeError as e:

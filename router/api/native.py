@@ -11,8 +11,9 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from router.api.common import DONE, ApiError, EventStream, SSEResponse, json_response, read_json, sse
+from router.api.limits import check_prompt_size
 from router.api.native_protocol import GeneratePlan, parse_generate, resolve_model
-from router.core import NoWorker, Router
+from router.core import NoWorker, Router, prefix_key
 from router.tracker import Submission
 from sglang_ext import __version__
 from sglang_ext.entry.outputs import merge_output, new_result
@@ -25,9 +26,11 @@ def submit(router: Router, plan: GeneratePlan) -> Submission:
     if dup or len({r.rid for r in plan.reqs}) != len(plan.reqs):
         raise ApiError(400, f"duplicate request id(s): {', '.join(dup) or 'repeated in this request'}", param="rid")
     try:
-        return router.submit(plan.model, plan.reqs, plan.est_tokens)
+        worker = router.pick(plan.model, prefix_key(plan.reqs[0]) if plan.reqs else None)
     except NoWorker as e:
         raise ApiError(503, str(e)) from None
+    check_prompt_size(worker.info, plan.reqs)
+    return router.submit(plan.model, plan.reqs, plan.est_tokens, worker)
 
 
 async def collect(sub: Submission, request: Request | None) -> list[dict[str, Any]]:
@@ -99,9 +102,12 @@ def build(router: Router) -> APIRouter:
 
     @api.get("/health")
     async def health() -> Response:
-        if any(w.up for w in router.registry.workers.values()):
+        workers = router.registry.workers.values()
+        if any(w.up for w in workers):
             return Response(status_code=200)
-        raise ApiError(503, "no worker is up yet")
+        if not workers:
+            raise ApiError(503, "no worker is up yet")
+        raise ApiError(503, "no worker is up: " + "; ".join(f"{w.worker_id} {w.describe()}" for w in workers))
 
     @api.get("/health_generate")
     async def health_generate(request: Request, model: str | None = None) -> Response:
@@ -131,7 +137,8 @@ def server_info_dict(router: Router) -> dict[str, Any]:
     for name, m in reg.models.items():
         workers = []
         for w in m.workers.values():
-            d: dict[str, Any] = {"worker_id": w.worker_id, "role": w.role, "up": w.up,
+            d: dict[str, Any] = {"worker_id": w.worker_id, "role": w.role, "up": w.up, "state": w.describe(),
+                                 "restarts": w.supervision.restarts if w.supervision else 0,
                                  "inflight": len(w.inflight), "num_served": w.num_served,
                                  "outstanding_tokens": w.outstanding_tokens,
                                  "last_seen_s_ago": round(time.monotonic() - w.last_seen, 3) if w.last_seen else None}

@@ -105,6 +105,10 @@ def parse_generate(data: dict[str, Any], registry: Registry, new_rid: Any) -> Ge
     raw_sp = _per_prompt(body.sampling_params, n, "sampling_params")
     want_lp = _per_prompt(body.return_logprob, n, "return_logprob")
     start = _per_prompt(body.logprob_start_len, n, "logprob_start_len")
+    for v in start:
+        if v < -1:
+            raise ApiError(400, f"logprob_start_len must be >= 0, or -1 for no prompt logprobs; got {v}",
+                           param="logprob_start_len")
     top = _per_prompt(body.top_logprobs_num, n, "top_logprobs_num")
     rids = _per_prompt(body.rid, n, "rid") if body.rid is not None else [None] * n
     reqs: list[GenerateReq] = []

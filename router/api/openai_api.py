@@ -1,9 +1,15 @@
-"""OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions (streaming too)."""
+"""OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions (streaming too).
+
+Both generation endpoints share one path: parse -> plan -> submit -> either collect every choice
+(`Render.choice`) or stream (`Render.chunks` per worker output, one SSE loop for both).
+"""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
@@ -37,6 +43,8 @@ from sglang_ext.entry.outputs import expand_n
 from sglang_ext.messages import GenerateReq, TokenOut
 from sglang_ext.sampling.params import SamplingParams
 
+Choice = dict[str, Any]
+
 
 def _plan(router: Router, model: ModelEntry, prompts: list[dict[str, Any]], sp: SamplingParams, stream: bool,
           logprobs: bool, top: int, start: int = -1) -> GeneratePlan:
@@ -51,8 +59,136 @@ def _plan(router: Router, model: ModelEntry, prompts: list[dict[str, Any]], sp: 
     return GeneratePlan(model, reqs, est, single=False, stream=stream)
 
 
-def _include_usage(body: CompletionRequest | ChatRequest) -> bool:
-    return bool(body.stream_options and body.stream_options.include_usage)
+class Render(ABC):
+    """How one endpoint turns worker outputs into OpenAI choices."""
+
+    object: ClassVar[str]  # of a full response
+    chunk_object: ClassVar[str]  # of a streamed chunk
+
+    @abstractmethod
+    def choice(self, i: int, result: dict[str, Any]) -> Choice:
+        """Choice `i` of a full response, from its SGLang result dict."""
+
+    @abstractmethod
+    def chunks(self, i: int, out: TokenOut, first: bool) -> list[Choice]:
+        """The streamed choices for one output of choice `i` (`first`: its first output)."""
+
+
+@dataclass
+class CompletionRender(Render):
+    body: CompletionRequest
+    prompt_of: list[dict[str, Any]]  # the prompt of each choice (n per prompt)
+    offsets: dict[int, int] = field(default_factory=dict)  # text offset of each streamed choice
+    object: ClassVar[str] = "text_completion"
+    chunk_object: ClassVar[str] = "text_completion"
+
+    def _echo(self, i: int, meta: dict[str, Any]) -> str:
+        prompt = self.prompt_of[i]
+        if "text" in prompt:
+            return str(prompt["text"])
+        return "".join(e[2] or "" for e in meta.get("input_token_logprobs", []) if len(e) > 2)
+
+    def _logprobs(self, meta: dict[str, Any], offset: int, echo: bool) -> dict[str, Any] | None:
+        if self.body.logprobs is None:
+            return None
+        top = bool(self.body.logprobs)
+        toks = meta.get("output_token_logprobs", [])
+        tops = meta.get("output_top_logprobs") if top else None
+        if echo:
+            toks = meta.get("input_token_logprobs", []) + toks
+            tops = (meta.get("input_top_logprobs", []) + (tops or [])) if top else None
+        return completion_logprobs(toks, tops, offset)
+
+    def choice(self, i: int, result: dict[str, Any]) -> Choice:
+        meta = result["meta_info"]
+        echo = self._echo(i, meta) if self.body.echo else ""
+        reason, matched = finish(meta)
+        return {"index": i, "text": echo + result["text"], "logprobs": self._logprobs(meta, 0, self.body.echo),
+                "finish_reason": reason, "matched_stop": matched}
+
+    def chunks(self, i: int, out: TokenOut, first: bool) -> list[Choice]:
+        meta = out.meta_info
+        text = (self._echo(i, meta) if first and self.body.echo else "") + out.text_delta
+        lp = self._logprobs(meta, self.offsets.get(i, 0), echo=False)
+        self.offsets[i] = self.offsets.get(i, 0) + len(text)
+        reason, matched = finish(meta)
+        if not (text or reason or lp):
+            return []
+        choice: Choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
+        if reason:
+            choice["matched_stop"] = matched
+        return [choice]
+
+
+@dataclass
+class ChatRender(Render):
+    body: ChatRequest
+    object: ClassVar[str] = "chat.completion"
+    chunk_object: ClassVar[str] = "chat.completion.chunk"
+
+    def _logprobs(self, meta: dict[str, Any]) -> dict[str, Any] | None:
+        if not self.body.logprobs or not meta.get("output_token_logprobs"):
+            return None
+        tops = meta.get("output_top_logprobs") if self.body.top_logprobs else None
+        return chat_logprobs(meta["output_token_logprobs"], tops)
+
+    def choice(self, i: int, result: dict[str, Any]) -> Choice:
+        meta = result["meta_info"]
+        lp = None
+        if self.body.logprobs:
+            tops = meta.get("output_top_logprobs") if self.body.top_logprobs else None
+            lp = chat_logprobs(meta.get("output_token_logprobs", []), tops)
+        reason, matched = finish(meta)
+        return {"index": i, "message": {"role": "assistant", "content": result["text"]}, "logprobs": lp,
+                "finish_reason": reason, "matched_stop": matched}
+
+    def chunks(self, i: int, out: TokenOut, first: bool) -> list[Choice]:
+        out_choices: list[Choice] = []
+        if first:
+            out_choices.append({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None})
+        lp = self._logprobs(out.meta_info)
+        if out.text_delta or lp:
+            out_choices.append({"index": i, "delta": {"content": out.text_delta}, "logprobs": lp,
+                                "finish_reason": None})
+        reason, matched = finish(out.meta_info)
+        if reason:
+            out_choices.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": reason,
+                                "matched_stop": matched})
+        return out_choices
+
+
+async def _respond(router: Router, request: Request, plan: GeneratePlan, render: Render, id_prefix: str,
+                   n: int, include_usage: bool) -> Response:
+    sub = submit(router, plan)
+    head = {"id": new_id(id_prefix), "object": render.object, "created": now_s(), "model": plan.model.name}
+    if not plan.stream:
+        results = await collect(sub, request)
+        return json_response({**head, "choices": [render.choice(i, r) for i, r in enumerate(results)],
+                              "usage": usage([r["meta_info"] for r in results], n)})
+    events = EventStream(sub)
+    first = await events.next(request)  # errors before the first token keep their HTTP status
+    head["object"] = render.chunk_object
+    return SSEResponse(_stream(events, first, head, render, n if include_usage else 0), on_close=sub.abort)
+
+
+async def _stream(events: EventStream, first: tuple[int, TokenOut] | None, head: dict[str, Any], render: Render,
+                  usage_n: int) -> AsyncIterator[bytes]:
+    metas: dict[int, dict[str, Any]] = {}
+    item = first
+    try:
+        while item is not None:
+            i, out = item
+            for choice in render.chunks(i, out, i not in metas):
+                yield sse({**head, "choices": [choice]})
+            metas[i] = out.meta_info
+            item = await events.next()
+        if usage_n:
+            yield sse({**head, "choices": [], "usage": usage([metas[i] for i in sorted(metas)], usage_n)})
+    except ApiError as e:
+        # The status is already sent, so a late error travels as an event.
+        yield sse({"error": {"message": e.message, "type": error_type(e.status), "code": e.status}})
+    yield DONE
 
 
 def build(router: Router) -> APIRouter:
@@ -74,7 +210,6 @@ def build(router: Router) -> APIRouter:
         return json_response({"id": m.name, "object": "model", "created": int(router.started),
                               "owned_by": "sglang_ext"})
 
-    # ---- /v1/completions ----------------------------------------------------------------------
     @api.post("/completions")
     async def completions(request: Request) -> Response:
         body: CompletionRequest = convert(await read_json(request), CompletionRequest)
@@ -82,70 +217,11 @@ def build(router: Router) -> APIRouter:
         model = resolve_model(router.registry, body.model)
         sp = sampling_params(body, model, body.max_tokens, 16)
         prompts = completion_prompts(body.prompt)
-        want_lp = body.logprobs is not None
-        plan = _plan(router, model, prompts, sp, body.stream, want_lp or body.echo, body.logprobs or 0,
-                     0 if body.echo else -1)
-        prompt_of = [p for p in prompts for _ in range(body.n)]
-        sub = submit(router, plan)
-        rid, created = new_id("cmpl"), now_s()
-        if not body.stream:
-            results = await collect(sub, request)
-            choices = []
-            for i, r in enumerate(results):
-                meta = r["meta_info"]
-                text, lp = r["text"], None
-                echo = _echo_text(prompt_of[i], meta) if body.echo else ""
-                if want_lp:
-                    toks = meta.get("output_token_logprobs", [])
-                    tops = meta.get("output_top_logprobs") if body.logprobs else None
-                    if body.echo:
-                        toks = meta.get("input_token_logprobs", []) + toks
-                        tops = (meta.get("input_top_logprobs", []) + (tops or [])) if body.logprobs else None
-                    lp = completion_logprobs(toks, tops, 0)
-                reason, matched = finish(meta)
-                choices.append({"index": i, "text": echo + text, "logprobs": lp, "finish_reason": reason,
-                                "matched_stop": matched})
-            return json_response({"id": rid, "object": "text_completion", "created": created, "model": model.name,
-                                  "choices": choices,
-                                  "usage": usage([r["meta_info"] for r in results], body.n)})
-        events = EventStream(sub)
-        first = await events.next(request)
+        plan = _plan(router, model, prompts, sp, body.stream, body.logprobs is not None or body.echo,
+                     body.logprobs or 0, 0 if body.echo else -1)
+        render = CompletionRender(body, [p for p in prompts for _ in range(body.n)])
+        return await _respond(router, request, plan, render, "cmpl", body.n, _include_usage(body))
 
-        async def stream() -> AsyncIterator[bytes]:
-            metas: dict[int, dict[str, Any]] = {}
-            offsets: dict[int, int] = {}
-            head = {"id": rid, "object": "text_completion", "created": created, "model": model.name}
-            item: tuple[int, TokenOut] | None = first
-            try:
-                while item is not None:
-                    i, out = item
-                    meta = out.meta_info
-                    text = out.text_delta
-                    if i not in metas and body.echo:
-                        text = _echo_text(prompt_of[i], meta) + text
-                    metas[i] = meta
-                    lp = None
-                    if want_lp:
-                        toks = meta.get("output_token_logprobs", [])
-                        tops = meta.get("output_top_logprobs") if body.logprobs else None
-                        lp = completion_logprobs(toks, tops, offsets.get(i, 0))
-                    offsets[i] = offsets.get(i, 0) + len(text)
-                    reason, matched = finish(meta)
-                    if text or reason or lp:
-                        choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
-                        if reason:
-                            choice["matched_stop"] = matched
-                        yield sse({**head, "choices": [choice]})
-                    item = await events.next()
-                if _include_usage(body):
-                    yield _usage_chunk(head, metas, body.n)
-            except ApiError as e:
-                yield _error_chunk(e)
-            yield DONE
-
-        return SSEResponse(stream(), on_close=sub.abort)
-
-    # ---- /v1/chat/completions -----------------------------------------------------------------
     @api.post("/chat/completions")
     async def chat(request: Request) -> Response:
         body: ChatRequest = convert(await read_json(request), ChatRequest)
@@ -155,74 +231,11 @@ def build(router: Router) -> APIRouter:
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         # No limit given: generate until the context is full, as SGLang does.
         sp = sampling_params(body, model, limit, info.context_length if info else 128)
-        top = body.top_logprobs or 0
-        plan = _plan(router, model, [{"messages": messages}], sp, body.stream, body.logprobs, top)
-        sub = submit(router, plan)
-        rid, created = new_id("chatcmpl"), now_s()
-        if not body.stream:
-            results = await collect(sub, request)
-            choices = []
-            for i, r in enumerate(results):
-                meta = r["meta_info"]
-                lp = None
-                if body.logprobs:
-                    lp = chat_logprobs(meta.get("output_token_logprobs", []),
-                                       meta.get("output_top_logprobs") if top else None)
-                reason, matched = finish(meta)
-                choices.append({"index": i, "message": {"role": "assistant", "content": r["text"]},
-                                "logprobs": lp, "finish_reason": reason, "matched_stop": matched})
-            return json_response({"id": rid, "object": "chat.completion", "created": created, "model": model.name,
-                                  "choices": choices, "usage": usage([r["meta_info"] for r in results], body.n)})
-        events = EventStream(sub)
-        first = await events.next(request)
-
-        async def stream() -> AsyncIterator[bytes]:
-            head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model.name}
-            metas: dict[int, dict[str, Any]] = {}
-            item: tuple[int, TokenOut] | None = first
-            try:
-                while item is not None:
-                    i, out = item
-                    meta = out.meta_info
-                    if i not in metas:
-                        delta = {"role": "assistant", "content": ""}
-                        yield sse({**head, "choices": [{"index": i, "delta": delta, "logprobs": None,
-                                                        "finish_reason": None}]})
-                    metas[i] = meta
-                    lp = None
-                    if body.logprobs and meta.get("output_token_logprobs"):
-                        lp = chat_logprobs(meta["output_token_logprobs"],
-                                           meta.get("output_top_logprobs") if top else None)
-                    if out.text_delta or lp:
-                        yield sse({**head, "choices": [{"index": i, "delta": {"content": out.text_delta},
-                                                        "logprobs": lp, "finish_reason": None}]})
-                    reason, matched = finish(meta)
-                    if reason:
-                        yield sse({**head, "choices": [{"index": i, "delta": {}, "logprobs": None,
-                                                        "finish_reason": reason, "matched_stop": matched}]})
-                    item = await events.next()
-                if _include_usage(body):
-                    yield _usage_chunk(head, metas, body.n)
-            except ApiError as e:
-                yield _error_chunk(e)
-            yield DONE
-
-        return SSEResponse(stream(), on_close=sub.abort)
+        plan = _plan(router, model, [{"messages": messages}], sp, body.stream, body.logprobs, body.top_logprobs or 0)
+        return await _respond(router, request, plan, ChatRender(body), "chatcmpl", body.n, _include_usage(body))
 
     return api
 
 
-def _echo_text(prompt: dict[str, Any], meta: dict[str, Any]) -> str:
-    if "text" in prompt:
-        return str(prompt["text"])
-    return "".join(e[2] or "" for e in meta.get("input_token_logprobs", []) if len(e) > 2)
-
-
-def _usage_chunk(head: dict[str, Any], metas: dict[int, dict[str, Any]], n: int) -> bytes:
-    """The final `usage` chunk of a stream (stream_options.include_usage)."""
-    return sse({**head, "choices": [], "usage": usage([metas[i] for i in sorted(metas)], n)})
-
-
-def _error_chunk(e: ApiError) -> bytes:
-    """An error after the stream started: the status is already sent, so it travels as an event."""
-    return sse({"error": {"message": e.message, "type": error_type(e.status), "code": e.status}})
+def _include_usage(body: CompletionRequest | ChatRequest) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)

@@ -7,7 +7,7 @@ accepted, as SGLang's OpenAI server accepts them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 
@@ -18,6 +18,7 @@ from sglang_ext.sampling.params import SamplingParams
 
 _MAX_LOGPROBS_COMPLETIONS = 5
 _MAX_TOP_LOGPROBS_CHAT = 20
+CHAT_ROLES: Final = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 class StreamOptions(msgspec.Struct):
@@ -136,6 +137,9 @@ def chat_messages(body: ChatRequest) -> list[dict[str, Any]]:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     out = []
     for i, m in enumerate(body.messages):
+        if m.role not in CHAT_ROLES:
+            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {m.role!r}",
+                           param="messages")
         content = m.content
         if isinstance(content, list):
             parts = []
