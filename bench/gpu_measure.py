@@ -55,17 +55,6 @@ def gemm_peak(n: int = 8192) -> float:
     return 2 * n**3 / (ms / 1e3)
 
 
-def gpu_dummy_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
-    """`--load-format dummy` drawn on the GPU (the loader draws on CPU: minutes for 8B params)."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, std, generator=gen)
-
-
 # ---- synthetic batches -----------------------------------------------------------------------------
 class Layout:
     """Scattered pages of the pool handed to synthetic requests (page 0 stays reserved)."""

@@ -43,7 +43,6 @@ from bench.gpu_measure import (  # the repo root is on sys.path above when run a
     build_ms,
     decode_batch,
     gemm_peak,
-    gpu_dummy_weights,
     hbm_read_bw,
     kernel_category,
     prefill_batch,
@@ -53,7 +52,6 @@ from sglang_ext import ops
 from sglang_ext.engine.cuda_graph import CudaGraphRunner
 from sglang_ext.engine.forward_batch import ForwardBatch
 from sglang_ext.engine.model_runner import ModelRunner
-from sglang_ext.models import loader
 from sglang_ext.models.config import ModelConfig
 from sglang_ext.models.resolve import resolve_model_path
 from sglang_ext.sampling.params import SamplingParams
@@ -76,7 +74,6 @@ class Bench:
         self.bw = max(reads.values())
         self.peak = gemm_peak()
         torch.cuda.empty_cache()
-        loader.init_dummy_weights = gpu_dummy_weights  # type: ignore[assignment]
         model_dir = resolve_model_path(a.model_path)
         self.cfg = cfg = ModelConfig.from_path(model_dir)
         tokens = max(self.bs_list) * max(self.ctx_list) + 8192 + 64 * PAGE

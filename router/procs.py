@@ -21,6 +21,7 @@ from router.config import LocalWorker, RouterConfig
 from router.core import Router
 from router.registry import Supervision, WorkerState
 from sglang_ext.entry.engine import spawn_worker
+from sglang_ext.worker.server import EXIT_STARTUP
 
 logger = logging.getLogger(__name__)
 _POLL_S = 0.2
@@ -74,7 +75,7 @@ class LocalWorkers:
                         sup.ever_up = True
                     code = self.procs[wid].poll()
                     if code is not None:
-                        self._on_exit(w, sup, now, f"exited with code {code}")
+                        self._on_exit(w, sup, now, f"exited with code {code}", config_error=code == EXIT_STARTUP)
                 elif sup.state == "restarting" and now >= sup.restart_at:
                     sup.restarts += 1
                     logger.info("starting worker %s again (restart %d)", wid, sup.restarts)
@@ -84,7 +85,7 @@ class LocalWorkers:
                         sup.started_at = now
                         self._on_exit(w, sup, now, f"could not be started ({e})")
 
-    def _on_exit(self, w: WorkerState, sup: Supervision, now: float, how: str) -> None:
+    def _on_exit(self, w: WorkerState, sup: Supervision, now: float, how: str, config_error: bool = False) -> None:
         p = self.policy
         ran = now - sup.started_at
         sup.last_exit = how
@@ -92,10 +93,12 @@ class LocalWorkers:
         if w.up:
             self.router.mark_down(w, f"its process {how}")
         sup.fast_crashes = sup.fast_crashes + 1 if ran < p.restart_fast_crash_s else 0
-        if sup.fast_crashes >= p.restart_max_fast_crashes:
+        if config_error or sup.fast_crashes >= p.restart_max_fast_crashes:
             sup.state = "gave up"
-            sup.gave_up_detail = (f"{sup.fast_crashes} crashes in a row, each within {p.restart_fast_crash_s:g} s "
-                                  f"of its start (the last one {how})")
+            sup.gave_up_detail = (
+                f"a configuration error at startup ({how}): restarting would fail the same way" if config_error
+                else f"{sup.fast_crashes} crashes in a row, each within {p.restart_fast_crash_s:g} s of its start "
+                     f"(the last one {how})")
             logger.error("worker %s: not restarting it again after %s; see its output above, fix the cause and "
                          "start it by hand: python -m sglang_ext.launch worker --router %s --worker-id %s [server "
                          "flags]", w.worker_id, sup.gave_up_detail, self.router.worker_addr, w.worker_id)

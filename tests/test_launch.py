@@ -227,7 +227,10 @@ def test_killed_worker_is_restarted_and_health_tells_the_truth(tmp_path: Path) -
         srv.stop()
 
 
-def test_worker_that_keeps_crashing_is_given_up(tmp_path: Path) -> None:
+def test_worker_with_a_configuration_error_is_given_up_at_once(tmp_path: Path) -> None:
+    """A bad model path stops the worker with exit code 2 (a startup configuration error):
+    restarting would fail the same way, so supervision gives up on the first exit. (Repeated
+    runtime crashes are given up after restart_max_fast_crashes: tests/test_router_procs.py.)"""
     port = free_port()
     args = {"max_total_tokens": 16384, "dtype": "float32", "device": "cpu", "log_level": "warning"}
     cfg = tmp_path / "cluster.yaml"
@@ -239,9 +242,9 @@ def test_worker_that_keeps_crashing_is_given_up(tmp_path: Path) -> None:
     try:
         srv.wait_workers(1)
         w = wait_for(lambda: (x := srv.worker("bad-0"))["state"].startswith("gave up") and x, 180, "bad-0 given up")
-        assert w["restarts"] == 2 and "3 crashes in a row" in w["state"] and not w["up"]
+        assert w["restarts"] == 0 and "configuration error" in w["state"] and not w["up"]
         time.sleep(1.0)
-        assert srv.worker("bad-0")["restarts"] == 2  # no more attempts
+        assert srv.worker("bad-0")["restarts"] == 0  # no more attempts
         assert srv.log().count("not restarting it again") == 1
         assert httpx.get(srv.url + "/health").status_code == 200  # "good" is up
         r = httpx.post(srv.url + "/generate", json={"model": "bad", "text": "x"})

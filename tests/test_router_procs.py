@@ -33,3 +33,14 @@ def test_backoff_doubles_resets_after_a_long_run_and_gives_up() -> None:
     assert sup.state == "gave up" and w.state == "gave up"
     assert w.describe() == ("gave up: 5 crashes in a row, each within 60 s of its start "
                             "(the last one exited with code 1)")
+
+
+def test_a_configuration_error_gives_up_at_once() -> None:
+    """Exit code 2 is a worker's startup configuration error (bad path, no tokenizer): no restart."""
+    router = Router(RouterConfig())
+    workers = LocalWorkers(router, (LocalWorker("w0", "m", "serve", ServerArgs()),))
+    w = router.registry.expect("w0", "m")
+    sup = w.supervision = Supervision(started_at=10.0)
+    workers._on_exit(w, sup, 11.0, "exited with code 2", config_error=True)
+    assert sup.state == "gave up" and sup.restarts == 0
+    assert "configuration error" in w.describe()
