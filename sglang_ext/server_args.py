@@ -18,6 +18,7 @@ LoadFormat = Literal["auto", "safetensors", "dummy"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulePolicy = Literal["fcfs", "lpm"]
 AttentionBackendName = Literal["torch", "flashinfer"]
+OffloadTransport = Literal["local", "torch_dist", "cuda_ipc"]
 LOAD_FORMATS: Final = get_args(LoadFormat)
 SCHEDULE_POLICIES: Final = get_args(SchedulePolicy)
 ATTENTION_BACKENDS: Final = get_args(AttentionBackendName)
@@ -76,6 +77,18 @@ class ServerArgs:
         "largest decode batch captured as a CUDA graph", "256, capped at --max-running-requests"))
     disable_overlap_schedule: bool = field(default=False, metadata=_help(
         "do not overlap CPU scheduling with GPU work (GPU)"))
+    # remote attention (docs/remote_attention.md)
+    offload_ratio: float = field(default=0.0, metadata=_help(
+        "share of decoding requests whose attention and KV run on an executor (0: none)"))
+    offload_executor: str | None = field(default=None, metadata=_help(
+        "an in-process executor for this worker's offloaded requests: 'local' (same device) or a device "
+        "such as cuda:1; served clusters pair workers with the cluster file's offload: entries instead", "none"))
+    executor_mem_gb: float = field(default=0.0, metadata=_help(
+        "memory this worker offers other models' offloaded KV (GiB; 0: hosts nothing). For "
+        "--offload-executor, the executor's size (0: as large as this worker's own KV pool)"))
+    offload_transport: OffloadTransport | None = field(default=None, metadata=_help(
+        "data plane to the executor: local, torch_dist (gloo on CPU, NCCL on GPU) or cuda_ipc",
+        "chosen from the placement"))
     # serving
     host: str = field(default="127.0.0.1", metadata=_help("HTTP bind address"))
     port: int = field(default=DEFAULT_PORT, metadata=_help("HTTP port"))
@@ -98,6 +111,16 @@ class ServerArgs:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0:
             raise ValueError("chunked_prefill_size must be positive, or negative/None to disable")
+        if not 0.0 <= self.offload_ratio <= 1.0:
+            raise ValueError(f"offload_ratio must be in [0, 1], got {self.offload_ratio}")
+        if self.executor_mem_gb < 0:
+            raise ValueError(f"executor_mem_gb must be >= 0, got {self.executor_mem_gb}")
+        if self.offload_executor is not None and not (
+                self.offload_executor in ("local", "cpu") or self.offload_executor.startswith("cuda")):
+            raise ValueError(f"offload_executor must be 'local' or a device such as cuda:1, got "
+                             f"{self.offload_executor!r}")
+        if self.offload_executor is not None and self.offload_ratio == 0.0:
+            raise ValueError("offload_executor is set but offload_ratio is 0: give the share to offload")
 
     # ---- derived values -------------------------------------------------------------------
     @property

@@ -8,6 +8,7 @@ import torch
 
 from sglang_ext.engine.model_runner import ModelRunner
 from sglang_ext.models.config import ModelConfig
+from sglang_ext.offload.setup import local_offloader
 from sglang_ext.sampling.params import SamplingParams
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
@@ -36,7 +37,9 @@ def make_scheduler(device: str = "cpu", page_size: int = 4, dtype: str = "float3
         for p in runner.model.parameters():
             if p.dim() == 2:
                 p.mul_(6.0)
-    return Scheduler(sa, runner, page_size, frozenset([EOS]), vocab_size=VOCAB)
+    # --offload-ratio / --offload-executor: an in-process executor, as a worker would build it
+    offload = local_offloader(sa, runner, "tiny")
+    return Scheduler(sa, runner, page_size, frozenset([EOS]), vocab_size=VOCAB, offload=offload)
 
 
 def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
@@ -60,5 +63,7 @@ def run_all(s: Scheduler, reqs: list[Req], check: bool = True, max_steps: int = 
             out[o.rid].extend(o.new_token_ids)
         if check:
             s.kv.check(s.running + s.waiting)
+            if s.offload is not None:
+                s.offload.remote.executor.check()  # type: ignore[attr-defined]
     assert not s.has_work(), "scheduler did not finish"
     return out

@@ -98,7 +98,7 @@ class CudaGraphRunner:
                     len(self.sizes), self.sizes[0], self.max_bs, time.perf_counter() - t0)
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.mode.is_decode and batch.batch_size <= self.max_bs
+        return batch.mode.is_decode and batch.batch_size <= self.max_bs and batch.split is None
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states (final-normed) of `batch.logits_indices`, like `model(batch)`."""

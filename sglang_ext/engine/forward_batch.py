@@ -9,6 +9,9 @@ KV addressing is FlashInfer's paged layout, so GPU backends take it as is:
 Every piece of layout is computed here, once, on the host (`build`); the per-token tensors go to
 the device without a sync. Backends plan from the host copies (`kv_indptr`, `kv_last_page_len`,
 `page_table`) and never read device tensors back.
+
+Rows whose KV lives on an attention executor (`BatchRow.remote`, decode only) have no pages here:
+the batch's layout then describes its local rows alone, and `split` says which tokens are whose.
 """
 
 from __future__ import annotations
@@ -40,6 +43,17 @@ class BatchRow(NamedTuple):
     tokens: Sequence[int]  # ids of the new tokens (placeholders when the ids come on the device)
     pages: Sequence[int]  # the request's page table, covering start + len(tokens)
     logit_offsets: Sequence[int] = ()  # offsets within the new tokens whose logits are wanted
+    remote: int | None = None  # the executor's handle of a request whose attention runs there
+
+
+@dataclass
+class SplitPlan:
+    """Which tokens attend locally and which remotely (remote rows decode one token each)."""
+
+    local_tokens: torch.Tensor  # [T_local] indices into the batch's tokens (device)
+    remote_tokens: torch.Tensor  # [R] (device)
+    remote_handles: list[int]  # per remote row, in token order
+    remote_positions: list[int]  # the position each remote row writes
 
 
 @dataclass
@@ -59,9 +73,11 @@ class ForwardBatch:
     kv_indices: torch.Tensor  # [sum pages] int32 (device): the page tables, concatenated
     attn_backend: AttentionBackend | None = None
     attn_meta: AttentionMetadata | None = None  # the backend's plan for this forward
+    split: SplitPlan | None = None  # set when some rows attend on an executor
 
     @property
     def batch_size(self) -> int:
+        """Rows attending locally (remote rows are counted in `split`)."""
         return len(self.extend_lens)
 
     @property
@@ -80,11 +96,24 @@ class ForwardBatch:
         indices: list[int] = []
         last: list[int] = []
         logit_rows: list[int] = []
+        ext: list[int] = []
+        local_tok: list[int] = []
+        remote_tok: list[int] = []
+        handles: list[int] = []
+        remote_pos: list[int] = []
         for r in rows:
             end = r.start + len(r.tokens)
             row0 = len(ids)
             ids.extend(r.tokens)
             pos.extend(range(r.start, end))
+            logit_rows.extend(row0 + o for o in r.logit_offsets)
+            if r.remote is not None:
+                assert len(r.tokens) == 1, "remote rows decode one token"
+                remote_tok.append(row0)
+                handles.append(r.remote)
+                remote_pos.append(r.start)
+                continue
+            local_tok.extend(range(row0, row0 + len(r.tokens)))
             loc.extend(r.pages[p // page_size] * page_size + p % page_size for p in range(r.start, end))
             n_pages = -(-end // page_size)
             pages = r.pages[:n_pages]
@@ -93,21 +122,24 @@ class ForwardBatch:
             indptr.append(len(indices))
             seq_lens.append(end)
             last.append(end - (n_pages - 1) * page_size)
-            logit_rows.extend(row0 + o for o in r.logit_offsets)
+            ext.append(len(r.tokens))
 
         def dev(x: list[int], dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
 
-        return cls(
+        batch = cls(
             mode=mode,
             input_ids=dev(ids, torch.long),
             positions=dev(pos, torch.long),
             out_cache_loc=dev(loc, torch.long),
             logits_indices=dev(logit_rows, torch.long),
-            extend_lens=[len(r.tokens) for r in rows],
+            extend_lens=ext,
             seq_lens=seq_lens,
             page_table=table,
             kv_indptr=torch.tensor(indptr, dtype=torch.int32),
             kv_last_page_len=torch.tensor(last, dtype=torch.int32),
             kv_indices=dev(indices, torch.int32),
         )
+        if remote_tok:
+            batch.split = SplitPlan(dev(local_tok, torch.long), dev(remote_tok, torch.long), handles, remote_pos)
+        return batch

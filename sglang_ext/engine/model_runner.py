@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import torch
 
@@ -19,6 +19,10 @@ from sglang_ext.kvcache.pool import KVGeometry, KVPool
 from sglang_ext.models.config import ModelConfig
 from sglang_ext.models.loader import load_model
 from sglang_ext.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from sglang_ext.offload.remote import RemoteAttention
+    from sglang_ext.offload.split import SplitAttention
 
 logger = logging.getLogger("sglang_ext.startup")  # this module logs only startup stages
 
@@ -72,6 +76,8 @@ def context_length(args: ServerArgs, cfg: ModelConfig) -> int:
 
 
 class ModelRunner:
+    split: SplitAttention | None = None
+
     def __init__(self, args: ServerArgs, model_dir: Path, cfg: ModelConfig, timer: StartupTimer | None = None) -> None:
         self.args = args
         self.cfg = cfg
@@ -152,9 +158,20 @@ class ModelRunner:
     def max_total_tokens(self) -> int:
         return (self.num_pages - 1) * self.pool.page_size
 
+    def set_remote(self, remote: RemoteAttention) -> None:
+        """Batches with remote rows attend through `SplitAttention` (local backend + executor)."""
+        from sglang_ext.offload.split import SplitAttention
+
+        self.split = SplitAttention(self.attn, remote)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [len(logits_indices), vocab] in float32."""
+        if batch.split is not None:
+            assert self.split is not None, "a batch with remote rows, but no executor"
+            batch.attn_backend = self.split
+            self.split.prepare(batch)
+            return self.model.compute_logits(self.model(batch))
         batch.attn_backend = self.attn
         if self.graphs is not None and self.graphs.can_run(batch):
             hidden = self.graphs.replay(batch)

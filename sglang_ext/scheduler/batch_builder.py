@@ -22,7 +22,7 @@ class Entry(NamedTuple):
         offsets = [p - start for p in self.logprob_positions]
         if self.sample:
             offsets.append(self.extend - 1)
-        return BatchRow(start, r.token_slice(start, start + self.extend), r.pages, offsets)
+        return BatchRow(start, r.token_slice(start, start + self.extend), r.pages, offsets, r.remote)
 
 
 def build_batch(entries: list[Entry], mode: ForwardMode, page_size: int, device: torch.device) -> ForwardBatch:

@@ -20,6 +20,7 @@ class StepOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    attention_executor: str | None = None  # the executor's id once the request's attention ran there
     # logprob entries produced since the last output of this request
     input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)

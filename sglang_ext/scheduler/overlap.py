@@ -70,7 +70,8 @@ class OverlapScheduler(Scheduler):
     @staticmethod
     def _plain(e: Entry) -> bool:
         r = e.req
-        return e.extend == 1 and e.sample and not e.logprob_positions and not r.return_logprob
+        return (e.extend == 1 and e.sample and not e.logprob_positions and not r.return_logprob
+                and r.remote is None)
 
     def _launch(self, entries: list[Entry], batch: ForwardBatch, ahead: int) -> _Launched:
         logits = self.runner.forward(batch)

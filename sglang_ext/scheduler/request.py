@@ -69,6 +69,10 @@ class Req:
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     penalty_slot: int = -1  # row of the sampler's penalty table while the request has one
+    # remote attention: the executor's handle while the request's KV lives there
+    remote: int | None = None
+    offload_checked: bool = False  # considered for offload once, at its first decode
+    attention_executor: str | None = None  # set once its attention ran remotely (meta_info)
 
     @property
     def fill_ids(self) -> list[int]:

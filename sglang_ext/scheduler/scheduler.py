@@ -7,6 +7,10 @@ Each `step()` is one forward:
   * otherwise a DECODE batch of all running requests (the shape CUDA graphs capture).
 When KV pages run out, the most recently arrived decoding requests are preempted: their computed
 pages go to the prefix cache and they re-enter the waiting queue (recompute).
+
+With remote attention (`offload`), a share of the decoding requests keep their KV on an attention
+executor: they need no local pages, are never preemption victims, and ride in every decode batch
+as remote rows. If the executor drops one or is lost, it is recomputed like a preempted request.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from sglang_ext.engine.forward_batch import ForwardBatch, ForwardMode
 from sglang_ext.kvcache.allocator import PageAllocator
 from sglang_ext.kvcache.base import NoPrefixCache, PrefixCache
 from sglang_ext.kvcache.radix_cache import RadixCache
+from sglang_ext.offload.remote import ExecutorLost
+from sglang_ext.offload.sender import Offloader
 from sglang_ext.sampling.batch import SampleRow
 from sglang_ext.sampling.params import InvalidRequest
 from sglang_ext.sampling.sampler import Sampler, logprobs_of
@@ -62,6 +68,7 @@ class Scheduler:
         decode_fn: DecodeFn | None = None,
         *,
         vocab_size: int,
+        offload: Offloader | None = None,
     ) -> None:
         self.args = args
         self.runner = runner
@@ -81,6 +88,7 @@ class Scheduler:
         self._sent: dict[str, tuple[int, int, int]] = {}  # rid -> (tokens, in-logprobs, out-logprobs) sent
         self.num_preemptions = 0
         self.sampler = Sampler(vocab_size, runner.device, args.random_seed)
+        self.offload = offload
 
     # ---- requests in and out ------------------------------------------------------------------
     @property
@@ -157,8 +165,44 @@ class Scheduler:
 
     def _run(self, entries: list[Entry], mode: ForwardMode) -> list[StepOutput]:
         """One forward of the scheduled entries and its results (`OverlapScheduler` defers them)."""
-        batch = build_batch(entries, mode, self.page_size, self.runner.device)
-        return self._process(entries, self.runner.forward(batch))
+        try:
+            entries = self._plan_remote(entries)
+            if not entries:
+                return []
+            batch = build_batch(entries, mode, self.page_size, self.runner.device)
+            logits = self.runner.forward(batch)
+        except ExecutorLost as e:
+            # Nothing of this step is kept: local rows redo it next step (their KV writes are
+            # idempotent and kv_len did not move); remote rows are recomputed from their tokens.
+            assert self.offload is not None
+            for r in self.offload.lose_executor(str(e)):
+                self._requeue(r)
+            return []
+        return self._process(entries, logits)
+
+    def _plan_remote(self, entries: list[Entry]) -> list[Entry]:
+        """Tell the executor this step's remote rows; rows it cannot grow are recomputed locally."""
+        remote = [e.req for e in entries if e.req.remote is not None]
+        if not remote:
+            return entries
+        assert self.offload is not None
+        dropped = self.offload.begin_step(remote)
+        for r in dropped:
+            logger.info("executor full: %s is recomputed locally", r.rid)
+            self._requeue(r)
+        gone = {id(r) for r in dropped}
+        return [e for e in entries if id(e.req) not in gone]
+
+    def _requeue(self, r: Req) -> None:
+        """A remote request whose executor KV is gone: back to the queue head, recomputed."""
+        r.remote = None
+        r.pages, r.cached_pages, r.prefix_node, r.kv_len, r.admitted = [], 0, None, 0, False
+        if r in self.running:
+            self.running.remove(r)
+        r.status = ReqStatus.WAITING
+        r.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.insert(0, r)
 
     def _schedule(self) -> tuple[list[Entry], ForwardMode]:
         entries: list[Entry] = []
@@ -178,6 +222,14 @@ class Scheduler:
         for r in self.policy.order(self.waiting, self.kv.cache):
             if budget <= 0 or len(self.running) >= self.max_running:
                 break
+            if self.kv.pages_for(r.fill_len) > self.allocator.capacity:
+                # Grown past the whole pool (its KV was elsewhere, or it was preempted late): it can
+                # never run here again, and it must not block the queue.
+                self.waiting.remove(r)
+                self._finish(r, FinishReason("abort", message=(
+                    f"out of KV cache memory: the request needs more than {self.max_total_tokens} tokens")))
+                self._pending.append(self._output(r))
+                continue
             self.kv.admit(r)
             if r.num_preemptions == 0:
                 r.cached_tokens = r.kv_len
@@ -195,6 +247,9 @@ class Scheduler:
         # 3. decoding requests: alone (DECODE) or riding along a prefill (EXTEND)
         prefill_reqs = {id(e.req) for e in entries}
         decoders = [r for r in self.running if r.prefilled and id(r) not in prefill_reqs]
+        if self.offload is not None:
+            for r in self.offload.choose(decoders):
+                self._drop_local_kv(r)
         decoders = self._make_room(decoders, protect=prefill_reqs)
         entries.extend(self._entry(r, 1) for r in decoders)
         mode = ForwardMode.EXTEND if prefill_reqs else ForwardMode.DECODE
@@ -206,20 +261,23 @@ class Scheduler:
         horizon = 4 * self.page_size
         total = 0
         for r in self.running:
+            if r.remote is not None:
+                continue
             left = r.sampling.max_new_tokens - len(r.output_ids)
             total += max(self.kv.pages_for(r.kv_len + min(left, horizon) + 1) - len(r.pages), 0)
         return total
 
     def _make_room(self, decoders: list[Req], protect: set[int]) -> list[Req]:
         """Grow each decoder by one token, preempting the latest arrivals when pages run out."""
-        decoders = sorted(decoders, key=lambda r: r.arrival_time)
-        kept: list[Req] = []
+        kept = [r for r in decoders if r.remote is not None]  # their KV grows on the executor
+        decoders = sorted((r for r in decoders if r.remote is None), key=lambda r: r.arrival_time)
         while decoders:
             r = decoders.pop(0)
             while not self.kv.can_grow(r, r.kv_len + 1):
                 victim = decoders.pop() if decoders else None
                 if victim is None:
-                    others = [x for x in self.running if x is not r and id(x) not in protect and x not in kept]
+                    others = [x for x in self.running if x is not r and id(x) not in protect and x not in kept
+                              and x.remote is None]
                     victim = max(others, key=lambda x: x.arrival_time) if others else r
                 if victim is r and len(self.running) == 1:
                     # Alone and still out of pages: it can never fit, so fail it explicitly.
@@ -236,10 +294,25 @@ class Scheduler:
                 kept.append(r)
         return kept
 
+    def _drop_local_kv(self, r: Req) -> None:
+        """The request's KV now lives on the executor: publish its prompt pages to the prefix
+        cache, free its own pages, and keep its length."""
+        kv_len = r.kv_len
+        self.kv.release(r, keep_in_cache=True)
+        r.kv_len, r.admitted = kv_len, True
+
+    def _release_kv(self, r: Req) -> None:
+        if r.remote is not None:
+            assert self.offload is not None
+            self.offload.release(r)
+            r.kv_len, r.admitted = 0, False
+        else:
+            self.kv.release(r, keep_in_cache=True)
+
     def _preempt(self, r: Req) -> None:
         logger.debug("preempting %s (kv_len=%d)", r.rid, r.kv_len)
         self.running.remove(r)
-        self.kv.release(r, keep_in_cache=True)
+        self._release_kv(r)
         r.status = ReqStatus.WAITING
         r.num_preemptions += 1
         self.num_preemptions += 1
@@ -323,7 +396,7 @@ class Scheduler:
     def _finish(self, r: Req, reason: FinishReason) -> None:
         r.status = ReqStatus.FINISHED
         r.finish_reason = reason
-        self.kv.release(r, keep_in_cache=True)
+        self._release_kv(r)
         if r.penalty_slot >= 0:
             self.sampler.penalties.release(r.penalty_slot)
             r.penalty_slot = -1
@@ -342,6 +415,7 @@ class Scheduler:
             prompt_tokens=len(r.input_ids),
             completion_tokens=len(r.output_ids),
             cached_tokens=r.cached_tokens,
+            attention_executor=r.attention_executor,
             input_token_logprobs=r.input_token_logprobs[i0:],
             input_top_logprobs=r.input_top_logprobs[i0:],
             output_token_logprobs=r.output_token_logprobs[o0:],

@@ -34,6 +34,7 @@ from sglang_ext.messages import (
 )
 from sglang_ext.models.config import ModelConfig
 from sglang_ext.models.resolve import PRESET_PREFIX, resolve_model_path
+from sglang_ext.offload.setup import local_offloader
 from sglang_ext.sampling.params import InvalidRequest
 from sglang_ext.scheduler.output import StepOutput
 from sglang_ext.scheduler.overlap import scheduler_class
@@ -88,7 +89,7 @@ class Worker:
             self.scheduler: Scheduler = sched_cls(
                 args, self.runner, args.resolved_page_size, frozenset(eos),
                 decode_fn=(lambda ids: self.tokenizer.decode(ids, False)) if self.tokenizer else None,
-                vocab_size=self.cfg.vocab_size,
+                vocab_size=self.cfg.vocab_size, offload=local_offloader(args, self.runner, worker_id),
             )
         self.live: dict[str, _Live] = {}
         self.last_step_ms = 0.0
@@ -232,6 +233,7 @@ class Worker:
             "prompt_tokens": r.prompt_tokens,
             "completion_tokens": r.completion_tokens,
             "cached_tokens": r.cached_tokens,
+            "attention_executor": r.attention_executor,
             "finish_reason": r.finish_reason,
             "e2e_latency": now - live.start,
         }

@@ -1,0 +1,109 @@
+"""The sender's view of one executor: `RemoteAttention`, and the in-process (`local`) transport.
+
+Every transport has the same calls. Per request: `load` (its prefilled KV, once) and `release`.
+Per decode step: `begin_step` (which requests, at which positions; once, ahead of the layers), then
+per layer `post` (q, k, v out) and `collect` (the output back) -- the sender runs its local rows'
+attention in between, so the two overlap where the transport is asynchronous. A transport that loses its executor raises
+`ExecutorLost`; the sender then takes every request back and recomputes it locally.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+
+import torch
+
+from sglang_ext.offload.executor import AttentionExecutor, ExecutorFull, GuestSpec
+
+
+class ExecutorLost(RuntimeError):
+    """The executor (or its worker) is gone or stopped answering."""
+
+
+class RemoteAttention(ABC):
+    executor_id: str  # reported to users as meta_info.attention_executor
+
+    def __init__(self) -> None:
+        self.wait_s = 0.0  # time the sender spent waiting on the executor
+        self.bytes_out = 0  # q, k, v and KV loads sent
+        self.bytes_in = 0  # attention outputs received
+        self.alive = True
+
+    @abstractmethod
+    def load(self, handle: int, kv: torch.Tensor, length: int) -> bool:
+        """Move a request's KV ([n_pages, layers, 2, P, H, D] covering `length` tokens) to the
+        executor. False when it has no room (the request stays local)."""
+
+    @abstractmethod
+    def release(self, handle: int) -> None: ...
+
+    @abstractmethod
+    def begin_step(self, handles: list[int], positions: list[int]) -> list[int]:
+        """Plan a decode step; returns the handles the executor dropped (no room to grow)."""
+
+    @abstractmethod
+    def post(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Send one layer's q, k, v ([R, H, D]) of the planned rows."""
+
+    @abstractmethod
+    def collect(self, layer: int) -> torch.Tensor:
+        """That layer's attention output [R, Hq, D], on the sender's device."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.post(layer, q, k, v)
+        return self.collect(layer)
+
+    def end_step(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+class LocalRemote(RemoteAttention):
+    """An executor in this process, on this device or another one (`cuda:1`): calls, no messages."""
+
+    def __init__(self, executor: AttentionExecutor, guest: str, spec: GuestSpec, executor_id: str = "local") -> None:
+        super().__init__()
+        self._out: torch.Tensor | None = None
+        self.executor = executor
+        self.guest = guest
+        self.executor_id = executor_id
+        executor.attach(guest, spec)
+
+    def load(self, handle: int, kv: torch.Tensor, length: int) -> bool:
+        self._check()
+        try:
+            self.executor.load(self.guest, handle, kv, length)
+        except ExecutorFull:
+            return False
+        self.bytes_out += kv.numel() * kv.element_size()
+        return True
+
+    def release(self, handle: int) -> None:
+        if self.alive:
+            self.executor.release(self.guest, handle)
+
+    def begin_step(self, handles: list[int], positions: list[int]) -> list[int]:
+        self._check()
+        return self.executor.plan(self.guest, handles, positions)
+
+    def post(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._check()
+        t0 = time.perf_counter()
+        o = self.executor.attend(self.guest, layer, q, k, v)
+        self._out = o.to(q.device) if o.device != q.device else o
+        self.wait_s += time.perf_counter() - t0
+        self.bytes_out += sum(t.numel() * t.element_size() for t in (q, k, v))
+        self.bytes_in += o.numel() * o.element_size()
+
+    def collect(self, layer: int) -> torch.Tensor:
+        self._check()
+        assert self._out is not None, "collect before post"
+        out, self._out = self._out, None
+        return out
+
+    def _check(self) -> None:
+        if not self.alive:
+            raise ExecutorLost(f"executor {self.executor_id} is gone")

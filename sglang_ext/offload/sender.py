@@ -1,0 +1,103 @@
+"""The sender's scheduler-side part of remote attention (`Offloader`).
+
+Requests are offloaded whole, when their prefill is done: the KV computed locally (prefix pages
+included, so attention is entirely remote and needs no merge) is copied to the executor, the
+request's own pages are freed and its prompt pages stay in the prefix cache for others. From then
+on its new tokens' KV is appended on the executor. A request keeps its executor until it finishes;
+if the executor drops it (no room to grow) or is lost, it is recomputed locally from its tokens,
+which gives the same greedy output.
+
+Policy `fixed` (WEAVER): keep `ratio` of the decoding requests remote, choosing each request once,
+at its first decode step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterable
+
+import torch
+
+from sglang_ext.kvcache.pool import KVPool
+from sglang_ext.offload.remote import RemoteAttention
+from sglang_ext.scheduler.request import Req
+
+logger = logging.getLogger(__name__)
+
+
+class Offloader:
+    def __init__(self, remote: RemoteAttention, ratio: float, pool: KVPool) -> None:
+        self.remote = remote
+        self.ratio = ratio
+        self.pool = pool
+        self.active = True
+        self._handles = itertools.count(1)
+        self.reqs: dict[int, Req] = {}  # handle -> request, while offloaded
+
+    @property
+    def num_remote(self) -> int:
+        return len(self.reqs)
+
+    def choose(self, decoding: Iterable[Req]) -> list[Req]:
+        """Offload newly decoding requests while the remote share is under `ratio`; returns those
+        moved (their local pages are for the caller to give back)."""
+        if not self.active:
+            return []
+        decoding = list(decoding)
+        total = len(decoding)
+        moved: list[Req] = []
+        for r in decoding:
+            if r.remote is not None or r.offload_checked:
+                continue
+            r.offload_checked = True
+            if self.num_remote + 1 > self.ratio * total + 1e-9:
+                continue
+            if self._load(r):
+                moved.append(r)
+        return moved
+
+    def _load(self, r: Req) -> bool:
+        ps = self.pool.page_size
+        n = -(-r.kv_len // ps)
+        idx = torch.tensor(r.pages[:n], dtype=torch.long).to(self.pool.device, non_blocking=True)
+        kv = self.pool.data.index_select(0, idx)
+        handle = next(self._handles)
+        if not self.remote.load(handle, kv, r.kv_len):
+            return False  # the executor is full: the request stays local
+        r.remote = handle
+        r.attention_executor = self.remote.executor_id
+        self.reqs[handle] = r
+        return True
+
+    def release(self, r: Req) -> None:
+        """The request finished or is being recomputed: free its executor pages."""
+        if r.remote is None:
+            return
+        self.reqs.pop(r.remote, None)
+        if self.active:
+            self.remote.release(r.remote)
+        r.remote = None
+
+    def begin_step(self, reqs: list[Req]) -> list[Req]:
+        """Plan a step's remote rows (each writes position kv_len); returns the requests the
+        executor dropped (no room to grow), already released."""
+        by_handle = {r.remote: r for r in reqs}
+        failed = self.remote.begin_step(list(by_handle), [r.kv_len for r in reqs])
+        dropped = [by_handle[h] for h in failed]
+        for r in dropped:
+            self.reqs.pop(r.remote, None)  # type: ignore[arg-type]
+            r.remote = None
+        return dropped
+
+    def lose_executor(self, why: str) -> list[Req]:
+        """The executor is gone: stop offloading; every offloaded request must be recomputed."""
+        logger.error("attention executor %s lost (%s): its %d request(s) are recomputed locally and new "
+                     "requests stay local", self.remote.executor_id, why, len(self.reqs))
+        self.active = False
+        self.remote.alive = False
+        lost = list(self.reqs.values())
+        for r in lost:
+            r.remote = None
+        self.reqs.clear()
+        return lost

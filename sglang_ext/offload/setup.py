@@ -1,0 +1,44 @@
+"""Builds a worker's remote-attention pieces from its server arguments."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from sglang_ext.engine.model_runner import ModelRunner
+from sglang_ext.offload.executor import AttentionExecutor, GuestSpec
+from sglang_ext.offload.partition import ForeignKVPartition
+from sglang_ext.offload.remote import LocalRemote
+from sglang_ext.offload.sender import Offloader
+from sglang_ext.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+GiB = 1 << 30
+
+
+def guest_spec(runner: ModelRunner) -> GuestSpec:
+    cfg = runner.cfg
+    return GuestSpec(runner.pool.geometry, cfg.num_heads, cfg.head_dim, cfg.head_dim**-0.5)
+
+
+def executor_backend(device: torch.device, args: ServerArgs) -> str:
+    """The executor computes with the engine's own kernels: FlashInfer on a GPU where the worker
+    uses it, the exact torch backend elsewhere."""
+    return args.resolved_attention_backend if device.type == "cuda" else "torch"
+
+
+def local_offloader(args: ServerArgs, runner: ModelRunner, worker_id: str) -> Offloader | None:
+    """`--offload-executor local|cuda:N`: an executor inside this process (tests, demos, one
+    process driving two GPUs)."""
+    if args.offload_executor is None or args.offload_ratio <= 0:
+        return None
+    where = args.offload_executor
+    device = runner.device if where in ("local", str(runner.device)) else torch.device(where)
+    budget = int(args.executor_mem_gb * GiB) if args.executor_mem_gb > 0 else runner.pool.total_bytes
+    executor = AttentionExecutor(ForeignKVPartition(budget, device), executor_backend(device, args))
+    remote = LocalRemote(executor, guest=worker_id, spec=guest_spec(runner), executor_id=f"{worker_id}/local")
+    runner.set_remote(remote)
+    logger.info("remote attention: %.0f%% of decoding requests on an in-process executor on %s (%.2f GiB)",
+                100 * args.offload_ratio, device, budget / GiB)
+    return Offloader(remote, args.offload_ratio, runner.pool)

@@ -1,0 +1,38 @@
+"""`SplitAttention`: a batch's local rows on the worker's own backend, its remote rows on an executor.
+
+    q, k, v ──┬─ remote tokens ─> RemoteAttention.post ···························· collect ─┐
+              └─ local tokens ──> local backend (writes KV in the local pool) ── o_local    ├─> o by row
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_ext.attention.base import AttentionBackend
+from sglang_ext.engine.forward_batch import ForwardBatch
+from sglang_ext.offload.remote import RemoteAttention
+
+
+class SplitAttention(AttentionBackend):
+    def __init__(self, local: AttentionBackend, remote: RemoteAttention) -> None:
+        super().__init__(local.pool, local.num_q_heads, local.head_dim, local.scale)
+        self.local = local
+        self.remote = remote
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        if batch.batch_size:
+            self.local.prepare(batch)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        sp = batch.split
+        assert sp is not None
+        rt = sp.remote_tokens
+        self.remote.post(layer_id, q[rt], k[rt], v[rt])
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if batch.batch_size:
+            lt = sp.local_tokens
+            out.index_copy_(0, lt, self.local.forward(q[lt], k[lt], v[lt], layer_id, batch).to(q.dtype))
+        out.index_copy_(0, rt, self.remote.collect(layer_id).to(q.dtype))
+        return out
