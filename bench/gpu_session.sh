@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session for the GPU fast path (the run behind docs/benchmarks.md's GPU section).
 # Needs the carried wheel folder .whl (../shared/tools/gpu-wheels.sh .whl). Writes logs and JSON to $OUT.
-#   bash bench/gpu_session.sh [test] [serving] [bench] [cputests] [sampling]
+#   bash bench/gpu_session.sh [test] [serving] [bench] [cputests] [sampling] [offload]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 steps=${*:-test bench}
@@ -28,6 +28,8 @@ for s in $steps; do
             2>&1 | tee "$OUT/gpu_sampling_test.log"
           PYTHONPATH=$BASE:/tmp/fi timeout 300 python3 bench/sampling.py --out "$OUT/sampling.json" 2>&1 \
             | tee "$OUT/sampling.log" ;;
+    offload) PYTHONPATH=$BASE:/tmp/fi timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_offload.py \
+            2>&1 | tee "$OUT/gpu_offload_test.log" ;;
     cputests) SGLANG_EXT_TEST_DEVICE=cuda PYTHONPATH=$BASE timeout 240 python3 -m pytest -q -p no:cacheprovider \
             --continue-on-collection-errors tests -k "engine or scheduler or models or overlap" 2>&1 | tee "$OUT/cpu_tests_on_cuda.log" ;;
   esac

@@ -8,6 +8,8 @@ new position and runs the engine's own attention backend over the guest's pages.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +59,16 @@ class AttentionExecutor:
     def device(self) -> torch.device:
         return self.partition.device
 
+    @contextlib.contextmanager
+    def _on_device(self) -> Iterator[None]:
+        """Kernels, plans and events on the executor's GPU even when called from another device's
+        thread (an in-process executor on cuda:1 driven by a cuda:0 sender)."""
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):
+                yield
+        else:
+            yield
+
     def attach(self, guest: str, spec: GuestSpec) -> None:
         if guest in self.guests:
             if self.guests[guest].spec != spec:
@@ -79,8 +91,9 @@ class AttentionExecutor:
         pages = self.partition.alloc(guest, kv.shape[0])
         if pages is None:
             raise ExecutorFull(f"no room for {kv.shape[0]} pages of guest {guest!r}")
-        idx = torch.tensor(pages, dtype=torch.long, device=self.device)
-        g.backend.pool.data.index_copy_(0, idx, kv.to(self.device, non_blocking=True))
+        with self._on_device():
+            idx = torch.tensor(pages, dtype=torch.long, device=self.device)
+            g.backend.pool.data.index_copy_(0, idx, kv.to(self.device, non_blocking=True))
         g.seqs[handle] = _Seq(pages, length)
 
     def release(self, guest: str, handle: int) -> None:
@@ -119,7 +132,8 @@ class AttentionExecutor:
         g.batch = ForwardBatch.build(rows, ForwardMode.DECODE, ps, self.device) if rows else None
         if g.batch is not None:
             g.batch.attn_backend = g.backend
-            g.backend.prepare(g.batch)
+            with self._on_device():
+                g.backend.prepare(g.batch)
         for h, pos in zip(handles, positions, strict=True):
             if h not in failed:
                 g.seqs[h].length = pos + 1
@@ -130,7 +144,8 @@ class AttentionExecutor:
         g = self.guests[guest]
         assert g.batch is not None, "attend before plan"
         dev = self.device
-        return g.backend.forward(q.to(dev), k.to(dev), v.to(dev), layer, g.batch)
+        with self._on_device():
+            return g.backend.forward(q.to(dev), k.to(dev), v.to(dev), layer, g.batch)
 
     def check(self) -> None:
         """Every held page belongs to one request of its guest (tests call this)."""

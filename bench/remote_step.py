@@ -1,0 +1,116 @@
+"""Sender decode step time with a share of the rows' attention on an idle peer GPU (issue 9).
+
+    python bench/remote_step.py --out remote_step.json      # needs two GPUs (kind nvidia-h200-x2)
+
+Llama-3-8B geometry with dummy weights on cuda:0; an in-process attention executor (the engine's
+`offload_executor="cuda:1"` path: FlashInfer on cuda:1, torch cross-device copies per layer) holds the
+remote rows' KV. For each (bs, ctx, offloaded share) the step is timed with CUDA events over
+back-to-back forwards; the all-local baseline is timed both with decode CUDA graphs (what serving
+uses) and eager (what split batches run today: they are not captured yet). KV is random data laid out
+on scattered pages, as in bench/offline.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.gpu_measure import PAGE, Layout, time_gpu
+from sglang_ext.engine.forward_batch import BatchRow, ForwardBatch, ForwardMode
+from sglang_ext.engine.model_runner import ModelRunner
+from sglang_ext.models.config import ModelConfig
+from sglang_ext.models.resolve import resolve_model_path
+from sglang_ext.offload.executor import AttentionExecutor
+from sglang_ext.offload.partition import ForeignKVPartition
+from sglang_ext.offload.remote import LocalRemote
+from sglang_ext.offload.setup import guest_spec
+from sglang_ext.server_args import ServerArgs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model-path", default="preset:llama-3-8b")
+    p.add_argument("--points", default="64:2048,128:2048,256:2048,64:8192,128:8192",
+                   help="bs:ctx pairs (bs 256 at ctx 8K needs 256 GiB of KV: more than two H200s hold)")
+    p.add_argument("--shares", default="0,0.25,0.5,0.75")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--out", default="remote_step.json")
+    a = p.parse_args()
+    if torch.cuda.device_count() < 2:
+        raise SystemExit("needs two GPUs")
+    points = [tuple(int(x) for x in pt.split(":")) for pt in a.points.split(",")]
+    shares = [float(x) for x in a.shares.split(",")]
+    max_tokens = max(bs * ctx for bs, ctx in points)
+    model_dir = resolve_model_path(a.model_path)
+    cfg = ModelConfig.from_path(model_dir)
+    free0 = torch.cuda.mem_get_info(0)[0]
+    kv_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    local_tokens = min(max_tokens, int((free0 - 24 * 2**30) // kv_token))  # weights + workspace headroom
+    args = ServerArgs(model_path=a.model_path, load_format="dummy", device="cuda:0", dtype="bfloat16",
+                      page_size=PAGE, max_total_tokens=local_tokens, cuda_graph_max_bs=256,
+                      skip_tokenizer_init=True)
+    runner = ModelRunner(args, model_dir, cfg)
+    runner.pool.data.normal_()
+    free1 = torch.cuda.mem_get_info(1)[0]
+    executor = AttentionExecutor(ForeignKVPartition(int(free1 - 8 * 2**30), "cuda:1"), "flashinfer")
+    remote = LocalRemote(executor, "bench", guest_spec(runner), executor_id="cuda:1")
+    runner.set_remote(remote)
+    layout = Layout(runner.num_pages)
+    res: dict[str, Any] = {"env": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                                   "gpus": [torch.cuda.get_device_name(i) for i in range(2)],
+                                   "torch": torch.__version__, "model": a.model_path}, "rows": []}
+    geo = runner.pool.geometry
+    for bs, ctx in points:
+        n_pages = -(-ctx // PAGE)
+        for share in shares:
+            n_remote = round(bs * share)
+            n_local = bs - n_remote
+            row: dict[str, Any] = {"bs": bs, "ctx": ctx, "share": share, "remote_rows": n_remote}
+            try:
+                if n_local * ctx > local_tokens:
+                    raise RuntimeError(f"{n_local} local rows x {ctx} exceed the sender's pool")
+                pages = layout.pages(n_local, ctx) if n_local else []
+                handles = list(range(1, n_remote + 1))
+                kv = torch.randn((n_pages, *runner.pool.data.shape[1:]), dtype=geo.dtype, device="cuda:1")
+                for h in handles:
+                    executor.load("bench", h, kv, ctx - 1)
+                rows = [BatchRow(ctx - 1, [7], pg, [0]) for pg in pages]
+                rows += [BatchRow(ctx - 1, [7], (), [0], remote=h) for h in handles]
+                batch = ForwardBatch.build(rows, ForwardMode.DECODE, PAGE, "cuda:0")
+                seqs = executor.guests["bench"].seqs
+
+                def step(batch: ForwardBatch = batch, handles: list[int] = handles, pos: int = ctx - 1,
+                         seqs: Any = seqs) -> None:
+                    if handles:
+                        for h in handles:  # every step decodes the same position again
+                            seqs[h].length = pos
+                        remote.begin_step(handles, [pos] * len(handles))
+                    runner.forward(batch)
+
+                if n_remote == 0:
+                    row["graph_ms"] = time_gpu(step, a.steps)
+                    graphs, runner.graphs = runner.graphs, None
+                    row["eager_ms"] = time_gpu(step, a.steps)
+                    runner.graphs = graphs
+                else:
+                    torch.cuda.synchronize(1)
+                    row["eager_ms"] = time_gpu(step, a.steps)
+                executor.release_all("bench")
+            except Exception as e:  # record and go on: one infeasible point must not lose the rest
+                row["error"] = f"{type(e).__name__}: {e}"
+                executor.release_all("bench")
+            res["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            Path(a.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Remote attention on the GPU (bf16, FlashInfer, decode CUDA graphs for local-only batches): the
+in-process executor on the same GPU and on a second GPU (`offload_executor="cuda:1"`) gives the
+greedy tokens of the same model without offload. Skipped without CUDA / FlashInfer (two GPUs for
+the second test)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+if importlib.util.find_spec("flashinfer") is None:
+    pytest.skip("needs flashinfer (pip install flashinfer-python)", allow_module_level=True)
+
+from _tiny import EOS
+from test_gpu_equivalence import GREEDY, VOCAB, _runner, _serve
+
+from sglang_ext.offload.setup import local_offloader
+from sglang_ext.scheduler.overlap import OverlapScheduler
+from sglang_ext.scheduler.scheduler import Scheduler
+
+pytestmark = pytest.mark.gpu
+
+
+def _agreement(a: dict[str, list[int]], b: dict[str, list[int]]) -> float:
+    """Share of tokens equal before each request's first difference (bf16 near-ties may differ)."""
+    same = total = 0
+    for rid, xs in a.items():
+        ys = b[rid]
+        total += len(xs)
+        for x, y in zip(xs, ys, strict=False):
+            if x != y:
+                break
+            same += 1
+    return same / total
+
+
+@pytest.mark.parametrize("where", ["local", "cuda:1"])
+def test_offload_keeps_greedy_tokens(where: str) -> None:
+    if where == "cuda:1" and torch.cuda.device_count() < 2:
+        pytest.skip("needs a second GPU")
+    plain = _runner("flashinfer")
+    want = _serve(OverlapScheduler(plain.args, plain, 16, frozenset([EOS]), vocab_size=VOCAB), GREEDY)
+    r = _runner("flashinfer")
+    args = dataclasses.replace(r.args, offload_ratio=0.5, offload_executor=where)
+    off = local_offloader(args, r, "gpu")
+    assert off is not None
+    s = Scheduler(args, r, 16, frozenset([EOS]), vocab_size=VOCAB, offload=off)
+    reqs_before = off.remote.bytes_out
+    got = _serve(s, GREEDY)
+    agree = _agreement(want, got)
+    print(f"offload to {where}: {agree:.1%} of tokens agree before the first difference; "
+          f"{(off.remote.bytes_out - reqs_before) / 2**20:.1f} MiB sent, wait {off.remote.wait_s * 1e3:.1f} ms")
+    assert off.remote.bytes_out > reqs_before
+    assert agree >= 0.9
