@@ -1,0 +1,1 @@
+"""Offload data plane: moving a model's attention work between devices and processes (issue 9)."""
