@@ -3,11 +3,12 @@
     python bench/remote_step.py --out remote_step.json      # needs two GPUs (kind nvidia-h200-x2)
 
 Llama-3-8B geometry with dummy weights on cuda:0; an in-process attention executor (the engine's
-`offload_executor="cuda:1"` path: FlashInfer on cuda:1, torch cross-device copies per layer) holds the
-remote rows' KV. For each (bs, ctx, offloaded share) the step is timed with CUDA events over
-back-to-back forwards; the all-local baseline is timed both with decode CUDA graphs (what serving
-uses) and eager (what split batches run today: they are not captured yet). KV is random data laid out
-on scattered pages, as in bench/offline.py.
+`offload_executor="cuda:1"` path, FlashInfer on cuda:1) holds the remote rows' KV; `--transport` picks
+torch cross-device copies per layer (`local`) or the GPU-signalled peer exchange (`cuda_ipc`).
+For each (bs, ctx, offloaded share) the step is timed with CUDA events over
+back-to-back forwards, with decode CUDA graphs (what serving uses; split batches have their 2-D
+graphs only with the GPU-signalled transport) and eager. KV is random data laid out on scattered
+pages, as in bench/offline.py.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def main() -> None:
                    help="bs:ctx pairs (bs 256 at ctx 8K needs 256 GiB of KV: more than two H200s hold)")
     p.add_argument("--shares", default="0,0.25,0.5,0.75")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--transport", default="cuda_ipc", choices=["local", "cuda_ipc"],
+                   help="local: torch cross-device copies; cuda_ipc: GPU-signalled peer exchange")
     p.add_argument("--out", default="remote_step.json")
     a = p.parse_args()
     if torch.cuda.device_count() < 2:
@@ -61,12 +64,19 @@ def main() -> None:
     runner.pool.data.normal_()
     free1 = torch.cuda.mem_get_info(1)[0]
     executor = AttentionExecutor(ForeignKVPartition(int(free1 - 8 * 2**30), "cuda:1"), "flashinfer")
-    remote = LocalRemote(executor, "bench", guest_spec(runner), executor_id="cuda:1")
+    remote: Any
+    if a.transport == "local":
+        remote = LocalRemote(executor, "bench", guest_spec(runner), executor_id="cuda:1")
+    else:
+        from sglang_ext.offload.peer import PeerRemote
+
+        remote = PeerRemote(executor, "bench", guest_spec(runner), runner.device, cfg.num_heads, max_rows=256)
     runner.set_remote(remote)
     layout = Layout(runner.num_pages)
     res: dict[str, Any] = {"env": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                                    "gpus": [torch.cuda.get_device_name(i) for i in range(2)],
-                                   "torch": torch.__version__, "model": a.model_path}, "rows": []}
+                                   "torch": torch.__version__, "model": a.model_path,
+                                   "transport": a.transport}, "rows": []}
     geo = runner.pool.geometry
     for bs, ctx in points:
         n_pages = -(-ctx // PAGE)
@@ -95,14 +105,12 @@ def main() -> None:
                         remote.begin_step(handles, [pos] * len(handles))
                     runner.forward(batch)
 
-                if n_remote == 0:
+                torch.cuda.synchronize(1)
+                if n_remote == 0 or (runner.graphs is not None and runner.graphs.split is not None):
                     row["graph_ms"] = time_gpu(step, a.steps)
-                    graphs, runner.graphs = runner.graphs, None
-                    row["eager_ms"] = time_gpu(step, a.steps)
-                    runner.graphs = graphs
-                else:
-                    torch.cuda.synchronize(1)
-                    row["eager_ms"] = time_gpu(step, a.steps)
+                graphs, runner.graphs = runner.graphs, None
+                row["eager_ms"] = time_gpu(step, a.steps)
+                runner.graphs = graphs
                 executor.release_all("bench")
             except Exception as e:  # record and go on: one infeasible point must not lose the rest
                 row["error"] = f"{type(e).__name__}: {e}"

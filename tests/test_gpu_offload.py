@@ -1,5 +1,6 @@
 """Remote attention on the GPU (bf16, FlashInfer, decode CUDA graphs for local-only batches): the
-in-process executor on the same GPU and on a second GPU (`offload_executor="cuda:1"`) gives the
+in-process executor on the same GPU and on a second GPU (`offload_executor="cuda:1"`, through torch
+copies and through the GPU-signalled exchange) gives the
 greedy tokens of the same model without offload. Skipped without CUDA / FlashInfer (two GPUs for
 the second test)."""
 
@@ -39,21 +40,21 @@ def _agreement(a: dict[str, list[int]], b: dict[str, list[int]]) -> float:
     return same / total
 
 
-@pytest.mark.parametrize("where", ["local", "cuda:1"])
-def test_offload_keeps_greedy_tokens(where: str) -> None:
+@pytest.mark.parametrize(("where", "transport"), [("local", "local"), ("cuda:1", "local"), ("cuda:1", "cuda_ipc")])
+def test_offload_keeps_greedy_tokens(where: str, transport: str) -> None:
     if where == "cuda:1" and torch.cuda.device_count() < 2:
         pytest.skip("needs a second GPU")
     plain = _runner("flashinfer")
     want = _serve(OverlapScheduler(plain.args, plain, 16, frozenset([EOS]), vocab_size=VOCAB), GREEDY)
     r = _runner("flashinfer")
-    args = dataclasses.replace(r.args, offload_ratio=0.5, offload_executor=where)
+    args = dataclasses.replace(r.args, offload_ratio=0.5, offload_executor=where, offload_transport=transport)
     off = local_offloader(args, r, "gpu")
     assert off is not None
     s = Scheduler(args, r, 16, frozenset([EOS]), vocab_size=VOCAB, offload=off)
     reqs_before = off.remote.bytes_out
     got = _serve(s, GREEDY)
     agree = _agreement(want, got)
-    print(f"offload to {where}: {agree:.1%} of tokens agree before the first difference; "
+    print(f"offload to {where} ({transport}): {agree:.1%} of tokens agree before the first difference; "
           f"{(off.remote.bytes_out - reqs_before) / 2**20:.1f} MiB sent, wait {off.remote.wait_s * 1e3:.1f} ms")
     assert off.remote.bytes_out > reqs_before
     assert agree >= 0.9

@@ -23,6 +23,7 @@ from sglang_ext.engine.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
     from sglang_ext.attention.base import AttentionBackend
+    from sglang_ext.engine.split_graph import SplitGraphs
     from sglang_ext.models.decoder import DecoderForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -54,10 +55,12 @@ class CudaGraphRunner:
         self.sizes = capture_sizes(max_bs)
         self.max_bs = self.sizes[-1]
         n = self.max_bs
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        # twice the rows: split graphs hold up to max_bs local rows plus up to max_bs remote rows
+        self.input_ids = torch.zeros(2 * n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(2 * n, dtype=torch.int64, device=device)
         self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=device)  # slot 0 of page 0
-        self.rows = torch.arange(n, dtype=torch.int64, device=device)
+        self.rows = torch.arange(2 * n, dtype=torch.int64, device=device)
+        self.split: SplitGraphs | None = None
         attn.init_cuda_graph_state(n, n * max_pages_per_req)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.batches: dict[int, ForwardBatch] = {}
@@ -98,10 +101,15 @@ class CudaGraphRunner:
                     len(self.sizes), self.sizes[0], self.max_bs, time.perf_counter() - t0)
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.mode.is_decode and batch.batch_size <= self.max_bs and batch.split is None
+        if not batch.mode.is_decode or batch.batch_size > self.max_bs:
+            return False
+        return batch.split is None or (self.split is not None and self.split.can_run(batch))
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states (final-normed) of `batch.logits_indices`, like `model(batch)`."""
+        if batch.split is not None:
+            assert self.split is not None
+            return self.split.replay(batch)
         bs = batch.batch_size
         pbs = padded_size(self.sizes, bs)
         assert pbs is not None

@@ -163,6 +163,10 @@ class ModelRunner:
         from sglang_ext.offload.split import SplitAttention
 
         self.split = SplitAttention(self.attn, remote)
+        if self.graphs is not None and remote.graph_capturable:
+            from sglang_ext.engine.split_graph import SplitGraphs
+
+            self.graphs.split = SplitGraphs(self.graphs, self.split)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -170,6 +174,8 @@ class ModelRunner:
         if batch.split is not None:
             assert self.split is not None, "a batch with remote rows, but no executor"
             batch.attn_backend = self.split
+            if self.graphs is not None and self.graphs.can_run(batch):
+                return self.model.compute_logits(self.graphs.replay(batch))
             self.split.prepare(batch)
             return self.model.compute_logits(self.model(batch))
         batch.attn_backend = self.attn

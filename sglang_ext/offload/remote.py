@@ -23,6 +23,7 @@ class ExecutorLost(RuntimeError):
 
 class RemoteAttention(ABC):
     executor_id: str  # reported to users as meta_info.attention_executor
+    graph_capturable = False  # post/collect are pure stream operations (decode graphs may hold them)
 
     def __init__(self) -> None:
         self.wait_s = 0.0  # time the sender spent waiting on the executor

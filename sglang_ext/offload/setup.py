@@ -9,7 +9,7 @@ import torch
 from sglang_ext.engine.model_runner import ModelRunner
 from sglang_ext.offload.executor import AttentionExecutor, GuestSpec
 from sglang_ext.offload.partition import ForeignKVPartition
-from sglang_ext.offload.remote import LocalRemote
+from sglang_ext.offload.remote import LocalRemote, RemoteAttention
 from sglang_ext.offload.sender import Offloader
 from sglang_ext.server_args import ServerArgs
 
@@ -37,8 +37,23 @@ def local_offloader(args: ServerArgs, runner: ModelRunner, worker_id: str) -> Of
     device = runner.device if where in ("local", str(runner.device)) else torch.device(where)
     budget = int(args.executor_mem_gb * GiB) if args.executor_mem_gb > 0 else runner.pool.total_bytes
     executor = AttentionExecutor(ForeignKVPartition(budget, device), executor_backend(device, args))
-    remote = LocalRemote(executor, guest=worker_id, spec=guest_spec(runner), executor_id=f"{worker_id}/local")
+    transport = args.offload_transport or (
+        "cuda_ipc" if device.type == "cuda" and runner.device.type == "cuda" and device != runner.device else "local")
+    remote: RemoteAttention
+    if transport == "cuda_ipc":
+        if device.type != "cuda" or device == runner.device:
+            raise ValueError("offload_transport cuda_ipc in one process needs the executor on another GPU "
+                             "(--offload-executor cuda:N)")
+        from sglang_ext.offload.peer import PeerRemote
+
+        remote = PeerRemote(executor, worker_id, guest_spec(runner), runner.device, runner.cfg.num_heads,
+                            max_rows=max(args.max_running_requests or 256, 1), executor_id=f"{worker_id}/{device}")
+    elif transport == "local":
+        remote = LocalRemote(executor, guest=worker_id, spec=guest_spec(runner), executor_id=f"{worker_id}/local")
+    else:
+        raise ValueError(f"offload_transport {transport!r} is for served pairings (cluster file offload:), "
+                         "not for an in-process executor")
     runner.set_remote(remote)
-    logger.info("remote attention: %.0f%% of decoding requests on an in-process executor on %s (%.2f GiB)",
-                100 * args.offload_ratio, device, budget / GiB)
+    logger.info("remote attention: %.0f%% of decoding requests on an in-process executor on %s (%.2f GiB, %s)",
+                100 * args.offload_ratio, device, budget / GiB, transport)
     return Offloader(remote, args.offload_ratio, runner.pool)

@@ -1,0 +1,101 @@
+"""Decode CUDA graphs for batches split between local rows and an attention executor.
+
+Adrenaline's 2-D graphs: one graph per (local rows, remote rows) pair, both padded to a captured
+size, captured on first use (a pair costs one capture, then replays). In the graph the tokens are
+ordered [local rows | remote rows]; the remote side is the transport's stream operations (peer
+copies, doorbell and completion flags), which graphs capture as nodes, so only transports that work
+without the host on the per-layer path can be captured (`RemoteAttention.graph_capturable`). The
+executor's own per-step program is queued by `begin_step` before the replay, for the real rows;
+padded remote rows carry garbage that nobody reads.
+
+    static tokens  | local 0..nl-1 | pad .. lp-1 | remote lp..lp+nr-1 | pad .. lp+rp-1 |
+    outputs        hidden[order[i]] for each original token i (order = where each token went)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Final
+
+import torch
+
+from sglang_ext.engine.cuda_graph import padded_size
+from sglang_ext.engine.forward_batch import ForwardBatch, ForwardMode, SplitPlan
+
+if TYPE_CHECKING:
+    from sglang_ext.engine.cuda_graph import CudaGraphRunner
+    from sglang_ext.offload.split import SplitAttention
+
+logger = logging.getLogger(__name__)
+REMOTE_SIZES: Final = (4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256)
+
+
+class SplitGraphs:
+    def __init__(self, runner: CudaGraphRunner, split: SplitAttention) -> None:
+        self.r = runner
+        self.split = split
+        self.remote_sizes = [s for s in REMOTE_SIZES if s <= runner.max_bs] or [runner.max_bs]
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        assert batch.split is not None
+        return len(batch.split.remote_handles) <= self.remote_sizes[-1]
+
+    def _static_batch(self, lp: int, rp: int) -> ForwardBatch:
+        r = self.r
+        dev = r.device
+        return ForwardBatch(
+            mode=ForwardMode.DECODE, input_ids=r.input_ids[: lp + rp], positions=r.positions[: lp + rp],
+            out_cache_loc=r.out_cache_loc[:lp], logits_indices=r.rows[: lp + rp],
+            extend_lens=[1] * lp, seq_lens=[1] * lp, page_table=[[0]] * lp,
+            kv_indptr=torch.arange(lp + 1, dtype=torch.int32), kv_last_page_len=torch.ones(lp, dtype=torch.int32),
+            kv_indices=torch.zeros(lp, dtype=torch.int32, device=dev), attn_backend=self.split,
+            split=SplitPlan(r.rows[:lp], r.rows[lp : lp + rp], [0] * rp, [0] * rp),
+        )
+
+    @torch.inference_mode()
+    def _capture(self, lp: int, rp: int) -> None:
+        t0 = time.perf_counter()
+        batch = self._static_batch(lp, rp)
+        if lp:
+            self.r.attn.prepare_for_capture(batch)
+        stream = torch.cuda.Stream(self.r.device)
+        stream.wait_stream(torch.cuda.current_stream(self.r.device))
+        # No eager warm-up: it would need the executor to answer; the kernels were warmed by the
+        # local-only graphs, and a capture runs nothing.
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.r.pool, stream=stream):
+            out = self.r.model(batch)
+        torch.cuda.current_stream(self.r.device).wait_stream(stream)
+        self.graphs[lp, rp], self.outputs[lp, rp] = graph, out
+        logger.info("captured the split decode graph for %d local + %d remote rows in %.2f s",
+                    lp, rp, time.perf_counter() - t0)
+
+    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+        sp = batch.split
+        assert sp is not None
+        r = self.r
+        nl, nr = batch.batch_size, len(sp.remote_handles)
+        lp = (padded_size(r.sizes, nl) or 0) if nl else 0
+        rp = padded_size(self.remote_sizes, nr)
+        assert rp is not None
+        if (lp, rp) not in self.graphs:
+            self._capture(lp, rp)
+        lt, rt = sp.local_tokens, sp.remote_tokens
+        r.input_ids[: lp + rp].zero_()
+        r.positions[: lp + rp].zero_()
+        r.input_ids[:nl].copy_(batch.input_ids[lt])
+        r.positions[:nl].copy_(batch.positions[lt])
+        r.input_ids[lp : lp + nr].copy_(batch.input_ids[rt])
+        r.positions[lp : lp + nr].copy_(batch.positions[rt])
+        if lp:
+            r.out_cache_loc[:lp].zero_()
+            r.out_cache_loc[:nl].copy_(batch.out_cache_loc)
+            r.attn.prepare_for_replay(batch, lp)
+        self.graphs[lp, rp].replay()
+        order = torch.empty(nl + nr, dtype=torch.int64, device=r.device)
+        order[lt] = r.rows[:nl]
+        order[rt] = r.rows[lp : lp + nr]
+        return self.outputs[lp, rp][order[batch.logits_indices]]

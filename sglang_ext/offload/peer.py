@@ -1,0 +1,124 @@
+"""`PeerRemote`: an executor on another GPU of this process, signalled on the GPU (no host on the
+per-layer path).
+
+Per decode step the host plans the executor's rows once (`begin_step`) and enqueues the executor's
+whole 32-layer program on a stream of the executor's GPU; every layer of it first waits for a
+doorbell in the executor's memory. Per layer the sender's stream pushes the packed q|k|v of its
+remote rows into the executor's buffer and rings the doorbell; the executor attends, pushes o back
+into the sender's buffer and raises `done[l]` in the sender's memory, which the sender's stream
+awaits before it scatters o. Flags are reset by whoever consumed them (reset-after-consume), so the
+same operations can later be replayed from CUDA graphs.
+
+    sender stream (GPU a)                           executor stream (GPU b)
+    pack q|k|v -> send; push send -> exec_in
+    doorbell[l] := 1  ───────────────────────────>  wait doorbell[l] == 1; doorbell[l] := 0
+    local rows' attention                           attention over the guest's pages -> exec_out
+    wait done[l] == 1; done[l] := 0  <────────────  push exec_out -> recv; done[l] := 1
+    scatter recv into the layer's output
+
+Buffers are reused every layer safely: the sender writes `exec_in` for layer l+1 only after
+`done[l]`, by which time the executor has read layer l's; the executor writes `recv` for l+1 only
+after the doorbell of l+1, which the sender rings after consuming layer l's output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_ext.offload import cuda_signal as cs
+from sglang_ext.offload.executor import AttentionExecutor, ExecutorFull, GuestSpec
+from sglang_ext.offload.remote import ExecutorLost, RemoteAttention
+
+
+class PeerRemote(RemoteAttention):
+    graph_capturable = True  # post/collect are stream operations only: decode graphs can hold them
+
+    def __init__(self, executor: AttentionExecutor, guest: str, spec: GuestSpec, sender_device: torch.device,
+                 num_q_heads: int, max_rows: int = 1024, executor_id: str = "peer") -> None:
+        super().__init__()
+        self.executor = executor
+        self.guest = guest
+        self.executor_id = executor_id
+        executor.attach(guest, spec)
+        g = spec.geometry
+        self.layers = g.num_layers
+        self.hq, self.hkv, self.d = num_q_heads, g.num_kv_heads, g.head_dim
+        self.dtype = g.dtype
+        self.dev_s, self.dev_e = torch.device(sender_device), executor.device
+        a, b = self.dev_s.index or 0, self.dev_e.index or 0
+        cs.enable_peer_access(a, b)
+        cs.enable_peer_access(b, a)
+        width_in = (self.hq + 2 * self.hkv) * self.d
+        self.max_rows = max_rows
+        self.send = torch.empty(max_rows, width_in, dtype=self.dtype, device=self.dev_s)
+        self.recv = torch.empty(max_rows, self.hq * self.d, dtype=self.dtype, device=self.dev_s)
+        self.exec_in = torch.empty(max_rows, width_in, dtype=self.dtype, device=self.dev_e)
+        self.exec_out = torch.empty(max_rows, self.hq * self.d, dtype=self.dtype, device=self.dev_e)
+        self.doorbell = cs.FlagArray.allocate(self.layers, b)
+        self.done = cs.FlagArray.allocate(self.layers, a)
+        self.stream = torch.cuda.Stream(self.dev_e, priority=-1)  # ahead of the host model's kernels
+        self.rows = 0  # the step's remote rows (wait_s stays 0: the waiting happens on the GPU)
+        self._posted = 0  # rows the sender moves per layer: `rows`, or its padded size in a graph
+
+    # ---- per request (host, once) ----------------------------------------------------------------
+    def load(self, handle: int, kv: torch.Tensor, length: int) -> bool:
+        try:
+            self.executor.load(self.guest, handle, kv, length)
+        except ExecutorFull:
+            return False
+        self.bytes_out += kv.numel() * kv.element_size()
+        return True
+
+    def release(self, handle: int) -> None:
+        if self.alive:
+            self.executor.release(self.guest, handle)
+
+    # ---- per step --------------------------------------------------------------------------------
+    def begin_step(self, handles: list[int], positions: list[int]) -> list[int]:
+        if not self.alive:
+            raise ExecutorLost(f"executor {self.executor_id} is gone")
+        if len(handles) > self.max_rows:
+            raise ValueError(f"{len(handles)} remote rows; the exchange buffers hold {self.max_rows}")
+        failed = self.executor.plan(self.guest, handles, positions)
+        self.rows = len(handles) - len(failed)
+        self._enqueue_executor_step()
+        elem = self.send.element_size()
+        self.bytes_out += self.rows * self.layers * self.send.shape[1] * elem  # counted here: graph
+        self.bytes_in += self.rows * self.layers * self.recv.shape[1] * elem  # replays run no Python
+        return failed
+
+    def _enqueue_executor_step(self) -> None:
+        """The executor's program for this step, queued now, gated layer by layer on the GPU."""
+        n, hq, hkv, d = self.rows, self.hq, self.hkv, self.d
+        s = self.stream
+        # plans and KV loads were issued on the executor GPU's current stream
+        s.wait_stream(torch.cuda.current_stream(self.dev_e))
+        with torch.cuda.device(self.dev_e), torch.cuda.stream(s):
+            qkv = self.exec_in[:n]
+            q = qkv[:, : hq * d].view(n, hq, d)
+            k = qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d)
+            v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
+            out = self.exec_out[:n]
+            nbytes = out.numel() * out.element_size()
+            for layer in range(self.layers):
+                self.doorbell.wait(s, layer, 1)
+                self.doorbell.write(s, layer, 0)
+                o = self.executor.attend(self.guest, layer, q, k, v)
+                out.copy_(o.reshape(n, hq * d))
+                cs.peer_copy(self.recv.data_ptr(), out.data_ptr(), nbytes, s)
+                self.done.write(s, layer, 1)
+
+    def post(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        n = self._posted = q.shape[0]  # in a graph: the padded size; the first `rows` are real
+        s = torch.cuda.current_stream(self.dev_s)
+        buf = self.send[:n]
+        torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=1, out=buf)
+        cs.peer_copy(self.exec_in.data_ptr(), buf.data_ptr(), buf.numel() * buf.element_size(), s)
+        self.doorbell.write(s, layer, 1)
+
+    def collect(self, layer: int) -> torch.Tensor:
+        n = self._posted
+        s = torch.cuda.current_stream(self.dev_s)
+        self.done.wait(s, layer, 1)
+        self.done.write(s, layer, 0)
+        return self.recv[:n].view(n, self.hq, self.d)
