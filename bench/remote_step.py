@@ -43,7 +43,7 @@ def main() -> None:
                    help="bs:ctx pairs (bs 256 at ctx 8K needs 256 GiB of KV: more than two H200s hold)")
     p.add_argument("--shares", default="0,0.25,0.5,0.75")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--transport", default="cuda_ipc", choices=["local", "cuda_ipc"],
+    p.add_argument("--transport", default="local", choices=["local", "cuda_ipc"],
                    help="local: torch cross-device copies; cuda_ipc: GPU-signalled peer exchange")
     p.add_argument("--out", default="remote_step.json")
     a = p.parse_args()

@@ -66,8 +66,15 @@ class SplitGraphs:
         # No eager warm-up: it would need the executor to answer; the kernels were warmed by the
         # local-only graphs, and a capture runs nothing.
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.r.pool, stream=stream):
-            out = self.r.model(batch)
+        # Not `torch.cuda.graph(...)`: it empties the allocator's cache first, and a cudaFree on the
+        # executor's GPU waits for that GPU to go idle -- while its step program waits on doorbells
+        # that only this graph's replay will ring (a deadlock, seen on two H200s).
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=self.r.pool)
+            try:
+                out = self.r.model(batch)
+            finally:
+                graph.capture_end()
         torch.cuda.current_stream(self.r.device).wait_stream(stream)
         self.graphs[lp, rp], self.outputs[lp, rp] = graph, out
         logger.info("captured the split decode graph for %d local + %d remote rows in %.2f s",

@@ -58,6 +58,7 @@ class PeerRemote(RemoteAttention):
         self.done = cs.FlagArray.allocate(self.layers, a)
         self.stream = torch.cuda.Stream(self.dev_e, priority=-1)  # ahead of the host model's kernels
         self.rows = 0  # the step's remote rows (wait_s stays 0: the waiting happens on the GPU)
+        self._warm: set[int] = set()  # row counts whose executor kernels ran once ungated
         self._posted = 0  # rows the sender moves per layer: `rows`, or its padded size in a graph
 
     # ---- per request (host, once) ----------------------------------------------------------------
@@ -81,11 +82,30 @@ class PeerRemote(RemoteAttention):
             raise ValueError(f"{len(handles)} remote rows; the exchange buffers hold {self.max_rows}")
         failed = self.executor.plan(self.guest, handles, positions)
         self.rows = len(handles) - len(failed)
+        if self.rows not in self._warm:
+            self._warm_up()
         self._enqueue_executor_step()
         elem = self.send.element_size()
         self.bytes_out += self.rows * self.layers * self.send.shape[1] * elem  # counted here: graph
         self.bytes_in += self.rows * self.layers * self.recv.shape[1] * elem  # replays run no Python
         return failed
+
+    def _warm_up(self) -> None:
+        """Run this row count's executor kernels once, ungated, and wait for them. A kernel's first
+        launch may load its module, which can wait for the whole GPU to go idle; queued behind a
+        doorbell wait that only the sender will ring, that is a deadlock. (What this step writes
+        at the planned KV slots is overwritten by the real step at the same positions.)"""
+        n = self.rows
+        with torch.cuda.device(self.dev_e):
+            z = self.exec_in[:n].zero_()
+            hq, hkv, d = self.hq, self.hkv, self.d
+            q = z[:, : hq * d].view(n, hq, d)
+            k = z[:, hq * d : (hq + hkv) * d].view(n, hkv, d)
+            v = z[:, (hq + hkv) * d :].view(n, hkv, d)
+            for layer in range(self.layers):
+                self.exec_out[:n].copy_(self.executor.attend(self.guest, layer, q, k, v).reshape(n, -1))
+            torch.cuda.synchronize(self.dev_e)
+        self._warm.add(n)
 
     def _enqueue_executor_step(self) -> None:
         """The executor's program for this step, queued now, gated layer by layer on the GPU."""
