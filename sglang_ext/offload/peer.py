@@ -26,20 +26,18 @@ from __future__ import annotations
 import torch
 
 from sglang_ext.offload import cuda_signal as cs
-from sglang_ext.offload.executor import AttentionExecutor, ExecutorFull, GuestSpec
-from sglang_ext.offload.remote import ExecutorLost, RemoteAttention
+from sglang_ext.offload.executor import AttentionExecutor, GuestSpec
+from sglang_ext.offload.remote import LocalRemote
 
 
-class PeerRemote(RemoteAttention):
+class PeerRemote(LocalRemote):
+    """LocalRemote's per-request calls (load, release) with a GPU-signalled per-layer exchange."""
+
     graph_capturable = True  # post/collect are stream operations only: decode graphs can hold them
 
     def __init__(self, executor: AttentionExecutor, guest: str, spec: GuestSpec, sender_device: torch.device,
                  num_q_heads: int, max_rows: int = 1024, executor_id: str = "peer") -> None:
-        super().__init__()
-        self.executor = executor
-        self.guest = guest
-        self.executor_id = executor_id
-        executor.attach(guest, spec)
+        super().__init__(executor, guest, spec, executor_id)
         g = spec.geometry
         self.layers = g.num_layers
         self.hq, self.hkv, self.d = num_q_heads, g.num_kv_heads, g.head_dim
@@ -61,23 +59,9 @@ class PeerRemote(RemoteAttention):
         self._warm: set[int] = set()  # row counts whose executor kernels ran once ungated
         self._posted = 0  # rows the sender moves per layer: `rows`, or its padded size in a graph
 
-    # ---- per request (host, once) ----------------------------------------------------------------
-    def load(self, handle: int, kv: torch.Tensor, length: int) -> bool:
-        try:
-            self.executor.load(self.guest, handle, kv, length)
-        except ExecutorFull:
-            return False
-        self.bytes_out += kv.numel() * kv.element_size()
-        return True
-
-    def release(self, handle: int) -> None:
-        if self.alive:
-            self.executor.release(self.guest, handle)
-
     # ---- per step --------------------------------------------------------------------------------
     def begin_step(self, handles: list[int], positions: list[int]) -> list[int]:
-        if not self.alive:
-            raise ExecutorLost(f"executor {self.executor_id} is gone")
+        self._check()
         if len(handles) > self.max_rows:
             raise ValueError(f"{len(handles)} remote rows; the exchange buffers hold {self.max_rows}")
         failed = self.executor.plan(self.guest, handles, positions)
