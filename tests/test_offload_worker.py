@@ -11,6 +11,7 @@ import pytest
 from sglang_ext.messages import BatchOut, ExecutorOpen, GenerateReq, OffloadDirective, ReplyOut
 from sglang_ext.sampling.params import SamplingParams
 from sglang_ext.server_args import ServerArgs
+from sglang_ext.worker.tokenizer import StartupError
 from sglang_ext.worker.worker import Worker
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19], [20, 21], [22, 23, 24, 25]]
@@ -104,3 +105,8 @@ def test_the_in_process_executor_reports_too(reference: list[list[int]]) -> None
     assert max(r.offloaded_reqs for r in seen) > 0 and max(r.executor_kv_used_tokens["default"] for r in seen) > 0
     r = w.load_report()
     assert r.offload_bytes_out > 0 and r.offload_state == "active" and r.offload_executor == "solo-0/local"
+
+
+def test_an_unavailable_transport_is_an_error_at_start() -> None:
+    with pytest.raises(StartupError, match="offload_transport cuda_ipc needs a GPU worker, this one runs on cpu"):
+        make("x-0", offload_transport="cuda_ipc")

@@ -77,6 +77,8 @@ class Worker:
             if (args.model_path or "").startswith(PRESET_PREFIX) and args.load_format != "dummy":
                 raise StartupError(f"{args.model_path} is a geometry without weights: add --load-format dummy")
             notes += [self.cfg.architecture, str(self.model_dir)]
+        if args.offload_transport == "cuda_ipc" and (problem := cuda_ipc_problem(args.resolved_device)):
+            raise StartupError(problem)
         # Before the weights: a missing tokenizer is reported in seconds, not after loading 16 GB.
         with timer.stage("tokenizer") as notes:
             self.tokenizer: Tokenizer | None = load_tokenizer(args, self.model_dir, self.cfg)
@@ -87,8 +89,6 @@ class Worker:
             self.runner = ModelRunner(args, self.model_dir, self.cfg, timer=timer)
         except FileNotFoundError as e:  # no weight files: a configuration problem, one line
             raise StartupError(str(e)) from None
-        if args.offload_transport == "cuda_ipc" and (problem := cuda_ipc_problem(str(self.runner.device))):
-            raise StartupError(problem)
         self.model_name = args.served_model_name or (
             "default" if args.model_path is None else str(args.model_path).rstrip("/").split("/")[-1])
         self.offload = WorkerOffload(args, self.runner, worker_id, self.model_name)
