@@ -19,6 +19,7 @@ from typing import Annotated, Any, Final, Literal, Union, get_args, get_origin
 import msgspec
 from msgspec import Meta
 
+from sglang_ext.offload.transport import served_transport
 from sglang_ext.server_args import DEFAULT_PORT, ServerArgs
 
 Role = Literal["serve", "hot", "cold", "prefill", "decode"]
@@ -26,6 +27,7 @@ API_KEY_ENV: Final = "SGLANG_EXT_API_KEY"
 
 # Router settings the launcher's server flags already carry (`--host`, `--port`, `--api-key`, `--log-level`).
 SERVER_FLAG_FIELDS: Final = frozenset({"host", "port", "api_key", "log_level"})
+OFFLOAD_POLICIES: Final = ("fixed",)
 
 
 class ConfigError(ValueError):
@@ -91,9 +93,21 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True):
     slo: SloSpec | None = None
 
 
+class OffloadSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename={"from_": "from"}):
+    """One `offload:` entry: workers of model `from` send `ratio` of their decoding requests'
+    attention and KV to an executor hosted by a worker of model `to` (one with executor_mem_gb > 0)."""
+
+    from_: str
+    to: str
+    ratio: float
+    policy: str = "fixed"  # the only one for now; adaptive policies come with the planner
+    timeout_s: Annotated[float, Meta(gt=0)] = 5.0  # a data-plane wait longer than this: the executor is lost
+
+
 class ClusterSpec(msgspec.Struct, forbid_unknown_fields=True):
     models: list[ModelSpec]
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
+    offload: list[OffloadSpec] = msgspec.field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -112,6 +126,7 @@ class Cluster:
     workers: tuple[LocalWorker, ...]
     models: tuple[str, ...] = ()  # served names in file order, including models without local workers
     slo: Mapping[str, SloSpec] = field(default_factory=dict)  # per model name
+    offload: tuple[OffloadSpec, ...] = ()
 
 
 def model_name(model_path: str | None, served_model_name: str | None = None) -> str:
@@ -219,7 +234,42 @@ def build_cluster(spec: ClusterSpec) -> Cluster:
     dup = sorted({x for x in ids if ids.count(x) > 1})
     if dup:
         raise ConfigError(f"worker ids must be unique, repeated: {', '.join(dup)}")
-    return Cluster(spec.router, tuple(workers), tuple(names), slo)
+    _check_offload(spec.offload, names, workers)
+    return Cluster(spec.router, tuple(workers), tuple(names), slo, tuple(spec.offload))
+
+
+def _check_offload(rules: list[OffloadSpec], names: list[str], workers: list[LocalWorker]) -> None:
+    """Pairings that cannot work are errors at start. (A `to` model without local workers is checked
+    when its workers join: they may offer executor memory from another host.)"""
+    senders: set[str] = set()
+    for i, o in enumerate(rules):
+        where = f"offload[{i}]"
+        for key, name in (("from", o.from_), ("to", o.to)):
+            if name not in names:
+                raise ConfigError(f"{where}.{key}: no model named {name!r} (models: {', '.join(names)})")
+        if o.from_ == o.to:
+            raise ConfigError(f"{where}: from and to are both {o.to!r}; a model offloads to another model")
+        if o.policy not in OFFLOAD_POLICIES:
+            raise ConfigError(f"{where}.policy: {o.policy!r} is not one of {', '.join(OFFLOAD_POLICIES)}")
+        if not 0.0 < o.ratio <= 1.0:
+            raise ConfigError(f"{where}.ratio must be in (0, 1], got {o.ratio}")
+        if o.from_ in senders:
+            raise ConfigError(f"{where}: model {o.from_!r} already offloads (one entry per `from` model)")
+        senders.add(o.from_)
+        hosts = [w for w in workers if w.model == o.to]
+        if hosts and not any(w.args.executor_mem_gb > 0 and w.args.offload_executor is None for w in hosts):
+            raise ConfigError(f"{where}: no worker of {o.to!r} offers executor memory; set executor_mem_gb (GiB) "
+                              f"in its args or a worker's args")
+        for w in workers:
+            if w.model != o.from_:
+                continue
+            if w.args.offload_executor is not None:
+                raise ConfigError(f"{where}: worker {w.worker_id} of {o.from_!r} has an in-process executor "
+                                  "(offload_executor); drop it or this entry")
+            try:
+                served_transport(w.args.offload_transport)
+            except ValueError as e:
+                raise ConfigError(f"{where}: worker {w.worker_id}: {e}") from None
 
 
 def load_cluster(path: str | Path) -> Cluster:

@@ -16,14 +16,14 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from router.config import RouterConfig, SloSpec
+from router.config import OffloadSpec, RouterConfig, SloSpec
 from router.events import (
     EventBus,
     FirstToken,
@@ -35,6 +35,7 @@ from router.events import (
     WorkerUp,
 )
 from router.metrics import RouterMetrics
+from router.offload import OffloadPlanner
 from router.registry import Balancer, ModelEntry, PrefixAware, Registry, WorkerState
 from router.tracker import Failure, Item, RequestState, Submission
 from sglang_ext.messages import (
@@ -76,7 +77,7 @@ class NoWorker(RuntimeError):
 
 class Router:
     def __init__(self, config: RouterConfig, balancer: Balancer | None = None,
-                 slo: Mapping[str, SloSpec] | None = None) -> None:
+                 slo: Mapping[str, SloSpec] | None = None, offload: Sequence[OffloadSpec] = ()) -> None:
         self.config = config
         self.slo = dict(slo or {})  # per model name (the cluster file's `slo:`)
         self.registry = Registry()
@@ -94,6 +95,7 @@ class Router:
         self.sock: zmq.asyncio.Socket | None = None
         self.worker_addr = ""
         self.started = time.time()
+        self.offload = OffloadPlanner(self, offload) if offload else None  # the cluster file's offload:
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -111,6 +113,8 @@ class Router:
             port = sock.bind_to_random_port(f"tcp://{host}")
         self.worker_addr = f"tcp://{host}:{port}"
         self._tasks = [asyncio.create_task(t) for t in (self._recv_loop(), self._send_loop(), self._monitor())]
+        if self.offload is not None:
+            self.offload.start()
 
     def fail_all(self, message: str, status: int = 503) -> None:
         for st in list(self.requests.values()):
@@ -120,6 +124,8 @@ class Router:
         """Fail what is running and close; workers in `shutdown` (the launcher's own) are told to
         exit. Workers that joined by themselves stay up, to rejoin the next router on this address."""
         self.fail_all("the server is shutting down")
+        if self.offload is not None:
+            self.offload.stop()
         for wid in shutdown:
             w = self.registry.workers.get(wid)
             if w is not None and w.up:
@@ -292,6 +298,7 @@ class Router:
             for st in list(old.inflight.values()):
                 self._fail(st, 503, f"worker {ident} restarted; the request was lost")
         self._hello_asked.pop(ident, None)
+        self.metrics.offload.restarted(ident)  # a new process: its cumulative counters start again
         w, known = self.registry.register(msg.info)
         logger.info("worker %s (%s, model %s, pid %d) %s", ident, w.info.device if w.info else "?", w.model,
                     msg.info.pid, "re-registered" if known else "registered")
@@ -308,10 +315,11 @@ class Router:
             return
         w.touch()
         w.load = r
+        self.metrics.offload.observe(ident, r)
         if not w.up:
             w.up = True  # it was only slow: take it back
             logger.info("worker %s is responding again", ident)
-            self.bus.publish(WorkerUp(w.model, ident, w.role, True))
+            self.bus.publish(WorkerUp(w.model, ident, w.role, True, fresh=False))
         self.bus.publish(LoadReported(w.model, ident, r))
 
     def _on_token(self, out: TokenOut) -> None:

@@ -77,6 +77,7 @@ class WorkerUp(Event):
     worker_id: str
     role: str
     rejoined: bool
+    fresh: bool = True  # a hello: a new process (or one that met a new router), holding no state of ours
 
 
 @dataclass(frozen=True)

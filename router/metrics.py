@@ -4,6 +4,9 @@ Each Router owns its own CollectorRegistry, so several routers in one process (t
 Latency histograms and counters are per model, updated as requests progress. Per-worker gauges are
 read from the registry when /metrics is scraped, so they agree with /get_server_info at that moment
 (load figures are the worker's latest report, sent every 0.5 s).
+
+Remote-attention counters come from figures each worker reports as totals over its own life;
+`OffloadTotals` keeps them monotonic when a worker restarts and starts again from zero.
 """
 
 from __future__ import annotations
@@ -63,6 +66,64 @@ class WorkerGauges(Collector):
         yield from (inflight, up, restarts)
 
 
+_OFFLOAD_FIELDS = ("offload_bytes_out", "offload_bytes_in", "offload_wait_s")
+
+
+class OffloadTotals:
+    """Per worker and field: what earlier processes of the worker reported, plus the latest figure."""
+
+    def __init__(self) -> None:
+        self._acc: dict[tuple[str, str], list[float]] = {}  # (worker, field) -> [earlier processes, latest]
+
+    def observe(self, worker: str, report: LoadReport) -> None:
+        for f in _OFFLOAD_FIELDS:
+            acc = self._acc.setdefault((worker, f), [0.0, 0.0])
+            value = float(getattr(report, f))
+            if value < acc[1]:  # a new process we did not see say hello
+                acc[0] += acc[1]
+            acc[1] = value
+
+    def restarted(self, worker: str) -> None:
+        for f in _OFFLOAD_FIELDS:
+            acc = self._acc.get((worker, f))
+            if acc is not None:
+                acc[0], acc[1] = acc[0] + acc[1], 0.0
+
+    def total(self, worker: str, field: str) -> float:
+        acc = self._acc.get((worker, field))
+        return acc[0] + acc[1] if acc else 0.0
+
+
+class OffloadMetrics(Collector):
+    """Remote attention, at scrape time: senders' offloaded requests, bytes and waiting time, and
+    the KV that hosting workers hold for each guest model."""
+
+    def __init__(self, workers: Callable[[], Iterable[WorkerState]], totals: OffloadTotals) -> None:
+        self.workers = workers
+        self.totals = totals
+
+    def collect(self) -> Iterator[Metric]:
+        reqs = GaugeMetricFamily("sglang_ext:offloaded_reqs", "Requests whose attention and KV are on an executor",
+                                 labels=_LABELS)
+        nbytes = CounterMetricFamily("sglang_ext:offload_bytes", "Bytes sent to (out) and received from (in) "
+                                     "executors: KV, q/k/v, outputs", labels=[*_LABELS, "direction"])
+        wait = CounterMetricFamily("sglang_ext:offload_wait_seconds", "Time the sender spent waiting on executors",
+                                   labels=_LABELS)
+        used = GaugeMetricFamily("sglang_ext:executor_kv_used_tokens", "KV tokens an executor holds for a guest model",
+                                 labels=["worker", "guest_model"])
+        for w in self.workers():
+            if w.load is None:
+                continue
+            labels = [w.model, w.worker_id]
+            reqs.add_metric(labels, w.load.offloaded_reqs)
+            nbytes.add_metric([*labels, "out"], self.totals.total(w.worker_id, "offload_bytes_out"))
+            nbytes.add_metric([*labels, "in"], self.totals.total(w.worker_id, "offload_bytes_in"))
+            wait.add_metric(labels, self.totals.total(w.worker_id, "offload_wait_s"))
+            for guest, tokens in sorted(w.load.executor_kv_used_tokens.items()):
+                used.add_metric([w.worker_id, guest], tokens)
+        yield from (reqs, nbytes, wait, used)
+
+
 class RouterMetrics:
     def __init__(self, workers: Callable[[], Iterable[WorkerState]] = tuple) -> None:
         r = self.registry = CollectorRegistry()
@@ -80,6 +141,8 @@ class RouterMetrics:
         self.gen_tokens = Counter("sglang:generation_tokens", "Generated tokens", m, registry=r)
         self.slo_miss = Counter("sglang_ext:slo_miss", "Requests that missed an SLO", [*m, "kind"], registry=r)
         r.register(WorkerGauges(workers))
+        self.offload = OffloadTotals()
+        r.register(OffloadMetrics(workers, self.offload))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

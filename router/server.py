@@ -88,7 +88,7 @@ async def serve_cluster(cluster: Cluster, on_ready: Callable[[Router], Awaitable
     except OSError as e:
         say(f"cannot listen on {cfg.host}:{cfg.port}: {e}")
         return 1
-    router = Router(cfg, slo=cluster.slo)
+    router = Router(cfg, slo=cluster.slo, offload=cluster.offload)
     await router.start()
     for name in cluster.models:
         router.registry.declare(name)

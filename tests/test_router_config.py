@@ -31,6 +31,9 @@ def test_documented_example_parses(tmp_path: Path) -> None:
     assert by_id["qwen-7b-0"].role == "cold" and by_id["qwen-7b-0"].args.max_total_tokens == 200000
     assert by_id["tiny-1"].args.model_path is None and by_id["tiny-1"].args.device == "cpu"
     assert c.slo["llama-8b"].ttft_ms == 1000
+    assert by_id["qwen-7b-0"].args.executor_mem_gb == 20
+    (o,) = c.offload
+    assert (o.from_, o.to, o.policy, o.ratio) == ("llama-8b", "qwen-7b", "fixed", 0.45)
 
 
 def test_worker_args_override_model_args() -> None:

@@ -166,5 +166,6 @@ def server_info_dict(router: Router) -> dict[str, Any]:
         "models": models,
         "internal_states": states,
         "num_inflight_requests": len(router.requests),
+        "offload": router.offload.describe() if router.offload is not None else [],
         "uptime_s": round(time.time() - router.started, 3),
     }

@@ -97,6 +97,15 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     chat_template: bool
     pid: int
     max_token_chars: int = 0  # longest token's text in characters (0: unknown); bounds tokens by characters
+    # Remote attention: the attention shape an executor needs to host this worker's requests (its
+    # GuestSpec; 0 / "" from workers that predate it), and the memory it offers other models' KV.
+    num_layers: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    num_q_heads: int = 0
+    attn_scale: float = 0.0
+    kv_dtype: str = ""
+    executor_mem_bytes: int = 0  # 0: hosts no executor
 
 
 class WorkerHello(msgspec.Struct, tag="hello", kw_only=True):
@@ -115,7 +124,56 @@ class LoadReport(msgspec.Struct, tag="load", kw_only=True):
     num_preemptions: int
     step_time_ms: float
     timestamp: float
+    # Remote attention, as a sender: requests on the executor now; cumulative bytes and seconds
+    # waited over this process's life (the router makes counters of them); the pairing in force.
+    offloaded_reqs: int = 0
+    offload_bytes_out: int = 0
+    offload_bytes_in: int = 0
+    offload_wait_s: float = 0.0
+    offload_executor: str = ""  # the executor's worker id ("" while none)
+    offload_pairing: str = ""  # the router's id of the directive in force
+    offload_state: str = ""  # "" | active | draining | lost | failed: why
+    # ... and as a host: KV tokens held per guest model
+    executor_kv_used_tokens: dict[str, int] = msgspec.field(default_factory=dict)
 
 
-ToWorker = GenerateReq | AbortReq | FlushCacheReq | TokenizeReq | ShutdownReq | HelloReq
+class ExecutorOpen(msgspec.Struct, tag="executor_open", kw_only=True, forbid_unknown_fields=True):
+    """Router -> hosting worker: serve an executor for `guest` (a sender worker) over a new pair.
+    Answered with a ReplyOut whose data has `store` (HOST:PORT of the pair's rendezvous) and
+    `backend` (gloo | nccl), or ok=False and `error`."""
+
+    rid: str
+    guest: str  # the sender's worker id
+    guest_model: str
+    pairing: str  # the router's id of this pairing; a guest paired again gets a new one
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: str  # torch dtype name of the guest's KV, e.g. "bfloat16"
+    num_q_heads: int
+    scale: float
+    guest_device: str
+    transport: str = "torch_dist"
+    timeout_s: float = 5.0
+
+
+class OffloadDirective(msgspec.Struct, tag="offload", kw_only=True, forbid_unknown_fields=True):
+    """Router -> sender: offload `ratio` of the decoding requests to `executor` (its pair's
+    rendezvous at `store`), or, with `detach` (or ratio 0), take no new ones: requests already
+    there finish there, or are recomputed locally if the executor is gone."""
+
+    pairing: str
+    executor: str = ""
+    store: str = ""
+    backend: str = "gloo"
+    ratio: float = 0.0
+    policy: str = "fixed"
+    transport: str = "torch_dist"
+    timeout_s: float = 5.0
+    detach: bool = False
+
+
+ToWorker = (GenerateReq | AbortReq | FlushCacheReq | TokenizeReq | ShutdownReq | HelloReq | ExecutorOpen
+            | OffloadDirective)
 FromWorker = BatchOut | ErrorOut | ReplyOut | WorkerHello | LoadReport

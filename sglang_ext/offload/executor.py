@@ -106,6 +106,13 @@ class AttentionExecutor:
         for h in list(self.guests[guest].seqs):
             self.release(guest, h)
 
+    def detach(self, guest: str) -> None:
+        """Forget a guest whose pairing ended: its KV is released, its slabs go back to the arena."""
+        if guest in self.guests:
+            self.release_all(guest)
+            del self.guests[guest]
+            self.partition.detach(guest)
+
     # ---- one decode step ------------------------------------------------------------------------
     def plan(self, guest: str, handles: list[int], positions: list[int]) -> list[int]:
         """Lay out a decode step whose row i writes token `positions[i]` of request `handles[i]`.

@@ -55,8 +55,10 @@ class ForeignKVPartition:
         self.device = torch.device(device)
         self.slab_bytes = slab_bytes or min(budget_bytes, max(budget_bytes // _DEFAULT_SLABS, _MIN_SLAB))
         self.num_slabs = budget_bytes // self.slab_bytes
-        # Uninitialised: a page is always written (copied or appended) before it is read.
-        self.arena = torch.empty(self.num_slabs * self.slab_bytes, dtype=torch.uint8, device=self.device)
+        # Zeroed: the torch backend reads whole pages (a last page's unwritten tail, page 0 as padding)
+        # and masks what it must not see, but a masked NaN from uninitialised memory still poisons
+        # the weighted sum (0 * NaN), as in the engine's own pool (zero_fill for torch).
+        self.arena = torch.zeros(self.num_slabs * self.slab_bytes, dtype=torch.uint8, device=self.device)
         self._free_slabs = list(range(self.num_slabs - 1, -1, -1))
         self._owner: list[str | None] = [None] * self.num_slabs
         self.guests: dict[str, _Guest] = {}

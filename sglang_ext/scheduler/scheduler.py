@@ -193,6 +193,17 @@ class Scheduler:
         gone = {id(r) for r in dropped}
         return [e for e in entries if id(e.req) not in gone]
 
+    def set_offload(self, offload: Offloader | None) -> None:
+        """Another executor, or none (a router's directive, between steps): requests still on the
+        current one are released there and recomputed here."""
+        old, self.offload = self.offload, offload
+        if old is None or old is offload:
+            return
+        for r in list(old.reqs.values()):
+            old.release(r)
+            self._requeue(r)
+        old.active = False
+
     def _requeue(self, r: Req) -> None:
         """A remote request whose executor KV is gone: back to the queue head, recomputed."""
         r.remote = None

@@ -42,6 +42,7 @@ from sglang_ext.messages import (
     decode_to_worker,
     encode,
 )
+from sglang_ext.offload.dist import local_address_toward
 from sglang_ext.sampling.params import InvalidRequest
 from sglang_ext.server_args import ServerArgs
 from sglang_ext.worker.tokenizer import StartupError
@@ -72,6 +73,8 @@ class WorkerServer:
         self.tokenizing: dict[str, bool] = {}  # rid -> aborted meanwhile
         self.tasks: set[asyncio.Task[None]] = set()
         self.parent_pid = os.getppid()
+        # Executors this worker hosts are reached where the router reaches it.
+        worker.offload.set_address(local_address_toward(router_addr.split("://", 1)[-1].rpartition(":")[0]))
 
     async def send(self, msgs: list[FromWorker]) -> None:
         for m in msgs:
@@ -207,8 +210,10 @@ def run_worker(args: ServerArgs, router_addr: str, worker_id: str) -> None:
         logger.error("cannot start: %s", e)
         sys.exit(EXIT_STARTUP)
     code = asyncio.run(WorkerServer(worker, router_addr).run())
-    if code:
+    busy = worker.offload.close(worker.scheduler)
+    if code or busy:
         # Skip interpreter teardown: after a device fault, joining threads or freeing CUDA memory
-        # can hang, and the process must go so that its supervisor can restart it.
+        # can hang, and the process must go so that its supervisor can restart it. Executor threads
+        # still waiting on their senders cannot be interrupted either (their sockets close with us).
         logging.shutdown()
         os._exit(code)

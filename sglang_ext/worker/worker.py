@@ -21,10 +21,12 @@ from sglang_ext.messages import (
     AbortReq,
     BatchOut,
     ErrorOut,
+    ExecutorOpen,
     FlushCacheReq,
     FromWorker,
     GenerateReq,
     LoadReport,
+    OffloadDirective,
     ReplyOut,
     ShutdownReq,
     TokenizeReq,
@@ -35,12 +37,14 @@ from sglang_ext.messages import (
 from sglang_ext.models.config import ModelConfig
 from sglang_ext.models.resolve import PRESET_PREFIX, resolve_model_path
 from sglang_ext.offload.setup import local_offloader
+from sglang_ext.offload.transport import cuda_ipc_problem
 from sglang_ext.sampling.params import InvalidRequest
 from sglang_ext.scheduler.output import StepOutput
 from sglang_ext.scheduler.overlap import scheduler_class
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
 from sglang_ext.server_args import ServerArgs
+from sglang_ext.worker.offload import WorkerOffload
 from sglang_ext.worker.tokenizer import IncrementalDetokenizer, StartupError, Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -73,6 +77,8 @@ class Worker:
             if (args.model_path or "").startswith(PRESET_PREFIX) and args.load_format != "dummy":
                 raise StartupError(f"{args.model_path} is a geometry without weights: add --load-format dummy")
             notes += [self.cfg.architecture, str(self.model_dir)]
+        if args.offload_transport == "cuda_ipc" and (problem := cuda_ipc_problem(args.resolved_device)):
+            raise StartupError(problem)
         # Before the weights: a missing tokenizer is reported in seconds, not after loading 16 GB.
         with timer.stage("tokenizer") as notes:
             self.tokenizer: Tokenizer | None = load_tokenizer(args, self.model_dir, self.cfg)
@@ -83,6 +89,9 @@ class Worker:
             self.runner = ModelRunner(args, self.model_dir, self.cfg, timer=timer)
         except FileNotFoundError as e:  # no weight files: a configuration problem, one line
             raise StartupError(str(e)) from None
+        self.model_name = args.served_model_name or (
+            "default" if args.model_path is None else str(args.model_path).rstrip("/").split("/")[-1])
+        self.offload = WorkerOffload(args, self.runner, worker_id, self.model_name)
         eos = set(self.cfg.eos_token_ids) | set(self.tokenizer.eos_ids if self.tokenizer else ())
         with timer.stage("scheduler"):
             sched_cls = scheduler_class(self.runner.device, args.disable_overlap_schedule)
@@ -98,11 +107,8 @@ class Worker:
 
     # ---- identity -----------------------------------------------------------------------------
     def info(self) -> WorkerInfo:
-        name = self.args.served_model_name or (
-            "default" if self.args.model_path is None else str(self.args.model_path).rstrip("/").split("/")[-1]
-        )
-        return WorkerInfo(
-            worker_id=self.worker_id, model_name=name, model_path=str(self.args.model_path or "default"),
+        return self.offload.info(WorkerInfo(
+            worker_id=self.worker_id, model_name=self.model_name, model_path=str(self.args.model_path or "default"),
             architecture=self.cfg.architecture, context_length=self.runner.context_len,
             vocab_size=self.cfg.vocab_size, max_total_tokens=self.scheduler.max_total_tokens,
             page_size=self.args.resolved_page_size, device=str(self.runner.device),
@@ -111,7 +117,7 @@ class Worker:
             has_tokenizer=self.tokenizer is not None,
             chat_template=bool(self.tokenizer and self.tokenizer.has_chat_template), pid=os.getpid(),
             max_token_chars=self.max_token_chars,
-        )
+        ))
 
     def load_report(self) -> LoadReport:
         s = self.scheduler.stats()
@@ -120,7 +126,7 @@ class Worker:
             worker_id=self.worker_id, num_running=s.num_running, num_waiting=s.num_waiting,
             kv_used_tokens=s.kv_used_pages * ps, kv_total_tokens=s.kv_total_pages * ps,
             kv_cached_tokens=s.cached_pages * ps, num_preemptions=s.num_preemptions,
-            step_time_ms=self.last_step_ms, timestamp=time.time(),
+            step_time_ms=self.last_step_ms, timestamp=time.time(), **self.offload.report(self.scheduler),
         )
 
     def has_work(self) -> bool:
@@ -175,6 +181,10 @@ class Worker:
                 return [ReplyOut(rid=msg.rid, ok=self.scheduler.flush_cache())]
             elif isinstance(msg, TokenizeReq):
                 return [self.reply_tokenize(msg)]
+            elif isinstance(msg, ExecutorOpen):
+                return [self.offload.open_executor(msg)]
+            elif isinstance(msg, OffloadDirective):
+                self.offload.apply(msg, self.scheduler)
             elif isinstance(msg, ShutdownReq):
                 self.stopped = True
         except InvalidRequest as e:
@@ -205,6 +215,7 @@ class Worker:
             out.extend(self.handle(msg))
         t0 = time.perf_counter()
         results = self.scheduler.step()  # raises on a fatal error (see the module docstring)
+        self.offload.after_step(self.scheduler)
         if results:
             self.last_step_ms = (time.perf_counter() - t0) * 1e3
             outs = [o for o in (self._token_out(r) for r in results) if o is not None]

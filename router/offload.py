@@ -1,0 +1,186 @@
+"""The cluster file's `offload:` entries at run time: senders paired with executors, on events.
+
+    WorkerUp of a sender     pick an up worker of `to` that offers executor memory (fewest senders
+                             first) -> ExecutorOpen to it -> its reply (the pair's rendezvous)
+                             -> OffloadDirective to the sender
+    WorkerUp of a host       pair the senders that have no executor (and, if it is a new process,
+                             those it served before: their pairs died with it)
+    WorkerDown of a host     its senders detach (their transport would time out anyway)
+    LoadReported (sender)    a sender that lost its executor, or a pairing that failed or waits for a
+                             host, is tried again (at most every RETRY_S)
+
+Policy `fixed` only (WEAVER's static ratio); adaptive policies will set `ratio` from these events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+from router.config import OffloadSpec
+from router.events import Event, LoadReported, WorkerDown, WorkerUp
+from router.registry import WorkerState
+from sglang_ext.messages import ExecutorOpen, OffloadDirective, ReplyOut, WorkerInfo
+
+if TYPE_CHECKING:
+    from router.core import Router
+
+logger = logging.getLogger(__name__)
+RETRY_S: Final = 2.0
+OPEN_TIMEOUT_S: Final = 10.0
+_LIVE: Final = ("opening", "active")
+
+
+@dataclass
+class Pairing:
+    sender: str
+    rule: OffloadSpec
+    executor: str = ""
+    pairing_id: str = ""
+    state: str = "waiting"  # waiting: ... | opening | active | detached: ... | lost | failed: ... | sender down
+    last_try: float = -RETRY_S
+    task: asyncio.Task[None] | None = None
+    logged: str = ""  # the last state logged (a retry that fails the same way is not logged again)
+
+    def describe(self) -> dict[str, Any]:
+        return {"from": self.sender, "from_model": self.rule.from_, "executor": self.executor or None,
+                "to_model": self.rule.to, "ratio": self.rule.ratio, "policy": self.rule.policy,
+                "state": self.state, "pairing": self.pairing_id or None}
+
+
+class OffloadPlanner:
+    def __init__(self, router: Router, rules: Sequence[OffloadSpec]) -> None:
+        self.router = router
+        self.rules = {r.from_: r for r in rules}
+        self.hosts_of = {r.to for r in rules}
+        self.pairings: dict[str, Pairing] = {}  # sender worker id -> its pairing
+        self._ids = itertools.count(1)
+        self._unsubscribe: Any = None
+
+    def start(self) -> None:
+        self._unsubscribe = self.router.bus.on(self._on_event, WorkerUp, WorkerDown, LoadReported)
+
+    def stop(self) -> None:
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+        for p in self.pairings.values():
+            if p.task is not None:
+                p.task.cancel()
+
+    def describe(self) -> list[dict[str, Any]]:
+        out = [p.describe() for p in self.pairings.values()]
+        for model in self.rules:  # senders the router knows of but has not paired yet
+            entry = self.router.registry.models.get(model)
+            for wid in entry.workers if entry else ():
+                if wid not in self.pairings:
+                    out.append(Pairing(wid, self.rules[model], state="sender not up").describe())
+        return out
+
+    # ---- events -----------------------------------------------------------------------------------
+    def _on_event(self, ev: Event) -> None:
+        if isinstance(ev, WorkerUp):
+            if ev.model in self.rules:
+                p = self._pairing(ev.worker_id, ev.model)
+                if ev.fresh or p.state not in _LIVE:
+                    self._pair(p, now=True)
+            if ev.model in self.hosts_of:
+                for p in self.pairings.values():
+                    if p.rule.to == ev.model and (p.state not in _LIVE or (ev.fresh and p.executor == ev.worker_id)):
+                        self._pair(p, now=True)
+        elif isinstance(ev, WorkerDown):
+            p = self.pairings.get(ev.worker_id)
+            if p is not None:
+                self._cancel(p)
+                p.state = "sender down"
+            for p in self.pairings.values():
+                if p.executor == ev.worker_id and p.state in _LIVE:
+                    self._cancel(p)
+                    self.router.send(p.sender, OffloadDirective(pairing=p.pairing_id, detach=True))
+                    self._set(p, f"detached: executor {ev.worker_id} is down")
+        elif isinstance(ev, LoadReported) and ev.model in self.rules:
+            p = self._pairing(ev.worker_id, ev.model)
+            r = ev.report
+            if p.state == "active" and r.offload_pairing == p.pairing_id and r.offload_state not in ("active", ""):
+                self._set(p, "lost" if r.offload_state == "lost" else r.offload_state)
+            if p.state not in _LIVE:
+                self._pair(p)
+
+    def _pairing(self, sender: str, model: str) -> Pairing:
+        p = self.pairings.get(sender)
+        if p is None or p.rule.from_ != model:
+            p = self.pairings[sender] = Pairing(sender, self.rules[model])
+        return p
+
+    def _set(self, p: Pairing, state: str) -> None:
+        p.state = state
+        if state != p.logged and state != "opening":
+            p.logged = state
+            log = logger.info if state in ("active", "sender down") else logger.warning
+            log("offload %s -> %s: %s", p.sender, p.executor or "?", state)
+
+    def _cancel(self, p: Pairing) -> None:
+        if p.task is not None and not p.task.done():
+            p.task.cancel()
+        p.task = None
+
+    def _pair(self, p: Pairing, now: bool = False) -> None:
+        if not now and time.monotonic() - p.last_try < RETRY_S:
+            return
+        self._cancel(p)
+        p.last_try = time.monotonic()
+        p.task = asyncio.get_running_loop().create_task(self._open(p))
+
+    # ---- one pairing ------------------------------------------------------------------------------
+    def _pick_host(self, p: Pairing) -> WorkerState | None:
+        entry = self.router.registry.models.get(p.rule.to)
+        hosts = [w for w in entry.up_workers if w.info is not None and w.info.executor_mem_bytes > 0] if entry else []
+        if not hosts:
+            return None
+        load = {w.worker_id: 0 for w in hosts}
+        for q in self.pairings.values():
+            if q is not p and q.state in _LIVE and q.executor in load:
+                load[q.executor] += 1
+        return min(hosts, key=lambda w: (load[w.worker_id], w.worker_id))
+
+    async def _open(self, p: Pairing) -> None:
+        sender = self.router.registry.workers.get(p.sender)
+        if sender is None or not sender.up or sender.info is None:
+            return
+        info = sender.info
+        if not info.num_layers:
+            self._set(p, "failed: the sender reports no attention shape (a worker of an older version?)")
+            return
+        host = self._pick_host(p)
+        if host is None:
+            self._set(p, f"waiting: no up worker of {p.rule.to!r} offers executor memory")
+            return
+        pid = f"{self.router.new_rid()}-pair{next(self._ids)}"
+        p.executor, p.pairing_id = host.worker_id, pid
+        self._set(p, "opening")
+        reply = await self.router.request_reply(host, lambda rid: _open_msg(rid, info, p.rule, pid), OPEN_TIMEOUT_S)
+        if p.pairing_id != pid:
+            return  # superseded meanwhile
+        if reply is None or not reply.ok:
+            why = reply.data.get("error", "refused") if reply is not None else f"no answer in {OPEN_TIMEOUT_S:g} s"
+            self._set(p, f"failed: {host.worker_id}: {why}")
+            return
+        self.router.send(p.sender, _directive(reply, p.rule, pid, host.worker_id))
+        self._set(p, "active")
+
+
+def _open_msg(rid: str, info: WorkerInfo, rule: OffloadSpec, pairing: str) -> ExecutorOpen:
+    return ExecutorOpen(rid=rid, guest=info.worker_id, guest_model=info.model_name, pairing=pairing,
+                        num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
+                        page_size=info.page_size, dtype=info.kv_dtype, num_q_heads=info.num_q_heads,
+                        scale=info.attn_scale, guest_device=info.device, timeout_s=rule.timeout_s)
+
+
+def _directive(reply: ReplyOut, rule: OffloadSpec, pairing: str, executor: str) -> OffloadDirective:
+    return OffloadDirective(pairing=pairing, executor=executor, store=str(reply.data["store"]),
+                            backend=str(reply.data.get("backend", "gloo")), ratio=rule.ratio, policy=rule.policy,
+                            timeout_s=rule.timeout_s)

@@ -1,0 +1,418 @@
+"""The torch.distributed transport: a sender (`DistRemote`) and an executor's host (`ExecutorService`)
+over a private two-rank process group per pairing -- never the global default group, since a worker
+may host several guests while it sends to an executor of its own.
+
+    host (rank 0)                                           sender (rank 1)
+    TCPStore(master, a free port) ── HOST:PORT via the router ──> TCPStore(client)
+    ProcessGroupGloo | NCCL(store, 0, 2)  <──── connect ────  ProcessGroupGloo | NCCL(store, 1, 2)
+
+Gloo carries CPU tensors (the CI's real multi-process path); NCCL is used when both ends are GPUs.
+Messages are an int64 header [kind, a, b, c] on TAG_CTRL, then payload tensors:
+
+    load     [LOAD, handle, length, n]  + KV pages [n, L, 2, P, Hkv, D]          -> [REPLY, 1 ok | 0 full]
+    release  [RELEASE, handle]
+    begin    [BEGIN, n] + int64 [2, n] (handles; positions)                      -> [REPLY, f] + int64 [f] dropped
+      then per layer, if rows remain:  q|k|v [R, (Hq + 2 Hkv) D] on TAG_QKV   ->   o [R, Hq D] on TAG_OUT
+    close    [CLOSE]
+
+`post` only starts the layer's send and receive, so the sender's local attention runs meanwhile;
+`collect` waits. Every wait has a timeout: a peer that dies closes its sockets (an error at once), a
+hung one times out; the sender then raises ExecutorLost, and the host releases the guest's KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from datetime import timedelta
+from typing import Any, Final
+
+import torch
+from torch.distributed import ProcessGroupGloo, TCPStore
+
+from sglang_ext.offload.executor import AttentionExecutor, ExecutorFull, GuestSpec
+from sglang_ext.offload.remote import ExecutorLost, RemoteAttention
+
+logger = logging.getLogger(__name__)
+
+HOST_RANK: Final = 0
+SENDER_RANK: Final = 1
+TAG_CTRL, TAG_QKV, TAG_OUT = 0, 1, 2
+LOAD, RELEASE, BEGIN, CLOSE, REPLY = 1, 2, 3, 4, 5
+_HEADER: Final = 4
+CONNECT_TIMEOUT_S: Final = 30.0  # the sender applies its directive between two of its steps
+# A sender with nothing offloaded sends nothing for as long as it likes. (A gloo wait that times out
+# breaks the pair, so the host cannot poll; a dead sender closes its sockets and ends the wait.)
+IDLE_TIMEOUT_S: Final = 86400.0
+
+
+class LinkError(RuntimeError):
+    """The pair is broken: the peer closed it, died, or did not answer in time."""
+
+
+def local_address_toward(host: str) -> str:
+    """This machine's address on the route to `host` (no packet is sent)."""
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, 9))
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+def pair_backend(own: torch.device, peer: torch.device) -> tuple[str, torch.device]:
+    """NCCL when both ends are GPUs (tensors stay on this GPU), else gloo over CPU tensors."""
+    if own.type == "cuda" and peer.type == "cuda":
+        return "nccl", own
+    return "gloo", torch.device("cpu")
+
+
+def _short(e: BaseException) -> str:
+    """gloo's message without its source path and advice: 'Connection closed by peer [1.2.3.4]:5'."""
+    msg = str(e).strip()
+    if msg.startswith("[") and "] " in msg:
+        msg = msg.split("] ", 1)[1]
+    return msg.split(". ", 1)[0]
+
+
+class Link:
+    """One end of a pair: the process group and blocking sends and receives with timeouts."""
+
+    def __init__(self, store: TCPStore, rank: int, backend: str, device: torch.device, local_host: str,
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+        self.backend = backend
+        self.device = device
+        self.store = store  # kept: the group rendezvoused through it
+        try:
+            if backend == "gloo":
+                opts = ProcessGroupGloo._Options()
+                opts._timeout = timedelta(seconds=connect_timeout_s)
+                opts._devices = [ProcessGroupGloo.create_device(hostname=local_host)]
+                opts._threads = 1
+                self.pg: Any = ProcessGroupGloo(store, rank, 2, opts)
+            else:
+                from torch.distributed import ProcessGroupNCCL
+
+                nopts = ProcessGroupNCCL.Options()
+                # Our own waits time out first; NCCL's watchdog would take the whole process down.
+                nopts._timeout = timedelta(hours=1)
+                self.pg = ProcessGroupNCCL(store, rank, 2, nopts)
+        except RuntimeError as e:
+            raise LinkError(f"cannot connect the pair: {_short(e)}") from None
+        self.peer = 1 - rank
+
+    def isend(self, t: torch.Tensor, tag: int) -> Any:
+        try:
+            return self._open().send([t], self.peer, tag)
+        except RuntimeError as e:
+            raise LinkError(_short(e)) from None
+
+    def irecv(self, t: torch.Tensor, tag: int) -> Any:
+        try:
+            return self._open().recv([t], self.peer, tag)
+        except RuntimeError as e:
+            raise LinkError(_short(e)) from None
+
+    def _open(self) -> Any:
+        if self.pg is None:
+            raise LinkError("the pair is closed")
+        return self.pg
+
+    def wait(self, work: Any, timeout_s: float) -> None:
+        try:
+            if self.backend == "gloo":
+                work.wait(timedelta(seconds=timeout_s))
+                return
+            deadline = time.monotonic() + timeout_s  # NCCL: poll, so a dead peer cannot block us
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise LinkError(f"timed out after {timeout_s:g} s")
+                time.sleep(10e-6)
+            work.wait()
+        except RuntimeError as e:
+            if isinstance(e, LinkError):
+                raise
+            raise LinkError(_short(e)) from None
+
+    def send(self, t: torch.Tensor, tag: int, timeout_s: float) -> None:
+        self.wait(self.isend(t, tag), timeout_s)
+
+    def recv(self, t: torch.Tensor, tag: int, timeout_s: float) -> None:
+        self.wait(self.irecv(t, tag), timeout_s)
+
+    def send_header(self, vals: list[int], timeout_s: float) -> None:
+        h = torch.zeros(_HEADER, dtype=torch.int64)
+        h[: len(vals)] = torch.tensor(vals, dtype=torch.int64)
+        self.send(h.to(self.device), TAG_CTRL, timeout_s)
+
+    def recv_header(self, timeout_s: float) -> list[int]:
+        h = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+        self.recv(h, TAG_CTRL, timeout_s)
+        return [int(x) for x in h.tolist()]
+
+    def close(self) -> None:
+        """Drop the group: its sockets close, so a peer waiting on it fails at once."""
+        if self.backend == "nccl" and self.pg is not None:
+            with suppress(RuntimeError):
+                self.pg.abort()
+        self.pg = None
+
+
+def connect_store(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> TCPStore:
+    host, _, port = address.rpartition(":")
+    return TCPStore(host.strip("[]"), int(port), 2, False, timeout=timedelta(seconds=timeout_s))
+
+
+def open_store(host: str) -> tuple[TCPStore, socket.socket]:
+    """The pair's rendezvous on a free port of `host` only (TCPStore alone would listen on every
+    interface); the listening socket must stay open while the store lives."""
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        listener.bind((host.strip("[]"), 0))
+        listener.listen(16)
+        port = listener.getsockname()[1]
+        store = TCPStore(host, port, 2, True, timeout=timedelta(seconds=CONNECT_TIMEOUT_S), wait_for_workers=False,
+                         master_listen_fd=listener.fileno())
+    except (OSError, RuntimeError):
+        listener.close()
+        raise
+    return store, listener
+
+
+class DistRemote(RemoteAttention):
+    """The sender's end: RemoteAttention over a Link to an executor in another process."""
+
+    def __init__(self, link: Link, spec: GuestSpec, executor_id: str, timeout_s: float) -> None:
+        super().__init__()
+        self.link = link
+        self.spec = spec
+        self.executor_id = executor_id
+        self.timeout_s = timeout_s
+        self._posted: tuple[Any, Any, torch.Tensor, torch.Tensor, torch.Size, torch.device] | None = None
+
+    @classmethod
+    def connect(cls, store_address: str, backend: str, device: torch.device, spec: GuestSpec, executor_id: str,
+                timeout_s: float) -> DistRemote:
+        """Join the pair the executor's host opened (rank 1); the host waits already, so this takes
+        `timeout_s` at most (it runs on the sender's forward thread). Raises ExecutorLost."""
+        wire = device if backend == "nccl" else torch.device("cpu")
+        try:
+            store = connect_store(store_address, timeout_s)
+            link = Link(store, SENDER_RANK, backend, wire, local_address_toward(store_address.rpartition(":")[0]),
+                        timeout_s)
+        except (RuntimeError, ValueError) as e:
+            raise ExecutorLost(f"executor {executor_id} at {store_address}: {_short(e)}") from None
+        return cls(link, spec, executor_id, timeout_s)
+
+    @contextmanager
+    def _exchange(self, what: str) -> Iterator[None]:
+        self._check()
+        t0 = time.perf_counter()
+        try:
+            yield
+        except LinkError as e:
+            self._lost(what, e)
+        finally:
+            self.wait_s += time.perf_counter() - t0
+
+    def _lost(self, what: str, e: Exception) -> None:
+        self.alive = False
+        self._posted = None
+        self.link.close()
+        raise ExecutorLost(f"executor {self.executor_id}: {what}: {e}") from None
+
+    def _check(self) -> None:
+        if not self.alive:
+            raise ExecutorLost(f"executor {self.executor_id} is gone")
+
+    # load and release never raise: the scheduler calls them outside a forward, where a gone
+    # executor must only mean "stays local"; the next step's begin_step reports the loss.
+    def load(self, handle: int, kv: torch.Tensor, length: int) -> bool:
+        if not self.alive:
+            return False
+        t0 = time.perf_counter()
+        try:
+            self.link.send_header([LOAD, handle, length, kv.shape[0]], self.timeout_s)
+            self.link.send(kv.to(self.link.device).contiguous(), TAG_CTRL, self.timeout_s)
+            ok = self.link.recv_header(self.timeout_s)[1]
+        except LinkError as e:
+            self._broken("load", e)
+            return False
+        finally:
+            self.wait_s += time.perf_counter() - t0
+        if ok:
+            self.bytes_out += kv.numel() * kv.element_size()
+        return bool(ok)
+
+    def release(self, handle: int) -> None:
+        if not self.alive:
+            return
+        try:
+            self.link.send_header([RELEASE, handle], self.timeout_s)
+        except LinkError as e:
+            self._broken("release", e)
+
+    def _broken(self, what: str, e: Exception) -> None:
+        logger.warning("executor %s: %s failed (%s); no more requests go there", self.executor_id, what, e)
+        self.alive = False
+        self._posted = None
+        self.link.close()
+
+    def begin_step(self, handles: list[int], positions: list[int]) -> list[int]:
+        with self._exchange("begin_step"):
+            hp = torch.tensor([handles, positions], dtype=torch.int64).to(self.link.device)
+            self.link.send_header([BEGIN, len(handles)], self.timeout_s)
+            self.link.send(hp, TAG_CTRL, self.timeout_s)
+            n_failed = self.link.recv_header(self.timeout_s)[1]
+            failed: list[int] = []
+            if n_failed:
+                buf = torch.empty(n_failed, dtype=torch.int64, device=self.link.device)
+                self.link.recv(buf, TAG_CTRL, self.timeout_s)
+                failed = [int(x) for x in buf.tolist()]
+        return failed
+
+    def post(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._check()
+        if q.dtype != self.spec.geometry.dtype:
+            raise ValueError(f"q is {q.dtype}, the executor holds {self.spec.geometry.dtype} KV")
+        r = q.shape[0]
+        packed = torch.cat([q.reshape(r, -1), k.reshape(r, -1), v.reshape(r, -1)], 1).to(self.link.device)
+        out = torch.empty(r, q.shape[1] * q.shape[2], dtype=q.dtype, device=self.link.device)
+        try:
+            sent = self.link.isend(packed.contiguous(), TAG_QKV)
+            got = self.link.irecv(out, TAG_OUT)
+        except LinkError as e:
+            self._lost(f"layer {layer}", e)
+        self._posted = (sent, got, packed, out, q.shape, q.device)
+        self.bytes_out += packed.numel() * packed.element_size()
+
+    def collect(self, layer: int) -> torch.Tensor:
+        assert self._posted is not None, "collect before post"
+        sent, got, _, out, shape, device = self._posted
+        with self._exchange(f"layer {layer}"):
+            self.link.wait(got, self.timeout_s)
+            self.link.wait(sent, self.timeout_s)
+        self._posted = None
+        self.bytes_in += out.numel() * out.element_size()
+        return out.view(shape).to(device)
+
+    def close(self) -> None:
+        """Tell the executor this guest is done (it releases the guest's KV), then drop the pair."""
+        if self.alive:
+            with suppress(LinkError):
+                self.link.send_header([CLOSE], min(self.timeout_s, 1.0))
+        self.alive = False
+        self.link.close()
+
+
+class ExecutorService:
+    """The host's end of one pairing: a thread answering the sender against the worker's executor.
+
+    It does not stop the host's own forward: torch ops and waits release the GIL, and the
+    partition (shared by every guest) is changed under `lock`. When the sender goes away (closes,
+    dies, or stops answering mid-step) the guest's KV is released and the thread ends.
+    """
+
+    def __init__(self, executor: AttentionExecutor, lock: threading.Lock, guest: str, spec: GuestSpec,
+                 store: TCPStore, backend: str, wire: torch.device, local_host: str, timeout_s: float,
+                 on_exit: Callable[[ExecutorService], None] | None = None,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, listener: socket.socket | None = None) -> None:
+        self.executor = executor
+        self.lock = lock
+        self.guest = guest
+        self.spec = spec
+        self.store = store
+        self.listener = listener  # the store's listening socket, closed with the pairing
+        self.backend = backend
+        self.wire = wire
+        self.local_host = local_host
+        self.timeout_s = timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.on_exit = on_exit
+        self.link: Link | None = None
+        self.ended = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"executor-{guest}", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run(self) -> None:
+        why = "closed by the sender"
+        try:
+            if self.executor.device.type == "cuda":
+                torch.cuda.set_device(self.executor.device)
+            self.link = Link(self.store, HOST_RANK, self.backend, self.wire, self.local_host)
+            self._serve(self.link)
+        except LinkError as e:
+            why = str(e)
+        except Exception as e:  # a protocol or executor bug: end this pairing only, loudly
+            logger.exception("executor for guest %s failed", self.guest)
+            why = f"{type(e).__name__}: {e}"
+        finally:
+            with self.lock:
+                held = self.executor.used_tokens(self.guest) if self.guest in self.executor.guests else 0
+                self.executor.detach(self.guest)
+            if self.link is not None:
+                self.link.close()
+            if self.listener is not None:
+                self.listener.close()
+            logger.info("executor for guest %s ended (%s); released its KV (%d tokens)", self.guest, why, held)
+            self.ended.set()
+            if self.on_exit is not None:
+                self.on_exit(self)
+
+    def _serve(self, link: Link) -> None:
+        while True:
+            kind, a, b, c = link.recv_header(self.idle_timeout_s)
+            if kind == LOAD:
+                self._load(link, a, b, c)
+            elif kind == RELEASE:
+                with self.lock:
+                    self.executor.release(self.guest, a)
+            elif kind == BEGIN:
+                self._step(link, a)
+            elif kind == CLOSE:
+                return
+            else:
+                raise LinkError(f"unknown message kind {kind}")
+
+    def _load(self, link: Link, handle: int, length: int, n: int) -> None:
+        g = self.spec.geometry
+        kv = torch.empty((n, g.num_layers, 2, g.page_size, g.num_kv_heads, g.head_dim), dtype=g.dtype,
+                         device=self.wire)
+        link.recv(kv, TAG_CTRL, self.timeout_s)
+        with self.lock:
+            try:
+                self.executor.load(self.guest, handle, kv, length)
+                ok = 1
+            except ExecutorFull:
+                ok = 0
+        link.send_header([REPLY, ok], self.timeout_s)
+
+    def _step(self, link: Link, n: int) -> None:
+        hp = torch.empty((2, n), dtype=torch.int64, device=self.wire)
+        link.recv(hp, TAG_CTRL, self.timeout_s)
+        handles, positions = ([int(x) for x in row] for row in hp.tolist())
+        with self.lock:
+            failed = self.executor.plan(self.guest, handles, positions)
+        link.send_header([REPLY, len(failed)], self.timeout_s)
+        if failed:
+            link.send(torch.tensor(failed, dtype=torch.int64).to(self.wire), TAG_CTRL, self.timeout_s)
+        rows = n - len(failed)
+        if not rows:
+            return
+        s = self.spec
+        hq, hkv, d = s.num_q_heads, s.geometry.num_kv_heads, s.head_dim
+        for layer in range(s.geometry.num_layers):
+            qkv = torch.empty((rows, (hq + 2 * hkv) * d), dtype=s.geometry.dtype, device=self.wire)
+            link.recv(qkv, TAG_QKV, self.timeout_s)
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=1)
+            o = self.executor.attend(self.guest, layer, q.reshape(rows, hq, d), k.reshape(rows, hkv, d),
+                                     v.reshape(rows, hkv, d))
+            link.send(o.reshape(rows, -1).to(self.wire, s.geometry.dtype).contiguous(), TAG_OUT, self.timeout_s)

@@ -1,0 +1,169 @@
+"""A worker's part in served remote attention, driven by the router's messages.
+
+    as a host (executor_mem_gb > 0):  ExecutorOpen -> an ExecutorService thread for that sender; reply
+                                      with the pair's rendezvous address
+    as a sender:                      OffloadDirective -> DistRemote + Offloader installed between steps;
+                                      detach (or ratio 0) -> no new requests go out, the pair closes
+                                      once those there have finished
+
+Everything here runs on the worker's forward thread (through its inbox), never during a step; the
+load report (another thread) only reads numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Final
+
+import msgspec
+
+from sglang_ext.engine.model_runner import ModelRunner
+from sglang_ext.messages import ExecutorOpen, OffloadDirective, ReplyOut, WorkerInfo
+from sglang_ext.offload.dist import DistRemote
+from sglang_ext.offload.executor import AttentionExecutor
+from sglang_ext.offload.host import ExecutorHost
+from sglang_ext.offload.partition import ForeignKVPartition
+from sglang_ext.offload.remote import ExecutorLost, LocalRemote, RemoteAttention
+from sglang_ext.offload.sender import Offloader
+from sglang_ext.offload.setup import GiB, executor_backend, guest_spec
+from sglang_ext.offload.transport import served_transport
+from sglang_ext.scheduler.scheduler import Scheduler
+from sglang_ext.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+POLICIES: Final = ("fixed",)
+
+
+class WorkerOffload:
+    def __init__(self, args: ServerArgs, runner: ModelRunner, worker_id: str, model_name: str) -> None:
+        self.args = args
+        self.runner = runner
+        self.worker_id = worker_id
+        self.model_name = model_name
+        self.host: ExecutorHost | None = None
+        if args.executor_mem_gb > 0 and args.offload_executor is None:
+            part = ForeignKVPartition(int(args.executor_mem_gb * GiB), runner.device)
+            self.host = ExecutorHost(AttentionExecutor(part, executor_backend(runner.device, args)))
+            logger.info("hosting executors for other models: %.2f GiB on %s", part.total_bytes / GiB, runner.device)
+        # the sender's side: the directive in force and what earlier remotes sent and waited
+        self.pairing = ""
+        self.executor = ""
+        self.state = ""
+        self._done = [0, 0, 0.0]  # bytes out, bytes in, wait seconds of remotes already closed
+
+    def set_address(self, address: str) -> None:
+        """Where senders reach this worker's executors (the interface toward the router)."""
+        if self.host is not None:
+            self.host.address = address
+
+    # ---- as a host ------------------------------------------------------------------------------
+    def open_executor(self, msg: ExecutorOpen) -> ReplyOut:
+        if self.host is None:
+            return ReplyOut(rid=msg.rid, ok=False, data={"error": f"worker {self.worker_id} offers no executor "
+                                                                   "memory (executor_mem_gb is 0)"})
+        try:
+            data = self.host.open(msg)
+        except ValueError as e:
+            logger.warning("cannot host an executor for %s: %s", msg.guest, e)
+            return ReplyOut(rid=msg.rid, ok=False, data={"error": str(e)})
+        logger.info("hosting an executor for %s (model %s, pairing %s) at %s", msg.guest, msg.guest_model,
+                    msg.pairing, data["store"])
+        return ReplyOut(rid=msg.rid, ok=True, data=data)
+
+    # ---- as a sender ----------------------------------------------------------------------------
+    def apply(self, d: OffloadDirective, scheduler: Scheduler) -> None:
+        if self.args.offload_executor is not None:
+            self._fail(d, "this worker has an in-process executor (offload_executor)")
+            return
+        if d.detach or d.ratio <= 0:
+            self._detach(d, scheduler)
+            return
+        try:
+            if d.policy not in POLICIES:
+                raise ValueError(f"offload policy {d.policy!r} is not one of {', '.join(POLICIES)}")
+            if not 0 < d.ratio <= 1:
+                raise ValueError(f"offload ratio must be in (0, 1], got {d.ratio}")
+            if d.transport != served_transport(self.args.offload_transport):
+                raise ValueError(f"the router paired over {d.transport}; this worker sends over "
+                                 f"{served_transport(self.args.offload_transport)}")
+            remote = DistRemote.connect(d.store, d.backend, self.runner.device, guest_spec(self.runner), d.executor,
+                                        d.timeout_s)
+        except (ValueError, ExecutorLost) as e:
+            self._fail(d, str(e))
+            return
+        self._retire(scheduler)
+        self.runner.set_remote(remote)
+        scheduler.set_offload(Offloader(remote, d.ratio, self.runner.pool))
+        self.pairing, self.executor, self.state = d.pairing, d.executor, "active"
+        logger.info("remote attention: %.0f%% of decoding requests to the executor on %s (pairing %s, %s)",
+                    100 * d.ratio, d.executor, d.pairing, d.backend)
+
+    def _fail(self, d: OffloadDirective, why: str) -> None:
+        logger.warning("offload directive %s not applied: %s", d.pairing, why)
+        self.pairing, self.executor, self.state = d.pairing, "", f"failed: {why}"
+
+    def _detach(self, d: OffloadDirective, scheduler: Scheduler) -> None:
+        off = scheduler.offload
+        if off is None or d.pairing != self.pairing:
+            return  # not the pairing in force (already replaced, or never applied)
+        off.ratio = 0.0  # choose() takes no more; those out there finish (or are recomputed if it is gone)
+        self.state = "draining"
+        logger.info("detaching from the executor on %s: %d request(s) finish there", self.executor, off.num_remote)
+        self.after_step(scheduler)
+
+    def after_step(self, scheduler: Scheduler) -> None:
+        """Close a pair that is lost, or drained after a detach."""
+        off = scheduler.offload
+        if off is None or self.args.offload_executor is not None:
+            return
+        if not off.active or not off.remote.alive:
+            self._retire(scheduler)
+            self.state = "lost"
+        elif self.state == "draining" and off.num_remote == 0:
+            self._retire(scheduler)
+            self.state, self.executor = "", ""
+
+    def _retire(self, scheduler: Scheduler) -> None:
+        off = scheduler.offload
+        if off is None:
+            return
+        scheduler.set_offload(None)
+        r = off.remote
+        self._done = [self._done[0] + r.bytes_out, self._done[1] + r.bytes_in, self._done[2] + r.wait_s]
+        r.close()
+
+    def close(self, scheduler: Scheduler | None = None) -> bool:
+        """At exit: say goodbye to this sender's executor; True while hosted pairings still run
+        (their threads wait on their senders and end when those go)."""
+        off = scheduler.offload if scheduler is not None else None
+        if off is not None and self.args.offload_executor is None:
+            off.remote.close()
+        return bool(self.host and self.host.services)
+
+    # ---- reports --------------------------------------------------------------------------------
+    def info(self, info: WorkerInfo) -> WorkerInfo:
+        spec = guest_spec(self.runner)
+        g = spec.geometry
+        return msgspec.structs.replace(
+            info, num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=spec.head_dim,
+            num_q_heads=spec.num_q_heads, attn_scale=spec.scale, kv_dtype=str(g.dtype).removeprefix("torch."),
+            executor_mem_bytes=self.host.capacity_bytes if self.host else 0)
+
+    def report(self, scheduler: Scheduler) -> dict[str, Any]:
+        """LoadReport fields: the sender's offload figures and the host's KV held per guest model."""
+        off = scheduler.offload
+        r: RemoteAttention | None = off.remote if off is not None else None
+        out: dict[str, Any] = {
+            "offloaded_reqs": off.num_remote if off else 0,
+            "offload_bytes_out": self._done[0] + (r.bytes_out if r else 0),
+            "offload_bytes_in": self._done[1] + (r.bytes_in if r else 0),
+            "offload_wait_s": self._done[2] + (r.wait_s if r else 0.0),
+            "offload_executor": r.executor_id if r else "",
+            "offload_pairing": self.pairing, "offload_state": self.state,
+        }
+        used = self.host.used_tokens() if self.host else {}
+        if isinstance(r, LocalRemote):  # the in-process executor hosts this worker's own model
+            used[self.model_name] = r.executor.used_tokens(r.guest)
+            out["offload_state"] = "active" if r.alive else "lost"
+        out["executor_kv_used_tokens"] = used
+        return out

@@ -1,0 +1,243 @@
+"""The router's side of served remote attention, without models: the cluster file's `offload:`
+checks, the planner pairing fake senders with fake hosts on events (up, down, lost, refused), the
+counters made monotonic from workers' cumulative figures, and strict decoding of the new messages."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+from _router_util import FakeWorker, until
+
+import router.offload as planner
+from router.config import ClusterSpec, ConfigError, OffloadSpec, RouterConfig, build_cluster
+from router.core import Router
+from router.metrics import OffloadTotals
+from sglang_ext.messages import (
+    ExecutorOpen,
+    LoadReport,
+    OffloadDirective,
+    ReplyOut,
+    decode_from_worker,
+    decode_to_worker,
+    encode,
+)
+
+GEOMETRY = {"num_layers": 4, "num_kv_heads": 4, "head_dim": 64, "num_q_heads": 8, "attn_scale": 0.125,
+            "kv_dtype": "float32"}
+
+
+# ---- the cluster file ------------------------------------------------------------------------------
+def cluster(offload: list[dict[str, Any]], cold_args: dict[str, Any] | None = None, **hot_args: Any) -> Any:
+    spec = msgspec.convert({"models": [{"name": "hot", "args": hot_args},
+                                       {"name": "cold", "args": cold_args if cold_args is not None
+                                        else {"executor_mem_gb": 2}},
+                                       {"name": "remote-only", "replicas": 0}],
+                            "offload": offload}, ClusterSpec)
+    return build_cluster(spec)
+
+
+def test_a_valid_offload_entry() -> None:
+    c = cluster([{"from": "hot", "to": "cold", "policy": "fixed", "ratio": 0.45}])
+    assert c.offload == (OffloadSpec(from_="hot", to="cold", ratio=0.45),)
+    # A `to` model without local workers is checked when its workers join, not at start.
+    assert cluster([{"from": "hot", "to": "remote-only", "ratio": 1.0}]).offload[0].to == "remote-only"
+    # executor memory offered by one worker only is enough
+    spec = msgspec.convert({"models": [{"name": "hot"}, {"name": "cold", "workers": [
+        {}, {"args": {"executor_mem_gb": 1}}]}], "offload": [{"from": "hot", "to": "cold", "ratio": 0.5}]},
+        ClusterSpec)
+    assert build_cluster(spec).offload
+
+
+@pytest.mark.parametrize(("entry", "cold_args", "hot_args", "needle"), [
+    ({"from": "hott", "to": "cold", "ratio": 0.5}, None, {}, "offload[0].from: no model named 'hott'"),
+    ({"from": "hot", "to": "colt", "ratio": 0.5}, None, {}, "offload[0].to: no model named 'colt'"),
+    ({"from": "cold", "to": "cold", "ratio": 0.5}, None, {}, "from and to are both 'cold'"),
+    ({"from": "hot", "to": "cold", "ratio": 0.5}, {}, {}, "no worker of 'cold' offers executor memory"),
+    ({"from": "hot", "to": "cold", "ratio": 0.0}, None, {}, "ratio must be in (0, 1], got 0.0"),
+    ({"from": "hot", "to": "cold", "ratio": 1.5}, None, {}, "ratio must be in (0, 1], got 1.5"),
+    ({"from": "hot", "to": "cold", "ratio": 0.5, "policy": "adrenaline"}, None, {}, "'adrenaline' is not one of fixed"),
+    ({"from": "hot", "to": "cold", "ratio": 0.5}, None, {"offload_executor": "local", "offload_ratio": 0.5},
+     "has an in-process executor"),
+    ({"from": "hot", "to": "cold", "ratio": 0.5}, None, {"offload_transport": "local"},
+     "offload_transport local is the in-process executor"),
+])
+def test_impossible_pairings_are_errors_at_start(entry: dict[str, Any], cold_args: dict[str, Any] | None,
+                                                 hot_args: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        cluster([entry], cold_args, **hot_args)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_offload_entries_are_strict() -> None:
+    for bad in ({"from": "hot", "to": "cold", "ratio": 0.5, "ratoi": 1}, {"from": "hot", "ratio": 0.5},
+                {"from": "hot", "to": "cold", "ratio": "half"}):
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.convert({"models": [{"name": "hot"}], "offload": [bad]}, ClusterSpec)
+    with pytest.raises(ConfigError, match="already offloads"):
+        cluster([{"from": "hot", "to": "cold", "ratio": 0.5}, {"from": "hot", "to": "remote-only", "ratio": 0.5}])
+
+
+# ---- messages ------------------------------------------------------------------------------------------
+def test_new_messages_decode_strictly() -> None:
+    d = OffloadDirective(pairing="p1", executor="cold-0", store="127.0.0.1:5", ratio=0.5)
+    assert decode_to_worker(encode(d)) == d
+    o = ExecutorOpen(rid="r", guest="hot-0", guest_model="hot", pairing="p1", num_layers=2, num_kv_heads=2,
+                     head_dim=16, page_size=4, dtype="float32", num_q_heads=4, scale=0.25, guest_device="cpu")
+    assert decode_to_worker(encode(o)) == o
+    raw = msgspec.msgpack.decode(encode(d))
+    for bad in ({**raw, "ratioo": 1}, {**raw, "ratio": "x"}, {k: v for k, v in raw.items() if k != "pairing"}):
+        with pytest.raises(msgspec.ValidationError):
+            decode_to_worker(msgspec.msgpack.encode(bad))
+    # a load report from a worker that predates remote attention still decodes
+    old = {"type": "load", "worker_id": "w", "num_running": 0, "num_waiting": 0, "kv_used_tokens": 0,
+           "kv_total_tokens": 1, "kv_cached_tokens": 0, "num_preemptions": 0, "step_time_ms": 0.0, "timestamp": 0.0}
+    rep = decode_from_worker(msgspec.msgpack.encode(old))
+    assert isinstance(rep, LoadReport) and rep.offloaded_reqs == 0 and rep.executor_kv_used_tokens == {}
+
+
+# ---- counters ------------------------------------------------------------------------------------------
+def report(**kw: Any) -> LoadReport:
+    base: dict[str, Any] = dict(worker_id="w", num_running=0, num_waiting=0, kv_used_tokens=0, kv_total_tokens=1,
+                                kv_cached_tokens=0, num_preemptions=0, step_time_ms=0.0, timestamp=0.0)
+    return LoadReport(**{**base, **kw})
+
+
+def test_counters_stay_monotonic_across_worker_restarts() -> None:
+    t = OffloadTotals()
+    t.observe("w", report(offload_bytes_out=100, offload_wait_s=1.5))
+    t.observe("w", report(offload_bytes_out=300, offload_wait_s=2.0))
+    t.restarted("w")  # its hello: a new process counts from zero
+    t.observe("w", report(offload_bytes_out=50, offload_wait_s=0.5))
+    assert t.total("w", "offload_bytes_out") == 350 and t.total("w", "offload_wait_s") == 2.5
+    t.observe("w", report(offload_bytes_out=20))  # a restart without a hello seen: the figure went down
+    assert t.total("w", "offload_bytes_out") == 370
+    assert t.total("other", "offload_bytes_in") == 0
+
+
+# ---- the planner, with fake workers ---------------------------------------------------------------------
+@pytest.fixture
+async def router(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Router]:
+    monkeypatch.setattr(planner, "RETRY_S", 0.2)
+    r = Router(RouterConfig(heartbeat_timeout_s=0.6), offload=[OffloadSpec(from_="hot", to="cold", ratio=0.5)])
+    await r.start()
+    yield r
+    await r.stop()
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    c = zmq.asyncio.Context()
+    yield c
+    c.term()
+
+
+class Fleet:
+    """Fake senders (model hot) and hosts (model cold, offering executor memory), closed at the end
+    (an open socket would hang the context's term)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, router: Router) -> None:
+        self.ctx, self.router, self.workers = ctx, router, list[FakeWorker]()
+
+    async def up(self, wid: str, model: str) -> FakeWorker:
+        extra: dict[str, Any] = {"executor_mem_bytes": 1 << 30} if model == "cold" else {}
+        w = FakeWorker(self.ctx, self.router.worker_addr, wid, model, **GEOMETRY, **extra)
+        self.workers.append(w)
+        await w.hello()
+        w.start_heartbeat()
+        return w
+
+    async def sender(self, wid: str) -> FakeWorker:
+        return await self.up(wid, "hot")
+
+    async def host(self, wid: str) -> FakeWorker:
+        return await self.up(wid, "cold")
+
+
+@pytest.fixture
+async def fleet(router: Router, ctx: zmq.asyncio.Context) -> AsyncIterator[Fleet]:
+    f = Fleet(ctx, router)
+    yield f
+    for w in f.workers:
+        w.close()
+
+
+async def next_of(w: FakeWorker, kind: type, timeout: float = 3.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        msg = await w.recv(max(deadline - time.monotonic(), 0.01))
+        if isinstance(msg, kind):
+            return msg
+
+
+async def serve_open(h: FakeWorker, ok: bool = True) -> ExecutorOpen:
+    o = await next_of(h, ExecutorOpen)
+    data = {"store": f"127.0.0.1:{9000 + len(o.guest)}", "backend": "gloo"} if ok else {"error": "no room"}
+    await h.send(ReplyOut(rid=o.rid, ok=ok, data=data))
+    return o
+
+
+def states(router: Router) -> dict[str, str]:
+    assert router.offload is not None
+    return {p["from"]: p["state"] for p in router.offload.describe()}
+
+
+async def test_pairing_on_events_and_detach_when_the_host_goes(router: Router, fleet: Fleet) -> None:
+    s = await fleet.sender("hot-0")
+    await until(lambda: states(router).get("hot-0", "").startswith("waiting"))  # no host yet
+    h = await fleet.host("cold-0")
+    o = await serve_open(h)
+    assert (o.guest, o.guest_model, o.num_layers, o.num_q_heads, o.dtype) == ("hot-0", "hot", 4, 8, "float32")
+    d = await next_of(s, OffloadDirective)
+    assert (d.executor, d.store, d.ratio, d.detach, d.pairing) == ("cold-0", "127.0.0.1:9005", 0.5, False, o.pairing)
+    await until(lambda: states(router) == {"hot-0": "active"})
+    # the host falls silent: the sender detaches
+    h.stop_heartbeat()
+    d2 = await next_of(s, OffloadDirective)
+    assert d2.detach and d2.pairing == o.pairing
+    assert states(router)["hot-0"] == "detached: executor cold-0 is down"
+    # it answers again (it was only slow): paired anew
+    h.start_heartbeat()
+    o2 = await serve_open(h)
+    assert o2.pairing != o.pairing and (await next_of(s, OffloadDirective)).pairing == o2.pairing
+    await until(lambda: states(router) == {"hot-0": "active"})
+
+
+async def test_senders_spread_over_hosts(router: Router, fleet: Fleet) -> None:
+    hosts = [await fleet.host(f"cold-{i}") for i in range(2)]
+    for i in range(2):
+        await fleet.sender(f"hot-{i}")
+    guests = [(await serve_open(h)).guest for h in hosts]  # one each (the first would time out on a second)
+    assert sorted(guests) == ["hot-0", "hot-1"]
+    await until(lambda: set(states(router).values()) == {"active"})
+
+
+async def test_a_refusal_or_a_lost_executor_is_tried_again(router: Router, fleet: Fleet) -> None:
+    s = await fleet.sender("hot-0")
+    h = await fleet.host("cold-0")
+    await serve_open(h, ok=False)
+    assert router.offload is not None
+    await until(lambda: router.offload.pairings["hot-0"].logged == "failed: cold-0: no room")  # type: ignore[union-attr]
+    o = await serve_open(h)  # tried again on a later load report
+    d = await next_of(s, OffloadDirective)
+    await until(lambda: states(router)["hot-0"] == "active")
+    # the sender reports that it lost that executor: paired again (on a later report)
+    await s.send(msgspec.structs.replace(s.load(), offload_pairing=d.pairing, offload_state="lost"))
+    o2 = await serve_open(h)
+    assert o2.pairing != o.pairing
+    assert (await next_of(s, OffloadDirective)).pairing == o2.pairing
+
+
+async def test_a_restarted_host_pairs_its_senders_again(router: Router, fleet: Fleet) -> None:
+    s = await fleet.sender("hot-0")
+    h = await fleet.host("cold-0")
+    o = await serve_open(h)
+    await next_of(s, OffloadDirective)
+    await h.hello()  # a new process under the same id: its executors are gone
+    o2 = await serve_open(h)
+    assert o2.pairing != o.pairing and (await next_of(s, OffloadDirective)).pairing == o2.pairing
