@@ -143,7 +143,9 @@ def test_outputs_equal_without_offload(reference: dict[str, list[int]], host: Ex
     assert drive(s, rs, host) == reference
     assert sum(r.attention_executor == "host-0" for r in rs) >= int(ratio * len(rs) / 2)
     assert remote.bytes_out > 0 and remote.bytes_in > 0
-    time.sleep(0.1)
+    deadline = time.monotonic() + 10  # releases are one-way: the service takes the last ones now
+    while sum(host.used_tokens().values()) and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert sum(host.used_tokens().values()) == 0  # every request's KV given back
     remote.close()
 

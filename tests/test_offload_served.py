@@ -119,8 +119,8 @@ def test_executor_killed_mid_generation(server: Server) -> None:
         t_kill = time.monotonic()
     finally:
         t.join(120)
-    assert not t.is_alive() and result, "the hot requests did not finish"
-    assert [o["output_ids"] for o in result[0]] == want
+    assert not t.is_alive() and result, f"the hot requests did not finish:\n{server.log()[-4000:]}"
+    assert [o["output_ids"] for o in result[0]] == want, server.log()[-4000:]
     assert time.monotonic() - t_kill < 60
     assert "cold-0" in {o["meta_info"]["attention_executor"] for o in result[0]}  # they had been remote
     # The kill came while they decoded there (the reference took ref_s): they were recomputed.
@@ -131,7 +131,6 @@ def test_executor_killed_mid_generation(server: Server) -> None:
     again = wait_for(lambda: (p := pairing(server))["state"] == "active" and p["pairing"] != first and p, 60,
                      "hot-0 paired again with the restarted cold-0")
     assert again["executor"] == "cold-0"
-    assert "detached: executor cold-0 is down" in server.log()
     outs = generate(server, "hot", 24)
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in generate(server, "ref", 24)]
 

@@ -1,6 +1,6 @@
-"""The torch.distributed transport: a sender (`DistRemote`) and an executor's host (`ExecutorService`)
-over a private two-rank process group per pairing -- never the global default group, since a worker
-may host several guests while it sends to an executor of its own.
+"""The torch.distributed transport: a sender (`DistRemote`) and an executor's host (`ExecutorService`
+in host.py) over a private two-rank process group per pairing -- never the global default group,
+since a worker may host several guests while it sends to an executor of its own.
 
     host (rank 0)                                           sender (rank 1)
     TCPStore(master, a free port) ── HOST:PORT via the router ──> TCPStore(client)
@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from datetime import timedelta
 from typing import Any, Final
@@ -34,7 +33,7 @@ from typing import Any, Final
 import torch
 from torch.distributed import ProcessGroupGloo, TCPStore
 
-from sglang_ext.offload.executor import AttentionExecutor, ExecutorFull, GuestSpec
+from sglang_ext.offload.executor import GuestSpec
 from sglang_ext.offload.remote import ExecutorLost, RemoteAttention
 
 logger = logging.getLogger(__name__)
@@ -309,110 +308,3 @@ class DistRemote(RemoteAttention):
                 self.link.send_header([CLOSE], min(self.timeout_s, 1.0))
         self.alive = False
         self.link.close()
-
-
-class ExecutorService:
-    """The host's end of one pairing: a thread answering the sender against the worker's executor.
-
-    It does not stop the host's own forward: torch ops and waits release the GIL, and the
-    partition (shared by every guest) is changed under `lock`. When the sender goes away (closes,
-    dies, or stops answering mid-step) the guest's KV is released and the thread ends.
-    """
-
-    def __init__(self, executor: AttentionExecutor, lock: threading.Lock, guest: str, spec: GuestSpec,
-                 store: TCPStore, backend: str, wire: torch.device, local_host: str, timeout_s: float,
-                 on_exit: Callable[[ExecutorService], None] | None = None,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S, listener: socket.socket | None = None) -> None:
-        self.executor = executor
-        self.lock = lock
-        self.guest = guest
-        self.spec = spec
-        self.store = store
-        self.listener = listener  # the store's listening socket, closed with the pairing
-        self.backend = backend
-        self.wire = wire
-        self.local_host = local_host
-        self.timeout_s = timeout_s
-        self.idle_timeout_s = idle_timeout_s
-        self.on_exit = on_exit
-        self.link: Link | None = None
-        self.ended = threading.Event()
-        self.thread = threading.Thread(target=self._run, name=f"executor-{guest}", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def _run(self) -> None:
-        why = "closed by the sender"
-        try:
-            if self.executor.device.type == "cuda":
-                torch.cuda.set_device(self.executor.device)
-            self.link = Link(self.store, HOST_RANK, self.backend, self.wire, self.local_host)
-            self._serve(self.link)
-        except LinkError as e:
-            why = str(e)
-        except Exception as e:  # a protocol or executor bug: end this pairing only, loudly
-            logger.exception("executor for guest %s failed", self.guest)
-            why = f"{type(e).__name__}: {e}"
-        finally:
-            with self.lock:
-                held = self.executor.used_tokens(self.guest) if self.guest in self.executor.guests else 0
-                self.executor.detach(self.guest)
-            if self.link is not None:
-                self.link.close()
-            if self.listener is not None:
-                self.listener.close()
-            logger.info("executor for guest %s ended (%s); released its KV (%d tokens)", self.guest, why, held)
-            self.ended.set()
-            if self.on_exit is not None:
-                self.on_exit(self)
-
-    def _serve(self, link: Link) -> None:
-        while True:
-            kind, a, b, c = link.recv_header(self.idle_timeout_s)
-            if kind == LOAD:
-                self._load(link, a, b, c)
-            elif kind == RELEASE:
-                with self.lock:
-                    self.executor.release(self.guest, a)
-            elif kind == BEGIN:
-                self._step(link, a)
-            elif kind == CLOSE:
-                return
-            else:
-                raise LinkError(f"unknown message kind {kind}")
-
-    def _load(self, link: Link, handle: int, length: int, n: int) -> None:
-        g = self.spec.geometry
-        kv = torch.empty((n, g.num_layers, 2, g.page_size, g.num_kv_heads, g.head_dim), dtype=g.dtype,
-                         device=self.wire)
-        link.recv(kv, TAG_CTRL, self.timeout_s)
-        with self.lock:
-            try:
-                self.executor.load(self.guest, handle, kv, length)
-                ok = 1
-            except ExecutorFull:
-                ok = 0
-        link.send_header([REPLY, ok], self.timeout_s)
-
-    def _step(self, link: Link, n: int) -> None:
-        hp = torch.empty((2, n), dtype=torch.int64, device=self.wire)
-        link.recv(hp, TAG_CTRL, self.timeout_s)
-        handles, positions = ([int(x) for x in row] for row in hp.tolist())
-        with self.lock:
-            failed = self.executor.plan(self.guest, handles, positions)
-        link.send_header([REPLY, len(failed)], self.timeout_s)
-        if failed:
-            link.send(torch.tensor(failed, dtype=torch.int64).to(self.wire), TAG_CTRL, self.timeout_s)
-        rows = n - len(failed)
-        if not rows:
-            return
-        s = self.spec
-        hq, hkv, d = s.num_q_heads, s.geometry.num_kv_heads, s.head_dim
-        for layer in range(s.geometry.num_layers):
-            qkv = torch.empty((rows, (hq + 2 * hkv) * d), dtype=s.geometry.dtype, device=self.wire)
-            link.recv(qkv, TAG_QKV, self.timeout_s)
-            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=1)
-            o = self.executor.attend(self.guest, layer, q.reshape(rows, hq, d), k.reshape(rows, hkv, d),
-                                     v.reshape(rows, hkv, d))
-            link.send(o.reshape(rows, -1).to(self.wire, s.geometry.dtype).contiguous(), TAG_OUT, self.timeout_s)

@@ -1,5 +1,6 @@
 """A worker's executor for other models' senders (`executor_mem_gb`): one ExecutorService thread per
-pairing the router opens, all over one AttentionExecutor and its foreign-KV partition.
+pairing the router opens (the host's end of dist.py's protocol), all over one AttentionExecutor and its
+foreign-KV partition.
 
 A guest is keyed by sender and pairing (`hot-0/p-1a2b-3`), so a sender paired again (it restarted,
 or lost its executor for a while) never meets the pages of its previous pairing: those are released
@@ -8,16 +9,37 @@ when that pairing's thread ends.
 
 from __future__ import annotations
 
+import logging
+import socket
 import threading
+from collections.abc import Callable
 from typing import Final
 
 import torch
+from torch.distributed import TCPStore
 
 from sglang_ext.kvcache.pool import KVGeometry
 from sglang_ext.messages import ExecutorOpen
-from sglang_ext.offload.dist import ExecutorService, open_store, pair_backend
-from sglang_ext.offload.executor import AttentionExecutor, GuestSpec
+from sglang_ext.offload.dist import (
+    BEGIN,
+    CLOSE,
+    HOST_RANK,
+    IDLE_TIMEOUT_S,
+    LOAD,
+    RELEASE,
+    REPLY,
+    TAG_CTRL,
+    TAG_OUT,
+    TAG_QKV,
+    Link,
+    LinkError,
+    open_store,
+    pair_backend,
+)
+from sglang_ext.offload.executor import AttentionExecutor, ExecutorFull, GuestSpec
 from sglang_ext.offload.transport import SERVED_DEFAULT
+
+logger = logging.getLogger(__name__)
 
 _DTYPES: Final = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,3 +102,110 @@ class ExecutorHost:
             if g is not None and pg is not None:
                 out[model] = out.get(model, 0) + pg.used * g.spec.geometry.page_size
         return out
+
+
+class ExecutorService:
+    """The host's end of one pairing: a thread answering the sender against the worker's executor.
+
+    It does not stop the host's own forward: torch ops and waits release the GIL, and the
+    partition (shared by every guest) is changed under `lock`. When the sender goes away (closes,
+    dies, or stops answering mid-step) the guest's KV is released and the thread ends.
+    """
+
+    def __init__(self, executor: AttentionExecutor, lock: threading.Lock, guest: str, spec: GuestSpec,
+                 store: TCPStore, backend: str, wire: torch.device, local_host: str, timeout_s: float,
+                 on_exit: Callable[[ExecutorService], None] | None = None,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, listener: socket.socket | None = None) -> None:
+        self.executor = executor
+        self.lock = lock
+        self.guest = guest
+        self.spec = spec
+        self.store = store
+        self.listener = listener  # the store's listening socket, closed with the pairing
+        self.backend = backend
+        self.wire = wire
+        self.local_host = local_host
+        self.timeout_s = timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.on_exit = on_exit
+        self.link: Link | None = None
+        self.ended = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"executor-{guest}", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run(self) -> None:
+        why = "closed by the sender"
+        try:
+            if self.executor.device.type == "cuda":
+                torch.cuda.set_device(self.executor.device)
+            self.link = Link(self.store, HOST_RANK, self.backend, self.wire, self.local_host)
+            self._serve(self.link)
+        except LinkError as e:
+            why = str(e)
+        except Exception as e:  # a protocol or executor bug: end this pairing only, loudly
+            logger.exception("executor for guest %s failed", self.guest)
+            why = f"{type(e).__name__}: {e}"
+        finally:
+            with self.lock:
+                held = self.executor.used_tokens(self.guest) if self.guest in self.executor.guests else 0
+                self.executor.detach(self.guest)
+            if self.link is not None:
+                self.link.close()
+            if self.listener is not None:
+                self.listener.close()
+            logger.info("executor for guest %s ended (%s); released its KV (%d tokens)", self.guest, why, held)
+            self.ended.set()
+            if self.on_exit is not None:
+                self.on_exit(self)
+
+    def _serve(self, link: Link) -> None:
+        while True:
+            kind, a, b, c = link.recv_header(self.idle_timeout_s)
+            if kind == LOAD:
+                self._load(link, a, b, c)
+            elif kind == RELEASE:
+                with self.lock:
+                    self.executor.release(self.guest, a)
+            elif kind == BEGIN:
+                self._step(link, a)
+            elif kind == CLOSE:
+                return
+            else:
+                raise LinkError(f"unknown message kind {kind}")
+
+    def _load(self, link: Link, handle: int, length: int, n: int) -> None:
+        g = self.spec.geometry
+        kv = torch.empty((n, g.num_layers, 2, g.page_size, g.num_kv_heads, g.head_dim), dtype=g.dtype,
+                         device=self.wire)
+        link.recv(kv, TAG_CTRL, self.timeout_s)
+        with self.lock:
+            try:
+                self.executor.load(self.guest, handle, kv, length)
+                ok = 1
+            except ExecutorFull:
+                ok = 0
+        link.send_header([REPLY, ok], self.timeout_s)
+
+    def _step(self, link: Link, n: int) -> None:
+        hp = torch.empty((2, n), dtype=torch.int64, device=self.wire)
+        link.recv(hp, TAG_CTRL, self.timeout_s)
+        handles, positions = ([int(x) for x in row] for row in hp.tolist())
+        with self.lock:
+            failed = self.executor.plan(self.guest, handles, positions)
+        link.send_header([REPLY, len(failed)], self.timeout_s)
+        if failed:
+            link.send(torch.tensor(failed, dtype=torch.int64).to(self.wire), TAG_CTRL, self.timeout_s)
+        rows = n - len(failed)
+        if not rows:
+            return
+        s = self.spec
+        hq, hkv, d = s.num_q_heads, s.geometry.num_kv_heads, s.head_dim
+        for layer in range(s.geometry.num_layers):
+            qkv = torch.empty((rows, (hq + 2 * hkv) * d), dtype=s.geometry.dtype, device=self.wire)
+            link.recv(qkv, TAG_QKV, self.timeout_s)
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=1)
+            o = self.executor.attend(self.guest, layer, q.reshape(rows, hq, d), k.reshape(rows, hkv, d),
+                                     v.reshape(rows, hkv, d))
+            link.send(o.reshape(rows, -1).to(self.wire, s.geometry.dtype).contiguous(), TAG_OUT, self.timeout_s)
