@@ -225,7 +225,7 @@ def test_multi_model_failures_and_max_duration() -> None:
     assert mixed["per_model"]["good"]["completed"] == counts["good"]
     assert mixed["per_model"]["broken"]["failed"] == counts["broken"] == mixed["metrics"]["failed"] > 0
     assert any("HTTP 404" in e for e in mixed["errors"])
-    assert slow["metrics"]["failed"] == 3 and elapsed < 3.0
+    assert slow["metrics"]["failed"] == 3 and elapsed < 10.0  # cancelled, not run to the end
     assert list(slow["errors"]) == [serving.CANCELLED]
 
 

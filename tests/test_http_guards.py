@@ -104,18 +104,18 @@ def test_dribbled_headers_are_cut_off(server: Server) -> None:
                 closed = True
                 break
         took = time.monotonic() - t0
-    assert closed and HEADER_S - 0.3 < took < HEADER_S + 3, took
+    assert closed and HEADER_S - 0.3 < took < HEADER_S + 8, took
     generate_ok(server)
 
 
 def test_idle_connections_are_closed(server: Server) -> None:
     with connect(server) as s:  # never sends a byte
         took, raw = closed_after(s, HEADER_S + 5)
-    assert raw == b"" and took < HEADER_S + 3
+    assert raw == b"" and took < HEADER_S + 8
     with connect(server) as s:  # one request, then idle on a kept-alive connection
         s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
         took, raw = closed_after(s, KEEP_ALIVE_S + 5)
-    assert raw.startswith(b"HTTP/1.1 200") and took < KEEP_ALIVE_S + 3
+    assert raw.startswith(b"HTTP/1.1 200") and took < KEEP_ALIVE_S + 8
 
 
 def test_dribbled_body_gets_408(server: Server) -> None:
@@ -139,7 +139,7 @@ def test_dribbled_body_gets_408(server: Server) -> None:
         took = time.monotonic() - t0
     status, body = status_and_json(raw)
     assert status == 408 and "did not arrive" in body["error"]["message"]  # type: ignore[index]
-    assert BODY_S - 0.3 < took < BODY_S + 3
+    assert BODY_S - 0.3 < took < BODY_S + 8
     generate_ok(server)
 
 

@@ -136,7 +136,7 @@ async def test_killed_worker_fails_only_its_requests(server: Server, tmp: Path) 
         assert len(done) == 1 and len(running) == 1, "exactly one request was on the killed worker"
         failed = done.pop().result()
         assert failed.status_code == 503, failed.text
-        assert time.monotonic() - t_kill < 8
+        assert time.monotonic() - t_kill < 20  # fails fast (a watched local process), never waits for a timeout
         msg = failed.json()["error"]["message"]
         assert "beta-0" in msg and "not completed" in msg
         # Only that worker's request failed: the other model finishes normally, and new requests to
@@ -200,7 +200,7 @@ def test_remote_worker_crash_detected_by_heartbeat(server: Server, tmp: Path) ->
                     break
             assert "error" in last and last["error"]["code"] == 503, last
             assert "gamma-0" in last["error"]["message"] and "heartbeat" in last["error"]["message"]
-            assert 2.0 < time.monotonic() - t_kill < 8.0  # the heartbeat timeout is 3 s
+            assert 2.0 < time.monotonic() - t_kill < 15.0  # the heartbeat timeout is 3 s (slack for a loaded CI)
         r = gen(c := server.client(), "gamma")
         c.close()
         assert r.status_code == 503 and "no worker of model 'gamma' is up" in r.json()["error"]["message"]
