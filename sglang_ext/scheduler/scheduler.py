@@ -34,6 +34,7 @@ from sglang_ext.scheduler.batch_builder import Entry, build_batch
 from sglang_ext.scheduler.kv_manager import KVManager
 from sglang_ext.scheduler.output import DecodeFn, StepOutput, check_finish
 from sglang_ext.scheduler.policy import make_policy
+from sglang_ext.scheduler.remote_rows import RemoteRows
 from sglang_ext.scheduler.request import FinishReason, Req, ReqStatus
 from sglang_ext.server_args import ServerArgs
 
@@ -58,7 +59,7 @@ class LoadStats:
     num_preemptions: int
 
 
-class Scheduler:
+class Scheduler(RemoteRows):
     def __init__(
         self,
         args: ServerArgs,
@@ -180,41 +181,6 @@ class Scheduler:
             return []
         return self._process(entries, logits)
 
-    def _plan_remote(self, entries: list[Entry]) -> list[Entry]:
-        """Tell the executor this step's remote rows; rows it cannot grow are recomputed locally."""
-        remote = [e.req for e in entries if e.req.remote is not None]
-        if not remote:
-            return entries
-        assert self.offload is not None
-        dropped = self.offload.begin_step(remote)
-        for r in dropped:
-            logger.info("executor full: %s is recomputed locally", r.rid)
-            self._requeue(r)
-        gone = {id(r) for r in dropped}
-        return [e for e in entries if id(e.req) not in gone]
-
-    def set_offload(self, offload: Offloader | None) -> None:
-        """Another executor, or none (a router's directive, between steps): requests still on the
-        current one are released there and recomputed here."""
-        old, self.offload = self.offload, offload
-        if old is None or old is offload:
-            return
-        for r in list(old.reqs.values()):
-            old.release(r)
-            self._requeue(r)
-        old.active = False
-
-    def _requeue(self, r: Req) -> None:
-        """A remote request whose executor KV is gone: back to the queue head, recomputed."""
-        r.remote = None
-        r.pages, r.cached_pages, r.prefix_node, r.kv_len, r.admitted = [], 0, None, 0, False
-        if r in self.running:
-            self.running.remove(r)
-        r.status = ReqStatus.WAITING
-        r.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.insert(0, r)
-
     def _schedule(self) -> tuple[list[Entry], ForwardMode]:
         entries: list[Entry] = []
         budget = self.chunk
@@ -304,21 +270,6 @@ class Scheduler:
                 self.kv.grow(r, r.kv_len + 1)
                 kept.append(r)
         return kept
-
-    def _drop_local_kv(self, r: Req) -> None:
-        """The request's KV now lives on the executor: publish its prompt pages to the prefix
-        cache, free its own pages, and keep its length."""
-        kv_len = r.kv_len
-        self.kv.release(r, keep_in_cache=True)
-        r.kv_len, r.admitted = kv_len, True
-
-    def _release_kv(self, r: Req) -> None:
-        if r.remote is not None:
-            assert self.offload is not None
-            self.offload.release(r)
-            r.kv_len, r.admitted = 0, False
-        else:
-            self.kv.release(r, keep_in_cache=True)
 
     def _preempt(self, r: Req) -> None:
         logger.debug("preempting %s (kv_len=%d)", r.rid, r.kv_len)
