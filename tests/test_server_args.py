@@ -61,3 +61,15 @@ def test_keywords_are_the_field_names() -> None:
     assert ServerArgs.from_kwargs(max_total_tokens=8).max_total_tokens == 8
     with pytest.raises(TypeError, match="extra"):
         ServerArgs.from_kwargs(extra={})  # the dead `extra` field is gone
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"offload_ratio": 1.5}, "offload_ratio"),
+    ({"offload_ratio": -0.1}, "offload_ratio"),
+    ({"executor_mem_gb": -1.0}, "executor_mem_gb"),
+    ({"offload_executor": "gpu7", "offload_ratio": 0.5}, "offload_executor"),
+    ({"offload_executor": "local"}, "offload_ratio is 0"),
+])
+def test_remote_attention_arguments_are_checked(kw: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ServerArgs(**kw)
