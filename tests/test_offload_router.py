@@ -130,13 +130,6 @@ async def router(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Router]:
     await r.stop()
 
 
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    c = zmq.asyncio.Context()
-    yield c
-    c.term()
-
-
 class Fleet:
     """Fake senders (model hot) and hosts (model cold, offering executor memory), closed at the end
     (an open socket would hang the context's term)."""

@@ -43,13 +43,6 @@ async def router() -> AsyncIterator[Router]:
     await r.stop()
 
 
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    c = zmq.asyncio.Context()
-    yield c
-    c.term()
-
-
 def req(router: Router, max_new: int = 4) -> GenerateReq:
     sp = SamplingParams(max_new_tokens=max_new)
     return GenerateReq(rid=router.new_rid(), input_ids=[1, 2, 3], sampling_params=sp)
