@@ -1,0 +1,206 @@
+"""Pinned host memory for the host KV pool: how much to take, and where to put it.
+
+Sizing. `default_host_pool_bytes()` takes a fraction of MemAvailable (/proc/meminfo): pinned pages cannot
+be swapped or reclaimed, so taking all of it starves the tokenizer, the page cache and other workers.
+On the lent multi-GPU Firecracker machines MemTotal/MemAvailable start low and grow as memory is used
+(KINDS.md), so there the figure is an underestimate: pass `kv_host_size_gb` explicitly.
+
+Placement (the Grace path). On a Grace–Hopper (GH200) node the CPU's LPDDR5X is reached over NVLink-C2C,
+and each GPU is close to one Grace's memory. The GPU's HBM is also onlined as a NUMA node of its own,
+with no CPUs: that node is *not* where host KV belongs (it would spend HBM on the "host" pool). The node
+we want is the one the GPU's PCI function reports in /sys/bus/pci/devices/<domain:bus:dev.fn>/numa_node:
+the CPU node the driver attached it to. `host_kv_tensor` then
+  1. maps anonymous memory (mmap),
+  2. sets MPOL_PREFERRED for that node with mbind(2) before the first touch (preferred, not bound: a
+     full node spills elsewhere instead of OOM-killing the server),
+  3. pins and registers it with CUDA (cudaHostRegister, portable), which faults the pages in on that node,
+  4. wraps it as a torch tensor; unregistered and unmapped when the tensor is freed.
+Any failure (no NUMA information, a single node, mbind refused in a container, registration failed) falls
+back to torch's `pin_memory=True` allocation, with the reason logged and returned. mbind is called
+through libc's syscall() (no libnuma needed; syscall numbers for x86_64 and aarch64). On x86 machines
+with several sockets the same path puts the pool on the GPU's socket.
+
+Untested on GH200: no Grace machine is lent to this project. What has run: the NUMA path on a one-node
+x86 CPU machine (mbind to node 0, unpinned) in tests, and the torch fallback.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import platform
+import weakref
+from pathlib import Path
+from typing import Final, NamedTuple
+
+import torch
+
+from sglang_ext.kvcache.pool import KVGeometry
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HOST_FRACTION: Final = 0.5
+MPOL_PREFERRED: Final = 1
+_SYS_MBIND: Final = {"x86_64": 237, "aarch64": 235, "arm64": 235}
+_PROT_READ_WRITE: Final = 0x1 | 0x2
+_MAP_PRIVATE_ANONYMOUS: Final = 0x02 | 0x20
+_MAP_FAILED: Final = ctypes.c_void_p(-1).value
+_CUDA_HOST_REGISTER_PORTABLE: Final = 0x1
+
+
+class HostAlloc(NamedTuple):
+    tensor: torch.Tensor
+    numa_node: int | None  # the node the memory was placed on, None when not placed
+    how: str  # "numa-registered" | "torch-pinned" | "unpinned"
+    reason: str  # why this path (for the log and the benchmark's record)
+
+
+# ---- sizing -----------------------------------------------------------------------------------------
+def mem_available_bytes(meminfo: str | Path = "/proc/meminfo") -> int | None:
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # reported in kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def default_host_pool_bytes(fraction: float = DEFAULT_HOST_FRACTION, meminfo: str | Path = "/proc/meminfo") -> int:
+    """`fraction` of MemAvailable, 0 when it cannot be read (the caller then keeps rotation off)."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"host pool fraction must be in (0, 1], got {fraction}")
+    avail = mem_available_bytes(meminfo)
+    return 0 if avail is None else int(avail * fraction)
+
+
+# ---- placement --------------------------------------------------------------------------------------
+def gpu_pci_address(device_index: int) -> str | None:
+    """The GPU's PCI address as sysfs names it ("0000:1b:00.0"), from torch's device properties."""
+    try:
+        p = torch.cuda.get_device_properties(device_index)
+        return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+    except (AttributeError, RuntimeError, AssertionError):  # an old torch, or no CUDA
+        return None
+
+
+def numa_node_of_pci(pci: str, sysfs: str | Path = "/sys") -> int | None:
+    """The CPU NUMA node a PCI function is attached to; None when unknown (-1, or no such file)."""
+    try:
+        node = int((Path(sysfs) / "bus/pci/devices" / pci / "numa_node").read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return node if node >= 0 else None
+
+
+def numa_node_count(sysfs: str | Path = "/sys") -> int:
+    base = Path(sysfs) / "devices/system/node"
+    try:
+        return sum(1 for p in base.iterdir() if p.name.startswith("node") and p.name[4:].isdigit())
+    except OSError:
+        return 1
+
+
+def gpu_host_numa_node(device_index: int, sysfs: str | Path = "/sys") -> tuple[int | None, str]:
+    """(node, reason): the CPU node near the GPU, or None with why placement is pointless or unknown."""
+    if numa_node_count(sysfs) < 2:
+        return None, "one NUMA node: nothing to choose"
+    pci = gpu_pci_address(device_index)
+    if pci is None:
+        return None, "GPU PCI address unknown"
+    node = numa_node_of_pci(pci, sysfs)
+    if node is None:
+        return None, f"no NUMA node recorded for PCI device {pci}"
+    return node, f"GPU {device_index} ({pci}) is attached to NUMA node {node}"
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.syscall.restype = ctypes.c_long
+    return libc
+
+
+def map_on_node(nbytes: int, node: int) -> int:
+    """Anonymous memory whose pages, once touched, come from `node` where it has room. Returns the
+    address; free with `unmap`. Raises OSError when mmap or mbind fails."""
+    sysno = _SYS_MBIND.get(platform.machine())
+    if sysno is None:
+        raise OSError(f"mbind syscall number unknown for {platform.machine()}")
+    libc = _libc()
+    addr = libc.mmap(None, nbytes, _PROT_READ_WRITE, _MAP_PRIVATE_ANONYMOUS, -1, 0)
+    if addr is None or addr == _MAP_FAILED:
+        raise OSError(ctypes.get_errno(), f"mmap of {nbytes} bytes failed: {os.strerror(ctypes.get_errno())}")
+    words = node // 64 + 1
+    mask = (ctypes.c_ulong * words)()
+    mask[node // 64] = 1 << (node % 64)
+    # maxnode counts one past the bits the kernel reads (its historic off-by-one, as libnuma passes it).
+    rc = libc.syscall(ctypes.c_long(sysno), ctypes.c_void_p(addr), ctypes.c_ulong(nbytes), ctypes.c_int(MPOL_PREFERRED),
+                      mask, ctypes.c_ulong(64 * words + 1), ctypes.c_uint(0))
+    if rc != 0:
+        err = ctypes.get_errno()
+        libc.munmap(addr, nbytes)
+        raise OSError(err, f"mbind to node {node} failed: {os.strerror(err)}")
+    return int(addr)
+
+
+def unmap(addr: int, nbytes: int) -> None:
+    _libc().munmap(addr, nbytes)
+
+
+def wrap_host_memory(
+    addr: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...], registered: bool
+) -> torch.Tensor:
+    """A tensor over [addr, addr + nbytes); the memory is unregistered (if `registered`) and unmapped
+    when the last tensor viewing it is freed."""
+    buf = (ctypes.c_uint8 * nbytes).from_address(addr)
+    weakref.finalize(buf, _release, addr, nbytes, registered)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def _release(addr: int, nbytes: int, registered: bool) -> None:
+    if registered:
+        torch.cuda.cudart().cudaHostUnregister(addr)
+    unmap(addr, nbytes)
+
+
+def host_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
+                numa: bool | None = None, sysfs: str | Path = "/sys") -> HostAlloc:
+    """Host memory of `shape`, pinned for `device` when it is a GPU, on the GPU's NUMA node where that
+    helps. `numa`: None = when the machine has several nodes, True = try even on one node, False = never."""
+    device = torch.device(device)
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cuda":
+        return HostAlloc(torch.empty(shape, dtype=dtype), None, "unpinned", "device is not a GPU")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    node, reason = gpu_host_numa_node(index, sysfs)
+    if numa is True and node is None:
+        node, reason = 0, f"placement forced to node 0 ({reason})"
+    if numa is not False and node is not None and nbytes > 0:
+        try:
+            addr = map_on_node(nbytes, node)
+        except OSError as e:
+            reason = f"{reason}; NUMA placement failed: {e}"
+        else:
+            err = int(torch.cuda.cudart().cudaHostRegister(addr, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
+            if err == 0:
+                t = wrap_host_memory(addr, nbytes, dtype, shape, registered=True)
+                log.info("host KV pool: %.1f GiB pinned on NUMA node %d (%s)", nbytes / 2**30, node, reason)
+                return HostAlloc(t, node, "numa-registered", reason)
+            unmap(addr, nbytes)
+            reason = f"{reason}; cudaHostRegister failed (error {err})"
+    elif numa is False:
+        reason = "NUMA placement off"
+    log.info("host KV pool: %.1f GiB pinned by torch (%s)", nbytes / 2**30, reason)
+    return HostAlloc(torch.empty(shape, dtype=dtype, pin_memory=True), None, "torch-pinned", reason)
+
+
+def host_kv_tensor(geometry: KVGeometry, num_pages: int, device: torch.device | str,
+                   numa: bool | None = None) -> HostAlloc:
+    """A host KV pool's `data` in the device pool's block-first layout, for `HostKVPool` to adopt."""
+    g = geometry
+    shape = (num_pages, g.num_layers, 2, g.page_size, g.num_kv_heads, g.head_dim)
+    return host_tensor(shape, g.dtype, device, numa)
