@@ -177,12 +177,14 @@ def test_no_call_blocks_the_host(method: str) -> None:
     assert host_s < 0.4, f"the calls took {host_s:.3f} s while the GPU slept: something waited for it"
 
 
-def test_numa_registered_host_memory_serves_as_the_host_pool() -> None:
-    alloc = host_memory.host_kv_tensor(GEOM, PAGES, "cuda", numa=True)
-    assert alloc.tensor.shape[0] == PAGES
-    if alloc.how != "numa-registered":
-        pytest.skip(f"NUMA placement unavailable on this machine: {alloc.reason}")
+@pytest.mark.parametrize("numa", [True, None])
+def test_registered_host_memory_serves_as_the_host_pool(numa: bool | None) -> None:
+    alloc = host_memory.host_kv_tensor(GEOM, PAGES, "cuda", numa=numa)
+    assert alloc.how in ("numa-registered", "registered"), alloc.reason
+    if numa and alloc.how != "numa-registered":
+        pytest.skip(f"NUMA placement refused on this machine: {alloc.reason}")
     assert alloc.tensor.is_pinned()
+    assert alloc.tensor.untyped_storage().nbytes() == PAGES * GEOM.page_bytes  # exactly, not rounded up
     eng, pool, host = make("batched")
     host.data = alloc.tensor  # what HostKVPool will do once it is wired to host_memory
     before = pool.data.cpu()

@@ -15,13 +15,15 @@ the CPU node the driver attached it to. `host_kv_tensor` then
      full node spills elsewhere instead of OOM-killing the server),
   3. pins and registers it with CUDA (cudaHostRegister, portable), which faults the pages in on that node,
   4. wraps it as a torch tensor; unregistered and unmapped when the tensor is freed.
-Any failure (no NUMA information, a single node, mbind refused in a container, registration failed) falls
-back to torch's `pin_memory=True` allocation, with the reason logged and returned. mbind is called
+Without a node to choose (one node, no NUMA information) or when mbind is refused (containers), steps
+1, 3 and 4 still run: registering pins exactly the pool's size, where torch's `pin_memory` rounds up to
+a power of two. Only when mapping or registration fails does it fall back to torch's `pin_memory=True`,
+with the reason logged and returned. mbind is called
 through libc's syscall() (no libnuma needed; syscall numbers for x86_64 and aarch64). On x86 machines
 with several sockets the same path puts the pool on the GPU's socket.
 
-Untested on GH200: no Grace machine is lent to this project. What has run: the NUMA path on a one-node
-x86 CPU machine (mbind to node 0, unpinned) in tests, and the torch fallback.
+Untested on GH200: no Grace machine is lent to this project. What has run: mmap + mbind to node 0 on a
+one-node x86 CPU machine (unpinned) in the CPU tests; registration is exercised by tests/test_gpu_rotation.py.
 """
 
 from __future__ import annotations
@@ -124,16 +126,20 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
-def map_on_node(nbytes: int, node: int) -> int:
-    """Anonymous memory whose pages, once touched, come from `node` where it has room. Returns the
-    address; free with `unmap`. Raises OSError when mmap or mbind fails."""
-    sysno = _SYS_MBIND.get(platform.machine())
-    if sysno is None:
-        raise OSError(f"mbind syscall number unknown for {platform.machine()}")
+def map_host(nbytes: int, node: int | None) -> tuple[int, str | None]:
+    """Anonymous memory (zeroed, untouched) of `nbytes`; with `node`, its pages come from that node where
+    it has room, once touched. Returns (address, why placement failed or None); free with `unmap`.
+    Raises OSError when mmap itself fails."""
     libc = _libc()
     addr = libc.mmap(None, nbytes, _PROT_READ_WRITE, _MAP_PRIVATE_ANONYMOUS, -1, 0)
     if addr is None or addr == _MAP_FAILED:
-        raise OSError(ctypes.get_errno(), f"mmap of {nbytes} bytes failed: {os.strerror(ctypes.get_errno())}")
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {nbytes} bytes failed: {os.strerror(err)}")
+    if node is None:
+        return int(addr), None
+    sysno = _SYS_MBIND.get(platform.machine())
+    if sysno is None:
+        return int(addr), f"mbind syscall number unknown for {platform.machine()}"
     words = node // 64 + 1
     mask = (ctypes.c_ulong * words)()
     mask[node // 64] = 1 << (node % 64)
@@ -142,9 +148,8 @@ def map_on_node(nbytes: int, node: int) -> int:
                       mask, ctypes.c_ulong(64 * words + 1), ctypes.c_uint(0))
     if rc != 0:
         err = ctypes.get_errno()
-        libc.munmap(addr, nbytes)
-        raise OSError(err, f"mbind to node {node} failed: {os.strerror(err)}")
-    return int(addr)
+        return int(addr), f"mbind to node {node} failed: {os.strerror(err)}"
+    return int(addr), None
 
 
 def unmap(addr: int, nbytes: int) -> None:
@@ -170,7 +175,9 @@ def _release(addr: int, nbytes: int, registered: bool) -> None:
 def host_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
                 numa: bool | None = None, sysfs: str | Path = "/sys") -> HostAlloc:
     """Host memory of `shape`, pinned for `device` when it is a GPU, on the GPU's NUMA node where that
-    helps. `numa`: None = when the machine has several nodes, True = try even on one node, False = never."""
+    helps. `numa`: None = when the machine has several nodes, True = try even on one node, False = never.
+    Pinned by mmap + cudaHostRegister even without placement: that pins exactly `nbytes`, where torch's
+    pin_memory rounds up to a power of two (a 20 GiB pool would pin 32 GiB)."""
     device = torch.device(device)
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     if device.type != "cuda":
@@ -179,22 +186,26 @@ def host_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     node, reason = gpu_host_numa_node(index, sysfs)
     if numa is True and node is None:
         node, reason = 0, f"placement forced to node 0 ({reason})"
-    if numa is not False and node is not None and nbytes > 0:
+    elif numa is False:
+        node, reason = None, "NUMA placement off"
+    if nbytes > 0:
         try:
-            addr = map_on_node(nbytes, node)
+            addr, placed = map_host(nbytes, node)
         except OSError as e:
-            reason = f"{reason}; NUMA placement failed: {e}"
+            reason = f"{reason}; mmap failed: {e}"
         else:
+            if node is not None and placed is not None:
+                reason, node = f"{reason}; NUMA placement failed: {placed}", None
             err = int(torch.cuda.cudart().cudaHostRegister(addr, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
             if err == 0:
                 t = wrap_host_memory(addr, nbytes, dtype, shape, registered=True)
-                log.info("host KV pool: %.1f GiB pinned on NUMA node %d (%s)", nbytes / 2**30, node, reason)
-                return HostAlloc(t, node, "numa-registered", reason)
+                how = "numa-registered" if node is not None else "registered"
+                where = f"on NUMA node {node}" if node is not None else "unplaced"
+                log.info("host KV pool: %.2f GiB pinned %s (%s)", nbytes / 2**30, where, reason)
+                return HostAlloc(t, node, how, reason)
             unmap(addr, nbytes)
             reason = f"{reason}; cudaHostRegister failed (error {err})"
-    elif numa is False:
-        reason = "NUMA placement off"
-    log.info("host KV pool: %.1f GiB pinned by torch (%s)", nbytes / 2**30, reason)
+    log.info("host KV pool: %.2f GiB pinned by torch (%s)", nbytes / 2**30, reason)
     return HostAlloc(torch.empty(shape, dtype=dtype, pin_memory=True), None, "torch-pinned", reason)
 
 
