@@ -30,6 +30,13 @@ for s in $steps; do
             | tee "$OUT/sampling.log" ;;
     offload) PYTHONPATH=$BASE:/tmp/fi timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_offload.py \
             2>&1 | tee "$OUT/gpu_offload_test.log" ;;
+    ipc) for lm in LAZY EAGER; do  # a hang is killed; EAGER module loading rules out lazy-load deadlocks
+           CUDA_MODULE_LOADING=$lm PYTHONPATH=$BASE:/tmp/fi timeout -s KILL 200 python3 -m pytest -q -s -p no:cacheprovider \
+             -o faulthandler_timeout=150 tests/test_gpu_offload.py -k cuda_ipc 2>&1 | tee "$OUT/gpu_ipc_$lm.log"
+           [ "${PIPESTATUS[0]}" = 0 ] && break
+         done
+         CUDA_MODULE_LOADING=$lm PYTHONPATH=$BASE:/tmp/fi timeout -s KILL 300 python3 -X faulthandler bench/remote_step.py \
+           --transport cuda_ipc --out "$OUT/remote_step_ipc.json" ${IPC_ARGS:-} 2>&1 | tee "$OUT/remote_step_ipc.log" ;;
     cputests) SGLANG_EXT_TEST_DEVICE=cuda PYTHONPATH=$BASE timeout 240 python3 -m pytest -q -p no:cacheprovider \
             --continue-on-collection-errors tests -k "engine or scheduler or models or overlap" 2>&1 | tee "$OUT/cpu_tests_on_cuda.log" ;;
   esac

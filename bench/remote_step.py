@@ -45,6 +45,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--transport", default="local", choices=["local", "cuda_ipc"],
                    help="local: torch cross-device copies; cuda_ipc: GPU-signalled peer exchange")
+    p.add_argument("--modes", default="graph,eager", help="graph (decode CUDA graphs), eager, or both")
     p.add_argument("--out", default="remote_step.json")
     a = p.parse_args()
     if torch.cuda.device_count() < 2:
@@ -106,11 +107,13 @@ def main() -> None:
                     runner.forward(batch)
 
                 torch.cuda.synchronize(1)
-                if n_remote == 0 or (runner.graphs is not None and runner.graphs.split is not None):
+                split_graphs = runner.graphs is not None and runner.graphs.split is not None
+                if "graph" in a.modes and (n_remote == 0 or split_graphs):
                     row["graph_ms"] = time_gpu(step, a.steps)
-                graphs, runner.graphs = runner.graphs, None
-                row["eager_ms"] = time_gpu(step, a.steps)
-                runner.graphs = graphs
+                if "eager" in a.modes:
+                    graphs, runner.graphs = runner.graphs, None
+                    row["eager_ms"] = time_gpu(step, a.steps)
+                    runner.graphs = graphs
                 executor.release_all("bench")
             except Exception as e:  # record and go on: one infeasible point must not lose the rest
                 row["error"] = f"{type(e).__name__}: {e}"

@@ -40,13 +40,9 @@ def _agreement(a: dict[str, list[int]], b: dict[str, list[int]]) -> float:
     return same / total
 
 
-IPC_HANG = ("hung on two H200s (2026-11-29): the executor's first kernel launches queued behind a doorbell "
-            "wait; PeerRemote now warms its kernels first, not yet rerun on a GPU (docs/remote_attention.md)")
-
-
 @pytest.mark.parametrize(("where", "transport"), [
     ("local", "local"), ("cuda:1", "local"),
-    pytest.param("cuda:1", "cuda_ipc", marks=pytest.mark.skip(reason=IPC_HANG)),
+    ("cuda:1", "cuda_ipc"),
 ])
 def test_offload_keeps_greedy_tokens(where: str, transport: str) -> None:
     if where == "cuda:1" and torch.cuda.device_count() < 2:

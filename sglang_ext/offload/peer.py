@@ -58,12 +58,19 @@ class PeerRemote(LocalRemote):
         self.rows = 0  # the step's remote rows (wait_s stays 0: the waiting happens on the GPU)
         self._warm: set[int] = set()  # row counts whose executor kernels ran once ungated
         self._posted = 0  # rows the sender moves per layer: `rows`, or its padded size in a graph
+        self._program_done: torch.cuda.Event | None = None  # end of the last queued executor program
 
     # ---- per step --------------------------------------------------------------------------------
     def begin_step(self, handles: list[int], positions: list[int]) -> list[int]:
         self._check()
         if len(handles) > self.max_rows:
             raise ValueError(f"{len(handles)} remote rows; the exchange buffers hold {self.max_rows}")
+        if self._program_done is not None:
+            # Planning rewrites the executor's plan buffers (and their pinned host staging) and frees the
+            # last step's page table, which a queued program may still be about to read. A caller that
+            # read the last step's tokens has waited for it anyway; one that queues steps back to back
+            # (a benchmark) waits here, once per step, not per layer.
+            self._program_done.synchronize()
         failed = self.executor.plan(self.guest, handles, positions)
         self.rows = len(handles) - len(failed)
         if self.rows not in self._warm:
@@ -111,6 +118,8 @@ class PeerRemote(LocalRemote):
                 out.copy_(o.reshape(n, hq * d))
                 cs.peer_copy(self.recv.data_ptr(), out.data_ptr(), nbytes, s)
                 self.done.write(s, layer, 1)
+            self._program_done = torch.cuda.Event()
+            self._program_done.record(s)
 
     def post(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         n = self._posted = q.shape[0]  # in a graph: the padded size; the first `rows` are real
