@@ -10,6 +10,8 @@ import pytest
 from _rotation_util import PAGE, drive, reference, reqs, rotating
 from _tiny import VOCAB, greedy, prompts
 
+from sglang_ext.kvcache.holds import HoldingAllocator
+from sglang_ext.kvcache.rotation import host_kv_bytes
 from sglang_ext.scheduler.overlap import OverlapScheduler
 from sglang_ext.scheduler.request import Req, ReqStatus
 from sglang_ext.scheduler.scheduler import Scheduler
@@ -167,3 +169,25 @@ def test_budget_respected_per_iteration() -> None:
 
     drive(s, reqs(prompts(LENGTHS)), clock, every=2, on_step=within)
     assert seen["in"] > 0 and seen["out"] > 0
+
+
+def test_held_pages_are_parked_until_released() -> None:
+    a = HoldingAllocator(6)
+    p = a.alloc(3)
+    a.hold(p[:2])
+    a.hold(p[:1])
+    a.free(p)
+    assert a.num_free == 3 and a.parked == frozenset(p[:2])  # p[2] was not held: free at once
+    with pytest.raises(RuntimeError, match="double free"):
+        a.free(p[:1])
+    a.unhold(p[:2])
+    assert a.parked == frozenset(p[:1]) and a.num_free == 4
+    a.unhold(p[:1])
+    assert not a.parked and a.num_free == 5
+
+
+def test_host_pool_sized_from_available_memory_when_not_given(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="sglang_ext.kvcache.rotation"):
+        n = host_kv_bytes(None, device_pool_bytes=1 << 20)
+    assert 0 < n <= 16 << 20 and "kv_host_size_gb not set" in caplog.text
+    assert host_kv_bytes(0.5, 1) == 1 << 29
