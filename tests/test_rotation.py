@@ -191,3 +191,14 @@ def test_host_pool_sized_from_available_memory_when_not_given(caplog: pytest.Log
         n = host_kv_bytes(None, device_pool_bytes=1 << 20)
     assert 0 < n <= 16 << 20 and "kv_host_size_gb not set" in caplog.text
     assert host_kv_bytes(0.5, 1) == 1 << 29
+
+
+def test_flush_cache_waits_for_copies_in_flight() -> None:
+    s, clock = rotating("sf", late=50, rotation_budget_mb=0.05, max_total_tokens=60)
+    drive(s, reqs(prompts(LENGTHS)), clock, every=1)
+    assert s.rot is not None and s.rot.inflight and s.rot.deferred
+    assert not s.flush_cache()  # no crash: refused while copies still read cache pages
+    s.rot.engine.synchronize()
+    assert s.flush_cache()
+    s.check()
+    assert s.allocator.num_free == s.allocator.capacity

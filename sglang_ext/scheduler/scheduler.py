@@ -159,6 +159,10 @@ class Scheduler(Admission, RotaryRows, RemoteRows):
         """Drop the whole prefix cache; refused while requests are in flight (as in SGLang)."""
         if self.waiting or self.running or self.rotary:
             return False
+        if self.rot is not None:
+            self._rot_poll()
+            if self.rot.inflight:
+                return False  # rotation copies still read cache pages
         self.allocator.free(self.kv.cache.reset())
         return True
 
