@@ -71,8 +71,8 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 
 class SloSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    ttft_ms: float | None = None
-    tpot_ms: float | None = None  # also the inter-token (TBT) bound
+    ttft_ms: Annotated[float, Meta(gt=0)] | None = None
+    tpot_ms: Annotated[float, Meta(gt=0)] | None = None  # also the inter-token (TBT) bound
 
 
 class WorkerSpec(msgspec.Struct, forbid_unknown_fields=True):
@@ -223,7 +223,8 @@ def build_cluster(spec: ClusterSpec) -> Cluster:
             raise ConfigError(f"{where}.replicas must be >= 0, got {m.replicas}")
         specs = m.workers if m.workers is not None else [WorkerSpec() for _ in range(m.replicas)]
         for j, w in enumerate(specs):
-            values = {**m.args, "model_path": m.model_path, "served_model_name": name}
+            # The model's SLOs are its workers' (lvf schedules by them) unless a worker's args say otherwise.
+            values = {**_slo_args(m.slo), **m.args, "model_path": m.model_path, "served_model_name": name}
             for key in ("device", "mem_fraction_static", "max_total_tokens"):
                 if getattr(w, key) is not None:
                     values[key] = getattr(w, key)
@@ -236,6 +237,13 @@ def build_cluster(spec: ClusterSpec) -> Cluster:
         raise ConfigError(f"worker ids must be unique, repeated: {', '.join(dup)}")
     _check_offload(spec.offload, names, workers)
     return Cluster(spec.router, tuple(workers), tuple(names), slo, tuple(spec.offload))
+
+
+def _slo_args(slo: SloSpec | None) -> dict[str, float]:
+    if slo is None:
+        return {}
+    pairs = (("ttft_slo_ms", slo.ttft_ms), ("tpot_slo_ms", slo.tpot_ms))
+    return {k: v for k, v in pairs if v is not None}
 
 
 def _check_offload(rules: list[OffloadSpec], names: list[str], workers: list[LocalWorker]) -> None:

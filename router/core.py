@@ -217,6 +217,7 @@ class Router:
             if st.first_token is not None and st.completion_tokens > 1:
                 self.metrics.tpot.labels(st.model).observe((now - st.first_token) / (st.completion_tokens - 1))
             self.metrics.prompt_tokens.labels(st.model).inc(st.prompt_tokens or 0)
+            self._slo_attainment(st, now)
         self.bus.publish(RequestFinished(st.rid, st.model, st.worker.worker_id, ok, st.prompt_tokens or 0,
                                          st.completion_tokens, e2e, finish_reason))
 
@@ -355,6 +356,17 @@ class Router:
             self._close(st, ok=True, status="ok", finish_reason=reason if isinstance(reason, dict) else None)
         else:
             st.recharge()
+
+    def _slo_attainment(self, st: RequestState, now: float) -> None:
+        slo = self.slo.get(st.model)
+        if slo is None:
+            return
+        if slo.ttft_ms is not None:
+            first = st.first_token
+            self.metrics.slo_result(st.model, "ttft", first is not None and (first - st.arrival) * 1e3 <= slo.ttft_ms)
+        if slo.tpot_ms is not None and st.first_token is not None and st.completion_tokens > 1:
+            tpot = (now - st.first_token) / (st.completion_tokens - 1)
+            self.metrics.slo_result(st.model, "tpot", tpot * 1e3 <= slo.tpot_ms)
 
     def _slo_miss(self, st: RequestState, kind: str, value: float, slo: float) -> None:
         self.metrics.slo_miss.labels(st.model, kind).inc()

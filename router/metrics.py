@@ -66,7 +66,9 @@ class WorkerGauges(Collector):
         yield from (inflight, up, restarts)
 
 
-_OFFLOAD_FIELDS = ("offload_bytes_out", "offload_bytes_in", "offload_wait_s")
+_ROTATION_FIELDS = ("kv_rotations_out", "kv_rotations_in", "kv_rotation_bytes_out", "kv_rotation_bytes_in",
+                    "kv_rotation_unhidden_iterations")
+_OFFLOAD_FIELDS = ("offload_bytes_out", "offload_bytes_in", "offload_wait_s", *_ROTATION_FIELDS)
 
 
 class OffloadTotals:
@@ -124,6 +126,52 @@ class OffloadMetrics(Collector):
         yield from (reqs, nbytes, wait, used)
 
 
+class RotationMetrics(Collector):
+    """KV rotation to host memory, at scrape time, from load reports (counters kept monotonic
+    across worker restarts by the same totals as the offload counters)."""
+
+    def __init__(self, workers: Callable[[], Iterable[WorkerState]], totals: OffloadTotals) -> None:
+        self.workers = workers
+        self.totals = totals
+
+    def collect(self) -> Iterator[Metric]:
+        d = [*_LABELS, "direction"]
+        rotations = CounterMetricFamily("sglang_ext:kv_rotations", "Requests whose KV went to host memory (out) "
+                                        "and came back (in)", labels=d)
+        nbytes = CounterMetricFamily("sglang_ext:kv_rotation_bytes", "KV bytes copied to (out) and from (in) "
+                                     "host memory, eager copies included", labels=d)
+        unhidden = CounterMetricFamily("sglang_ext:kv_rotation_unhidden_iterations", "Scheduling iterations that "
+                                       "waited for a rotation copy", labels=_LABELS)
+        rotary = GaugeMetricFamily("sglang_ext:rotary_reqs", "Requests whose KV is in host memory", labels=_LABELS)
+        used = GaugeMetricFamily("sglang_ext:kv_host_used_bytes", "Host KV pool bytes in use", labels=_LABELS)
+        total = GaugeMetricFamily("sglang_ext:kv_host_total_bytes", "Host KV pool size", labels=_LABELS)
+        for w in self.workers():
+            if w.load is None:
+                continue
+            labels = [w.model, w.worker_id]
+            t = self.totals.total
+            for direction in ("out", "in"):
+                rotations.add_metric([*labels, direction], t(w.worker_id, f"kv_rotations_{direction}"))
+                nbytes.add_metric([*labels, direction], t(w.worker_id, f"kv_rotation_bytes_{direction}"))
+            unhidden.add_metric(labels, t(w.worker_id, "kv_rotation_unhidden_iterations"))
+            rotary.add_metric(labels, w.load.rotary_reqs)
+            used.add_metric(labels, w.load.kv_host_used_bytes)
+            total.add_metric(labels, w.load.kv_host_total_bytes)
+        yield from (rotations, nbytes, unhidden, rotary, used, total)
+
+
+class SloAttainment(Collector):
+    def __init__(self, counts: dict[tuple[str, str], list[int]]) -> None:
+        self.counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        g = GaugeMetricFamily("sglang_ext:slo_attainment", "Share of finished requests that met the model's SLO "
+                              "(kind: ttft, tpot)", labels=["model_name", "kind"])
+        for (model, kind), (met, checked) in sorted(self.counts.items()):
+            g.add_metric([model, kind], met / checked)
+        yield g
+
+
 class RouterMetrics:
     def __init__(self, workers: Callable[[], Iterable[WorkerState]] = tuple) -> None:
         r = self.registry = CollectorRegistry()
@@ -140,9 +188,25 @@ class RouterMetrics:
         self.prompt_tokens = Counter("sglang:prompt_tokens", "Prompt tokens of finished requests", m, registry=r)
         self.gen_tokens = Counter("sglang:generation_tokens", "Generated tokens", m, registry=r)
         self.slo_miss = Counter("sglang_ext:slo_miss", "Requests that missed an SLO", [*m, "kind"], registry=r)
+        # Attainment over finished requests: ttft = first token within the TTFT SLO, tpot = the
+        # request's mean time per output token within the TPOT SLO.
+        self.slo_checked = Counter("sglang_ext:slo_checked", "Finished requests checked against an SLO",
+                                   [*m, "kind"], registry=r)
+        self.slo_met = Counter("sglang_ext:slo_met", "Finished requests that met an SLO", [*m, "kind"], registry=r)
+        self._slo: dict[tuple[str, str], list[int]] = {}  # (model, kind) -> [met, checked]
+        r.register(SloAttainment(self._slo))
         r.register(WorkerGauges(workers))
         self.offload = OffloadTotals()
         r.register(OffloadMetrics(workers, self.offload))
+        r.register(RotationMetrics(workers, self.offload))
+
+    def slo_result(self, model: str, kind: str, met: bool) -> None:
+        self.slo_checked.labels(model, kind).inc()
+        if met:
+            self.slo_met.labels(model, kind).inc()
+        acc = self._slo.setdefault((model, kind), [0, 0])
+        acc[0] += met
+        acc[1] += 1
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -16,12 +16,17 @@ from typing import Any, Final, Literal, get_args, get_origin
 DEFAULT_PORT: Final = 30000
 LoadFormat = Literal["auto", "safetensors", "dummy"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
-SchedulePolicy = Literal["fcfs", "lpm"]
+SchedulePolicy = Literal["fcfs", "lpm", "lvf", "wf", "sf"]
+PreemptionMode = Literal["recompute", "rotate"]
 AttentionBackendName = Literal["torch", "flashinfer"]
 OffloadTransport = Literal["local", "torch_dist", "cuda_ipc"]
 LOAD_FORMATS: Final = get_args(LoadFormat)
 SCHEDULE_POLICIES: Final = get_args(SchedulePolicy)
 ATTENTION_BACKENDS: Final = get_args(AttentionBackendName)
+PREEMPTION_MODES: Final = get_args(PreemptionMode)
+ROTATING_POLICIES: Final = ("lvf", "wf", "sf")  # they schedule the rotary queue: need preemption_mode=rotate
+DEFAULT_TTFT_SLO_MS: Final = 5000.0  # SuperInfer's SLOs, used by lvf's virtual lag time when none is given
+DEFAULT_TPOT_SLO_MS: Final = 100.0
 
 
 def _help(text: str, shown: str | None = None) -> dict[str, str | None]:
@@ -65,10 +70,34 @@ class ServerArgs:
     chunked_prefill_size: int | None = field(default=None, metadata=_help(
         "max prefill tokens per step; -1 disables chunking", "8192 on GPU, 512 on CPU"))
     schedule_policy: SchedulePolicy = field(default="fcfs", metadata=_help(
-        "waiting-queue order: fcfs, or lpm (longest prefix match first)"))
+        "waiting-queue order: fcfs, lpm (longest prefix match first), or with --preemption-mode rotate: lvf "
+        "(largest virtual lag first, SLO-aware), wf (waiting first) or sf (swapped first)"))
     disable_radix_cache: bool = field(default=False, metadata=_help("no prefix sharing between requests"))
     max_prefill_tokens: int = field(default=16384, metadata=_help(
         "max prompt tokens per step when chunking is disabled (--chunked-prefill-size -1)"))
+    # preemption by rotation to host memory (docs/architecture.md#rotation)
+    preemption_mode: PreemptionMode = field(default="recompute", metadata=_help(
+        "what a preempted request's KV becomes: recompute (dropped, recomputed later) or rotate (copied "
+        "to a host-memory pool and copied back)"))
+    kv_host_size_gb: float | None = field(default=None, metadata=_help(
+        "host KV pool for rotated requests (GiB; with --preemption-mode rotate)",
+        "with rotate: a share of the host's available memory, logged at start"))
+    rotation_budget_mb: float = field(default=1024.0, metadata=_help(
+        "B_xfer: MiB of KV each scheduling iteration may move per direction for rotations and eager copies"))
+    disable_eager_rotation: bool = field(default=False, metadata=_help(
+        "do not copy running requests' full KV pages to host memory ahead of a rotation"))
+    ttft_slo_ms: float | None = field(default=None, metadata=_help(
+        "this worker's time-to-first-token SLO (lvf's S_B); served workers get the cluster file's slo:",
+        f"{DEFAULT_TTFT_SLO_MS:g}"))
+    tpot_slo_ms: float | None = field(default=None, metadata=_help(
+        "this worker's time-per-output-token SLO (lvf's S_F); served workers get the cluster file's slo:",
+        f"{DEFAULT_TPOT_SLO_MS:g}"))
+    lvf_alpha: float = field(default=3.0, metadata=_help(
+        "lvf: weight of decode lag against first-token lag (higher favours running/rotary streams)"))
+    lvf_beta_ttft: float = field(default=0.0, metadata=_help(
+        "lvf: tolerance of waiting requests, in TTFT SLOs (beta_B)"))
+    lvf_beta_tpot: float = field(default=0.5, metadata=_help(
+        "lvf: tolerance of rotary requests, in TPOT SLOs (beta_F)"))
     # kernels
     attention_backend: AttentionBackendName | None = field(default=None, metadata=_help(
         "attention kernels", "flashinfer on GPU when installed and dtype is not float32, else torch"))
@@ -119,10 +148,49 @@ class ServerArgs:
                 self.offload_executor in ("local", "cpu") or self.offload_executor.startswith("cuda")):
             raise ValueError(f"offload_executor must be 'local' or a device such as cuda:1, got "
                              f"{self.offload_executor!r}")
+        self._check_rotation()
         if self.offload_executor is not None and self.offload_ratio == 0.0:
             raise ValueError("offload_executor is set but offload_ratio is 0: give the share to offload")
 
+    def _check_rotation(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        rotate = self.preemption_mode == "rotate"
+        if self.schedule_policy in ROTATING_POLICIES and not rotate:
+            raise ValueError(f"schedule_policy {self.schedule_policy!r} schedules rotated requests: "
+                             "set preemption_mode to 'rotate'")
+        if self.kv_host_size_gb is not None:
+            if not rotate:
+                raise ValueError("kv_host_size_gb is set but preemption_mode is 'recompute': the host pool "
+                                 "is used only with preemption_mode 'rotate'")
+            if not self.kv_host_size_gb > 0:
+                raise ValueError(f"kv_host_size_gb must be > 0, got {self.kv_host_size_gb}")
+        if not self.rotation_budget_mb > 0:
+            raise ValueError(f"rotation_budget_mb must be > 0, got {self.rotation_budget_mb}")
+        for name in ("ttft_slo_ms", "tpot_slo_ms"):
+            v = getattr(self, name)
+            if v is not None and not (v > 0 and v != float("inf")):
+                raise ValueError(f"{name} must be a positive number of milliseconds, got {v}")
+        if not (self.lvf_alpha > 0 and self.lvf_alpha != float("inf")):
+            raise ValueError(f"lvf_alpha must be > 0, got {self.lvf_alpha}")
+        for name in ("lvf_beta_ttft", "lvf_beta_tpot"):
+            v = getattr(self, name)
+            if not 0 <= v < float("inf"):
+                raise ValueError(f"{name} must be >= 0, got {v}")
+
     # ---- derived values -------------------------------------------------------------------
+    @property
+    def resolved_ttft_slo_s(self) -> float:
+        return (self.ttft_slo_ms if self.ttft_slo_ms is not None else DEFAULT_TTFT_SLO_MS) / 1e3
+
+    @property
+    def resolved_tpot_slo_s(self) -> float:
+        return (self.tpot_slo_ms if self.tpot_slo_ms is not None else DEFAULT_TPOT_SLO_MS) / 1e3
+
+    @property
+    def rotation_budget_bytes(self) -> int:
+        return int(self.rotation_budget_mb * (1 << 20))
+
     @property
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -62,7 +62,7 @@ def run_all(s: Scheduler, reqs: list[Req], check: bool = True, max_steps: int = 
         for o in s.step():
             out[o.rid].extend(o.new_token_ids)
         if check:
-            s.kv.check(s.running + s.waiting)
+            s.check()
             if s.offload is not None:
                 s.offload.remote.executor.check()  # type: ignore[attr-defined]
     assert not s.has_work(), "scheduler did not finish"

@@ -136,3 +136,25 @@ def test_api_key_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
         resolve_api_key(RouterConfig(api_key_file=str(tmp_path / "empty")))
     with pytest.raises(SystemExit):
         _cluster_from_flags(p.parse_args(["--api-key-file", str(tmp_path / "missing")]), p)
+
+
+def test_model_slo_reaches_its_workers_unless_their_args_say_otherwise() -> None:
+    import msgspec
+
+    from router.config import ClusterSpec
+
+    spec = msgspec.convert({"models": [
+        {"name": "a", "slo": {"ttft_ms": 800, "tpot_ms": 40},
+         "workers": [{}, {"args": {"tpot_slo_ms": 25}}]},
+        {"name": "b", "slo": {"ttft_ms": 2000}},
+        {"name": "c"}]}, ClusterSpec)
+    c = build_cluster(spec)
+    got = {w.worker_id: (w.args.ttft_slo_ms, w.args.tpot_slo_ms) for w in c.workers}
+    assert got == {"a-0": (800, 40), "a-1": (800, 25), "b-0": (2000, None), "c-0": (None, None)}
+
+
+def test_nonpositive_slo_rejected_with_its_field(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("models:\n  - name: a\n    slo: {ttft_ms: 0}\n")
+    with pytest.raises(ConfigError, match="ttft_ms"):
+        load_cluster(cfg)

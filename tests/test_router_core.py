@@ -70,6 +70,9 @@ async def test_request_lifecycle_and_events(router: Router, ctx: zmq.asyncio.Con
         assert s.finished and router.registry.workers["w0"].outstanding_tokens == 0
         fin = await asyncio.wait_for(sub.get(), 1)
         assert isinstance(fin, RequestFinished) and fin.ok and fin.completion_tokens == 4
+        text = router.metrics.render().decode()  # the SLOs are far below anything reachable
+        assert 'sglang_ext:slo_attainment{kind="ttft",model_name="m"} 0.0' in text
+        assert 'sglang_ext:slo_attainment{kind="tpot",model_name="m"} 0.0' in text
         await until(lambda: any(isinstance(e, LoadReported) for e in events))
         kinds = {type(e) for e in events}
         assert {WorkerUp, RequestArrived, FirstToken, RequestFinished, SloMissed, LoadReported} <= kinds

@@ -73,3 +73,36 @@ def test_keywords_are_the_field_names() -> None:
 def test_remote_attention_arguments_are_checked(kw: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ServerArgs(**kw)
+
+
+def test_rotation_flags_parse() -> None:
+    ns = _parser().parse_args([
+        "--preemption-mode", "rotate", "--kv-host-size-gb", "2.5", "--schedule-policy", "lvf",
+        "--ttft-slo-ms", "800", "--tpot-slo-ms", "40", "--lvf-alpha", "1", "--lvf-beta-ttft", "0.1",
+        "--lvf-beta-tpot", "0.2", "--rotation-budget-mb", "64", "--disable-eager-rotation",
+    ])
+    a = ServerArgs.from_cli(ns)
+    assert a == ServerArgs(preemption_mode="rotate", kv_host_size_gb=2.5, schedule_policy="lvf", ttft_slo_ms=800,
+                           tpot_slo_ms=40, lvf_alpha=1, lvf_beta_ttft=0.1, lvf_beta_tpot=0.2,
+                           rotation_budget_mb=64, disable_eager_rotation=True)
+    assert (a.resolved_ttft_slo_s, a.resolved_tpot_slo_s, a.rotation_budget_bytes) == (0.8, 0.04, 64 << 20)
+    assert (ServerArgs().resolved_ttft_slo_s, ServerArgs().resolved_tpot_slo_s) == (5.0, 0.1)
+    for policy in ("wf", "sf"):
+        assert ServerArgs(preemption_mode="rotate", schedule_policy=policy).schedule_policy == policy
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"preemption_mode": "swap"}, "preemption_mode must be one of"),
+    ({"schedule_policy": "lvf"}, "set preemption_mode to 'rotate'"),
+    ({"schedule_policy": "wf"}, "set preemption_mode to 'rotate'"),
+    ({"kv_host_size_gb": 4.0}, "kv_host_size_gb is set but preemption_mode is 'recompute'"),
+    ({"preemption_mode": "rotate", "kv_host_size_gb": 0.0}, "kv_host_size_gb must be > 0"),
+    ({"rotation_budget_mb": 0.0}, "rotation_budget_mb must be > 0"),
+    ({"ttft_slo_ms": -5.0}, "ttft_slo_ms must be a positive"),
+    ({"tpot_slo_ms": float("nan")}, "tpot_slo_ms must be a positive"),
+    ({"lvf_alpha": 0.0}, "lvf_alpha must be > 0"),
+    ({"lvf_beta_tpot": -0.1}, "lvf_beta_tpot must be >= 0"),
+])
+def test_rotation_arguments_checked_with_messages(kw: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(**kw)  # type: ignore[arg-type]

@@ -5,19 +5,29 @@ blocks on one on the hot path:
 - `swap_out` is ordered after all compute enqueued so far (the steps that wrote those pages), so the
   device pages may be reused only once `done(t)` is true: the scheduler frees them then.
 - `swap_in` must land before the step that reads the pages: `fence(t)` makes the compute stream wait
-  for it (no host sync), or the scheduler waits until `done(t)`.
+  for it (no host sync), or the scheduler waits until `done(t)`. Its device pages may have been
+  freed by a request whose last step is still running, so it too is ordered after the compute
+  enqueued so far.
+- The scheduler frees nothing a transfer still uses before `done(t)`: device and host pages freed
+  meanwhile are parked (kvcache/holds.py), cache pages under a copy stay locked.
 This first version is the reference: plain indexed copies on the caller's stream, so on CPU every
 transfer is complete on return. The GPU version keeps the interface.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from sglang_ext.kvcache.host_pool import HostKVPool
-from sglang_ext.kvcache.pool import KVPool
+from sglang_ext.kvcache.pool import KVGeometry, KVPool
+
+logger = logging.getLogger(__name__)
+
+HOST_MEM_SHARE = 0.5  # of MemAvailable, when kv_host_size_gb is not given
+HOST_MAX_POOLS = 16  # ... and at most this many times the device pool (a CPU "device" pool is host memory too)
 
 
 @dataclass
@@ -70,3 +80,40 @@ class RotationEngine:
         """Wait for every transfer (tests, shutdown): never on the hot path."""
         if self.pool.device.type == "cuda":
             torch.cuda.synchronize(self.pool.device)
+
+
+def make_rotation_engine(pool: KVPool, host: HostKVPool) -> RotationEngine:
+    """The engine the scheduler uses (the one place a faster engine is plugged in)."""
+    return RotationEngine(pool, host)
+
+
+def host_kv_bytes(size_gb: float | None, device_pool_bytes: int) -> int:
+    """Bytes of the host KV pool: `kv_host_size_gb`, else a share of the host's available memory."""
+    if size_gb is not None:
+        return int(size_gb * (1 << 30))
+    avail = _mem_available()
+    chosen = min(int(avail * HOST_MEM_SHARE), HOST_MAX_POOLS * device_pool_bytes)
+    logger.info("host KV pool: %.2f GiB (kv_host_size_gb not set: %.0f%% of %.2f GiB available, at most %dx "
+                "the device pool)", chosen / 2**30, HOST_MEM_SHARE * 100, avail / 2**30, HOST_MAX_POOLS)
+    return chosen
+
+
+def make_host_pool(geometry: KVGeometry, nbytes: int, pin: bool) -> HostKVPool:
+    pages = nbytes // geometry.page_bytes + 1  # + the reserved page 0
+    if pages < 2:
+        raise ValueError(f"the host KV pool ({nbytes} bytes) is smaller than one KV page "
+                         f"({geometry.page_bytes} bytes): raise kv_host_size_gb")
+    return HostKVPool(geometry, pages, pin)
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

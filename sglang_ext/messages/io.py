@@ -135,6 +135,16 @@ class LoadReport(msgspec.Struct, tag="load", kw_only=True):
     offload_state: str = ""  # "" | active | draining | lost | failed: why
     # ... and as a host: KV tokens held per guest model
     executor_kv_used_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+    # KV rotation (preemption_mode=rotate): rotary requests and host-pool bytes now; cumulative
+    # rotations, bytes and unhidden-transfer iterations over this process's life
+    rotary_reqs: int = 0
+    kv_host_used_bytes: int = 0
+    kv_host_total_bytes: int = 0
+    kv_rotations_out: int = 0
+    kv_rotations_in: int = 0
+    kv_rotation_bytes_out: int = 0
+    kv_rotation_bytes_in: int = 0
+    kv_rotation_unhidden_iterations: int = 0
 
 
 class ExecutorOpen(msgspec.Struct, tag="executor_open", kw_only=True, forbid_unknown_fields=True):

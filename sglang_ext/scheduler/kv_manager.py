@@ -98,11 +98,13 @@ class KVManager:
         req.kv_len = 0
         req.admitted = False
 
-    def check(self, live: list[Req]) -> None:
-        """Assert every page is in exactly one place (tests call this between steps)."""
+    def check(self, live: list[Req], elsewhere: dict[int, str] | None = None) -> None:
+        """Assert every page is in exactly one place (tests call this between steps). `elsewhere`:
+        pages owned outside requests and the cache (freed while a rotation copy still uses them)."""
         self.cache.check_integrity()
-        owners: dict[int, str] = {}
+        owners: dict[int, str] = dict(elsewhere or {})
         for p in self.cache.all_pages():
+            assert p not in owners, f"cache page {p} is also {owners[p]}"
             owners[p] = "cache"
         for r in live:
             for p in r.pages[r.cached_pages :]:

@@ -21,6 +21,7 @@ class StepOutput:
     completion_tokens: int
     cached_tokens: int
     attention_executor: str | None = None  # the executor's id once the request's attention ran there
+    rotations: int = 0  # times its KV went to host memory and came back
     # logprob entries produced since the last output of this request
     input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)

@@ -21,6 +21,11 @@ bans count the in-flight token, and seeded rows number their draws by output pos
 else (prefill, admissions, preemption, logprobs) first drains the in-flight step and then runs
 exactly as `Scheduler.step`, so the scheduling decisions and outputs are the same as without
 overlap.
+
+KV rotation (`preemption_mode=rotate`) keeps to the same rule: while any request is rotary, or a
+rotation or resume is to be decided, the in-flight step is drained first and the iteration runs as
+`Scheduler.step` (decisions on landed state). Eager copies also go out beside overlapped steps:
+they copy only pages that are full by the landed length, which no step in flight writes.
 """
 
 from __future__ import annotations
@@ -56,7 +61,10 @@ class OverlapScheduler(Scheduler):
         if prev is None:
             return super().step()  # schedules on landed state; `_run` may launch a decode
         outputs, self._pending = self._pending, []
+        self._rot_begin()
         self._inflight = self._launch_follow_up(prev)
+        if self._inflight is not None:
+            self._rot_end()  # eager copies ride beside the launched step too
         return outputs + self._land(prev)
 
     def _run(self, entries: list[Entry], mode: ForwardMode) -> list[StepOutput]:
@@ -87,8 +95,8 @@ class OverlapScheduler(Scheduler):
 
     def _launch_follow_up(self, prev: _Launched) -> _Launched | None:
         """Decode step t+1 from step t's in-flight tokens, or None when it needs t's results."""
-        if self.waiting:
-            return None  # admission (and prefill) decisions are made on landed state
+        if self.waiting or self.rotary:
+            return None  # admission, resume (and prefill) decisions are made on landed state
         rows: list[int] = []
         live: set[int] = set()
         for i, e in enumerate(prev.entries):

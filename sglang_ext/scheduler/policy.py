@@ -1,4 +1,15 @@
-"""Waiting-queue orderings. Later issues add SLO-driven policies (e.g. lvf) here."""
+"""Scheduling policies: who gets KV pages next, and who gives them up.
+
+A policy answers three questions each iteration, so the scheduler loop holds no fixed rule:
+  * `candidates`: the order in which waiting requests are admitted and rotary ones resumed (the
+    scheduler takes them from the head and stops at the first that does not fit);
+  * `victims`: the order in which running requests are preempted when pages run out;
+  * `make_room_for`: running requests to rotate out *voluntarily* so a candidate can run (only
+    `lvf` does this; the others preempt only when pages run out).
+
+`fcfs` and `lpm` are SGLang's; `wf` (waiting first) and `sf` (swapped first) are the classic swap
+baselines; `lvf` is SuperInfer's RotaSched (Largest Virtual-lag-time First).
+"""
 
 from __future__ import annotations
 
@@ -6,18 +17,45 @@ from abc import ABC, abstractmethod
 from typing import Final
 
 from sglang_ext.kvcache.base import PrefixCache
-from sglang_ext.scheduler.request import Req
+from sglang_ext.scheduler.request import Req, ReqStatus
+from sglang_ext.server_args import ServerArgs
+
+
+def by_arrival(reqs: list[Req]) -> list[Req]:
+    return sorted(reqs, key=lambda r: r.arrival_time)
 
 
 class SchedulePolicy(ABC):
+    wants_fit = False  # `begin` needs to know whether every request's KV fits in the pool
+
     @abstractmethod
     def order(self, waiting: list[Req], cache: PrefixCache) -> list[Req]:
-        """Admission order for this iteration (does not mutate `waiting`)."""
+        """Admission order of waiting requests (does not mutate `waiting`)."""
+
+    def begin(self, now: float, fits: bool) -> None:  # noqa: B027 (an optional hook)
+        """Once per iteration, before the other calls. `fits`: all running, rotary and waiting
+        requests' KV fits in the device pool together (computed only if `wants_fit`)."""
+
+    def candidates(self, waiting: list[Req], rotary: list[Req], cache: PrefixCache) -> list[Req]:
+        """Admission and resume order. Default: rotary requests (already served once) first."""
+        return by_arrival(rotary) + self.order(waiting, cache)
+
+    def victims(self, running: list[Req]) -> list[Req]:
+        """Preemption order when pages run out, first to go first. Default: latest arrival."""
+        return sorted(running, key=lambda r: r.arrival_time, reverse=True)
+
+    def make_room_for(self, cand: Req, running: list[Req]) -> list[Req]:
+        """Running requests to rotate out, in order, so that `cand` can be admitted now."""
+        return []
 
 
 class FCFS(SchedulePolicy):
     def order(self, waiting: list[Req], cache: PrefixCache) -> list[Req]:
-        return sorted(waiting, key=lambda r: r.arrival_time)
+        return by_arrival(waiting)
+
+    def candidates(self, waiting: list[Req], rotary: list[Req], cache: PrefixCache) -> list[Req]:
+        # A rotated request keeps its place, as a preempted one does in the waiting queue.
+        return by_arrival(waiting + rotary)
 
 
 class LongestPrefixMatch(SchedulePolicy):
@@ -32,10 +70,81 @@ class LongestPrefixMatch(SchedulePolicy):
         return sorted(waiting, key=lambda r: (-hits[id(r)], r.arrival_time))
 
 
-POLICIES: Final[dict[str, type[SchedulePolicy]]] = {"fcfs": FCFS, "lpm": LongestPrefixMatch}
+class WaitingFirst(FCFS):
+    """`wf`: new requests are admitted before rotary ones resume (good TTFT, paused streams)."""
+
+    def candidates(self, waiting: list[Req], rotary: list[Req], cache: PrefixCache) -> list[Req]:
+        return by_arrival(waiting) + by_arrival(rotary)
 
 
-def make_policy(name: str) -> SchedulePolicy:
+class SwappedFirst(FCFS):
+    """`sf`: rotary requests resume before new ones are admitted (steady TPOT, FCFS-like TTFT)."""
+
+    def candidates(self, waiting: list[Req], rotary: list[Req], cache: PrefixCache) -> list[Req]:
+        return by_arrival(rotary) + by_arrival(waiting)
+
+
+class LargestVLTFirst(FCFS):
+    """`lvf` (SuperInfer's RotaSched). Virtual lag time, in SLOs: positive = behind, serve first;
+    negative = ahead, may be rotated out for someone behind.
+
+        waiting   VLT = (now - arrival) / S_B - beta_B
+        rotary    VLT = alpha * ((now - last token) / S_F - beta_F)   (as waiting before its first token)
+        running   VLT = -alpha * (now - run start) / S_F
+
+    While everything fits in the pool it is exactly FCFS. Otherwise candidates are taken from the
+    head of the VLT order (within the pool and the rotation budget, which the scheduler enforces)
+    and running requests with negative VLT below the candidate's are rotated out from the tail.
+    """
+
+    wants_fit = True
+
+    def __init__(self, ttft_slo_s: float, tpot_slo_s: float, alpha: float, beta_ttft: float,
+                 beta_tpot: float) -> None:
+        self.s_b, self.s_f = ttft_slo_s, tpot_slo_s
+        self.alpha, self.beta_b, self.beta_f = alpha, beta_ttft, beta_tpot
+        self.now = 0.0
+        self.fits = True
+
+    def begin(self, now: float, fits: bool) -> None:
+        self.now, self.fits = now, fits
+
+    def vlt(self, r: Req) -> float:
+        now = self.now
+        if r.status is ReqStatus.RUNNING:
+            start = r.run_start_time if r.run_start_time is not None else now
+            return -self.alpha * (now - start) / self.s_f
+        if r.status is ReqStatus.ROTARY and r.last_token_time is not None:
+            return self.alpha * ((now - r.last_token_time) / self.s_f - self.beta_f)
+        return (now - r.arrival_time) / self.s_b - self.beta_b
+
+    def candidates(self, waiting: list[Req], rotary: list[Req], cache: PrefixCache) -> list[Req]:
+        if self.fits:
+            return super().candidates(waiting, rotary, cache)
+        return sorted(waiting + rotary, key=lambda r: (-self.vlt(r), r.arrival_time))
+
+    def victims(self, running: list[Req]) -> list[Req]:
+        if self.fits:
+            return super().victims(running)
+        return sorted(running, key=lambda r: (self.vlt(r), -r.arrival_time))
+
+    def make_room_for(self, cand: Req, running: list[Req]) -> list[Req]:
+        if self.fits:
+            return []
+        bar = min(self.vlt(cand), 0.0)
+        return [r for r in self.victims(running) if self.vlt(r) < bar]
+
+
+POLICIES: Final[dict[str, type[SchedulePolicy]]] = {
+    "fcfs": FCFS, "lpm": LongestPrefixMatch, "wf": WaitingFirst, "sf": SwappedFirst, "lvf": LargestVLTFirst,
+}
+
+
+def make_policy(name: str, args: ServerArgs | None = None) -> SchedulePolicy:
     if name not in POLICIES:
         raise ValueError(f"unknown schedule policy {name!r}; known: {sorted(POLICIES)}")
+    if name == "lvf":
+        a = args or ServerArgs(preemption_mode="rotate")
+        return LargestVLTFirst(a.resolved_ttft_slo_s, a.resolved_tpot_slo_s, a.lvf_alpha, a.lvf_beta_ttft,
+                               a.lvf_beta_tpot)
     return POLICIES[name]()

@@ -2,7 +2,8 @@
 
 KV ownership: `pages[:cached_pages]` belong to the prefix cache (held through the lock on
 `prefix_node`); `pages[cached_pages:]` are the request's own. `kv_len` tokens of `fill_ids`
-have KV in those pages.
+have KV in those pages. A rotary request has no device pages: `host_len` tokens of KV are in
+`host_pages` of the host pool.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from sglang_ext.sampling.params import SamplingParams
 class ReqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    ROTARY = "rotary"  # KV in host memory (preemption_mode=rotate), waiting to be resumed
     FINISHED = "finished"
 
 
@@ -60,9 +62,16 @@ class Req:
     cached_tokens: int = 0  # prefix-cache hit at first admission (reported in meta_info)
     admitted: bool = False  # prefix matched and pages assigned for the current residency
     num_preemptions: int = 0
-    # timing
+    # rotation (preemption_mode=rotate; scheduler/rotary.py)
+    rotations: int = 0  # times its KV went to host memory and came back (meta_info)
+    host_pages: list[int] = field(default_factory=list)  # rotary: host page of each page of its KV
+    host_len: int = 0  # rotary: tokens of KV in host_pages
+    eager: dict[int, tuple[int, int]] = field(default_factory=dict)  # page index -> (device page, host copy)
+    transfers: list[Any] = field(default_factory=list)  # its rotation copies that may be in flight
+    # timing (the scheduler's clock)
     first_token_time: float | None = None
-    run_start_time: float | None = None
+    run_start_time: float | None = None  # start of its current stay in the running batch
+    last_token_time: float | None = None
     # logprobs, accumulated as SGLang returns them
     input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)

@@ -5,8 +5,11 @@ Each `step()` is one forward:
     tokens, with every decoding request riding along as a one-token extend (so long prompts never
     stall running streams);
   * otherwise a DECODE batch of all running requests (the shape CUDA graphs capture).
-When KV pages run out, the most recently arrived decoding requests are preempted: their computed
-pages go to the prefix cache and they re-enter the waiting queue (recompute).
+When KV pages run out, running requests are preempted in the policy's victim order (fcfs: the most
+recently arrived first): their computed pages go to the prefix cache and they re-enter the waiting
+queue (recompute), or with `preemption_mode=rotate` their KV goes to host memory and they wait as
+rotary requests to be resumed (`rotary.py`). Who is admitted or resumed next, who is preempted and
+whether anyone is rotated out voluntarily are the policy's answers (`policy.py`).
 
 With remote attention (`offload`), a share of the decoding requests keep their KV on an attention
 executor: they need no local pages, are never preemption victims, and ride in every decode batch
@@ -16,6 +19,8 @@ as remote rows. If the executor drops one or is lost, it is recomputed like a pr
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,18 +29,22 @@ import torch
 from sglang_ext.engine.forward_batch import ForwardBatch, ForwardMode
 from sglang_ext.kvcache.allocator import PageAllocator
 from sglang_ext.kvcache.base import NoPrefixCache, PrefixCache
+from sglang_ext.kvcache.holds import HoldingAllocator
+from sglang_ext.kvcache.pool import KVPool
 from sglang_ext.kvcache.radix_cache import RadixCache
 from sglang_ext.offload.remote import ExecutorLost
 from sglang_ext.offload.sender import Offloader
 from sglang_ext.sampling.batch import SampleRow
 from sglang_ext.sampling.params import InvalidRequest
 from sglang_ext.sampling.sampler import Sampler, logprobs_of
+from sglang_ext.scheduler.admission import Admission
 from sglang_ext.scheduler.batch_builder import Entry, build_batch
 from sglang_ext.scheduler.kv_manager import KVManager
 from sglang_ext.scheduler.output import DecodeFn, StepOutput, check_finish
 from sglang_ext.scheduler.policy import make_policy
 from sglang_ext.scheduler.remote_rows import RemoteRows
 from sglang_ext.scheduler.request import FinishReason, Req, ReqStatus
+from sglang_ext.scheduler.rotary import RotaryRows, make_rotation
 from sglang_ext.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -45,6 +54,7 @@ class Runner(Protocol):
     device: torch.device
     num_pages: int
     context_len: int
+    pool: KVPool
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
 
@@ -57,9 +67,18 @@ class LoadStats:
     kv_total_pages: int
     cached_pages: int
     num_preemptions: int
+    # rotation (preemption_mode=rotate): cumulative over the scheduler's life but num_rotary / host_*
+    num_rotary: int = 0
+    host_used_bytes: int = 0
+    host_total_bytes: int = 0
+    rotations_out: int = 0
+    rotations_in: int = 0
+    rotation_bytes_out: int = 0
+    rotation_bytes_in: int = 0
+    unhidden_iterations: int = 0
 
 
-class Scheduler(RemoteRows):
+class Scheduler(Admission, RotaryRows, RemoteRows):
     def __init__(
         self,
         args: ServerArgs,
@@ -77,14 +96,18 @@ class Scheduler(RemoteRows):
         self.eos_ids = eos_ids
         self.decode_fn = decode_fn
         self.vocab_size = vocab_size
-        self.allocator = PageAllocator(runner.num_pages)
+        rotate = args.preemption_mode == "rotate"
+        self.allocator = HoldingAllocator(runner.num_pages) if rotate else PageAllocator(runner.num_pages)
         cache: PrefixCache = NoPrefixCache(page_size) if args.disable_radix_cache else RadixCache(page_size)
         self.kv = KVManager(self.allocator, cache, page_size)
-        self.policy = make_policy(args.schedule_policy)
+        self.policy = make_policy(args.schedule_policy, args)
+        self.clock: Callable[[], float] = time.monotonic  # VLT and rotation timing; tests inject one
         self.chunk = args.resolved_chunked_prefill_size or args.max_prefill_tokens
         self.max_running = args.max_running_requests or 256
         self.waiting: list[Req] = []
         self.running: list[Req] = []
+        self.rotary: list[Req] = []  # KV in host memory (preemption_mode=rotate)
+        self.rot = make_rotation(args, runner.pool) if rotate else None
         self._pending: list[StepOutput] = []  # outputs produced outside a forward (aborts)
         self._sent: dict[str, tuple[int, int, int]] = {}  # rid -> (tokens, in-logprobs, out-logprobs) sent
         self.num_preemptions = 0
@@ -120,7 +143,7 @@ class Scheduler(RemoteRows):
         self.waiting.append(req)
 
     def abort(self, rid: str, message: str = "aborted by the client") -> bool:
-        for queue in (self.waiting, self.running):
+        for queue in (self.waiting, self.running, self.rotary):
             for r in queue:
                 if r.rid == rid:
                     queue.remove(r)
@@ -130,30 +153,51 @@ class Scheduler(RemoteRows):
         return False
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._pending)
+        return bool(self.waiting or self.running or self.rotary or self._pending)
 
     def flush_cache(self) -> bool:
         """Drop the whole prefix cache; refused while requests are in flight (as in SGLang)."""
-        if self.waiting or self.running:
+        if self.waiting or self.running or self.rotary:
             return False
+        if self.rot is not None:
+            self._rot_poll()
+            if self.rot.inflight:
+                return False  # rotation copies still read cache pages
         self.allocator.free(self.kv.cache.reset())
         return True
 
     def stats(self) -> LoadStats:
         info = self.kv.cache.size_info()
         used = self.allocator.capacity - self.allocator.num_free
-        return LoadStats(len(self.running), len(self.waiting), used, self.allocator.capacity,
-                         info.cached_pages, self.num_preemptions)
+        stats = LoadStats(len(self.running), len(self.waiting), used, self.allocator.capacity,
+                          info.cached_pages, self.num_preemptions)
+        if (rot := self.rot) is not None:
+            stats.num_rotary, stats.host_used_bytes = len(self.rotary), rot.host.used_bytes
+            stats.host_total_bytes = rot.host.allocator.capacity * rot.engine.page_bytes
+            stats.rotations_out, stats.rotations_in = rot.rotations_out, rot.rotations_in
+            stats.rotation_bytes_out, stats.rotation_bytes_in = rot.engine.bytes_out, rot.engine.bytes_in
+            stats.unhidden_iterations = rot.unhidden_iterations
+        return stats
+
+    def check(self) -> None:
+        """Assert every device and host page is in exactly one place (tests call this between steps)."""
+        parked = getattr(self.allocator, "parked", frozenset())
+        self.kv.check(self.running + self.waiting, {p: "in flight" for p in parked})
+        self._rot_check()
 
     # ---- one iteration --------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
+        self._rot_begin()
         entries, mode = self._schedule()
+        self._rot_end()
+        if not entries and self.running and self._copies_in_flight():
+            return outputs  # pages come free as rotation copies land: wait, do not preempt
         if not entries and self.running:
-            # Part-prefilled requests hold every page and none can grow: free the newest so the
-            # others progress (never spin on empty steps).
-            newest = max(self.running, key=lambda r: r.arrival_time)
-            if len(self.running) > 1 or self.waiting:
+            # Part-prefilled requests hold every page and none can grow: free the policy's first
+            # victim so the others progress (never spin on empty steps).
+            newest = self.policy.victims(self.running)[0]
+            if len(self.running) > 1 or self.waiting or self.rotary:
                 self._preempt(newest)
             else:
                 self.running.remove(newest)
@@ -194,33 +238,35 @@ class Scheduler(RemoteRows):
             self.kv.grow(r, r.kv_len + n)
             entries.append(self._entry(r, n))
             budget -= n
-        # 2. admit new requests while the token budget, slots and KV headroom last
+        # 2. admit waiting requests and resume rotary ones, in the policy's order, while the token
+        # budget, slots, KV headroom and rotation budget last (the policy may rotate some out)
+        if self.policy.wants_fit:
+            self.policy.begin(self.clock(), self._everything_fits())
+        else:
+            self.policy.begin(self.clock(), True)
         reserve = self._decode_reserve()
-        for r in self.policy.order(self.waiting, self.kv.cache):
-            if budget <= 0 or len(self.running) >= self.max_running:
+        for r in self.policy.candidates(self.waiting, self.rotary, self.kv.cache):
+            if budget <= 0:
                 break
             if self.kv.pages_for(r.fill_len) > self.allocator.capacity:
                 # Grown past the whole pool (its KV was elsewhere, or it was preempted late): it can
                 # never run here again, and it must not block the queue.
-                self.waiting.remove(r)
+                (self.rotary if r.status is ReqStatus.ROTARY else self.waiting).remove(r)
                 self._finish(r, FinishReason("abort", message=(
                     f"out of KV cache memory: the request needs more than {self.max_total_tokens} tokens")))
                 self._pending.append(self._output(r))
                 continue
-            self.kv.admit(r)
-            if r.num_preemptions == 0:
-                r.cached_tokens = r.kv_len
-            n = min(r.fill_len - r.kv_len, budget)
-            need = self.kv.pages_for(r.kv_len + n) - len(r.pages)
-            if need + reserve > self.kv.available_pages:
-                self.kv.release(r, keep_in_cache=False)
+            n = self._try_admit(r, budget, reserve)
+            if n is None and self._rotate_for(r, protect={id(e.req) for e in entries}):
+                reserve = self._decode_reserve()
+                n = self._try_admit(r, budget, reserve)
+            if n is None:
                 break
-            self.kv.grow(r, r.kv_len + n)
-            self.waiting.remove(r)
-            r.status = ReqStatus.RUNNING
-            self.running.append(r)
-            entries.append(self._entry(r, n))
-            budget -= n
+            if n:
+                entries.append(self._entry(r, n))
+                budget -= n
+            else:  # a resumed decoder: keep its next token's page for it
+                reserve += self.kv.pages_for(r.kv_len + 1) - len(r.pages)
         # 3. decoding requests: alone (DECODE) or riding along a prefill (EXTEND)
         prefill_reqs = {id(e.req) for e in entries}
         decoders = [r for r in self.running if r.prefilled and id(r) not in prefill_reqs]
@@ -232,22 +278,11 @@ class Scheduler(RemoteRows):
         mode = ForwardMode.EXTEND if prefill_reqs else ForwardMode.DECODE
         return entries, mode
 
-    def _decode_reserve(self) -> int:
-        """Pages kept free for running requests' next tokens, so admission does not cause an
-        immediate preemption (a short horizon, not the whole max_new_tokens)."""
-        horizon = 4 * self.page_size
-        total = 0
-        for r in self.running:
-            if r.remote is not None:
-                continue
-            left = r.sampling.max_new_tokens - len(r.output_ids)
-            total += max(self.kv.pages_for(r.kv_len + min(left, horizon) + 1) - len(r.pages), 0)
-        return total
-
     def _make_room(self, decoders: list[Req], protect: set[int]) -> list[Req]:
         """Grow each decoder by one token, preempting the latest arrivals when pages run out."""
         kept = [r for r in decoders if r.remote is not None]  # their KV grows on the executor
-        decoders = sorted((r for r in decoders if r.remote is None), key=lambda r: r.arrival_time)
+        # Grown in the reverse of the policy's victim order: the first victims grow last.
+        decoders = self.policy.victims([r for r in decoders if r.remote is None])[::-1]
         while decoders:
             r = decoders.pop(0)
             while not self.kv.can_grow(r, r.kv_len + 1):
@@ -255,7 +290,9 @@ class Scheduler(RemoteRows):
                 if victim is None:
                     others = [x for x in self.running if x is not r and id(x) not in protect and x not in kept
                               and x.remote is None]
-                    victim = max(others, key=lambda x: x.arrival_time) if others else r
+                    victim = self.policy.victims(others)[0] if others else r
+                if victim is r and len(self.running) == 1 and self._copies_in_flight():
+                    break  # pages still under rotation copies: it grows once they land
                 if victim is r and len(self.running) == 1:
                     # Alone and still out of pages: it can never fit, so fail it explicitly.
                     self.running.remove(r)
@@ -272,6 +309,8 @@ class Scheduler(RemoteRows):
         return kept
 
     def _preempt(self, r: Req) -> None:
+        if self._rotate_out(r, forced=True):
+            return
         logger.debug("preempting %s (kv_len=%d)", r.rid, r.kv_len)
         self.running.remove(r)
         self._release_kv(r)
@@ -333,7 +372,10 @@ class Scheduler(RemoteRows):
     def _finish_or_report(self, reqs: list[Req]) -> list[StepOutput]:
         """Apply the finish rules to requests whose forward just landed; report what is new."""
         outputs: list[StepOutput] = []
+        now = self.clock()
         for r in reqs:
+            if r.output_ids:
+                r.last_token_time = now
             done = r.kv_len >= r.fill_len - 1  # mid-prefill chunks cannot finish
             reason = check_finish(r, self.eos_ids, self.runner.context_len, self.decode_fn) if done else None
             if reason is not None:
@@ -378,6 +420,7 @@ class Scheduler(RemoteRows):
             completion_tokens=len(r.output_ids),
             cached_tokens=r.cached_tokens,
             attention_executor=r.attention_executor,
+            rotations=r.rotations,
             input_token_logprobs=r.input_token_logprobs[i0:],
             input_top_logprobs=r.input_top_logprobs[i0:],
             output_token_logprobs=r.output_token_logprobs[o0:],

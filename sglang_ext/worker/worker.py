@@ -127,6 +127,10 @@ class Worker:
             kv_used_tokens=s.kv_used_pages * ps, kv_total_tokens=s.kv_total_pages * ps,
             kv_cached_tokens=s.cached_pages * ps, num_preemptions=s.num_preemptions,
             step_time_ms=self.last_step_ms, timestamp=time.time(), **self.offload.report(self.scheduler),
+            rotary_reqs=s.num_rotary, kv_host_used_bytes=s.host_used_bytes, kv_host_total_bytes=s.host_total_bytes,
+            kv_rotations_out=s.rotations_out, kv_rotations_in=s.rotations_in,
+            kv_rotation_bytes_out=s.rotation_bytes_out, kv_rotation_bytes_in=s.rotation_bytes_in,
+            kv_rotation_unhidden_iterations=s.unhidden_iterations,
         )
 
     def has_work(self) -> bool:
@@ -245,6 +249,7 @@ class Worker:
             "completion_tokens": r.completion_tokens,
             "cached_tokens": r.cached_tokens,
             "attention_executor": r.attention_executor,
+            "rotations": r.rotations,
             "finish_reason": r.finish_reason,
             "e2e_latency": now - live.start,
         }

@@ -1,0 +1,94 @@
+"""Admission of one candidate (a waiting request, or a rotary one to resume) and the voluntary
+rotations a policy asks for to make room. Part of the scheduler (`scheduler.py`); kept apart so the
+batching loop stays short.
+"""
+
+from __future__ import annotations
+
+from sglang_ext.scheduler.request import Req, ReqStatus
+from sglang_ext.scheduler.rotary import RotaryRows
+
+
+class Admission(RotaryRows):
+    max_running: int
+    chunk: int
+
+    def _decode_reserve(self) -> int:
+        """Pages kept free for running requests' next tokens, so admission does not cause an
+        immediate preemption (a short horizon, not the whole max_new_tokens)."""
+        horizon = 4 * self.page_size
+        total = 0
+        for r in self.running:
+            if r.remote is not None:
+                continue
+            left = r.sampling.max_new_tokens - len(r.output_ids)
+            total += max(self.kv.pages_for(r.kv_len + min(left, horizon) + 1) - len(r.pages), 0)
+        return total
+
+    def _try_admit(self, r: Req, budget: int, reserve: int) -> int | None:
+        """Admit a waiting request or resume a rotary one; the tokens it computes this step (0: a
+        resumed decoder, which decodes with the others), or None (nothing changed) if it does not fit."""
+        if len(self.running) >= self.max_running:
+            return None
+        rotary = r.status is ReqStatus.ROTARY
+        if rotary and any(not f.landed for f in r.transfers):
+            assert self.rot is not None
+            self.rot.waited = True  # its KV is still on the way out: a copy back would race it
+            return None
+        self.kv.admit(r)
+        if rotary:
+            target, copy = self._resume_plan(r)
+        else:
+            target, copy = r.kv_len, 0
+        decoding = rotary and bool(r.output_ids) and target == r.fill_len - 1
+        n = 0 if decoding else min(r.fill_len - target, budget)
+        need = self.kv.pages_for(target + max(n, 1)) - len(r.pages)
+        assert self.rot is not None or not rotary
+        if need + reserve > self.kv.available_pages or (copy and not self.rot.may_move(
+                "in", copy * self.rot.engine.page_bytes)):  # type: ignore[union-attr]
+            self.kv.release(r, keep_in_cache=False)
+            if self.rot is not None and self.allocator.parked:
+                self.rot.waited = True  # pages still under copies might have let it in
+            return None
+        if rotary:
+            self._resume(r)
+        else:
+            if r.num_preemptions == 0:
+                r.cached_tokens = r.kv_len
+            self.waiting.remove(r)
+            r.status = ReqStatus.RUNNING
+            r.run_start_time = self.clock()
+            self.running.append(r)
+        if n:
+            self.kv.grow(r, r.kv_len + n)
+        return n
+
+    def _rotate_for(self, cand: Req, protect: set[int]) -> bool:
+        """Rotate out the policy's voluntary victims (not in this step's batch) until `cand` could
+        fit; True if any went."""
+        if self.rot is None:
+            return False
+        victims = self.policy.make_room_for(
+            cand, [r for r in self.running if r.remote is None and id(r) not in protect])
+        if not victims:
+            return False
+        hit = self.kv.cache.match_prefix(cand.fill_ids[: self.kv.match_limit(cand)]).num_tokens
+        have = max(hit, cand.host_len)
+        need = self.kv.pages_for(min(cand.fill_len, have + self.chunk)) - hit // self.page_size
+        room = self.kv.available_pages - self._decode_reserve() + sum(len(v.pages) for v in victims)
+        if need > room:
+            return False  # even all of them would not make room
+        moved = False
+        for v in victims:
+            if not self._rotate_out(v, forced=False):
+                break
+            moved = True
+            if self.kv.available_pages - self._decode_reserve() >= need and len(self.running) < self.max_running:
+                break
+        return moved
+
+    def _everything_fits(self) -> bool:
+        """Every running, rotary and waiting request's KV (and its next token) in the pool at once."""
+        demand = sum(self.kv.pages_for(r.fill_len + 1) for r in (*self.running, *self.rotary, *self.waiting)
+                     if r.remote is None)
+        return demand <= self.allocator.capacity

@@ -1,0 +1,356 @@
+"""The scheduler's side of KV rotation (`preemption_mode=rotate`): requests whose KV waits in host memory.
+
+States: waiting -> running <-> rotary -> finished. Kept apart from the batching loop (`scheduler.py`):
+
+* **Rotating out** a running request: its full pages are first published to the prefix cache (as a
+  finishing request's are), then every page of its KV is copied to the host pool (those with a valid
+  eager copy are not copied again), its cache lock is released (its prefix pages become evictable,
+  never freed under another user) and its own pages are freed.
+* **Resuming**: the prefix is matched again; only the pages the cache no longer holds are copied
+  back (into new device pages), the rest of its host pages are freed.
+* **Eager copies**: with the budget an iteration leaves, full pages of running requests are copied
+  out ahead of time, so a rotation moves little more than the last, partly filled page. A full
+  page's KV never changes, but its page can: `cache_prefix` may swap it for the cache's twin, a
+  release frees it. So a copy is trusted only while the request still holds the same device page
+  at that index, and all of a request's copies are dropped when it lets go of its pages.
+* **Transfers in flight** (kvcache/rotation.py): nothing blocks on a copy. Pages a copy still uses
+  are parked when freed (kvcache/holds.py) and a released request's cache pages stay locked until
+  its copies land; a resumed request's copy-in is fenced before the step that reads it. An
+  iteration that had to wait for a copy (a fence on one not landed, pages not yet free) counts as
+  unhidden.
+* **Budget**: `rotation_budget_mb` (B_xfer) bytes per direction per iteration for resumes,
+  voluntary rotations and eager copies (the first transfer of an iteration may exceed it, so a
+  large request still moves). Rotations forced by a full pool are not limited by it.
+* A full host pool drops eager copies first; if that is not enough, the request is preempted by
+  recompute instead (nothing is lost).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sglang_ext.kvcache.holds import HoldingAllocator
+from sglang_ext.kvcache.host_pool import HostKVPool
+from sglang_ext.kvcache.pool import KVPool
+from sglang_ext.kvcache.rotation import RotationEngine, Transfer, host_kv_bytes, make_host_pool, make_rotation_engine
+from sglang_ext.scheduler.kv_manager import KVManager
+from sglang_ext.scheduler.policy import SchedulePolicy
+from sglang_ext.scheduler.request import Req, ReqStatus
+from sglang_ext.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _InFlight:
+    t: Transfer
+    dev: list[int]
+    host: list[int]
+    landed: bool = False
+
+
+@dataclass
+class Rotation:
+    """Host pool, engine, transfers in flight and counters of one scheduler."""
+
+    engine: RotationEngine
+    budget: int  # B_xfer, bytes per direction per iteration
+    eager: bool
+    inflight: list[_InFlight] = field(default_factory=list)
+    deferred: list[tuple[list[_InFlight], Any]] = field(default_factory=list)  # (copies, node to unlock)
+    left: dict[str, int] = field(default_factory=dict)  # budget left this iteration, per direction
+    moved: dict[str, bool] = field(default_factory=dict)  # a transfer went this iteration, per direction
+    waited: bool = False  # this iteration waited for a copy
+    spent: dict[str, list[int]] = field(default_factory=dict)  # per direction: [bytes, transfers] in budget
+    rotations_out: int = 0
+    rotations_in: int = 0
+    recompute_fallbacks: int = 0
+    unhidden_iterations: int = 0
+
+    def __post_init__(self) -> None:
+        self.new_iteration()
+
+    def new_iteration(self) -> None:
+        self.left = {"out": self.budget, "in": self.budget}
+        self.moved = {"out": False, "in": False}
+        self.spent = {"out": [0, 0], "in": [0, 0]}
+        self.waited = False
+
+    @property
+    def host(self) -> HostKVPool:
+        return self.engine.host
+
+    @property
+    def host_alloc(self) -> HoldingAllocator:
+        alloc = self.host.allocator
+        assert isinstance(alloc, HoldingAllocator)
+        return alloc
+
+    def may_move(self, direction: str, nbytes: int) -> bool:
+        return nbytes <= self.left[direction] or not self.moved[direction]
+
+    def spend(self, direction: str, nbytes: int, forced: bool = False) -> None:
+        self.left[direction] -= nbytes
+        self.moved[direction] = True
+        if not forced:
+            self.spent[direction][0] += nbytes
+            self.spent[direction][1] += 1
+
+
+def make_rotation(args: ServerArgs, pool: KVPool) -> Rotation:
+    nbytes = host_kv_bytes(args.kv_host_size_gb, pool.total_bytes)
+    host = make_host_pool(pool.geometry, nbytes, pin=pool.device.type == "cuda")
+    host.allocator = HoldingAllocator(host.num_pages)  # fresh: nothing allocated yet
+    return Rotation(make_rotation_engine(pool, host), args.rotation_budget_bytes, not args.disable_eager_rotation)
+
+
+class RotaryRows:
+    rot: Rotation | None
+    kv: KVManager
+    allocator: Any
+    policy: SchedulePolicy
+    running: list[Req]
+    waiting: list[Req]
+    rotary: list[Req]
+    page_size: int
+    clock: Callable[[], float]
+
+    # ---- iterations ----------------------------------------------------------------------------
+    def _rot_begin(self) -> None:
+        """Start of an iteration: land finished copies, refill the budget."""
+        rot = self.rot
+        if rot is None:
+            return
+        self._rot_poll()
+        rot.new_iteration()
+
+    def _rot_end(self) -> None:
+        """End of scheduling: eager copies with what the budget left; count an unhidden iteration."""
+        rot = self.rot
+        if rot is None:
+            return
+        if rot.eager:
+            self._eager_copies()
+        if rot.waited:
+            rot.unhidden_iterations += 1
+
+    def _copies_in_flight(self) -> bool:
+        """Copies not landed yet (their pages come free when they do); counts the iteration as unhidden."""
+        if self.rot is None or not self.rot.inflight:
+            return False
+        self.rot.waited = True
+        return True
+
+    def _rot_poll(self) -> None:
+        rot = self.rot
+        assert rot is not None
+        still: list[_InFlight] = []
+        for f in rot.inflight:
+            if rot.engine.done(f.t):
+                f.landed = True
+                self.allocator.unhold(f.dev)
+                rot.host_alloc.unhold(f.host)
+            else:
+                still.append(f)
+        rot.inflight = still
+        keep: list[tuple[list[_InFlight], Any]] = []
+        for fs, node in rot.deferred:
+            if all(f.landed for f in fs):
+                self.kv.cache.unlock(node)
+            else:
+                keep.append((fs, node))
+        rot.deferred = keep
+
+    def _issue(self, r: Req, direction: str, dev: list[int], host: list[int]) -> Transfer:
+        rot = self.rot
+        assert rot is not None
+        if direction == "out":
+            t = rot.engine.swap_out(dev, host)
+        else:
+            t = rot.engine.swap_in(host, dev)
+        if not rot.engine.done(t):  # the reference engine's copies are done on return: nothing to hold
+            f = _InFlight(t, list(dev), list(host))
+            self.allocator.hold(f.dev)
+            rot.host_alloc.hold(f.host)
+            rot.inflight.append(f)
+            r.transfers = [x for x in r.transfers if not x.landed] + [f]
+        return t
+
+    # ---- releasing ------------------------------------------------------------------------------
+    def _drop_host(self, r: Req) -> None:
+        """Free the request's host pages: eager copies and rotated KV."""
+        rot = self.rot
+        if rot is None:
+            return
+        pages = [h for _, h in r.eager.values()] + r.host_pages
+        if pages:
+            rot.host_alloc.free(pages)
+        r.eager, r.host_pages, r.host_len = {}, [], 0
+
+    def _hold_prefix_while_copying(self, r: Req) -> None:
+        """Before a release: if copies of its pages are in flight, publish its full pages and keep
+        their cache node locked until those copies land (unlocked pages could be evicted and
+        rewritten under a copy). Its own pages are parked by the allocator."""
+        if self.rot is None or not r.admitted:
+            return
+        pending = [f for f in r.transfers if not f.landed]
+        r.transfers = pending
+        if not pending:
+            return
+        self.kv.cache_prefix(r)
+        if r.prefix_node is not None:
+            self.kv.cache.lock(r.prefix_node)
+            self.rot.deferred.append((pending, r.prefix_node))
+
+    def _release_kv(self, r: Req) -> None:
+        self._drop_host(r)
+        self._hold_prefix_while_copying(r)
+        super()._release_kv(r)  # type: ignore[misc]
+
+    def _drop_local_kv(self, r: Req) -> None:
+        self._drop_host(r)
+        self._hold_prefix_while_copying(r)
+        super()._drop_local_kv(r)  # type: ignore[misc]
+
+    # ---- eager copies ---------------------------------------------------------------------------
+    def _valid_eager(self, r: Req) -> dict[int, int]:
+        """Page index -> host copy, for the copies still trusted; the others are dropped."""
+        rot = self.rot
+        assert rot is not None
+        full = r.kv_len // self.page_size
+        good: dict[int, int] = {}
+        stale: list[int] = []
+        for i, (dev, host) in r.eager.items():
+            if i < full and i < len(r.pages) and r.pages[i] == dev:
+                good[i] = host
+            else:
+                stale.append(host)
+        if stale:
+            rot.host_alloc.free(stale)
+            r.eager = {i: (r.pages[i], h) for i, h in good.items()}
+        return good
+
+    def _eager_copies(self) -> None:
+        rot = self.rot
+        assert rot is not None
+        page = rot.engine.page_bytes
+        for r in self.policy.victims([x for x in self.running if x.remote is None and x.admitted]):
+            room = min(rot.left["out"] // page, rot.host.num_free)
+            if room <= 0:
+                return
+            have = self._valid_eager(r)
+            todo = [i for i in range(r.kv_len // self.page_size) if i not in have][:room]
+            if not todo:
+                continue
+            host = rot.host_alloc.alloc(len(todo))
+            self._issue(r, "out", [r.pages[i] for i in todo], host)
+            rot.spend("out", len(todo) * page)
+            for i, h in zip(todo, host, strict=True):
+                r.eager[i] = (r.pages[i], h)
+
+    def _host_room(self, n: int, keep: Req) -> bool:
+        """At least `n` free host pages, dropping eager copies (least likely victims' first)."""
+        rot = self.rot
+        assert rot is not None
+        if rot.host.num_free >= n:
+            return True
+        for r in reversed(self.policy.victims(self.running)):
+            if r is not keep and r.eager:
+                rot.host_alloc.free([h for _, h in r.eager.values()])
+                r.eager = {}
+                if rot.host.num_free >= n:
+                    return True
+        return False
+
+    # ---- rotating out and back ------------------------------------------------------------------
+    def _rotate_out(self, r: Req, forced: bool) -> bool:
+        """Move a running request's KV to the host pool; False (nothing changed) if it cannot."""
+        rot = self.rot
+        if rot is None or r.remote is not None or not r.admitted or r.kv_len == 0:
+            return False
+        # Its full pages go to the cache first (as at a release), so a resume may find them there;
+        # this may swap pages for the cache's twins, which invalidates their eager copies.
+        self.kv.cache_prefix(r)
+        n = self.kv.pages_for(r.kv_len)
+        copies = self._valid_eager(r)
+        need = [i for i in range(n) if i not in copies]
+        nbytes = len(need) * rot.engine.page_bytes
+        if not forced and not rot.may_move("out", nbytes):
+            return False
+        if not self._host_room(len(need), keep=r):
+            if forced:
+                rot.recompute_fallbacks += 1
+                logger.info("host KV pool full: %s is preempted by recompute", r.rid)
+            return False
+        host = rot.host_alloc.alloc(len(need))
+        if need:
+            self._issue(r, "out", [r.pages[i] for i in need], host)
+            rot.spend("out", nbytes, forced)
+        copies.update(zip(need, host, strict=True))
+        r.host_pages = [copies[i] for i in range(n)]
+        r.eager = {}
+        r.host_len = r.kv_len
+        self._hold_prefix_while_copying(r)
+        self.kv.release(r, keep_in_cache=True)
+        self.running.remove(r)
+        r.status = ReqStatus.ROTARY
+        self.rotary.append(r)
+        rot.rotations_out += 1
+        logger.debug("rotated out %s (%d tokens, %d pages copied)", r.rid, r.host_len, len(need))
+        return True
+
+    def _resume_plan(self, r: Req) -> tuple[int, int]:
+        """For an admitted (prefix matched) rotary request: (tokens of KV after the swap-in, pages to
+        copy in)."""
+        if r.kv_len >= r.host_len:
+            return r.kv_len, 0
+        return r.host_len, self.kv.pages_for(r.host_len) - r.cached_pages
+
+    def _resume(self, r: Req) -> None:
+        """Swap an admitted rotary request's missing pages in; it joins the running batch."""
+        rot = self.rot
+        assert rot is not None
+        target, copy = self._resume_plan(r)
+        if copy:
+            first = r.cached_pages
+            self.kv.grow(r, r.host_len)
+            t = self._issue(r, "in", r.pages[first:], r.host_pages[first : first + copy])
+            rot.spend("in", copy * rot.engine.page_bytes)
+            if not rot.engine.done(t):
+                rot.waited = True  # the next step waits for it on the device
+            rot.engine.fence(t)
+        rot.host_alloc.free(r.host_pages)  # parked while the copy-in still reads them
+        r.host_pages, r.host_len, r.kv_len = [], 0, target
+        self.rotary.remove(r)
+        r.status = ReqStatus.RUNNING
+        r.run_start_time = self.clock()
+        self.running.append(r)
+        r.rotations += 1
+        rot.rotations_in += 1
+
+    # ---- integrity ------------------------------------------------------------------------------
+    def _rot_check(self) -> None:
+        """Every used host page is in exactly one place: a rotary request's KV, a running request's
+        eager copy, or parked under a copy in flight."""
+        rot = self.rot
+        if rot is None:
+            return
+        owners: dict[int, str] = {p: "in flight" for p in rot.host_alloc.parked}
+        for r in self.rotary:
+            assert r.status is ReqStatus.ROTARY and not r.admitted and not r.pages, f"{r.rid} is not rotary"
+            assert len(r.host_pages) == self.kv.pages_for(r.host_len) > 0, f"{r.rid}: host pages != KV"
+            for p in r.host_pages:
+                assert p not in owners, f"host page {p} owned by {r.rid} and {owners[p]}"
+                owners[p] = r.rid
+        for r in self.running + self.waiting:
+            assert not r.host_pages, f"{r.rid} holds rotated KV but is {r.status.value}"
+            for _, p in r.eager.values():
+                assert p not in owners, f"host page {p} owned by {r.rid} and {owners[p]}"
+                owners[p] = r.rid
+        alloc = rot.host_alloc
+        used = {p for p in range(1, alloc.num_pages) if alloc.is_used(p)}
+        assert used == set(owners), f"host pages leaked: {sorted(used - set(owners))[:8]}, " \
+                                    f"unallocated owned: {sorted(set(owners) - used)[:8]}"

@@ -1,0 +1,106 @@
+"""Scheduling policies as plugins: VLT ordering (lvf), the swap baselines (wf, sf), and lvf's
+degeneration to FCFS while everything fits (also end to end: the same steps as fcfs)."""
+
+from __future__ import annotations
+
+from _rotation_util import Clock, drive, reqs, rotating
+from _tiny import greedy, prompts
+
+from sglang_ext.kvcache.base import NoPrefixCache
+from sglang_ext.scheduler.policy import FCFS, LargestVLTFirst, make_policy
+from sglang_ext.scheduler.request import Req, ReqStatus
+from sglang_ext.server_args import ServerArgs
+
+CACHE = NoPrefixCache(4)
+
+
+def _req(rid: str, status: ReqStatus, arrival: float, last_token: float | None = None,
+         run_start: float | None = None) -> Req:
+    r = Req(rid, [5, 6, 7], greedy(), arrival_time=arrival)
+    r.status, r.last_token_time, r.run_start_time = status, last_token, run_start
+    if last_token is not None:
+        r.output_ids = [9]
+    return r
+
+
+def _lvf(**kw: float) -> LargestVLTFirst:
+    p = make_policy("lvf", ServerArgs(preemption_mode="rotate", schedule_policy="lvf", ttft_slo_ms=1000,
+                                      tpot_slo_ms=100, **kw))  # type: ignore[arg-type]
+    assert isinstance(p, LargestVLTFirst)
+    return p
+
+
+def test_vlt_definitions() -> None:
+    p = _lvf(lvf_alpha=3.0, lvf_beta_ttft=0.0, lvf_beta_tpot=0.5)
+    p.begin(10.0, fits=False)
+    assert p.vlt(_req("w", ReqStatus.WAITING, arrival=8.0)) == 2.0  # 2 s late / 1 s SLO
+    assert abs(p.vlt(_req("q", ReqStatus.ROTARY, 0.0, last_token=9.9)) - 3 * (1.0 - 0.5)) < 1e-9
+    assert p.vlt(_req("q0", ReqStatus.ROTARY, arrival=9.0)) == 1.0  # no token yet: as a waiting one
+    assert abs(p.vlt(_req("r", ReqStatus.RUNNING, 0.0, run_start=9.8)) + 3 * 2.0) < 1e-9
+
+
+def test_lvf_orders_by_largest_vlt_and_preempts_from_the_tail() -> None:
+    p = _lvf()
+    p.begin(10.0, fits=False)
+    w_old = _req("w_old", ReqStatus.WAITING, arrival=7.0)  # 3.0
+    w_new = _req("w_new", ReqStatus.WAITING, arrival=9.9)  # 0.1
+    rot = _req("rot", ReqStatus.ROTARY, 0.0, last_token=9.7)  # 3 * (3 - 0.5) = 7.5
+    rot_fresh = _req("rot_fresh", ReqStatus.ROTARY, 0.0, last_token=9.99)  # 3 * (0.1 - 0.5) = -1.2
+    assert [r.rid for r in p.candidates([w_new, w_old], [rot_fresh, rot], CACHE)] == [
+        "rot", "w_old", "w_new", "rot_fresh"]
+    long_run = _req("long", ReqStatus.RUNNING, 0.0, run_start=9.0)  # -30
+    short_run = _req("short", ReqStatus.RUNNING, 1.0, run_start=9.97)  # -0.9
+    just_in = _req("just_in", ReqStatus.RUNNING, 2.0, run_start=10.0)  # 0: not ahead
+    running = [short_run, just_in, long_run]
+    assert [r.rid for r in p.victims(running)] == ["long", "short", "just_in"]
+    assert [r.rid for r in p.make_room_for(w_new, running)] == ["long", "short"]
+    # a candidate that is itself ahead of schedule only displaces requests further ahead
+    assert [r.rid for r in p.make_room_for(rot_fresh, running)] == ["long"]
+
+
+def test_lvf_is_fcfs_while_everything_fits() -> None:
+    p, f = _lvf(), FCFS()
+    p.begin(10.0, fits=True)
+    waiting = [_req("b", ReqStatus.WAITING, 5.0), _req("a", ReqStatus.WAITING, 1.0)]
+    rotary = [_req("c", ReqStatus.ROTARY, 3.0, last_token=4.0)]
+    running = [_req("x", ReqStatus.RUNNING, 0.5, run_start=1.0), _req("y", ReqStatus.RUNNING, 4.0, run_start=9.9)]
+    assert p.candidates(waiting, rotary, CACHE) == f.candidates(waiting, rotary, CACHE)
+    assert [r.rid for r in p.candidates(waiting, rotary, CACHE)] == ["a", "c", "b"]
+    assert p.victims(running) == f.victims(running) and p.make_room_for(waiting[0], running) == []
+
+
+def test_swap_baselines_order_the_two_queues() -> None:
+    waiting = [_req("w2", ReqStatus.WAITING, 2.0), _req("w1", ReqStatus.WAITING, 1.0)]
+    rotary = [_req("q3", ReqStatus.ROTARY, 3.0, last_token=4.0), _req("q0", ReqStatus.ROTARY, 0.0, last_token=4.0)]
+    assert [r.rid for r in make_policy("wf").candidates(waiting, rotary, CACHE)] == ["w1", "w2", "q0", "q3"]
+    assert [r.rid for r in make_policy("sf").candidates(waiting, rotary, CACHE)] == ["q0", "q3", "w1", "w2"]
+    assert [r.rid for r in make_policy("fcfs").candidates(waiting, rotary, CACHE)] == ["q0", "w1", "w2", "q3"]
+
+
+def test_lvf_end_to_end_equals_fcfs_when_the_pool_is_large() -> None:
+    """Same batches, same outputs, step by step, and no rotation."""
+    ps = prompts([5, 17, 33, 9, 40, 3])
+    steps: dict[str, list[list[tuple[str, int]]]] = {}
+    for policy in ("lvf", "fcfs"):
+        s, clock = rotating(policy, max_total_tokens=4096)
+        trace: list[list[tuple[str, int]]] = []
+        steps[policy] = trace
+        orig = s._run
+
+        def spy(entries, mode, orig=orig, trace=trace):  # type: ignore[no-untyped-def]
+            trace.append([(e.req.rid, e.extend) for e in entries])
+            return orig(entries, mode)
+
+        s._run = spy  # type: ignore[method-assign]
+        drive(s, reqs(ps, 8), clock, every=2)
+        assert s.rot is not None and s.rot.rotations_out == 0
+    assert steps["lvf"] == steps["fcfs"] and len(steps["lvf"]) > 10
+
+
+def test_injected_clock_drives_vlt() -> None:
+    s, clock = rotating("lvf")
+    assert isinstance(clock, Clock) and s.clock is clock
+    r = Req("a", prompts([6])[0], greedy(3))
+    clock.t = 4.0
+    drive(s, [r], clock, dt=0.5)
+    assert r.run_start_time == 4.5 and r.last_token_time is not None and r.last_token_time > 4.5

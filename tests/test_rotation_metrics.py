@@ -1,0 +1,80 @@
+"""Rotation as users see it: meta_info `rotations` and the worker's load report (a real Worker in
+this process), the router's /metrics families for rotation, and TTFT/TPOT SLO attainment per model."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from router.metrics import RouterMetrics
+from sglang_ext.messages import BatchOut, GenerateReq, LoadReport
+from sglang_ext.sampling.params import SamplingParams
+from sglang_ext.server_args import ServerArgs
+from sglang_ext.worker.worker import Worker
+
+
+def _report(**kw: Any) -> LoadReport:
+    base: dict[str, Any] = dict(worker_id="w0", num_running=0, num_waiting=0, kv_used_tokens=0, kv_total_tokens=1,
+                                kv_cached_tokens=0, num_preemptions=0, step_time_ms=0.0, timestamp=0.0)
+    return LoadReport(**{**base, **kw})
+
+
+def test_worker_reports_rotations_in_meta_info_and_load() -> None:
+    w = Worker(ServerArgs(device="cpu", dtype="float32", page_size=4, max_total_tokens=96, preemption_mode="rotate",
+                          schedule_policy="sf", kv_host_size_gb=1 / 1024, skip_tokenizer_init=True))
+    sp = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    inbox = [GenerateReq(rid=f"r{i}", input_ids=[10 + i + j for j in range(30)], sampling_params=sp)
+             for i in range(5)]
+    meta: dict[str, dict[str, Any]] = {}
+    peak = 0
+    for _ in range(2000):
+        for out in w.step(inbox):
+            assert isinstance(out, BatchOut)
+            for t in out.outs:
+                meta[t.rid] = t.meta_info
+        inbox = []
+        peak = max(peak, w.load_report().rotary_reqs)
+        if not w.has_work():
+            break
+    assert sorted(meta) == [f"r{i}" for i in range(5)]
+    assert all(m["finish_reason"]["type"] == "length" for m in meta.values())
+    rep = w.load_report()
+    assert rep.kv_rotations_out == rep.kv_rotations_in == sum(m["rotations"] for m in meta.values()) > 0
+    assert rep.kv_rotation_bytes_out > 0 and rep.kv_rotation_bytes_in > 0 and peak > 0
+    assert rep.rotary_reqs == 0 and rep.kv_host_used_bytes == 0 and rep.kv_host_total_bytes >= 1 << 20
+
+
+def test_rotation_metrics_render_and_stay_monotonic_across_restarts() -> None:
+    w = SimpleNamespace(model="m", worker_id="w0", load=None, inflight={}, up=True, supervision=None)
+    m = RouterMetrics(lambda: [w])  # type: ignore[arg-type, list-item]
+    w.load = _report(rotary_reqs=2, kv_host_used_bytes=4096, kv_host_total_bytes=1 << 20, kv_rotations_out=3,
+                     kv_rotations_in=1, kv_rotation_bytes_out=6144, kv_rotation_bytes_in=2048,
+                     kv_rotation_unhidden_iterations=1)
+    m.offload.observe("w0", w.load)
+    m.offload.restarted("w0")
+    w.load = _report(kv_rotations_out=1, kv_rotation_bytes_out=100)
+    m.offload.observe("w0", w.load)
+    text = m.render().decode()
+    want = [
+        'sglang_ext:kv_rotations_total{direction="out",model_name="m",worker="w0"} 4.0',
+        'sglang_ext:kv_rotations_total{direction="in",model_name="m",worker="w0"} 1.0',
+        'sglang_ext:kv_rotation_bytes_total{direction="out",model_name="m",worker="w0"} 6244.0',
+        'sglang_ext:kv_rotation_bytes_total{direction="in",model_name="m",worker="w0"} 2048.0',
+        'sglang_ext:kv_rotation_unhidden_iterations_total{model_name="m",worker="w0"} 1.0',
+        'sglang_ext:rotary_reqs{model_name="m",worker="w0"} 0.0',
+        'sglang_ext:kv_host_used_bytes{model_name="m",worker="w0"} 0.0',
+    ]
+    for line in want:
+        assert line in text, line
+
+
+def test_slo_attainment_per_model() -> None:
+    m = RouterMetrics()
+    for met in (True, True, False, True):
+        m.slo_result("a", "ttft", met)
+    m.slo_result("a", "tpot", False)
+    text = m.render().decode()
+    assert 'sglang_ext:slo_attainment{kind="ttft",model_name="a"} 0.75' in text
+    assert 'sglang_ext:slo_attainment{kind="tpot",model_name="a"} 0.0' in text
+    assert 'sglang_ext:slo_checked_total{kind="ttft",model_name="a"} 4.0' in text
+    assert 'sglang_ext:slo_met_total{kind="ttft",model_name="a"} 3.0' in text
