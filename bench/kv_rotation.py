@@ -10,7 +10,7 @@ an 8 GiB device pool and an 8 GiB pinned host pool. Sections:
   baseline  per layer, per page: 32 layers x (K, V) = 64 copies of 32 KiB per page, what a layer-first
             layout must do (the pattern that held vLLM to ~10 GB/s on GH200);
   one_way   the engine's methods (batched, staged, runs, per_page) moving --pages scattered device pages
-            out and in, with host pages contiguous (as `alloc_ascending` hands them out) or scattered;
+            out and in, with host pages contiguous (as `PageAllocator.alloc_lowest` hands them out) or scattered;
   duplex    a swap-out and a swap-in of --pages each, enqueued together.
 Each cell: wall time from a synchronized start to both streams drained, median of --repeats, plus the
 host time of the calls (what the scheduler pays), and a bit-exact check of sampled pages. Cells are

@@ -82,7 +82,7 @@ class ServerArgs:
     kv_host_size_gb: float | None = field(default=None, metadata=_help(
         "host KV pool for rotated requests (GiB; with --preemption-mode rotate)",
         "with rotate: a share of the host's available memory, logged at start"))
-    rotation_budget_mb: float = field(default=1024.0, metadata=_help(
+    rotation_budget_mb: float = field(default=256.0, metadata=_help(
         "B_xfer: MiB of KV each scheduling iteration may move per direction for rotations and eager copies"))
     disable_eager_rotation: bool = field(default=False, metadata=_help(
         "do not copy running requests' full KV pages to host memory ahead of a rotation"))
@@ -94,7 +94,7 @@ class ServerArgs:
         f"{DEFAULT_TPOT_SLO_MS:g}"))
     lvf_alpha: float = field(default=3.0, metadata=_help(
         "lvf: weight of decode lag against first-token lag (higher favours running/rotary streams)"))
-    lvf_beta_ttft: float = field(default=0.0, metadata=_help(
+    lvf_beta_ttft: float = field(default=0.5, metadata=_help(
         "lvf: tolerance of waiting requests, in TTFT SLOs (beta_B)"))
     lvf_beta_tpot: float = field(default=0.5, metadata=_help(
         "lvf: tolerance of rotary requests, in TPOT SLOs (beta_F)"))

@@ -82,6 +82,7 @@ class LateEngine(RotationEngine):
 
 def rotating(policy: str = "lvf", host_pages: int = 512, late: int = 0, **args: Any) -> tuple[Scheduler, Clock]:
     args.setdefault("max_total_tokens", 72)
+    args.setdefault("lvf_beta_ttft", 0.0)  # waiting requests press at once: more rotation in small tests
     s = make_scheduler(page_size=PAGE, preemption_mode="rotate", schedule_policy=policy,
                        kv_host_size_gb=host_pages * 2048 / 2**30, **args)
     assert s.rot is not None and s.rot.engine.page_bytes == 2048

@@ -185,8 +185,9 @@ def test_registered_host_memory_serves_as_the_host_pool(numa: bool | None) -> No
         pytest.skip(f"NUMA placement refused on this machine: {alloc.reason}")
     assert alloc.tensor.is_pinned()
     assert alloc.tensor.untyped_storage().nbytes() == PAGES * GEOM.page_bytes  # exactly, not rounded up
-    eng, pool, host = make("batched")
-    host.data = alloc.tensor  # what HostKVPool will do once it is wired to host_memory
+    _, pool, _ = make("batched")
+    host = HostKVPool(GEOM, PAGES, pin=True, data=alloc.tensor)  # as make_host_pool does
+    eng = DuplexRotationEngine(pool, host, method="batched")
     before = pool.data.cpu()
     eng.swap_out([2, 4, 6], [10, 11, 12])
     eng.synchronize()

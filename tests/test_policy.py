@@ -15,11 +15,12 @@ CACHE = NoPrefixCache(4)
 
 
 def _req(rid: str, status: ReqStatus, arrival: float, last_token: float | None = None,
-         run_start: float | None = None) -> Req:
+         run_start: float | None = None, first_token: float | None = None, tokens: int = 1) -> Req:
     r = Req(rid, [5, 6, 7], greedy(), arrival_time=arrival)
     r.status, r.last_token_time, r.run_start_time = status, last_token, run_start
-    if last_token is not None:
-        r.output_ids = [9]
+    r.first_token_time = first_token
+    if last_token is not None or first_token is not None:
+        r.output_ids = [9] * tokens
     return r
 
 
@@ -36,26 +37,35 @@ def test_vlt_definitions() -> None:
     assert p.vlt(_req("w", ReqStatus.WAITING, arrival=8.0)) == 2.0  # 2 s late / 1 s SLO
     assert abs(p.vlt(_req("q", ReqStatus.ROTARY, 0.0, last_token=9.9)) - 3 * (1.0 - 0.5)) < 1e-9
     assert p.vlt(_req("q0", ReqStatus.ROTARY, arrival=9.0)) == 1.0  # no token yet: as a waiting one
-    assert abs(p.vlt(_req("r", ReqStatus.RUNNING, 0.0, run_start=9.8)) + 3 * 2.0) < 1e-9
+    # running: decode lag in TPOT SLOs; 21 tokens in the 1 s since the first = 10 SLOs ahead
+    assert abs(p.vlt(_req("r", ReqStatus.RUNNING, 0.0, run_start=9.8, first_token=9.0, tokens=21)) + 3 * 10) < 1e-9
+    # back from rotation, behind schedule: positive, so not a victim
+    assert p.vlt(_req("back", ReqStatus.RUNNING, 0.0, run_start=10.0, first_token=8.0, tokens=5)) > 0
+    assert p.vlt(_req("prefill", ReqStatus.RUNNING, 0.0, run_start=9.9)) == 0.0  # no token yet
 
 
 def test_lvf_orders_by_largest_vlt_and_preempts_from_the_tail() -> None:
     p = _lvf()
     p.begin(10.0, fits=False)
-    w_old = _req("w_old", ReqStatus.WAITING, arrival=7.0)  # 3.0
-    w_new = _req("w_new", ReqStatus.WAITING, arrival=9.9)  # 0.1
+    w_old = _req("w_old", ReqStatus.WAITING, arrival=7.0)  # 3.0 - 0.5 (beta_B)
+    w_new = _req("w_new", ReqStatus.WAITING, arrival=9.9)  # 0.1 - 0.5
     rot = _req("rot", ReqStatus.ROTARY, 0.0, last_token=9.7)  # 3 * (3 - 0.5) = 7.5
     rot_fresh = _req("rot_fresh", ReqStatus.ROTARY, 0.0, last_token=9.99)  # 3 * (0.1 - 0.5) = -1.2
     assert [r.rid for r in p.candidates([w_new, w_old], [rot_fresh, rot], CACHE)] == [
         "rot", "w_old", "w_new", "rot_fresh"]
-    long_run = _req("long", ReqStatus.RUNNING, 0.0, run_start=9.0)  # -30
-    short_run = _req("short", ReqStatus.RUNNING, 1.0, run_start=9.97)  # -0.9
-    just_in = _req("just_in", ReqStatus.RUNNING, 2.0, run_start=10.0)  # 0: not ahead
-    running = [short_run, just_in, long_run]
-    assert [r.rid for r in p.victims(running)] == ["long", "short", "just_in"]
-    assert [r.rid for r in p.make_room_for(w_new, running)] == ["long", "short"]
-    # a candidate that is itself ahead of schedule only displaces requests further ahead
-    assert [r.rid for r in p.make_room_for(rot_fresh, running)] == ["long"]
+    long_run = _req("long", ReqStatus.RUNNING, 0.0, run_start=9.0, first_token=9.0, tokens=31)  # 3*(10-30) = -60
+    mid_run = _req("mid", ReqStatus.RUNNING, 1.0, run_start=9.5, first_token=9.5, tokens=9)  # 3*(5-8) = -9
+    short_run = _req("short", ReqStatus.RUNNING, 1.5, run_start=9.5, first_token=9.5, tokens=7)  # 3*(5-6) = -3
+    just_in = _req("just_in", ReqStatus.RUNNING, 2.0, run_start=10.0)  # 0: no token yet
+    running = [short_run, just_in, mid_run, long_run]
+    assert [r.rid for r in p.victims(running)] == ["long", "mid", "short", "just_in"]
+    # victims must be at least one SLO (alpha) further ahead than the candidate: bar = -0.4 - 3
+    assert [r.rid for r in p.make_room_for(w_new, running)] == ["long", "mid"]
+    assert [r.rid for r in p.make_room_for(w_old, running)] == ["long", "mid"]  # bar = 0 - 3
+    # a candidate that is itself ahead of schedule only displaces requests further ahead: bar = -1.2 - 3
+    assert [r.rid for r in p.make_room_for(rot_fresh, running)] == ["long", "mid"]
+    ahead = _req("ahead", ReqStatus.ROTARY, 0.0, last_token=9.999)  # 3 * (0.01 - 0.5) = -1.47
+    assert [r.rid for r in p.make_room_for(ahead, [short_run])] == []
 
 
 def test_lvf_is_fcfs_while_everything_fits() -> None:

@@ -13,7 +13,7 @@ import torch
 
 from sglang_ext.kvcache import host_memory, memcpy_batch
 from sglang_ext.kvcache.allocator import PageAllocator
-from sglang_ext.kvcache.copy_plan import HostRun, Run, alloc_ascending, check_pages, plan_runs, plan_staged
+from sglang_ext.kvcache.copy_plan import HostRun, Run, check_pages, plan_runs, plan_staged
 from sglang_ext.kvcache.duplex import METHODS, DuplexRotationEngine
 from sglang_ext.kvcache.host_pool import HostKVPool
 from sglang_ext.kvcache.pool import KVGeometry, KVPool
@@ -132,11 +132,11 @@ def test_check_pages_accepts_a_valid_transfer() -> None:
     check_pages([], [], 2, 2)
 
 
-def test_alloc_ascending_gives_runs_after_fragmentation() -> None:
+def test_alloc_lowest_gives_runs_after_fragmentation() -> None:
     a = PageAllocator(16)
     pages = a.alloc(10)
     a.free([pages[i] for i in (7, 2, 5, 3, 4)])  # free 8, 3, 6, 4, 5 in scattered order
-    assert alloc_ascending(a, 4) == [3, 4, 5, 6]
+    assert a.alloc_lowest(4) == [3, 4, 5, 6]
 
 
 class _Err(int):

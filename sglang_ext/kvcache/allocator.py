@@ -30,6 +30,13 @@ class PageAllocator:
             self._used[p] = True
         return pages
 
+    def alloc_lowest(self, n: int) -> list[int]:
+        """`alloc(n)` of the lowest free ids, ascending: pages handed out together then form long runs
+        of consecutive ids (a host pool's rotation moves them in few copies even after it has
+        fragmented). Sorts the free list, which stays nearly sorted, so this is close to linear."""
+        self._free.sort(reverse=True)  # alloc pops from the end: lowest ids first
+        return self.alloc(n)
+
     def free(self, pages: list[int]) -> None:
         for p in pages:
             if not self._used[p]:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from sglang_ext.kvcache.allocator import PageAllocator
-
 
 class Run(NamedTuple):
     src: int  # first source page
@@ -84,12 +82,3 @@ def plan_staged(dev: list[int], host: list[int], capacity: int) -> list[StagedCh
     if dev_pages:
         chunks.append(StagedChunk(dev_pages, host_runs))
     return chunks
-
-
-def alloc_ascending(allocator: PageAllocator, n: int) -> list[int]:
-    """`allocator.alloc(n)` after re-sorting its free list, so the pages come as the lowest free ids in
-    ascending order: host pages of one rotation then form long runs and move in few copies even after
-    the pool has fragmented. Costs a sort of the free list (nearly sorted after the first call, so
-    close to linear). Reaches into `PageAllocator`'s free list: a method there would be the clean home."""
-    allocator._free.sort(reverse=True)  # alloc() pops from the end: lowest ids first
-    return allocator.alloc(n)

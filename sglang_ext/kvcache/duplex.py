@@ -23,7 +23,7 @@ many API calls and copies they issue, not in how they read a page. `method`:
   `fallback_reason` when cuda-python or the API is missing or the call fails.
 - "staged": device pages gathered (swap-out) or scattered (swap-in) on the GPU through a bounded staging
   buffer (index_select / index_copy_, ~1.7 TB/s), one copy per run of consecutive host pages. Wins when
-  device pages are scattered but host pages are contiguous (see `copy_plan.alloc_ascending`); costs an
+  device pages are scattered but host pages are contiguous (see `PageAllocator.alloc_lowest`); costs an
   extra HBM read+write (~3 % of the copy time at 55 GB/s), serialized with the copies on one stream.
 - "runs": one cudaMemcpyAsync (torch `copy_`) per merged run.
 - "per_page": one copy per page, for the benchmark to compare with.

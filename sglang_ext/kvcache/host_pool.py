@@ -14,16 +14,19 @@ from sglang_ext.kvcache.pool import KVGeometry
 
 
 class HostKVPool:
-    def __init__(self, geometry: KVGeometry, num_pages: int, pin: bool) -> None:
+    def __init__(self, geometry: KVGeometry, num_pages: int, pin: bool, data: torch.Tensor | None = None) -> None:
+        """`data`: storage to adopt (host_memory.host_kv_tensor: exact-size, NUMA-placed, registered)."""
         if num_pages < 2:
             raise ValueError(f"host KV pool needs at least 2 pages (one is reserved), got {num_pages}")
         g = geometry
         self.geometry = g
         self.num_pages = num_pages
-        self.data = torch.empty(
-            (num_pages, g.num_layers, 2, g.page_size, g.num_kv_heads, g.head_dim),
-            dtype=g.dtype, device="cpu", pin_memory=pin,
-        )
+        shape = (num_pages, g.num_layers, 2, g.page_size, g.num_kv_heads, g.head_dim)
+        if data is None:
+            data = torch.empty(shape, dtype=g.dtype, device="cpu", pin_memory=pin)
+        elif tuple(data.shape) != shape or data.dtype != g.dtype:
+            raise ValueError(f"host KV storage is {tuple(data.shape)} {data.dtype}, the pool needs {shape} {g.dtype}")
+        self.data = data
         self.allocator = PageAllocator(num_pages)  # page 0 unused: keeps ids symmetric with the GPU pool
 
     @property

@@ -83,7 +83,11 @@ class RotationEngine:
 
 
 def make_rotation_engine(pool: KVPool, host: HostKVPool) -> RotationEngine:
-    """The engine the scheduler uses (the one place a faster engine is plugged in)."""
+    """The engine the scheduler uses: DuplexKV on a GPU (two streams, batched copies), plain copies on CPU."""
+    if pool.device.type == "cuda":
+        from sglang_ext.kvcache.duplex import DuplexRotationEngine
+
+        return DuplexRotationEngine(pool, host)
     return RotationEngine(pool, host)
 
 
@@ -98,12 +102,19 @@ def host_kv_bytes(size_gb: float | None, device_pool_bytes: int) -> int:
     return chosen
 
 
-def make_host_pool(geometry: KVGeometry, nbytes: int, pin: bool) -> HostKVPool:
+def make_host_pool(geometry: KVGeometry, nbytes: int, device: torch.device) -> HostKVPool:
+    """Pageable memory for a CPU engine; for a GPU, memory pinned at its exact size on the host NUMA
+    node next to the GPU where that is known (host_memory.py: the Grace path)."""
     pages = nbytes // geometry.page_bytes + 1  # + the reserved page 0
     if pages < 2:
         raise ValueError(f"the host KV pool ({nbytes} bytes) is smaller than one KV page "
                          f"({geometry.page_bytes} bytes): raise kv_host_size_gb")
-    return HostKVPool(geometry, pages, pin)
+    if device.type != "cuda":
+        return HostKVPool(geometry, pages, pin=False)
+    from sglang_ext.kvcache.host_memory import host_kv_tensor
+
+    alloc = host_kv_tensor(geometry, pages, device)
+    return HostKVPool(geometry, pages, pin=True, data=alloc.tensor)
 
 
 def _mem_available() -> int:

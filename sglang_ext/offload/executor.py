@@ -114,10 +114,11 @@ class AttentionExecutor:
             self.partition.detach(guest)
 
     # ---- one decode step ------------------------------------------------------------------------
-    def plan(self, guest: str, handles: list[int], positions: list[int]) -> list[int]:
+    def plan(self, guest: str, handles: list[int], positions: list[int], prepare: bool = True) -> list[int]:
         """Lay out a decode step whose row i writes token `positions[i]` of request `handles[i]`.
         Returns the handles that could not grow (the partition is full): they are released here and
-        left out of the step; the sender takes them back."""
+        left out of the step; the sender takes them back. `prepare=False` leaves the backend's plan to
+        the caller (a CUDA-graph replay plans its own captured buffers)."""
         g = self.guests[guest]
         ps = g.spec.geometry.page_size
         failed: list[int] = []
@@ -137,7 +138,7 @@ class AttentionExecutor:
         for h in failed:
             self.release(guest, h)
         g.batch = ForwardBatch.build(rows, ForwardMode.DECODE, ps, self.device) if rows else None
-        if g.batch is not None:
+        if g.batch is not None and prepare:
             g.batch.attn_backend = g.backend
             with self._on_device():
                 g.backend.prepare(g.batch)

@@ -16,6 +16,9 @@ same operations can later be replayed from CUDA graphs.
     wait done[l] == 1; done[l] := 0  <────────────  push exec_out -> recv; done[l] := 1
     scatter recv into the layer's output
 
+With a backend that supports CUDA graphs (FlashInfer), the executor's whole gated 32-layer program
+is one graph per padded row count, so queueing it costs the host one launch, not hundreds.
+
 Buffers are reused every layer safely: the sender writes `exec_in` for layer l+1 only after
 `done[l]`, by which time the executor has read layer l's; the executor writes `recv` for l+1 only
 after the doorbell of l+1, which the sender rings after consuming layer l's output.
@@ -23,8 +26,13 @@ after the doorbell of l+1, which the sender rings after consuming layer l's outp
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from sglang_ext.engine.cuda_graph import padded_size
+from sglang_ext.engine.forward_batch import ForwardBatch
+from sglang_ext.engine.split_graph import REMOTE_SIZES
 from sglang_ext.offload import cuda_signal as cs
 from sglang_ext.offload.executor import AttentionExecutor, GuestSpec
 from sglang_ext.offload.remote import LocalRemote
@@ -59,6 +67,17 @@ class PeerRemote(LocalRemote):
         self._warm: set[int] = set()  # row counts whose executor kernels ran once ungated
         self._posted = 0  # rows the sender moves per layer: `rows`, or its padded size in a graph
         self._program_done: torch.cuda.Event | None = None  # end of the last queued executor program
+        # executor-side graphs, one per padded row count
+        self.sizes = [n for n in REMOTE_SIZES if n < max_rows] + [max_rows]
+        self._graphs: dict[int, torch.cuda.CUDAGraph] | None = None
+        backend = executor.guests[guest].backend
+        if backend.supports_cuda_graph():
+            with torch.cuda.device(self.dev_e):
+                pages = executor.partition.total_bytes // g.page_bytes + 1
+                backend.init_cuda_graph_state(max_rows, pages)
+                self._loc = torch.zeros(max_rows, dtype=torch.int64, device=self.dev_e)  # pads: slot 0 of page 0
+                self._mempool = torch.cuda.graph_pool_handle()
+            self._graphs = {}
 
     # ---- per step --------------------------------------------------------------------------------
     def begin_step(self, handles: list[int], positions: list[int]) -> list[int]:
@@ -71,11 +90,17 @@ class PeerRemote(LocalRemote):
             # read the last step's tokens has waited for it anyway; one that queues steps back to back
             # (a benchmark) waits here, once per step, not per layer.
             self._program_done.synchronize()
-        failed = self.executor.plan(self.guest, handles, positions)
+        graphs = self._graphs is not None
+        failed = self.executor.plan(self.guest, handles, positions, prepare=not graphs)
         self.rows = len(handles) - len(failed)
-        if self.rows not in self._warm:
-            self._warm_up()
-        self._enqueue_executor_step()
+        if not self.rows:  # every row was dropped: the sender posts nothing this step, so queue nothing
+            self._program_done = None
+        elif graphs:
+            self._replay_executor_step()
+        else:
+            if self.rows not in self._warm:
+                self._warm_up()
+            self._enqueue_executor_step()
         elem = self.send.element_size()
         self.bytes_out += self.rows * self.layers * self.send.shape[1] * elem  # counted here: graph
         self.bytes_in += self.rows * self.layers * self.recv.shape[1] * elem  # replays run no Python
@@ -120,6 +145,70 @@ class PeerRemote(LocalRemote):
                 self.done.write(s, layer, 1)
             self._program_done = torch.cuda.Event()
             self._program_done.record(s)
+
+    # ---- the executor's program as CUDA graphs -----------------------------------------------------
+    def _replay_executor_step(self) -> None:
+        g = self.executor.guests[self.guest]
+        batch = g.batch
+        assert batch is not None and self._graphs is not None
+        n = self.rows
+        rp = padded_size(self.sizes, n)
+        assert rp is not None
+        s = self.stream
+        with torch.cuda.device(self.dev_e):
+            g.backend.prepare_for_replay(batch, rp)  # re-plans the captured wrapper's buffers in place
+            self._loc[:n].copy_(batch.out_cache_loc, non_blocking=True)
+            self._loc[n:rp].zero_()
+            s.wait_stream(torch.cuda.current_stream(self.dev_e))
+            graph = self._graphs.get(rp)
+            if graph is None:
+                graph = self._capture(rp, dataclasses.replace(batch, out_cache_loc=self._loc[:rp]))
+            with torch.cuda.stream(s):
+                graph.replay()
+            self._program_done = torch.cuda.Event()
+            self._program_done.record(s)
+
+    def _capture(self, rp: int, static: ForwardBatch) -> torch.cuda.CUDAGraph:
+        """Capture the gated program for `rp` rows, after running it once ungated (kernel modules load
+        and JIT happens outside the capture and outside any doorbell wait; what the warm run writes at
+        the planned slots is overwritten by the real step at the same positions)."""
+        assert self._graphs is not None
+        s = self.stream
+        with torch.cuda.stream(s):
+            self._program(rp, static, gated=False)
+        torch.cuda.synchronize(self.dev_e)
+        graph = torch.cuda.CUDAGraph()
+        # Not `torch.cuda.graph(...)`: it empties the allocator's cache, and a cudaFree waits for the
+        # GPU to go idle (see split_graph.py).
+        with torch.cuda.stream(s):
+            graph.capture_begin(pool=self._mempool)
+            try:
+                self._program(rp, static, gated=True)
+            finally:
+                graph.capture_end()
+        self._graphs[rp] = graph
+        return graph
+
+    def _program(self, n: int, batch: ForwardBatch, gated: bool) -> None:
+        """The executor's step for `n` (padded) rows on the current stream: per layer, wait for the
+        sender's q|k|v, attend, push o back and signal."""
+        hq, hkv, d = self.hq, self.hkv, self.d
+        s = self.stream
+        backend = self.executor.guests[self.guest].backend
+        qkv = self.exec_in[:n]
+        q = qkv[:, : hq * d].view(n, hq, d)
+        k = qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d)
+        v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
+        out = self.exec_out[:n]
+        nbytes = out.numel() * out.element_size()
+        for layer in range(self.layers):
+            if gated:
+                self.doorbell.wait(s, layer, 1)
+                self.doorbell.write(s, layer, 0)
+            out.copy_(backend.forward(q, k, v, layer, batch).reshape(n, hq * d))
+            if gated:
+                cs.peer_copy(self.recv.data_ptr(), out.data_ptr(), nbytes, s)
+                self.done.write(s, layer, 1)
 
     def post(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         n = self._posted = q.shape[0]  # in a graph: the padded size; the first `rows` are real

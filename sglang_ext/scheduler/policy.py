@@ -90,7 +90,16 @@ class LargestVLTFirst(FCFS):
 
         waiting   VLT = (now - arrival) / S_B - beta_B
         rotary    VLT = alpha * ((now - last token) / S_F - beta_F)   (as waiting before its first token)
-        running   VLT = -alpha * (now - run start) / S_F
+        running   VLT = alpha * ((now - first token) / S_F - (tokens since the first))   (0 before it)
+
+A running request's VLT is its decode lag: how many TPOT SLOs it is behind (positive) or ahead
+(negative) of one token per S_F since its first token. DESIGN.md's starting definition,
+-alpha * (now - run start) / S_F, made every request that had run a moment a victim for any
+waiting request: on an H200 at a load where FCFS met every SLO, lvf then rotated ~170 times per
+second and collapsed. The lag keeps the meaning (negative = ahead of its SLO) but counts the slack
+a stream has banked, so the victims are the streams furthest ahead, a request just brought back
+(which spent its slack while away) is not sent out again at once, and a victim must be at least one
+SLO ahead of the candidate it makes room for.
 
     While everything fits in the pool it is exactly FCFS. Otherwise candidates are taken from the
     head of the VLT order (within the pool and the rotation budget, which the scheduler enforces)
@@ -112,8 +121,9 @@ class LargestVLTFirst(FCFS):
     def vlt(self, r: Req) -> float:
         now = self.now
         if r.status is ReqStatus.RUNNING:
-            start = r.run_start_time if r.run_start_time is not None else now
-            return -self.alpha * (now - start) / self.s_f
+            if r.first_token_time is None or not r.output_ids:
+                return 0.0  # still prefilling: neither ahead nor behind
+            return self.alpha * ((now - r.first_token_time) / self.s_f - (len(r.output_ids) - 1))
         if r.status is ReqStatus.ROTARY and r.last_token_time is not None:
             return self.alpha * ((now - r.last_token_time) / self.s_f - self.beta_f)
         return (now - r.arrival_time) / self.s_b - self.beta_b
@@ -131,7 +141,7 @@ class LargestVLTFirst(FCFS):
     def make_room_for(self, cand: Req, running: list[Req]) -> list[Req]:
         if self.fits:
             return []
-        bar = min(self.vlt(cand), 0.0)
+        bar = min(self.vlt(cand), 0.0) - self.alpha  # a rotation must buy at least one SLO of lag
         return [r for r in self.victims(running) if self.vlt(r) < bar]
 
 

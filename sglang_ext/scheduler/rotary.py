@@ -102,7 +102,7 @@ class Rotation:
 
 def make_rotation(args: ServerArgs, pool: KVPool) -> Rotation:
     nbytes = host_kv_bytes(args.kv_host_size_gb, pool.total_bytes)
-    host = make_host_pool(pool.geometry, nbytes, pin=pool.device.type == "cuda")
+    host = make_host_pool(pool.geometry, nbytes, pool.device)
     host.allocator = HoldingAllocator(host.num_pages)  # fresh: nothing allocated yet
     return Rotation(make_rotation_engine(pool, host), args.rotation_budget_bytes, not args.disable_eager_rotation)
 
@@ -245,7 +245,7 @@ class RotaryRows:
             todo = [i for i in range(r.kv_len // self.page_size) if i not in have][:room]
             if not todo:
                 continue
-            host = rot.host_alloc.alloc(len(todo))
+            host = rot.host_alloc.alloc_lowest(len(todo))
             self._issue(r, "out", [r.pages[i] for i in todo], host)
             rot.spend("out", len(todo) * page)
             for i, h in zip(todo, host, strict=True):
@@ -285,7 +285,7 @@ class RotaryRows:
                 rot.recompute_fallbacks += 1
                 logger.info("host KV pool full: %s is preempted by recompute", r.rid)
             return False
-        host = rot.host_alloc.alloc(len(need))
+        host = rot.host_alloc.alloc_lowest(len(need))
         if need:
             self._issue(r, "out", [r.pages[i] for i in need], host)
             rot.spend("out", nbytes, forced)

@@ -376,6 +376,8 @@ class Scheduler(Admission, RotaryRows, RemoteRows):
         for r in reqs:
             if r.output_ids:
                 r.last_token_time = now
+                if r.first_token_time is None:
+                    r.first_token_time = now
             done = r.kv_len >= r.fill_len - 1  # mid-prefill chunks cannot finish
             reason = check_finish(r, self.eos_ids, self.runner.context_len, self.decode_fn) if done else None
             if reason is not None:
