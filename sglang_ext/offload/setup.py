@@ -37,19 +37,16 @@ def local_offloader(args: ServerArgs, runner: ModelRunner, worker_id: str) -> Of
     device = runner.device if where in ("local", str(runner.device)) else torch.device(where)
     budget = int(args.executor_mem_gb * GiB) if args.executor_mem_gb > 0 else runner.pool.total_bytes
     executor = AttentionExecutor(ForeignKVPartition(budget, device), executor_backend(device, args))
-    # In one process the default is `local` (torch copies; verified on two H200s). The GPU-signalled
-    # peer exchange (`cuda_ipc`) must be asked for: its first run on two H200s hung (see
-    # docs/remote_attention.md), and the fix made since has not yet run on a GPU.
-    transport = args.offload_transport or "local"
+    # In one process: the GPU-signalled peer exchange (`cuda_ipc`) when the executor is on another GPU
+    # (verified on two H200s: same greedy tokens, no host on the per-layer path), torch copies otherwise.
+    other_gpu = device.type == "cuda" and device != runner.device
+    transport = args.offload_transport or ("cuda_ipc" if other_gpu else "local")
     remote: RemoteAttention
     if transport == "cuda_ipc":
-        if device.type != "cuda" or device == runner.device:
+        if not other_gpu:
             raise ValueError("offload_transport cuda_ipc in one process needs the executor on another GPU "
                              "(--offload-executor cuda:N)")
         from sglang_ext.offload.peer import PeerRemote
-
-        logger.warning("offload_transport cuda_ipc in one process is experimental: not yet verified on a GPU "
-                       "(docs/remote_attention.md)")
 
         remote = PeerRemote(executor, worker_id, guest_spec(runner), runner.device, runner.cfg.num_heads,
                             max_rows=max(args.max_running_requests or 256, 1), executor_id=f"{worker_id}/{device}")
