@@ -26,7 +26,12 @@ from _router_util import ROOT, Server, free_port, serve, wait_for
 
 from sglang_ext.models.default_model import ensure_default_model
 
-ARGS = {"max_total_tokens": 8192, "dtype": "float32", "device": "cpu", "log_level": "warning"}
+# `SGLANG_EXT_TEST_DEVICE=cuda` with two GPUs: hot and ref on cuda:0, the executor on cuda:1, so the
+# pairing runs over NCCL (the torch backend keeps float32 outputs comparable).
+TWO_GPUS = os.environ.get("SGLANG_EXT_TEST_DEVICE", "cpu") == "cuda"
+ARGS = {"max_total_tokens": 8192, "dtype": "float32", "device": "cuda:0" if TWO_GPUS else "cpu",
+        "log_level": "warning", **({"attention_backend": "torch", "disable_cuda_graph": True} if TWO_GPUS else {})}
+COLD_DEVICE = "cuda:1" if TWO_GPUS else "cpu"
 PROMPTS = ["The weather today is", "Once upon a time,", "A list of fruits: apples, pears", "Hi",
            "Numbers: 1, 2, 3,", "Dear team,"]
 
@@ -47,8 +52,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             {"name": "hot", "args": ARGS},
             {"name": "ref", "args": ARGS},
             {"name": "cold", "model_path": str(cold),
-             "args": {**ARGS, "load_format": "dummy", "tokenizer_path": str(ensure_default_model()),
-                      "max_total_tokens": 2048, "executor_mem_gb": 0.05}},
+             "args": {**ARGS, "device": COLD_DEVICE, "load_format": "dummy",
+                      "tokenizer_path": str(ensure_default_model()), "max_total_tokens": 2048,
+                      "executor_mem_gb": 0.05}},
         ],
         "offload": [{"from": "hot", "to": "cold", "policy": "fixed", "ratio": 0.5}],
     }

@@ -27,15 +27,29 @@ after the doorbell of l+1, which the sender rings after consuming layer l's outp
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from sglang_ext.attention.base import AttentionBackend
 from sglang_ext.engine.cuda_graph import padded_size
 from sglang_ext.engine.forward_batch import ForwardBatch
 from sglang_ext.engine.split_graph import REMOTE_SIZES
 from sglang_ext.offload import cuda_signal as cs
 from sglang_ext.offload.executor import AttentionExecutor, GuestSpec
 from sglang_ext.offload.remote import LocalRemote
+
+
+@dataclass(eq=False)
+class _Lane:
+    """One set of executor plan buffers and the graphs captured over them."""
+
+    backend: AttentionBackend
+    loc: torch.Tensor  # KV slots of the step's rows (the graphs read it)
+    mempool: Any
+    graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)
+    done: torch.cuda.Event | None = None  # end of this lane's last queued program
 
 
 class PeerRemote(LocalRemote):
@@ -67,36 +81,49 @@ class PeerRemote(LocalRemote):
         self._warm: set[int] = set()  # row counts whose executor kernels ran once ungated
         self._posted = 0  # rows the sender moves per layer: `rows`, or its padded size in a graph
         self._program_done: torch.cuda.Event | None = None  # end of the last queued executor program
-        # executor-side graphs, one per padded row count
+        # Executor-side graphs, one per padded row count, in two lanes that alternate by step: planning
+        # step t+1 rewrites only its own lane's plan buffers, which step t-1 used, so it need not wait
+        # for step t's program (still queued behind the sender's doorbells).
         self.sizes = [n for n in REMOTE_SIZES if n < max_rows] + [max_rows]
-        self._graphs: dict[int, torch.cuda.CUDAGraph] | None = None
-        backend = executor.guests[guest].backend
-        if backend.supports_cuda_graph():
+        self._lanes: list[_Lane] = []
+        self._step = 0
+        first = executor.guests[guest].backend
+        if first.supports_cuda_graph():
             with torch.cuda.device(self.dev_e):
                 pages = executor.partition.total_bytes // g.page_bytes + 1
-                backend.init_cuda_graph_state(max_rows, pages)
-                self._loc = torch.zeros(max_rows, dtype=torch.int64, device=self.dev_e)  # pads: slot 0 of page 0
-                self._mempool = torch.cuda.graph_pool_handle()
-            self._graphs = {}
+                mempool = torch.cuda.graph_pool_handle()  # shared: programs run one after another on `stream`
+                for backend in (first, type(first)(first.pool, spec.num_q_heads, spec.head_dim, spec.scale)):
+                    backend.init_cuda_graph_state(max_rows, pages)
+                    loc = torch.zeros(max_rows, dtype=torch.int64, device=self.dev_e)  # pads: slot 0 of page 0
+                    self._lanes.append(_Lane(backend, loc, mempool))
+
+    def load(self, handle: int, kv: torch.Tensor, length: int) -> bool:
+        # The pages it gets may have been freed by a request whose last queued program still reads and
+        # writes them on `stream`: the copy in waits for that program on the GPU (no host wait).
+        if self._program_done is not None:
+            torch.cuda.current_stream(self.dev_e).wait_event(self._program_done)
+        return super().load(handle, kv, length)
 
     # ---- per step --------------------------------------------------------------------------------
     def begin_step(self, handles: list[int], positions: list[int]) -> list[int]:
         self._check()
         if len(handles) > self.max_rows:
             raise ValueError(f"{len(handles)} remote rows; the exchange buffers hold {self.max_rows}")
-        if self._program_done is not None:
-            # Planning rewrites the executor's plan buffers (and their pinned host staging) and frees the
-            # last step's page table, which a queued program may still be about to read. A caller that
-            # read the last step's tokens has waited for it anyway; one that queues steps back to back
-            # (a benchmark) waits here, once per step, not per layer.
-            self._program_done.synchronize()
-        graphs = self._graphs is not None
-        failed = self.executor.plan(self.guest, handles, positions, prepare=not graphs)
+        lane = self._lanes[self._step % 2] if self._lanes else None
+        self._step += 1
+        last = lane.done if lane is not None else self._program_done
+        if last is not None:
+            # Planning rewrites plan buffers (and their pinned host staging) and frees a page table that
+            # a queued program may still read: with lanes, the program two steps back (long finished
+            # in practice); without, the last one. A caller that read the last step's tokens has
+            # waited for it anyway.
+            last.synchronize()
+        failed = self.executor.plan(self.guest, handles, positions, prepare=lane is None)
         self.rows = len(handles) - len(failed)
         if not self.rows:  # every row was dropped: the sender posts nothing this step, so queue nothing
             self._program_done = None
-        elif graphs:
-            self._replay_executor_step()
+        elif lane is not None:
+            self._replay_executor_step(lane)
         else:
             if self.rows not in self._warm:
                 self._warm_up()
@@ -147,54 +174,52 @@ class PeerRemote(LocalRemote):
             self._program_done.record(s)
 
     # ---- the executor's program as CUDA graphs -----------------------------------------------------
-    def _replay_executor_step(self) -> None:
-        g = self.executor.guests[self.guest]
-        batch = g.batch
-        assert batch is not None and self._graphs is not None
+    def _replay_executor_step(self, lane: _Lane) -> None:
+        batch = self.executor.guests[self.guest].batch
+        assert batch is not None
         n = self.rows
         rp = padded_size(self.sizes, n)
         assert rp is not None
         s = self.stream
         with torch.cuda.device(self.dev_e):
-            g.backend.prepare_for_replay(batch, rp)  # re-plans the captured wrapper's buffers in place
-            self._loc[:n].copy_(batch.out_cache_loc, non_blocking=True)
-            self._loc[n:rp].zero_()
+            lane.backend.prepare_for_replay(batch, rp)  # re-plans the lane's captured buffers in place
+            lane.loc[:n].copy_(batch.out_cache_loc, non_blocking=True)
+            lane.loc[n:rp].zero_()
             s.wait_stream(torch.cuda.current_stream(self.dev_e))
-            graph = self._graphs.get(rp)
+            graph = lane.graphs.get(rp)
             if graph is None:
-                graph = self._capture(rp, dataclasses.replace(batch, out_cache_loc=self._loc[:rp]))
+                graph = self._capture(lane, rp, dataclasses.replace(batch, out_cache_loc=lane.loc[:rp]))
             with torch.cuda.stream(s):
                 graph.replay()
-            self._program_done = torch.cuda.Event()
-            self._program_done.record(s)
+            lane.done = self._program_done = torch.cuda.Event()
+            lane.done.record(s)
 
-    def _capture(self, rp: int, static: ForwardBatch) -> torch.cuda.CUDAGraph:
+    def _capture(self, lane: _Lane, rp: int, static: ForwardBatch) -> torch.cuda.CUDAGraph:
         """Capture the gated program for `rp` rows, after running it once ungated (kernel modules load
         and JIT happens outside the capture and outside any doorbell wait; what the warm run writes at
-        the planned slots is overwritten by the real step at the same positions)."""
-        assert self._graphs is not None
+        the planned slots is overwritten by the real step at the same positions). The device sync
+        may wait for the other lane's queued program: the sender's already queued step rings it."""
         s = self.stream
         with torch.cuda.stream(s):
-            self._program(rp, static, gated=False)
+            self._program(lane.backend, rp, static, gated=False)
         torch.cuda.synchronize(self.dev_e)
         graph = torch.cuda.CUDAGraph()
         # Not `torch.cuda.graph(...)`: it empties the allocator's cache, and a cudaFree waits for the
         # GPU to go idle (see split_graph.py).
         with torch.cuda.stream(s):
-            graph.capture_begin(pool=self._mempool)
+            graph.capture_begin(pool=lane.mempool)
             try:
-                self._program(rp, static, gated=True)
+                self._program(lane.backend, rp, static, gated=True)
             finally:
                 graph.capture_end()
-        self._graphs[rp] = graph
+        lane.graphs[rp] = graph
         return graph
 
-    def _program(self, n: int, batch: ForwardBatch, gated: bool) -> None:
+    def _program(self, backend: AttentionBackend, n: int, batch: ForwardBatch, gated: bool) -> None:
         """The executor's step for `n` (padded) rows on the current stream: per layer, wait for the
         sender's q|k|v, attend, push o back and signal."""
         hq, hkv, d = self.hq, self.hkv, self.d
         s = self.stream
-        backend = self.executor.guests[self.guest].backend
         qkv = self.exec_in[:n]
         q = qkv[:, : hq * d].view(n, hq, d)
         k = qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d)
