@@ -42,6 +42,10 @@ class PeerRemote(LocalRemote):
     """LocalRemote's per-request calls (load, release) with a GPU-signalled per-layer exchange."""
 
     graph_capturable = True  # post/collect are stream operations only: decode graphs can hold them
+    # begin_step waits for the last queued program before it re-plans; pages released meanwhile are
+    # allocated again only by a later plan (after that wait) or by a load, which the scheduler makes
+    # only on landed state (after the last step's tokens, hence its program, completed)
+    overlap_safe = True
 
     def __init__(self, executor: AttentionExecutor, guest: str, spec: GuestSpec, sender_device: torch.device,
                  num_q_heads: int, max_rows: int = 1024, executor_id: str = "peer") -> None:
@@ -88,7 +92,8 @@ class PeerRemote(LocalRemote):
             # Planning rewrites the executor's plan buffers (and their pinned host staging) and frees the
             # last step's page table, which a queued program may still be about to read. A caller that
             # read the last step's tokens has waited for it anyway; one that queues steps back to back
-            # (a benchmark) waits here, once per step, not per layer.
+            # (the overlap scheduler, a benchmark) waits here, once per step, not per layer: until the
+            # sender's stream has rung the last layer's doorbell of the step before.
             self._program_done.synchronize()
         graphs = self._graphs is not None
         failed = self.executor.plan(self.guest, handles, positions, prepare=not graphs)
