@@ -2,7 +2,8 @@
 `ExecutorService`, in one process on two threads and across two processes. Attention outputs equal
 the in-process executor's; greedy outputs equal those without offload (prefix hits, chunked prefill,
 preemption); pages are accounted for on both sides after every step; a peer that vanishes is an
-`ExecutorLost` within the timeout on the sender and a release of the guest's KV on the host."""
+`ExecutorLost` within the timeout on the sender and a release of the guest's KV on the host. The
+overlap scheduler plans step t+1 over the pair while t is in flight, with the same outputs."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from _tiny import greedy, make_scheduler, prompts
+from _tiny import VOCAB, greedy, make_scheduler, prompts
 
 from sglang_ext.kvcache.pool import KVGeometry
 from sglang_ext.messages import ExecutorOpen
@@ -28,6 +29,7 @@ from sglang_ext.offload.partition import ForeignKVPartition
 from sglang_ext.offload.remote import ExecutorLost
 from sglang_ext.offload.sender import Offloader
 from sglang_ext.offload.setup import guest_spec
+from sglang_ext.scheduler.overlap import OverlapScheduler
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
 
@@ -55,6 +57,13 @@ def pair(host: ExecutorHost, spec: GuestSpec, timeout_s: float = 5.0) -> DistRem
 
 def new_host(budget: int = 1 << 22) -> ExecutorHost:
     return ExecutorHost(AttentionExecutor(ForeignKVPartition(budget, "cpu", slab_bytes=1 << 15)))
+
+
+def sender(overlap: bool = False, **args: Any) -> Scheduler:
+    s = make_scheduler(**args)
+    if overlap:
+        return OverlapScheduler(s.args, s.runner, s.page_size, s.eos_ids, vocab_size=VOCAB)
+    return s
 
 
 def offload_over_gloo(s: Scheduler, host: ExecutorHost, ratio: float) -> DistRemote:
@@ -135,12 +144,14 @@ def test_attention_matches_the_in_process_executor(host: ExecutorHost) -> None:
     assert svc.ended.wait(5) and not host.executor.guests  # the guest's KV went with its pairing
 
 
-@pytest.mark.parametrize("ratio", [0.5, 1.0])
-def test_outputs_equal_without_offload(reference: dict[str, list[int]], host: ExecutorHost, ratio: float) -> None:
-    s = make_scheduler()
+@pytest.mark.parametrize(("ratio", "overlap"), [(0.5, False), (1.0, False), (1.0, True)])
+def test_outputs_equal_without_offload(reference: dict[str, list[int]], host: ExecutorHost, ratio: float,
+                                       overlap: bool) -> None:
+    s = sender(overlap)
     remote = offload_over_gloo(s, host, ratio)
     rs = reqs()
     assert drive(s, rs, host) == reference
+    assert not overlap or s.overlapped_steps > 0  # type: ignore[attr-defined]
     assert sum(r.attention_executor == "host-0" for r in rs) >= int(ratio * len(rs) / 2)
     assert remote.bytes_out > 0 and remote.bytes_in > 0
     deadline = time.monotonic() + 10  # releases are one-way: the service takes the last ones now
@@ -167,14 +178,31 @@ def test_preemption_under_kv_pressure(reference: dict[str, list[int]], host: Exe
     assert s.num_preemptions > 0 and any(r.attention_executor for r in rs)
 
 
-def test_a_full_executor_keeps_requests_local() -> None:
+def test_overlap_with_stops_planned_past_them(host: ExecutorHost) -> None:
+    """Requests stop at tokens of their own while the next step is already planned on the host's
+    executor: their RELEASE follows that step's exchange, and nothing is out of step there."""
+    ps = prompts(LENGTHS)
+    full = drive(make_scheduler(), reqs())
+    mk = lambda: [Req(f"r{i}", p, greedy(12, stop_token_ids=[full[f"r{i}"][3 + i % 5]]))  # noqa: E731
+                  for i, p in enumerate(ps)]
+    want = drive(make_scheduler(), mk())
+    s = sender(overlap=True)
+    offload_over_gloo(s, host, 1.0)
+    rs = mk()
+    assert drive(s, rs, host) == want
+    assert s.overlapped_steps > 0 and any(r.finish_reason.type == "stop" and r.attention_executor for r in rs)  # type: ignore[attr-defined, union-attr]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_full_executor_keeps_requests_local(overlap: bool) -> None:
     host = new_host(budget=40 * 4096)  # room for a few dozen pages of the tiny model
-    s = make_scheduler()
+    s = sender(overlap)
     offload_over_gloo(s, host, 1.0)
     rs = reqs(max_new=40)
     assert drive(s, rs, host) == drive(make_scheduler(), reqs(max_new=40))
     assert any(r.attention_executor for r in rs)
     assert any(r.attention_executor is None for r in rs) or s.num_preemptions > 0
+    assert not overlap or s.overlapped_steps > 0  # type: ignore[attr-defined]
 
 
 def test_an_executor_that_stops_answering_is_lost_within_the_timeout() -> None:
@@ -218,11 +246,12 @@ time.sleep(600)
 """
 
 
-@pytest.mark.parametrize("after_steps", [3, 10])  # 12 tokens each: decode steps 2..12
-def test_two_processes_executor_killed_mid_generation(reference: dict[str, list[int]], after_steps: int) -> None:
-    """The executor's process is SIGKILLed mid-generation: the offloaded requests are recomputed
-    locally and every output is unchanged."""
-    s = make_scheduler()
+@pytest.mark.parametrize(("after_steps", "overlap"), [(3, False), (10, False), (6, True)])  # decode steps 2..12
+def test_two_processes_executor_killed_mid_generation(reference: dict[str, list[int]], after_steps: int,
+                                                      overlap: bool) -> None:
+    """The executor's process is SIGKILLed mid-generation (with overlap: while a step is in flight):
+    the offloaded requests are recomputed locally and every output is unchanged."""
+    s = sender(overlap)
     spec = guest_spec(s.runner)  # type: ignore[arg-type]
     g = spec.geometry
     script = _HOST_SCRIPT.format(root=ROOT, tests=os.path.join(ROOT, "tests"), layers=g.num_layers,
@@ -241,6 +270,7 @@ def test_two_processes_executor_killed_mid_generation(reference: dict[str, list[
             if step == after_steps:
                 killed.append(step)
                 assert s.offload is not None and s.offload.num_remote > 0, "nothing was offloaded yet"
+                assert not overlap or s._inflight is not None  # type: ignore[attr-defined]
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait(10)
 

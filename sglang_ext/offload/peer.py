@@ -56,6 +56,11 @@ class PeerRemote(LocalRemote):
     """LocalRemote's per-request calls (load, release) with a GPU-signalled per-layer exchange."""
 
     graph_capturable = True  # post/collect are stream operations only: decode graphs can hold them
+    # Overlap: step t+1 is planned in the other lane while step t's program may still be queued; all
+    # programs run in order on one stream, so pages released meanwhile and allocated again by a later
+    # plan are written only after the programs that read them, and a load (on another stream) waits
+    # on the GPU for the last queued program.
+    overlap_safe = True
 
     def __init__(self, executor: AttentionExecutor, guest: str, spec: GuestSpec, sender_device: torch.device,
                  num_q_heads: int, max_rows: int = 1024, executor_id: str = "peer") -> None:

@@ -79,11 +79,12 @@ class Offloader:
             self.remote.release(r.remote)
         r.remote = None
 
-    def begin_step(self, reqs: list[Req]) -> list[Req]:
-        """Plan a step's remote rows (each writes position kv_len); returns the requests the
-        executor dropped (no room to grow), already released."""
+    def begin_step(self, reqs: list[Req], ahead: int = 0) -> list[Req]:
+        """Plan a step's remote rows (each writes position kv_len + ahead: `ahead` is 1 for a step
+        planned while the one before it is still in flight); returns the requests the executor
+        dropped (no room to grow), already released there."""
         by_handle = {r.remote: r for r in reqs}
-        failed = self.remote.begin_step(list(by_handle), [r.kv_len for r in reqs])
+        failed = self.remote.begin_step(list(by_handle), [r.kv_len + ahead for r in reqs])
         dropped = [by_handle[h] for h in failed]
         for r in dropped:
             self.reqs.pop(r.remote, None)  # type: ignore[arg-type]

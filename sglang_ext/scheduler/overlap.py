@@ -22,6 +22,17 @@ else (prefill, admissions, preemption, logprobs) first drains the in-flight step
 exactly as `Scheduler.step`, so the scheduling decisions and outputs are the same as without
 overlap.
 
+Remote rows (remote attention, `offload/`) overlap too when their transport is `overlap_safe`
+(every transport here is; one that is not drains the loop before each step with remote rows). Step
+t+1 plans its remote rows on the executor (`begin_step`) at kv_len + 1 -- known on the host, since
+each decode step adds one token -- after every local decision of t+1 is made, so a planned step is
+always launched. A remote request that stops at t was planned into t+1 all the same: the executor
+wrote its extra KV row, and releasing the request when t lands frees that row with the rest (the
+executor's length is never compared again). A request the executor drops while planning t+1 (no
+room), or every remote request when the executor is lost, goes back to the waiting queue at once,
+but its step-t token is still in flight: it is kept when t lands (the device's penalty statistics
+already count it), the finish rules see it, and the request is recomputed with it.
+
 KV rotation (`preemption_mode=rotate`) keeps to the same rule: while any request is rotary, or a
 rotation or resume is to be decided, the in-flight step is drained first and the iteration runs as
 `Scheduler.step` (decisions on landed state). Eager copies also go out beside overlapped steps:
@@ -35,8 +46,9 @@ from dataclasses import dataclass
 import torch
 
 from sglang_ext.engine.forward_batch import BatchRow, ForwardBatch, ForwardMode
+from sglang_ext.offload.remote import ExecutorLost
 from sglang_ext.scheduler.batch_builder import Entry, build_batch
-from sglang_ext.scheduler.output import StepOutput
+from sglang_ext.scheduler.output import StepOutput, check_finish
 from sglang_ext.scheduler.request import Req, ReqStatus
 from sglang_ext.scheduler.scheduler import Scheduler
 
@@ -69,17 +81,21 @@ class OverlapScheduler(Scheduler):
 
     def _run(self, entries: list[Entry], mode: ForwardMode) -> list[StepOutput]:
         if mode is ForwardMode.DECODE and all(self._plain(e) for e in entries):
-            batch = build_batch(entries, mode, self.page_size, self.runner.device)
-            self._inflight = self._launch(entries, batch, ahead=0)
+            try:
+                entries = self._plan_remote(entries)
+                if entries:
+                    batch = build_batch(entries, mode, self.page_size, self.runner.device)
+                    self._inflight = self._launch(entries, batch, ahead=0)
+            except ExecutorLost as e:
+                self._lose_executor(str(e))  # as in the plain loop: nothing of this step is kept
             return []
         return super()._run(entries, mode)
 
     # ---- launching ----------------------------------------------------------------------------
-    @staticmethod
-    def _plain(e: Entry) -> bool:
+    def _plain(self, e: Entry) -> bool:
         r = e.req
         return (e.extend == 1 and e.sample and not e.logprob_positions and not r.return_logprob
-                and r.remote is None)
+                and (r.remote is None or (self.offload is not None and self.offload.remote.overlap_safe)))
 
     def _launch(self, entries: list[Entry], batch: ForwardBatch, ahead: int) -> _Launched:
         logits = self.runner.forward(batch)
@@ -110,22 +126,46 @@ class OverlapScheduler(Scheduler):
             rows.append(i)
         if not rows or any(id(r) not in live for r in self.running):
             return None
-        for i in rows:
-            r = prev.entries[i].req
+        entries = [Entry(prev.entries[i].req, 1, [], True) for i in rows]
+        if not all(self._plain(e) for e in entries):
+            return None  # remote rows whose transport cannot overlap
+        for e in entries:
+            r = e.req
+            if r.remote is not None:
+                continue  # its KV grows on the executor
             if not self.kv.can_grow(r, r.kv_len + 2):
                 return None  # would need preemption: decide on landed state
             self.kv.grow(r, r.kv_len + 2)
-        entries = [Entry(prev.entries[i].req, 1, [], True) for i in rows]
+        try:
+            # Last, so that once planned the step is launched. Rows the executor drops are requeued
+            # now; their step-t tokens are kept when t lands.
+            kept = self._plan_remote(entries, ahead=1)
+        except ExecutorLost as e:
+            self._lose_executor(str(e))
+            return None
+        if len(kept) < len(entries):
+            keep = {id(e.req) for e in kept}
+            rows = [i for i in rows if id(prev.entries[i].req) in keep]
+            entries = kept
+            if not rows:
+                return None
         # Each row decodes its in-flight token (id filled in on the device below) at kv_len + 1.
-        ahead = [BatchRow(e.req.kv_len + 1, (0,), e.req.pages, (0,)) for e in entries]
+        ahead = [BatchRow(e.req.kv_len + 1, (0,), e.req.pages, (0,), e.req.remote) for e in entries]
         batch = ForwardBatch.build(ahead, ForwardMode.DECODE, self.page_size, self.runner.device)
         if len(rows) == len(prev.entries):
             batch.input_ids = prev.tokens
         else:
             idx = torch.tensor(rows, dtype=torch.int64).to(prev.tokens.device, non_blocking=True)
             batch.input_ids = prev.tokens[idx]
+        try:
+            launched = self._launch(entries, batch, ahead=1)
+        except ExecutorLost as e:
+            # as in the plain loop: local rows redo t+1 (idempotent KV writes), remote ones are
+            # recomputed (with their step-t tokens, kept when t lands)
+            self._lose_executor(str(e))
+            return None
         self.overlapped_steps += 1
-        return self._launch(entries, batch, ahead=1)
+        return launched
 
     # ---- landing ------------------------------------------------------------------------------
     def _land(self, launched: _Launched) -> list[StepOutput]:
@@ -133,14 +173,36 @@ class OverlapScheduler(Scheduler):
             launched.done.synchronize()
         tokens = launched.host.tolist()
         landed: list[Req] = []
+        taken_back: list[Req] = []
         for e, t in zip(launched.entries, tokens, strict=True):
             r = e.req
+            if r.status is ReqStatus.WAITING:
+                # Taken back from its executor while this step was in flight (see the module
+                # docstring): the token stands, and the request is recomputed with it.
+                r.output_ids.append(t)
+                taken_back.append(r)
+                continue
             if r.status is not ReqStatus.RUNNING:
                 continue  # finished or aborted meanwhile: the extra row's token is dropped
             r.kv_len += 1
             r.output_ids.append(t)
             landed.append(r)
-        return self._finish_or_report(landed)
+        return self._finish_or_report(landed) + self._finish_taken_back(taken_back)
+
+    def _finish_taken_back(self, reqs: list[Req]) -> list[StepOutput]:
+        """The finish rules for requests that wait to be recomputed: one that stops here leaves the
+        queue (it holds no KV anywhere)."""
+        outputs: list[StepOutput] = []
+        now = self.clock()
+        for r in reqs:
+            r.last_token_time = now
+            reason = check_finish(r, self.eos_ids, self.runner.context_len, self.decode_fn)
+            if reason is not None:
+                self.waiting.remove(r)
+                self._finish(r, reason)
+            if reason is not None or self._has_new(r):
+                outputs.append(self._output(r))
+        return outputs
 
 
 def scheduler_class(device: torch.device | str, disable_overlap_schedule: bool) -> type[Scheduler]:

@@ -26,18 +26,25 @@ class RemoteRows:
     waiting: list[Req]
     num_preemptions: int
 
-    def _plan_remote(self, entries: list[Entry]) -> list[Entry]:
-        """Tell the executor this step's remote rows; rows it cannot grow are recomputed locally."""
+    def _plan_remote(self, entries: list[Entry], ahead: int = 0) -> list[Entry]:
+        """Tell the executor this step's remote rows (at kv_len + ahead); rows it cannot grow are
+        recomputed locally. Raises ExecutorLost."""
         remote = [e.req for e in entries if e.req.remote is not None]
         if not remote:
             return entries
         assert self.offload is not None
-        dropped = self.offload.begin_step(remote)
+        dropped = self.offload.begin_step(remote, ahead)
         for r in dropped:
             logger.info("executor full: %s is recomputed locally", r.rid)
             self._requeue(r)
         gone = {id(r) for r in dropped}
         return [e for e in entries if id(e.req) not in gone]
+
+    def _lose_executor(self, why: str) -> None:
+        """The executor is gone: every request there is recomputed locally."""
+        assert self.offload is not None
+        for r in self.offload.lose_executor(why):
+            self._requeue(r)
 
     def set_offload(self, offload: Offloader | None) -> None:
         """Another executor, or none (a router's directive, between steps): requests still on the
@@ -51,7 +58,8 @@ class RemoteRows:
         old.active = False
 
     def _requeue(self, r: Req) -> None:
-        """A remote request whose executor KV is gone: back to the queue head, recomputed."""
+        """A remote request whose executor KV is gone: back to the queue head, recomputed. (With a
+        step in flight, the overlap scheduler still lands that step's token for it.)"""
         r.remote = None
         r.pages, r.cached_pages, r.prefix_node, r.kv_len, r.admitted = [], 0, None, 0, False
         if r in self.running:

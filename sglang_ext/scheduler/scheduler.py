@@ -219,9 +219,7 @@ class Scheduler(Admission, RotaryRows, RemoteRows):
         except ExecutorLost as e:
             # Nothing of this step is kept: local rows redo it next step (their KV writes are
             # idempotent and kv_len did not move); remote rows are recomputed from their tokens.
-            assert self.offload is not None
-            for r in self.offload.lose_executor(str(e)):
-                self._requeue(r)
+            self._lose_executor(str(e))
             return []
         return self._process(entries, logits)
 

@@ -1,0 +1,265 @@
+"""Overlap scheduling with remote rows (an in-process `local` executor): step t+1 is planned on the
+executor while step t is in flight, and the greedy outputs equal the plain loop's and those without
+offload -- with stops (EOS, stop tokens) that land after the extra row was planned, max_new_tokens,
+aborts, an executor that drops rows while a step is in flight, and a lost executor. Pages are
+checked on both sides after every step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from _tiny import VOCAB, greedy, make_scheduler, prompts, run_all
+
+from sglang_ext.offload.remote import ExecutorLost
+from sglang_ext.sampling.params import SamplingParams
+from sglang_ext.scheduler.overlap import OverlapScheduler
+from sglang_ext.scheduler.request import Req
+from sglang_ext.scheduler.scheduler import Scheduler
+
+LENGTHS = [5, 17, 33, 9, 40, 3, 21, 12]
+
+
+def _overlap(eos: frozenset[int] | None = None, **args: Any) -> OverlapScheduler:
+    args.setdefault("offload_ratio", 0.5)
+    s = make_scheduler(offload_executor="local", **args)
+    return OverlapScheduler(s.args, s.runner, s.page_size, eos or s.eos_ids, vocab_size=VOCAB, offload=s.offload)
+
+
+def _plain(offload: bool, eos: frozenset[int] | None = None, **args: Any) -> Scheduler:
+    if offload:
+        args.setdefault("offload_ratio", 0.5)
+        args["offload_executor"] = "local"
+    s = make_scheduler(**args)
+    if eos is not None:
+        s.eos_ids = eos
+    return s
+
+
+def _reqs(params: list[SamplingParams] | None = None, max_new: int = 12) -> list[Req]:
+    params = params or [greedy(max_new + i) for i in range(len(LENGTHS))]  # finishes at different steps
+    return [Req(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts(LENGTHS), params, strict=True))]
+
+
+class PlanSpy:
+    """Records the Offloader's plans: those made while the step before was in flight (ahead=1),
+    the requests they named (rid, landed output count) and the rows the executor dropped."""
+
+    def __init__(self, s: Scheduler) -> None:
+        assert s.offload is not None
+        self.inner = s.offload.begin_step
+        self.ahead: list[list[tuple[str, int]]] = []
+        self.dropped_ahead = 0
+        s.offload.begin_step = self  # type: ignore[method-assign]
+
+    def __call__(self, reqs: list[Req], ahead: int = 0) -> list[Req]:
+        named = [(r.rid, len(r.output_ids)) for r in reqs]
+        dropped = self.inner(reqs, ahead)
+        if ahead:
+            self.ahead.append(named)
+            self.dropped_ahead += len(dropped)
+        return dropped
+
+
+def _drive(s: Scheduler, reqs: list[Req], before_step: Callable[[int], None] | None = None) -> dict[str, list[int]]:
+    """run_all with a hook before each step; pages checked on both sides after every step."""
+    for r in reqs:
+        s.add_request(r)
+    out: dict[str, list[int]] = {r.rid: [] for r in reqs}
+    steps = 0
+    while s.has_work():
+        if before_step is not None:
+            before_step(steps)
+        for o in s.step():
+            out[o.rid].extend(o.new_token_ids)
+        s.check()
+        assert s.offload is not None
+        s.offload.remote.executor.check()  # type: ignore[attr-defined]
+        steps += 1
+        assert steps < 2000
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, list[int]]:
+    return run_all(_plain(offload=False), _reqs())
+
+
+@pytest.mark.parametrize("args", [{"offload_ratio": 0.25}, {"offload_ratio": 0.5}, {"offload_ratio": 1.0},
+                                  {"max_total_tokens": 72}, {"chunked_prefill_size": 8}])
+def test_greedy_outputs_equal_plain_loop_and_no_offload(reference: dict[str, list[int]], args: dict[str, Any]) -> None:
+    s = _overlap(**args)
+    spy = PlanSpy(s)
+    reqs = _reqs()
+    assert run_all(s, reqs) == reference
+    assert run_all(_plain(offload=True, **args), _reqs()) == reference
+    assert spy.ahead, "no remote rows were planned while a step was in flight"
+    assert s.overlapped_steps > 0 and any(r.attention_executor for r in reqs)
+    assert s.offload is not None and s.offload.num_remote == 0
+    assert s.offload.remote.executor.partition.used_pages("tiny") == 0  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("how", ["stop_token_ids", "eos"])
+def test_stops_after_the_extra_row_was_planned(reference: dict[str, list[int]], how: str) -> None:
+    """Each request stops at a token of its own: a remote one was already planned into the next
+    step on the executor when its stop lands; it is released there with its extra row."""
+    stops = {rid: toks[3 + i % 4] for i, (rid, toks) in enumerate(sorted(reference.items()))}
+    eos: frozenset[int] | None = None
+    if how == "eos":
+        eos = frozenset(stops.values())
+        params = [SamplingParams(max_new_tokens=12 + i, temperature=0.0) for i in range(len(LENGTHS))]
+    else:
+        params = [greedy(12 + i, stop_token_ids=[stops[f"r{i}"]]) for i in range(len(LENGTHS))]
+    want_reqs = _reqs(params)
+    want = run_all(_plain(offload=False, eos=eos), want_reqs)
+    assert run_all(_plain(offload=True, eos=eos), _reqs(params)) == want
+    s = _overlap(eos=eos, offload_ratio=1.0)
+    spy = PlanSpy(s)
+    reqs = _reqs(params)
+    assert run_all(s, reqs) == want
+    assert [r.finish_reason for r in reqs] == [r.finish_reason for r in want_reqs]
+    stopped = [r for r in reqs if r.finish_reason is not None and r.finish_reason.type == "stop"
+               and r.attention_executor is not None]
+    assert stopped
+    planned_past_stop = {(rid, n) for plan in spy.ahead for rid, n in plan}
+    # planned into step t+1 while its stop token (output number n) was in flight at step t
+    assert any((r.rid, len(r.output_ids) - 1) in planned_past_stop for r in stopped)
+    assert s.offload is not None and s.offload.remote.executor.partition.used_pages("tiny") == 0  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("after_steps", [2, 5, 9])
+def test_abort_of_remote_requests_in_flight(reference: dict[str, list[int]], after_steps: int) -> None:
+    s = _overlap(offload_ratio=0.5, disable_radix_cache=True)
+    reqs = _reqs()
+    aborted: list[str] = []
+
+    def abort(step: int) -> None:
+        if step == after_steps:
+            remote = [r for r in reqs if r.remote is not None]
+            assert remote and s._inflight is not None
+            for r in remote[::2] + [r for r in reqs if r.remote is None and not r.finished][:1]:
+                assert s.abort(r.rid)
+                aborted.append(r.rid)
+
+    out = _drive(s, reqs, abort)
+    assert aborted
+    for r in reqs:
+        if r.rid in aborted:
+            assert r.finish_reason is not None and r.finish_reason.type == "abort"
+            assert out[r.rid] == reference[r.rid][: len(out[r.rid])]
+        else:
+            assert out[r.rid] == reference[r.rid]
+    assert s.offload is not None and s.offload.remote.executor.partition.used_pages("tiny") == 0  # type: ignore[attr-defined]
+    assert s.allocator.num_free == s.allocator.capacity
+
+
+def test_a_full_executor_drops_rows_while_a_step_is_in_flight() -> None:
+    """An executor with room for ~40 pages: requests that cannot grow there while the next step is
+    planned are taken back with their in-flight token and recomputed. Outputs do not change."""
+    want = run_all(_plain(offload=False), _reqs(max_new=40))
+    s = _overlap(offload_ratio=1.0, executor_mem_gb=40 * 4096 / 2**30)
+    spy = PlanSpy(s)
+    assert run_all(s, _reqs(max_new=40)) == want
+    assert spy.dropped_ahead > 0 and s.num_preemptions > 0
+
+
+def _force_drop(s: OverlapScheduler, pick: Callable[[list[Req]], list[Req]]) -> list[str]:
+    """Make the executor drop (release, report as failed) the requests `pick` chooses of those
+    planned while their previous step is in flight -- what a full partition does, at a chosen step."""
+    assert s.offload is not None
+    remote: Any = s.offload.remote
+    inner = remote.begin_step
+    dropped: list[str] = []
+
+    def begin_step(handles: list[int], positions: list[int]) -> list[int]:
+        assert s.offload is not None
+        reqs = [s.offload.reqs[h] for h in handles]
+        in_flight = all(p == r.kv_len + 1 for r, p in zip(reqs, positions, strict=True))
+        chosen = {id(r) for r in pick(reqs)} if in_flight else set()
+        gone = [h for h, r in zip(handles, reqs, strict=True) if id(r) in chosen]
+        for h in gone:
+            dropped.append(s.offload.reqs[h].rid)
+            remote.executor.release(remote.guest, h)
+        rest = [(h, p) for h, p in zip(handles, positions, strict=True) if h not in gone]
+        return gone + inner([h for h, _ in rest], [p for _, p in rest])
+
+    remote.begin_step = begin_step
+    return dropped
+
+
+@pytest.mark.parametrize("case", ["stops_in_flight", "continues", "every_remote_row"])
+def test_rows_dropped_in_flight_keep_their_token(reference: dict[str, list[int]], case: str) -> None:
+    """A request dropped while its step-t token is in flight keeps that token: if it is a stop, the
+    request ends from the queue; else it is recomputed with it. When every remote row is dropped,
+    the step runs local rows only."""
+    k = next(i for i in range(3, 10) if reference["r0"][i] not in reference["r0"][:i])
+    params = [greedy(12 + i) for i in range(len(LENGTHS))]
+    if case == "stops_in_flight":
+        params[0] = greedy(12, stop_token_ids=[reference["r0"][k]])
+    want = run_all(_plain(offload=False), _reqs(params))
+    s = _overlap(offload_ratio=0.5 if case == "every_remote_row" else 1.0)
+    local_only: list[bool] = []  # the batches launched right after every remote row was dropped
+    if case == "every_remote_row":
+        def pick(reqs: list[Req]) -> list[Req]:
+            if local_only or len(reqs) < 2 or min(len(r.output_ids) for r in reqs) < 3:
+                return []
+            local_only.append(True)
+            return reqs
+
+        forward = s.runner.forward
+
+        def watch(batch: Any) -> Any:
+            if local_only and local_only[-1] is True:
+                local_only[-1] = batch.split is None and batch.batch_size > 0
+            return forward(batch)
+
+        s.runner.forward = watch  # type: ignore[method-assign]
+    else:
+        def pick(reqs: list[Req]) -> list[Req]:
+            return [r for r in reqs if r.rid == "r0" and len(r.output_ids) == k]  # output k (in flight): the stop
+
+    dropped = _force_drop(s, pick)
+    reqs = _reqs(params)
+    assert run_all(s, reqs) == want
+    assert dropped and s.num_preemptions > 0
+    if case == "stops_in_flight":
+        assert dropped == ["r0"] and reqs[0].finish_reason is not None
+        assert reqs[0].finish_reason.type == "stop" and len(reqs[0].output_ids) == k + 1
+    if case == "every_remote_row":
+        assert len(dropped) > 1 and local_only == [True]  # the step went on with its local rows alone
+    assert s.offload is not None and s.offload.remote.executor.partition.used_pages("tiny") == 0  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("where", ["post", "begin_step"])
+@pytest.mark.parametrize("after_steps", [3, 8])
+def test_executor_lost_with_a_step_in_flight(where: str, after_steps: int) -> None:
+    """The executor dies while the next step is planned or run: remote requests keep their
+    in-flight token and are recomputed. Penalised rows show that the token is not drawn twice (the
+    device's penalty statistics already count it)."""
+    params = [greedy(12 + i, frequency_penalty=0.8 if i % 2 else 0.0) for i in range(len(LENGTHS))]
+    want = run_all(_plain(offload=False), _reqs(params))
+    s = _overlap()
+    remote: Any = s.offload.remote if s.offload else None
+
+    def kill(step: int) -> None:
+        if step == after_steps:
+            assert s.offload is not None and s.offload.num_remote > 0 and s._inflight is not None
+
+            def gone(*_: object) -> None:
+                raise ExecutorLost("the executor's worker died (simulated)")
+
+            setattr(remote, where, gone)
+
+    assert _drive(s, _reqs(params), kill) == want
+    assert s.offload is not None and not s.offload.active and s.num_preemptions > 0
+
+
+def test_a_transport_that_cannot_overlap_drains() -> None:
+    want = run_all(_plain(offload=False), _reqs())
+    s = _overlap(offload_ratio=1.0)
+    assert s.offload is not None
+    s.offload.remote.overlap_safe = False  # type: ignore[misc]
+    spy = PlanSpy(s)
+    assert run_all(s, _reqs()) == want
+    assert not spy.ahead and s.overlapped_steps == 0
