@@ -33,7 +33,7 @@ class GrammarMasks:
         self.vocab = vocab_size
         self.words = (vocab_size + 31) // 32
         self.device = torch.device(device)
-        self.threads = threads or min(4, os.cpu_count() or 1)
+        self.threads = threads or min(8, max(1, (os.cpu_count() or 2) // 2))  # the fill is parallel per row
         self._batch: object | None = None  # xgrammar's BatchGrammarMatcher, on first use
         self._shifts = torch.arange(8, dtype=torch.uint8, device=self.device)
 
