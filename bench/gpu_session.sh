@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device session for the GPU fast path (the run behind docs/benchmarks.md's GPU section).
 # Needs the carried wheel folder .whl (../shared/tools/gpu-wheels.sh .whl). Writes logs and JSON to $OUT.
-#   bash bench/gpu_session.sh [test] [serving] [bench] [cputests] [sampling] [offload]
+#   bash bench/gpu_session.sh [test] [serving] [bench] [cputests] [sampling] [offload] [structured]
+# structured needs the xgrammar wheel in .whl too (../shared/tools/gpu-wheels.sh .whl xgrammar==0.2.9).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 steps=${*:-test bench}
@@ -28,6 +29,8 @@ for s in $steps; do
             2>&1 | tee "$OUT/gpu_sampling_test.log"
           PYTHONPATH=$BASE:/tmp/fi timeout 300 python3 bench/sampling.py --out "$OUT/sampling.json" 2>&1 \
             | tee "$OUT/sampling.log" ;;
+    structured) PYTHONPATH=$BASE:/tmp/fi timeout 500 python3 bench/structured.py --out "$OUT/structured.json" \
+            ${STRUCTURED_ARGS:-} 2>&1 | tee "$OUT/structured.log" ;;
     offload) PYTHONPATH=$BASE:/tmp/fi timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_offload.py \
             2>&1 | tee "$OUT/gpu_offload_test.log" ;;
     ipc) for lm in LAZY EAGER; do  # a hang is killed; EAGER module loading rules out lazy-load deadlocks

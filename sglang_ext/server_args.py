@@ -20,6 +20,7 @@ SchedulePolicy = Literal["fcfs", "lpm", "lvf", "wf", "sf"]
 PreemptionMode = Literal["recompute", "rotate"]
 AttentionBackendName = Literal["torch", "flashinfer"]
 OffloadTransport = Literal["local", "torch_dist", "cuda_ipc"]
+GrammarBackendName = Literal["xgrammar", "none"]
 LOAD_FORMATS: Final = get_args(LoadFormat)
 SCHEDULE_POLICIES: Final = get_args(SchedulePolicy)
 ATTENTION_BACKENDS: Final = get_args(AttentionBackendName)
@@ -106,6 +107,11 @@ class ServerArgs:
         "largest decode batch captured as a CUDA graph", "256, capped at --max-running-requests"))
     disable_overlap_schedule: bool = field(default=False, metadata=_help(
         "do not overlap CPU scheduling with GPU work (GPU)"))
+    # structured output (regex, json_schema, ebnf, structural_tag, OpenAI response_format)
+    grammar_backend: GrammarBackendName = field(default="xgrammar", metadata=_help(
+        "grammar library for constrained decoding: xgrammar, or none (constrained requests get a 400)"))
+    constrained_json_disable_any_whitespace: bool = field(default=False, metadata=_help(
+        "JSON schemas admit no free whitespace: compact JSON with ', ' and ': ' separators"))
     # remote attention (docs/remote_attention.md)
     offload_ratio: float = field(default=0.0, metadata=_help(
         "share of decoding requests whose attention and KV run on an executor (0: none)"))

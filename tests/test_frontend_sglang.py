@@ -1,4 +1,4 @@
-"""SGLang frontend programs (`@sgl.function`, gen, select, fork, stream, run_batch) run unchanged
+"""SGLang frontend programs (`@sgl.function`, gen, select, fork, stream, run_batch, constrained gen) run unchanged
 against the router through `sgl.RuntimeEndpoint` (see tests/frontend/)."""
 
 from __future__ import annotations
@@ -81,3 +81,17 @@ def test_fork(result: dict) -> None:
 
 def test_chat_and_server_calls(result: dict) -> None:
     assert isinstance(result["chat"], str) and result["server_info_ok"] is True
+
+
+def test_constrained_gen(result: dict) -> None:
+    """gen(regex=...), gen(json_schema=...), gen_int and select in one program, unchanged."""
+    import re
+
+    out = result["structured"]
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", out["phone"]), out
+    assert out["answer"] in ("yes", "no")
+    person = json.loads(out["person"])
+    assert set(person) == {"name", "age"} and re.fullmatch("[a-z]{1,8}", person["name"]) and 0 <= person["age"] <= 120
+    assert re.fullmatch(r"[-+]?[0-9]+", out["age"]), out  # gen_int: the frontend's integer regex, stop at " "
+    assert out["mood"] in (" happy", " sad")
+    assert f"Phone number: {out['phone']}" in out["text"] and out["person"] in out["text"]

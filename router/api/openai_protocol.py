@@ -52,6 +52,8 @@ class _Common(msgspec.Struct, kw_only=True):
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -73,7 +75,6 @@ class ChatRequest(_Common, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
 
@@ -91,8 +92,38 @@ def sampling_params(body: _Common, model: ModelEntry, max_tokens: int | None, de
         "ignore_eos": body.ignore_eos, "skip_special_tokens": body.skip_special_tokens,
         "no_stop_trim": body.no_stop_trim, "stop_token_ids": body.stop_token_ids,
         "logit_bias": body.logit_bias, "regex": body.regex, "json_schema": body.json_schema, "ebnf": body.ebnf,
+        "structural_tag": body.structural_tag,
     }
+    fmt = response_format(body.response_format)
+    if fmt is not None:
+        key, text = fmt
+        if raw[key] is not None:
+            raise ApiError(400, f"give response_format or {key}, not both", param="response_format")
+        raw[key] = text
     return make_sampling_params(raw, model, "")
+
+
+def response_format(rf: dict[str, Any] | None) -> tuple[str, str] | None:
+    """OpenAI's `response_format` as a constraint, as SGLang maps it: json_object -> any JSON object,
+    json_schema -> its `schema`, structural_tag -> the object itself; text -> none."""
+    if rf is None:
+        return None
+    kind = rf.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json_schema", '{"type": "object"}'
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        schema = spec.get("schema", spec.get("schema_")) if isinstance(spec, dict) else None
+        if not isinstance(schema, dict | bool):
+            raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object",
+                           param="response_format")
+        return "json_schema", msgspec.json.encode(schema).decode()
+    if kind == "structural_tag":
+        return "structural_tag", msgspec.json.encode(rf).decode()
+    raise ApiError(400, f"response_format type must be text, json_object, json_schema or structural_tag; "
+                   f"got {kind!r}", param="response_format")
 
 
 def completion_prompts(prompt: str | list[Any]) -> list[dict[str, Any]]:
@@ -127,9 +158,6 @@ def chat_messages(body: ChatRequest) -> list[dict[str, Any]]:
         raise ApiError(400, "messages must not be empty", param="messages")
     if body.tools:
         raise ApiError(400, "tools (function calling) are not supported by this server", param="tools")
-    fmt = (body.response_format or {}).get("type", "text")
-    if fmt != "text":
-        raise ApiError(400, f"response_format {fmt!r} is not supported", param="response_format")
     if body.top_logprobs is not None:
         if not 0 <= body.top_logprobs <= _MAX_TOP_LOGPROBS_CHAT:
             raise ApiError(400, f"top_logprobs must be in [0, {_MAX_TOP_LOGPROBS_CHAT}]", param="top_logprobs")

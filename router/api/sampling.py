@@ -1,7 +1,9 @@
 """Turn client sampling parameters into validated `SamplingParams`, with errors that name the field.
 
-SGLang clients (the frontend among them) send keys this engine does not implement (`regex`,
-`json_schema`, ...) set to null; those are dropped. Set to a value, they are a 400, never ignored.
+SGLang clients (the frontend among them) send keys this engine does not implement (`stop_regex`,
+`custom_params`, ...) set to null or empty; those are dropped. Set to a value, they are a 400, never
+ignored. Constraints (`regex`, `json_schema`, `ebnf`, `structural_tag`) pass through: the worker
+compiles them (and answers a 400 naming the problem if one does not compile).
 """
 
 from __future__ import annotations
@@ -12,8 +14,7 @@ from router.api.common import ApiError
 from router.registry import ModelEntry
 from sglang_ext.sampling.params import InvalidRequest, SamplingParams, parse_sampling_params
 
-UNSUPPORTED: Final = ("regex", "json_schema", "ebnf", "structural_tag", "stop_regex", "custom_params",
-                      "lora_path", "stream_interval")
+UNSUPPORTED: Final = ("stop_regex", "custom_params", "lora_path", "stream_interval")
 
 
 def make_sampling_params(raw: Any, model: ModelEntry, where: str = "sampling_params") -> SamplingParams:

@@ -30,6 +30,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     seed: int | None = None
     min_new_tokens: int = 0
     logit_bias: dict[str, float] | None = None  # token id (as a string, as in OpenAI) -> added to its logit
+    # structured output (sglang_ext/grammar): at most one; compiled by the worker
+    regex: str | None = None
+    json_schema: str | None = None  # a JSON schema, as a JSON string
+    ebnf: str | None = None
+    structural_tag: str | None = None  # JSON: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}
 
     @property
     def is_greedy(self) -> bool:
@@ -75,6 +80,27 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise bad("logit_bias", "values must be in [-100, 100]")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise bad("seed", "must be in [0, 2**63)")
+        self._validate_constraint()
+
+    def _validate_constraint(self) -> None:
+        """Cheap checks only (the router has no tokenizer): the worker compiles and reports the rest."""
+        given = [k for k in ("regex", "json_schema", "ebnf", "structural_tag") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise InvalidRequest(f"sampling_params: give at most one of regex, json_schema, ebnf and "
+                                 f"structural_tag (response_format counts as json_schema); got {', '.join(given)}")
+        if not given:
+            return
+        kind = given[0]
+        text: str = getattr(self, kind)
+        if not text.strip():
+            raise InvalidRequest(f"sampling_params.{kind} must not be empty")
+        if kind in ("json_schema", "structural_tag"):
+            try:
+                value = msgspec.json.decode(text)
+            except msgspec.DecodeError as e:
+                raise InvalidRequest(f"sampling_params.{kind} is not valid JSON: {e}") from None
+            if not isinstance(value, dict | bool) or (kind == "structural_tag" and not isinstance(value, dict)):
+                raise InvalidRequest(f"sampling_params.{kind} must be a JSON object, got {type(value).__name__}")
 
 
 def parse_sampling_params(raw: dict[str, Any] | SamplingParams | None) -> SamplingParams:

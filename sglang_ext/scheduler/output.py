@@ -35,6 +35,11 @@ def check_finish(req: Req, eos_ids: frozenset[int], context_len: int, decode: De
     if n == 0:
         return FinishReason("length", length=0) if p.max_new_tokens == 0 else None
     last = req.output_ids[-1]
+    if req.grammar is not None:
+        if req.grammar.error is not None:
+            return FinishReason("abort", message=req.grammar.error)
+        if req.grammar.terminated:  # it accepted a stop token: nothing may follow (even with ignore_eos)
+            return FinishReason("stop", matched=last)
     if n >= p.min_new_tokens:
         if not p.ignore_eos and last in eos_ids:
             return FinishReason("stop", matched=last)

@@ -18,7 +18,8 @@ reuses the page later is ordered after it on the stream. Requests that certainly
 Only decode batches without logprobs overlap. Sampling needs nothing of step t on the host:
 penalty statistics live on the device and are updated as each token is drawn, min_new_tokens
 bans count the in-flight token, and seeded rows number their draws by output position. Anything
-else (prefill, admissions, preemption, logprobs) first drains the in-flight step and then runs
+else (prefill, admissions, preemption, logprobs, and constrained rows of structured output, whose
+mask for t+1 needs token t in their grammar matcher) first drains the in-flight step and then runs
 exactly as `Scheduler.step`, so the scheduling decisions and outputs are the same as without
 overlap.
 
@@ -94,7 +95,9 @@ class OverlapScheduler(Scheduler):
     # ---- launching ----------------------------------------------------------------------------
     def _plain(self, e: Entry) -> bool:
         r = e.req
+        # A constrained row's mask for t+1 needs t's token in its matcher: it runs on landed state.
         return (e.extend == 1 and e.sample and not e.logprob_positions and not r.return_logprob
+                and r.grammar is None
                 and (r.remote is None or (self.offload is not None and self.offload.remote.overlap_safe)))
 
     def _launch(self, entries: list[Entry], batch: ForwardBatch, ahead: int) -> _Launched:

@@ -78,6 +78,7 @@ class Req:
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     penalty_slot: int = -1  # row of the sampler's penalty table while the request has one
+    grammar: Any = None  # structured output: its GrammarState (sglang_ext/grammar), advanced per kept token
     # remote attention: the executor's handle while the request's KV lives there
     remote: int | None = None
     offload_checked: bool = False  # considered for offload once, at its first decode

@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 
 from sglang_ext.engine.forward_batch import ForwardBatch, ForwardMode
+from sglang_ext.grammar.masks import GrammarMasks
 from sglang_ext.kvcache.allocator import PageAllocator
 from sglang_ext.kvcache.base import NoPrefixCache, PrefixCache
 from sglang_ext.kvcache.holds import HoldingAllocator
@@ -112,6 +113,7 @@ class Scheduler(Admission, RotaryRows, RemoteRows):
         self._sent: dict[str, tuple[int, int, int]] = {}  # rid -> (tokens, in-logprobs, out-logprobs) sent
         self.num_preemptions = 0
         self.sampler = Sampler(vocab_size, runner.device, args.random_seed)
+        self.grammar_masks = GrammarMasks(vocab_size, runner.device)  # imports xgrammar only when used
         self.offload = offload
 
     # ---- requests in and out ------------------------------------------------------------------
@@ -351,9 +353,11 @@ class Scheduler(Admission, RotaryRows, RemoteRows):
                 sample_reqs.append(r)
                 row += 1
         if sample_rows:
-            rows_logits = logits[sample_rows]
-            sb = self.sampler.batch([self._sample_row(r) for r in sample_reqs])
-            tokens = self.sampler.sample(rows_logits, sb).tolist()
+            rows_logits = logits[sample_rows]  # a copy: masked in place below
+            rows = [self._sample_row(r) for r in sample_reqs]
+            if any(r.grammar is not None for r in sample_reqs):
+                rows = self.grammar_masks.constrain(rows_logits, [r.grammar for r in sample_reqs], rows)
+            tokens = self.sampler.sample(rows_logits, self.sampler.batch(rows)).tolist()
             want_lp = [i for i, r in enumerate(sample_reqs) if r.return_logprob]
             if want_lp:
                 top_n = max(sample_reqs[i].top_logprobs_num for i in want_lp)
@@ -365,6 +369,8 @@ class Scheduler(Admission, RotaryRows, RemoteRows):
                     r.output_top_logprobs.append(tops[j][: r.top_logprobs_num] if tops else [])
             for r, t in zip(sample_reqs, tokens, strict=True):
                 r.output_ids.append(t)
+                if r.grammar is not None:
+                    r.grammar.accept(t)
         return self._finish_or_report([e.req for e in entries])
 
     def _finish_or_report(self, reqs: list[Req]) -> list[StepOutput]:

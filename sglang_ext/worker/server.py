@@ -8,8 +8,12 @@ a short prompt behind it; the fast tokenizer releases the GIL). The worker *conn
 router (or offline Engine), so it can join from another process or host and leave without taking
 the router down.
 
-    recv ─┬─ text/messages ──> tokenize lane (short | long) ─┐
-          └─ input_ids, abort, flush, shutdown ──────────────┴─> inbox ─> forward thread: Worker.step
+    recv ─┬─ text/messages ──> tokenize lane (short | long) ──> grammar lane (constrained only) ─┐
+          └─ input_ids, abort, flush, shutdown ──────────────────────────────────────────────────┴─> inbox
+    inbox ─> forward thread: Worker.step
+
+A constrained request (regex, json_schema, ...) takes the lanes even with input_ids: its grammar is
+compiled (cached by constraint) on the grammar lane, and an invalid one is answered with a 400 there.
 
 An abort for a request still being tokenized cancels it there; one that arrives later follows its
 request through the inbox, in order. An exception out of `Worker.step` is fatal: every request
@@ -30,6 +34,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from sglang_ext.grammar.backend import constraint_of
 from sglang_ext.messages import (
     AbortReq,
     ErrorOut,
@@ -70,6 +75,8 @@ class WorkerServer:
         # that tokenizing takes to one long prompt's.
         self.short_lane = ThreadPoolExecutor(1, thread_name_prefix="tokenize-short")
         self.long_lane = ThreadPoolExecutor(1, thread_name_prefix="tokenize-long")
+        # Grammars compile here (cached), so a constrained request never stalls the forward thread.
+        self.grammar_lane = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self.tokenizing: dict[str, bool] = {}  # rid -> aborted meanwhile
         self.tasks: set[asyncio.Task[None]] = set()
         self.parent_pid = os.getppid()
@@ -100,7 +107,8 @@ class WorkerServer:
             await self.send([WorkerHello(info=self.worker.info())])
         elif isinstance(msg, AbortReq) and msg.rid in self.tokenizing:
             self.tokenizing[msg.rid] = True  # dropped when its tokenization ends
-        elif isinstance(msg, TokenizeReq) or (isinstance(msg, GenerateReq) and msg.input_ids is None):
+        elif isinstance(msg, TokenizeReq) or (isinstance(msg, GenerateReq) and (
+                msg.input_ids is None or constraint_of(msg.sampling_params) is not None)):
             await self._start_tokenizing(msg)
         else:
             self.inbox.append(msg)
@@ -122,6 +130,8 @@ class WorkerServer:
         fn = self.worker.prepare if isinstance(msg, GenerateReq) else self.worker.reply_tokenize
         try:
             result: ToWorker | FromWorker = await loop.run_in_executor(lane, fn, msg)  # type: ignore[arg-type]
+            if isinstance(result, GenerateReq) and constraint_of(result.sampling_params) is not None:
+                await loop.run_in_executor(self.grammar_lane, self.worker.compile_grammar, result)
         except InvalidRequest as e:
             result = ErrorOut(rid=msg.rid, message=str(e), status=400)
         except Exception as e:  # a bug or a broken tokenizer, not the client's input: 500, logged
@@ -170,7 +180,7 @@ class WorkerServer:
             for t in tasks:
                 t.cancel()
             self.pool.shutdown(wait=False)
-            for lane in (self.short_lane, self.long_lane):
+            for lane in (self.short_lane, self.long_lane, self.grammar_lane):
                 lane.shutdown(wait=False, cancel_futures=True)
             self.sock.close()
             self.ctx.term()

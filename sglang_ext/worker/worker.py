@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from sglang_ext.engine.model_runner import ModelRunner, StartupTimer
+from sglang_ext.grammar.backend import GrammarBackend, GrammarState, constraint_of
 from sglang_ext.messages import (
     AbortReq,
     BatchOut,
@@ -100,6 +101,11 @@ class Worker:
                 decode_fn=(lambda ids: self.tokenizer.decode(ids, False)) if self.tokenizer else None,
                 vocab_size=self.cfg.vocab_size, offload=local_offloader(args, self.runner, worker_id),
             )
+        # Nothing of xgrammar is loaded until a constrained request comes (grammar/backend.py).
+        self.grammars = None
+        if self.tokenizer is not None and args.grammar_backend != "none":
+            self.grammars = GrammarBackend(self.tokenizer.hf, self.cfg.vocab_size, eos,
+                                           any_whitespace=not args.constrained_json_disable_any_whitespace)
         self.live: dict[str, _Live] = {}
         self.last_step_ms = 0.0
         self.stopped = False
@@ -170,6 +176,18 @@ class Worker:
             return m
         return msgspec.structs.replace(m, input_ids=self.tokenize(m.text, m.messages), text=None, messages=None)
 
+    def compile_grammar(self, m: GenerateReq) -> GrammarState | None:
+        """A fresh matcher for the request's constraint (None without one). Compiling is cached: the
+        server calls this on its grammar thread first, so the forward thread finds it compiled."""
+        c = constraint_of(m.sampling_params)
+        if c is None:
+            return None
+        if self.grammars is None:
+            why = ("this server was started with --grammar-backend none" if self.tokenizer is not None
+                   else "it needs a tokenizer and this server was started with --skip-tokenizer-init")
+            raise InvalidRequest(f"sampling_params.{c.kind}: structured output is not available: {why}")
+        return self.grammars.new_state(c)
+
     def reply_tokenize(self, m: TokenizeReq) -> ReplyOut:
         ids = self.tokenize(m.text, m.messages, m.add_generation_prompt)
         return ReplyOut(rid=m.rid, ok=True, data={"input_ids": ids})
@@ -210,6 +228,7 @@ class Worker:
         self.live[m.rid] = _Live(m, time.monotonic(), detok)
         assert m.input_ids is not None
         req = Req(m.rid, list(m.input_ids), p, m.return_logprob, m.logprob_start_len, m.top_logprobs_num)
+        req.grammar = self.compile_grammar(m)
         self.scheduler.add_request(req)
 
     # ---- one iteration ----------------------------------------------------------------------------

@@ -44,6 +44,24 @@ def chat(s, question):
     s += sgl.assistant(sgl.gen("reply", max_tokens=6, temperature=0))
 
 
+PERSON_SCHEMA = json.dumps({
+    "type": "object",
+    "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+                   "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+})
+
+
+@sgl.function
+def structured(s):
+    s += "Phone number: " + sgl.gen("phone", regex=r"[0-9]{3}-[0-9]{4}", max_tokens=16, temperature=0)
+    s += "\nAnswer: " + sgl.gen("answer", regex=r"(yes|no)", temperature=0)
+    s += "\nPerson: " + sgl.gen("person", json_schema=PERSON_SCHEMA, max_tokens=128, temperature=0)
+    s += "\nAge: " + sgl.gen_int("age", max_tokens=4)
+    s += "\nMood:" + sgl.select("mood", choices=[" happy", " sad"])
+
+
 def main(url):
     backend = sgl.RuntimeEndpoint(url)
     sgl.set_default_backend(backend)
@@ -70,6 +88,10 @@ def main(url):
 
     state = chat.run(question="Hi there")
     out["chat"] = state["reply"]
+
+    state = structured.run()
+    out["structured"] = {k: state[k] for k in ("phone", "answer", "person", "age", "mood")}
+    out["structured"]["text"] = state.text()
 
     out["server_info_ok"] = "version" in backend.get_server_info()
     backend.flush_cache()

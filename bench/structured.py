@@ -1,0 +1,250 @@
+"""Decode step time with structured output: batch sizes 64 and 256 with 0 %, 50 % and 100 % of the
+rows constrained by a JSON schema, against the unconstrained step (Llama-3-8B geometry, dummy weights).
+
+    python bench/structured.py --out structured.json      # on a GPU (needs xgrammar, a dependency)
+    python bench/structured.py --smoke                    # CPU: the same logic at toy sizes (CI-sized)
+
+One step is what the scheduler's plain loop runs for a decode batch with constrained rows
+(`Scheduler._process`; the overlap loop drains for them): forward (CUDA graph), the constrained rows'
+bitmask filled on the host (xgrammar's batched fill, threads), copied and applied to the logits on the
+device, sampled, tokens to the host, matchers advanced. Each constrained row's matcher walks the
+schema; one that reaches its end starts over, so every step exercises real grammar states. Per point:
+
+  step_ms          wall time per step, each step synchronizing (the matchers need its tokens)
+  overhead         step_ms / the same batch's unconstrained step_ms - 1 (the issue's target: <= 10 % at 100 %)
+  fill_ms          host time of the batched bitmask fill (median over steps)
+  accept_ms        host time of advancing the matchers
+  mask_gpu_ms      device time of the bitmask copy + apply (events around them)
+  async_step_ms    the unconstrained step issued back to back without a sync: what the overlap loop
+                   approaches, and what a constrained batch gives up by draining it
+
+The embedded tokenizer knows 2048 ids; a grammar over it would mask the other 126K trivially. The
+grammar here uses a synthetic 128K-token vocabulary (words and pieces of the embedded corpus with
+JSON punctuation, spaces and digits attached, deterministic) so that the fill does a real vocabulary's work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from sglang_ext.engine.forward_batch import BatchRow, ForwardBatch, ForwardMode
+from sglang_ext.engine.model_runner import ModelRunner
+from sglang_ext.grammar.backend import Constraint, GrammarBackend, GrammarState
+from sglang_ext.grammar.masks import GrammarMasks
+from sglang_ext.models.config import ModelConfig
+from sglang_ext.models.default_model import CORPUS_FILE
+from sglang_ext.models.resolve import resolve_model_path
+from sglang_ext.sampling.batch import SampleRow
+from sglang_ext.sampling.params import SamplingParams
+from sglang_ext.sampling.sampler import Sampler
+from sglang_ext.server_args import ServerArgs
+
+PAGE = 16
+SCHEMA: dict[str, Any] = {  # a typical extraction schema: nested object, enum, array, numbers, strings
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "email": {"type": "string", "pattern": "^[a-z0-9.]+@[a-z]+\\.(com|org|net)$"},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "scores": {"type": "array", "items": {"type": "number"}, "maxItems": 5},
+        "address": {"type": "object", "properties": {"street": {"type": "string"}, "zip": {"type": "string"}},
+                    "required": ["street", "zip"]},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "role", "active"],
+}
+
+
+def synthetic_vocab(size: int, seed: int = 0) -> list[str]:
+    """`size` distinct token texts shaped like a BPE vocabulary (see the module docstring)."""
+    rng = random.Random(seed)
+    words = sorted(set(CORPUS_FILE.read_text().split()))
+    pieces = [chr(c) for c in range(32, 127)] + [" ", "\n", "  ", "\t"]
+    affix = ["", " ", '"', ' "', '":', '",', ", ", ": ", "{", '{"', "}", "},", "[", "]", "\n", "."]
+    out = list(dict.fromkeys(pieces))
+    seen = set(out)
+    while len(out) < size:
+        w = rng.choice(words)
+        if rng.random() < 0.4:
+            i = rng.randrange(len(w))
+            w = w[i : i + rng.randint(1, 6)]
+        if rng.random() < 0.1:
+            w = str(rng.randrange(10 ** rng.randint(1, 4)))
+        t = rng.choice(affix) + w + (rng.choice(affix) if rng.random() < 0.2 else "")
+        if t not in seen:
+            seen.add(t)
+            out.append(t)
+    return out
+
+
+class Bench:
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a = a
+        cuda = not a.smoke
+        self.device = torch.device("cuda" if cuda else "cpu")
+        model_dir = resolve_model_path(None if a.smoke else a.model_path)
+        self.cfg = ModelConfig.from_path(model_dir)
+        self.bs_list = [int(x) for x in (a.batch_sizes or ("4,8" if a.smoke else "64,256")).split(",")]
+        tokens = max(self.bs_list) * (a.ctx + PAGE) + 64 * PAGE
+        self.args = ServerArgs(model_path=None if a.smoke else a.model_path, load_format="dummy",
+                               device=str(self.device), dtype="float32" if a.smoke else "bfloat16",
+                               page_size=PAGE, max_total_tokens=tokens, cuda_graph_max_bs=max(self.bs_list),
+                               skip_tokenizer_init=True)
+        self.runner = ModelRunner(self.args, model_dir, self.cfg)
+        vocab = self.cfg.vocab_size
+        eos = sorted(self.cfg.eos_token_ids)
+        text_ids = vocab - max(256, len(eos))  # the top ids stay special, as in Llama 3
+        t0 = time.perf_counter()
+        self.grammars = GrammarBackend(None, vocab, eos, encoded_vocab=synthetic_vocab(text_ids))
+        self.compiled = self.grammars.compile(Constraint("json_schema", json.dumps(SCHEMA)))
+        self.compile_s = time.perf_counter() - t0
+        self.masks = GrammarMasks(vocab, self.device, threads=a.fill_threads)
+        self.sampler = Sampler(vocab, self.device)
+
+    def decode_batch(self, bs: int) -> ForwardBatch:
+        n = -(-self.a.ctx // PAGE)
+        rows = [BatchRow(self.a.ctx - 1, [100 + i], list(range(1 + i * n, 1 + (i + 1) * n)), [0]) for i in range(bs)]
+        return ForwardBatch.build(rows, ForwardMode.DECODE, PAGE, self.device)
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def point(self, bs: int, share: float) -> dict[str, Any]:
+        import xgrammar as xgr
+
+        batch = self.decode_batch(bs)
+        n_con = round(bs * share)
+        states: list[GrammarState | None] = [
+            GrammarState(xgr.GrammarMatcher(self.compiled)) if i < n_con else None for i in range(bs)]
+        params = SamplingParams(temperature=0.0)
+        fill, accept, gpu = [], [], []
+        real_fill = self.masks.fill
+
+        def timed_fill(sts: Any) -> torch.Tensor:
+            t0 = time.perf_counter()
+            out = real_fill(sts)
+            fill.append(time.perf_counter() - t0)
+            return out
+
+        self.masks.fill = timed_fill  # type: ignore[method-assign]
+
+        every = list(range(bs))
+
+        def step(k: int) -> None:
+            logits = self.runner.forward(batch)[every]  # as Scheduler._process: the sampled rows, a copy
+            rows = [SampleRow(params, k)] * bs
+            if n_con:
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.device.type == "cuda" else []
+                if ev:
+                    ev[0].record()
+                rows = self.masks.constrain(logits, states, rows)
+                if ev:
+                    ev[1].record()
+                    gpu.append(ev)
+            tokens = self.sampler.sample(logits, self.sampler.batch(rows)).tolist()
+            t0 = time.perf_counter()
+            for s, t in zip(states, tokens, strict=True):
+                if s is not None:
+                    s.accept(t)
+                    if s.terminated or s.error:
+                        s.matcher.reset()
+                        s.error = None
+            accept.append(time.perf_counter() - t0)
+
+        try:
+            for k in range(3):
+                step(k)
+            fill.clear(), accept.clear(), gpu.clear()
+            self.sync()
+            t0 = time.perf_counter()
+            for k in range(self.a.steps):
+                step(k)
+            self.sync()
+            step_s = (time.perf_counter() - t0) / self.a.steps
+        finally:
+            del self.masks.fill
+        out: dict[str, Any] = {"bs": bs, "constrained_share": share, "constrained_rows": n_con,
+                               "step_ms": step_s * 1e3, "accept_ms": statistics.median(accept) * 1e3}
+        if fill:
+            out["fill_ms"] = statistics.median(fill) * 1e3
+        if gpu:
+            out["mask_gpu_ms"] = statistics.median([e0.elapsed_time(e1) for e0, e1 in gpu])
+        if share == 0.0:
+            out["async_step_ms"] = self.async_step_ms(batch, bs)
+        return out
+
+    def async_step_ms(self, batch: ForwardBatch, bs: int) -> float:
+        """Unconstrained forward + greedy sampling issued back to back, one sync at the end."""
+        sb = self.sampler.batch([SampleRow(SamplingParams(temperature=0.0), 0)] * bs)
+        self.sync()
+        t0 = time.perf_counter()
+        for _ in range(self.a.steps):
+            self.sampler.sample(self.runner.forward(batch), sb)
+        self.sync()
+        return (time.perf_counter() - t0) / self.a.steps * 1e3
+
+    def run(self) -> dict[str, Any]:
+        res: dict[str, Any] = {"env": {
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": str(self.device),
+            "gpu": torch.cuda.get_device_name(0) if self.device.type == "cuda" else None,
+            "model": "embedded default (smoke)" if self.a.smoke else self.a.model_path, "vocab": self.cfg.vocab_size,
+            "ctx": self.a.ctx, "steps": self.a.steps, "fill_threads": self.masks.threads,
+            "schema_compile_s": self.compile_s, "torch": torch.__version__, "xgrammar": _version("xgrammar")},
+            "points": []}
+        for bs in self.bs_list:
+            base = None
+            for share in (0.0, 0.5, 1.0):
+                p = self.point(bs, share)
+                base = p["step_ms"] if base is None else base
+                p["overhead"] = p["step_ms"] / base - 1.0
+                res["points"].append(p)
+                print(f"bs={bs:4d} constrained={share:4.0%}  step {p['step_ms']:7.2f} ms  overhead "
+                      f"{p['overhead']:+6.1%}  fill {p.get('fill_ms', 0):6.2f} ms  accept {p['accept_ms']:5.2f} ms"
+                      + (f"  mask(gpu) {p['mask_gpu_ms']:.3f} ms" if "mask_gpu_ms" in p else "")
+                      + (f"  async(unconstrained) {p['async_step_ms']:.2f} ms" if "async_step_ms" in p else ""),
+                      flush=True)
+                Path(self.a.out).write_text(json.dumps(res, indent=1))
+        return res
+
+
+def _version(mod: str) -> str | None:
+    try:
+        return str(__import__(mod).__version__)
+    except Exception:
+        return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model-path", default="preset:llama-3-8b")
+    p.add_argument("--batch-sizes", default=None, help="comma-separated (default 64,256; smoke 4,8)")
+    p.add_argument("--ctx", type=int, default=1024, help="tokens of context per row")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--fill-threads", type=int, default=None, help="xgrammar fill threads (default: half the cores)")
+    p.add_argument("--smoke", action="store_true", help="CPU, the embedded model, toy sizes: checks the logic")
+    p.add_argument("--out", default="structured.json")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.ctx, a.steps = min(a.ctx, 32), min(a.steps, 3)
+    elif not torch.cuda.is_available():
+        sys.exit("bench/structured.py needs a CUDA device (or --smoke)")
+    Bench(a).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+"""bench/structured.py's logic runs on CPU (--smoke): every point is measured and written out."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.structured import main, synthetic_vocab
+
+
+def test_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "s.json"
+    main(["--smoke", "--batch-sizes", "2", "--steps", "2", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert [(p["bs"], p["constrained_rows"]) for p in res["points"]] == [(2, 0), (2, 1), (2, 2)]
+    assert all(p["step_ms"] > 0 for p in res["points"]) and "fill_ms" in res["points"][2]
+
+
+def test_synthetic_vocab_is_distinct_and_deterministic() -> None:
+    v = synthetic_vocab(3000)
+    assert len(v) == len(set(v)) == 3000 and v == synthetic_vocab(3000)
