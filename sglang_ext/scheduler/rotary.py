@@ -7,17 +7,22 @@ States: waiting -> running <-> rotary -> finished. Kept apart from the batching 
   eager copy are not copied again), its cache lock is released (its prefix pages become evictable,
   never freed under another user) and its own pages are freed.
 * **Resuming**: the prefix is matched again; only the pages the cache no longer holds are copied
-  back (into new device pages), the rest of its host pages are freed.
-* **Eager copies**: with the budget an iteration leaves, full pages of running requests are copied
-  out ahead of time, so a rotation moves little more than the last, partly filled page. A full
-  page's KV never changes, but its page can: `cache_prefix` may swap it for the cache's twin, a
-  release frees it. So a copy is trusted only while the request still holds the same device page
-  at that index, and all of a request's copies are dropped when it lets go of its pages.
+  back (into new device pages). The request is running again but joins batches only once the copy
+  has landed, so the copy runs beside the step of the iteration that issued it and no step waits
+  for it; only when nothing else could run is the compute stream fenced on it. Its full pages' host
+  copies stay as eager copies (a second rotation moves only what changed).
+* **Eager copies**: while the pool is short, with the budget an iteration leaves, full pages of the
+  likeliest victims are copied out ahead of time, so a rotation moves little more than the last,
+  partly filled page. A full page's KV never changes, but its page can: `cache_prefix` may swap it
+  for the cache's twin (`_cache_prefix` drops that copy at once), a release frees it. So a copy is
+  trusted only while the request still holds the same device page at that index, and all of a
+  request's copies are dropped when it lets go of its pages.
 * **Transfers in flight** (kvcache/rotation.py): nothing blocks on a copy. Pages a copy still uses
   are parked when freed (kvcache/holds.py) and a released request's cache pages stay locked until
-  its copies land; a resumed request's copy-in is fenced before the step that reads it. An
-  iteration that had to wait for a copy (a fence on one not landed, pages not yet free) counts as
-  unhidden.
+  its copies land; those pages count as room that is coming (`_pages_coming`), so a decoder sits out
+  a step instead of pushing out more victims, and voluntary rotations stop once the room is on its
+  way. An iteration whose step waited for a copy (a fence) or that ran nothing because of copies
+  counts as unhidden.
 * **Budget**: `rotation_budget_mb` (B_xfer) bytes per direction per iteration for resumes,
   voluntary rotations and eager copies (the first transfer of an iteration may exceed it, so a
   large request still moves). Rotations forced by a full pool are not limited by it.
