@@ -35,13 +35,18 @@ def test_vlt_definitions() -> None:
     p = _lvf(lvf_alpha=3.0, lvf_beta_ttft=0.0, lvf_beta_tpot=0.5)
     p.begin(10.0, fits=False)
     assert p.vlt(_req("w", ReqStatus.WAITING, arrival=8.0)) == 2.0  # 2 s late / 1 s SLO
-    assert abs(p.vlt(_req("q", ReqStatus.ROTARY, 0.0, last_token=9.9)) - 3 * (1.0 - 0.5)) < 1e-9
     assert p.vlt(_req("q0", ReqStatus.ROTARY, arrival=9.0)) == 1.0  # no token yet: as a waiting one
     # running: decode lag in TPOT SLOs; 21 tokens in the 1 s since the first = 10 SLOs ahead
     assert abs(p.vlt(_req("r", ReqStatus.RUNNING, 0.0, run_start=9.8, first_token=9.0, tokens=21)) + 3 * 10) < 1e-9
     # back from rotation, behind schedule: positive, so not a victim
     assert p.vlt(_req("back", ReqStatus.RUNNING, 0.0, run_start=10.0, first_token=8.0, tokens=5)) > 0
     assert p.vlt(_req("prefill", ReqStatus.RUNNING, 0.0, run_start=9.9)) == 0.0  # no token yet
+    # rotary: the same lag, less its tolerance beta_F. Out for 0.1 s but 10 SLOs ahead: not urgent
+    ahead = _req("ahead", ReqStatus.ROTARY, 0.0, last_token=9.9, first_token=9.0, tokens=21)
+    assert abs(p.vlt(ahead) - 3 * (-10 - 0.5)) < 1e-9
+    # 2 SLOs behind (11 tokens in 1.2 s): urgent
+    behind = _req("behind", ReqStatus.ROTARY, 0.0, last_token=9.5, first_token=8.8, tokens=11)
+    assert abs(p.vlt(behind) - 3 * (2 - 0.5)) < 1e-9
 
 
 def test_lvf_orders_by_largest_vlt_and_preempts_from_the_tail() -> None:
@@ -49,12 +54,13 @@ def test_lvf_orders_by_largest_vlt_and_preempts_from_the_tail() -> None:
     p.begin(10.0, fits=False)
     w_old = _req("w_old", ReqStatus.WAITING, arrival=7.0)  # 3.0 - 0.5 (beta_B)
     w_new = _req("w_new", ReqStatus.WAITING, arrival=9.9)  # 0.1 - 0.5
-    rot = _req("rot", ReqStatus.ROTARY, 0.0, last_token=9.7)  # 3 * (3 - 0.5) = 7.5
-    rot_fresh = _req("rot_fresh", ReqStatus.ROTARY, 0.0, last_token=9.99)  # 3 * (0.1 - 0.5) = -1.2
-    assert [r.rid for r in p.candidates([w_new, w_old], [rot_fresh, rot], CACHE)] == [
-        "rot", "w_old", "w_new", "rot_fresh"]
+    rot = _req("rot", ReqStatus.ROTARY, 0.0, last_token=9.7, first_token=7.0, tokens=21)  # 3 * (10 - 0.5) = 28.5
+    rot_ahead = _req("rot_ahead", ReqStatus.ROTARY, 0.0, last_token=9.99, first_token=9.0,
+                     tokens=12)  # 3 * (-1 - 0.5) = -4.5
+    assert [r.rid for r in p.candidates([w_new, w_old], [rot_ahead, rot], CACHE)] == [
+        "rot", "w_old", "w_new", "rot_ahead"]
     long_run = _req("long", ReqStatus.RUNNING, 0.0, run_start=9.0, first_token=9.0, tokens=31)  # 3*(10-30) = -60
-    mid_run = _req("mid", ReqStatus.RUNNING, 1.0, run_start=9.5, first_token=9.5, tokens=9)  # 3*(5-8) = -9
+    mid_run = _req("mid", ReqStatus.RUNNING, 1.0, run_start=9.5, first_token=9.5, tokens=19)  # 3*(5-18) = -39
     short_run = _req("short", ReqStatus.RUNNING, 1.5, run_start=9.5, first_token=9.5, tokens=7)  # 3*(5-6) = -3
     just_in = _req("just_in", ReqStatus.RUNNING, 2.0, run_start=10.0)  # 0: no token yet
     running = [short_run, just_in, mid_run, long_run]
@@ -62,10 +68,14 @@ def test_lvf_orders_by_largest_vlt_and_preempts_from_the_tail() -> None:
     # victims must be at least one SLO (alpha) further ahead than the candidate: bar = -0.4 - 3
     assert [r.rid for r in p.make_room_for(w_new, running)] == ["long", "mid"]
     assert [r.rid for r in p.make_room_for(w_old, running)] == ["long", "mid"]  # bar = 0 - 3
-    # a candidate that is itself ahead of schedule only displaces requests further ahead: bar = -1.2 - 3
-    assert [r.rid for r in p.make_room_for(rot_fresh, running)] == ["long", "mid"]
-    ahead = _req("ahead", ReqStatus.ROTARY, 0.0, last_token=9.999)  # 3 * (0.01 - 0.5) = -1.47
-    assert [r.rid for r in p.make_room_for(ahead, [short_run])] == []
+    assert [r.rid for r in p.make_room_for(rot, running)] == ["long", "mid"]  # behind: bar = 0 - 3
+    # a rotary stream still within its tolerance displaces no one: it resumes when there is room
+    assert p.make_room_for(rot_ahead, running) == []
+    # hysteresis: a stream resumed 8 tokens ago is not a voluntary victim yet, however far ahead
+    mid_run.run_start_tokens = 19 - 8
+    assert [r.rid for r in p.make_room_for(w_old, running)] == ["long"]
+    mid_run.run_start_tokens = 19 - LargestVLTFirst.MIN_STAY_TOKENS
+    assert [r.rid for r in p.make_room_for(w_old, running)] == ["long", "mid"]
 
 
 def test_lvf_is_fcfs_while_everything_fits() -> None:

@@ -64,7 +64,7 @@ def test_many_requests_sharing_a_long_prefix() -> None:
     ps = [[*base, *t] for t in prompts([3, 6, 1, 9, 4, 2, 7, 5], seed=4)]
     want = reference(ps, max_new=10)
     for late in (0, 2):
-        s, clock = rotating("lvf", late=late, max_total_tokens=96, rotation_budget_mb=0.05)
+        s, clock = rotating("lvf", late=late, max_total_tokens=64, rotation_budget_mb=0.05)
         assert drive(s, reqs(ps, 10), clock, every=1) == want
         assert s.rot is not None and s.rot.rotations_in > 0
         _drained(s)
@@ -80,7 +80,7 @@ def test_radix_cache_off(ref: dict[str, list[int]]) -> None:
 
 @pytest.mark.parametrize("late", [0, 2])
 def test_abort_rotary_requests(late: int, ref: dict[str, list[int]]) -> None:
-    s, clock = rotating("lvf", late=late, rotation_budget_mb=0.05)
+    s, clock = rotating("lvf", late=late, rotation_budget_mb=0.05, max_total_tokens=60)
     aborted: list[str] = []
 
     def abort_a_rotary(_: int) -> None:
@@ -125,16 +125,22 @@ def test_overlap_scheduler(policy: str, ref: dict[str, list[int]]) -> None:
 
 def test_eager_copies_leave_only_the_last_page_and_are_dropped_when_pages_change() -> None:
     """Two identical greedy requests: B's full decode pages are swapped for A's twins when B's pages
-    go to the cache after A's, so B's eager copies of them are not trusted."""
+    go to the cache after A's, so B's eager copies of them are not trusted. Eager copies are made
+    only while the pool is short (here: once a request too large to fit beside them waits)."""
     s, clock = rotating("fcfs", max_total_tokens=256)
     p = prompts([8], seed=5)[0]
     a, b = Req("a", p, greedy(20)), Req("b", list(p), greedy(20))
     for r in (a, b):
         s.add_request(r)
+    for _ in range(4):
+        s.step()
+    assert s.rot is not None and a.kv_len >= 8 and not a.eager and s.rot.engine.bytes_out == 0  # it all fits
+    big = Req("big", prompts([250], seed=6)[0], greedy(2))
+    s.add_request(big)
     while a.kv_len < 18:
         s.step()
         s.check()
-    assert s.rot is not None and a.kv_len == b.kv_len
+    assert a.kv_len == b.kv_len and big.status is ReqStatus.WAITING
     # every full page already has a copy: a rotation moves only the partly filled last page
     assert sorted(a.eager) == list(range(a.kv_len // PAGE))
     out = s.rot.engine.bytes_out
@@ -148,9 +154,8 @@ def test_eager_copies_leave_only_the_last_page_and_are_dropped_when_pages_change
     assert not set(own) & set(s.kv.cache.all_pages())
     s.check()
     want = reference([p, p], max_new=20)
-    got = drive(s, [], clock)
+    drive(s, [], clock)
     assert a.output_ids == want["r0"] and b.output_ids == want["r1"] and a.rotations == b.rotations == 1
-    del got
     _drained(s)
 
 
@@ -158,7 +163,7 @@ def test_budget_respected_per_iteration() -> None:
     """Budgeted transfers (resumes, voluntary rotations, eager copies) stay within B_xfer per
     direction per iteration; only the first transfer of an iteration may be larger."""
     budget = 3 * 2048
-    s, clock = rotating("lvf", rotation_budget_mb=budget / 2**20)
+    s, clock = rotating("lvf", rotation_budget_mb=budget / 2**20, max_total_tokens=60)
     seen = {"in": 0, "out": 0}
 
     def within(_: int) -> None:
@@ -194,11 +199,53 @@ def test_host_pool_sized_from_available_memory_when_not_given(caplog: pytest.Log
 
 
 def test_flush_cache_waits_for_copies_in_flight() -> None:
-    s, clock = rotating("sf", late=50, rotation_budget_mb=0.05, max_total_tokens=60)
-    drive(s, reqs(prompts(LENGTHS)), clock, every=1)
-    assert s.rot is not None and s.rot.inflight and s.rot.deferred
+    s, _ = rotating("fcfs", late=50, max_total_tokens=256)
+    for r in (Req("a", prompts([9], seed=7)[0], greedy(20)), Req("big", prompts([250], seed=6)[0], greedy(2))):
+        s.add_request(r)
+    for _ in range(3):
+        s.step()
+    assert s.rot is not None and s.rot.inflight  # eager copies of a's full pages, landing late
+    assert s.abort("a") and s.abort("big")
+    s.step()
+    assert s.rot.deferred and not s.has_work()
     assert not s.flush_cache()  # no crash: refused while copies still read cache pages
     s.rot.engine.synchronize()
     assert s.flush_cache()
     s.check()
     assert s.allocator.num_free == s.allocator.capacity
+
+
+@pytest.mark.parametrize("policy", ["lvf", "sf"])
+def test_resumed_requests_join_once_their_copy_has_landed(policy: str) -> None:
+    """A resume does not make the step wait: a request whose swap-in is still in flight is running but
+    left out of batches until the copy lands (it runs beside the step). The compute stream is made to
+    wait (`fence`) only when nothing else could run, and each such iteration counts as unhidden.
+    (Radix cache off: every resume copies its KV back.)"""
+    lengths = [5, 9, 3, 12, 7, 6, 10, 4, 8, 11]
+    s, clock = rotating(policy, late=3, rotation_budget_mb=0.05, max_total_tokens=48, disable_radix_cache=True)
+    assert s.rot is not None
+    engine = s.rot.engine
+    fenced_steps: set[int] = set()
+    step = 0
+    fence = engine.fence
+    engine.fence = lambda t: (fenced_steps.add(step), fence(t))[1]  # type: ignore[method-assign]
+    joined_late: set[int] = set()
+    run = s._run
+
+    def spy(entries, mode):  # type: ignore[no-untyped-def]
+        for e in entries:
+            f = e.req.copy_in
+            assert f is None or f.landed or f.fenced, f"{e.req.rid} is in a batch before its KV arrived"
+            if f is not None and not f.fenced:
+                joined_late.add(id(f))
+        return run(entries, mode)
+
+    def count(i: int) -> None:
+        nonlocal step
+        step = i + 1
+
+    s._run = spy  # type: ignore[method-assign]
+    assert drive(s, reqs(prompts(lengths), 16), clock, every=1, on_step=count) == reference(prompts(lengths), 16)
+    assert s.rot.rotations_in >= 6 and joined_late
+    assert len(fenced_steps) <= s.rot.unhidden_iterations and 2 * len(fenced_steps) < s.rot.rotations_in
+    _drained(s)

@@ -26,7 +26,9 @@ def pools(dev_pages: int = 24, host_pages: int = 20) -> tuple[KVPool, HostKVPool
     pool = KVPool(GEOM, dev_pages, "cpu")
     pool.data.copy_(torch.randn(pool.data.shape, generator=torch.Generator().manual_seed(0)))
     pool.data[0].zero_()
-    return pool, HostKVPool(GEOM, host_pages, pin=False)
+    host = HostKVPool(GEOM, host_pages, pin=False)
+    host.data.fill_(-7.0)  # defined contents: torch.empty may hold NaNs, which never compare equal
+    return pool, host
 
 
 def engine(method: str, pool: KVPool, host: HostKVPool, staging_pages: int = 3) -> RotationEngine:

@@ -13,6 +13,7 @@ class PageAllocator:
         # Hand out low page ids first; deterministic order keeps runs reproducible.
         self._free: list[int] = list(range(num_pages - 1, 0, -1))
         self._used = [False] * num_pages
+        self._sorted = True  # the free list is in descending order (no free since the last sort)
 
     @property
     def num_free(self) -> int:
@@ -33,8 +34,11 @@ class PageAllocator:
     def alloc_lowest(self, n: int) -> list[int]:
         """`alloc(n)` of the lowest free ids, ascending: pages handed out together then form long runs
         of consecutive ids (a host pool's rotation moves them in few copies even after it has
-        fragmented). Sorts the free list, which stays nearly sorted, so this is close to linear."""
-        self._free.sort(reverse=True)  # alloc pops from the end: lowest ids first
+        fragmented). Sorts the free list if pages were freed since the last sort; it stays nearly
+        sorted, so this is close to linear."""
+        if not self._sorted:
+            self._free.sort(reverse=True)  # alloc pops from the end: lowest ids first
+            self._sorted = True
         return self.alloc(n)
 
     def free(self, pages: list[int]) -> None:
@@ -43,6 +47,8 @@ class PageAllocator:
                 raise RuntimeError(f"double free of KV page {p}")
             self._used[p] = False
             self._free.append(p)
+        if pages:
+            self._sorted = False
 
     def is_used(self, page: int) -> bool:
         return self._used[page]

@@ -31,10 +31,6 @@ class Admission(RotaryRows):
         if len(self.running) >= self.max_running:
             return None
         rotary = r.status is ReqStatus.ROTARY
-        if rotary and any(not f.landed for f in r.transfers):
-            assert self.rot is not None
-            self.rot.waited = True  # its KV is still on the way out: a copy back would race it
-            return None
         self.kv.admit(r)
         if rotary:
             target, copy = self._resume_plan(r)
@@ -47,17 +43,17 @@ class Admission(RotaryRows):
         if need + reserve > self.kv.available_pages or (copy and not self.rot.may_move(
                 "in", copy * self.rot.engine.page_bytes)):  # type: ignore[union-attr]
             self.kv.release(r, keep_in_cache=False)
-            if self.rot is not None and self.allocator.parked:
-                self.rot.waited = True  # pages still under copies might have let it in
             return None
         if rotary:
-            self._resume(r)
+            if not self._resume(r):
+                return 0  # its KV is on the way in: it joins a batch once the copy has landed
         else:
             if r.num_preemptions == 0:
                 r.cached_tokens = r.kv_len
             self.waiting.remove(r)
             r.status = ReqStatus.RUNNING
             r.run_start_time = self.clock()
+            r.run_start_tokens = len(r.output_ids)
             self.running.append(r)
         if n:
             self.kv.grow(r, r.kv_len + n)
@@ -65,30 +61,48 @@ class Admission(RotaryRows):
 
     def _rotate_for(self, cand: Req, protect: set[int]) -> bool:
         """Rotate out the policy's voluntary victims (not in this step's batch) until `cand` could
-        fit; True if any went."""
+        fit; True if any went. Pages that copies in flight will give back count as room: a victim's
+        pages come free only when its copy lands (next iteration on a GPU), so without them every
+        victim in the list would go for one candidate."""
         if self.rot is None:
             return False
         victims = self.policy.make_room_for(
-            cand, [r for r in self.running if r.remote is None and id(r) not in protect])
+            cand, [r for r in self.running if r.remote is None and id(r) not in protect and self._ready(r)])
         if not victims:
             return False
         hit = self.kv.cache.match_prefix(cand.fill_ids[: self.kv.match_limit(cand)]).num_tokens
         have = max(hit, cand.host_len)
         need = self.kv.pages_for(min(cand.fill_len, have + self.chunk)) - hit // self.page_size
-        room = self.kv.available_pages - self._decode_reserve() + sum(len(v.pages) for v in victims)
-        if need > room:
+
+        def short() -> int:
+            return need - (self.kv.available_pages + self._pages_coming() - self._decode_reserve())
+
+        def slot() -> bool:
+            return len(self.running) < self.max_running
+
+        if short() <= 0 and slot():
+            return False  # the room is there or on its way: a rotation would buy nothing
+        if short() > sum(len(v.pages) for v in victims):
             return False  # even all of them would not make room
         moved = False
         for v in victims:
             if not self._rotate_out(v, forced=False):
                 break
             moved = True
-            if self.kv.available_pages - self._decode_reserve() >= need and len(self.running) < self.max_running:
+            if short() <= 0 and slot():
                 break
         return moved
 
-    def _everything_fits(self) -> bool:
-        """Every running, rotary and waiting request's KV (and its next token) in the pool at once."""
-        demand = sum(self.kv.pages_for(r.fill_len + 1) for r in (*self.running, *self.rotary, *self.waiting)
-                     if r.remote is None)
-        return demand <= self.allocator.capacity
+    def _kv_deficit(self) -> int:
+        """Pages by which every running, rotary and waiting request's KV (and its next token) exceeds
+        the pool; 0 if it all fits. Stops counting past twice the pool (then it is at least the pool),
+        so a long queue costs no more than the requests that two pools hold."""
+        cap = self.allocator.capacity
+        demand = 0
+        for queue in (self.running, self.rotary, self.waiting):
+            for r in queue:
+                if r.remote is None:
+                    demand += self.kv.pages_for(r.fill_len + 1)
+                    if demand > 2 * cap:
+                        return demand - cap
+        return max(demand - cap, 0)

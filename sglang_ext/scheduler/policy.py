@@ -89,17 +89,29 @@ class LargestVLTFirst(FCFS):
     negative = ahead, may be rotated out for someone behind.
 
         waiting   VLT = (now - arrival) / S_B - beta_B
-        rotary    VLT = alpha * ((now - last token) / S_F - beta_F)   (as waiting before its first token)
-        running   VLT = alpha * ((now - first token) / S_F - (tokens since the first))   (0 before it)
+        running   VLT = alpha * lag                (0 before its first token)
+        rotary    VLT = alpha * (lag - beta_F)     (as waiting before its first token)
+        lag       = (now - first token) / S_F - (tokens since the first)
 
-A running request's VLT is its decode lag: how many TPOT SLOs it is behind (positive) or ahead
-(negative) of one token per S_F since its first token. DESIGN.md's starting definition,
--alpha * (now - run start) / S_F, made every request that had run a moment a victim for any
-waiting request: on an H200 at a load where FCFS met every SLO, lvf then rotated ~170 times per
-second and collapsed. The lag keeps the meaning (negative = ahead of its SLO) but counts the slack
-a stream has banked, so the victims are the streams furthest ahead, a request just brought back
-(which spent its slack while away) is not sent out again at once, and a victim must be at least one
-SLO ahead of the candidate it makes room for.
+`lag` is a stream's decode lag: how many TPOT SLOs it is behind (positive) or ahead (negative) of
+one token per S_F since its first token, i.e. of its mean TPOT meeting the SLO. DESIGN.md's starting
+definitions, running -alpha * (now - run start) / S_F and rotary alpha * ((now - last token) / S_F -
+beta_F), made every request that had run a moment a victim and every request rotated out a moment
+ago urgent again: on an H200 lvf then rotated the same streams out and back ~170 times per second and
+collapsed. With the lag for both, the meaning is kept (negative = ahead of the SLO) but the slack a
+stream has banked counts: the victims are the streams furthest ahead, and a rotated stream stays out
+until it has spent its slack (beta_F: the lag it may reach before it is urgent), which is the
+time-sharing that lets new arrivals in while every stream keeps its TPOT.
+
+A voluntary rotation must buy something (`make_room_for`):
+  * the candidate is behind: a waiting request (its first token is what the TTFT SLO measures), or a
+    rotary one whose VLT is positive; a rotary stream still within its tolerance waits for free room;
+  * each victim is at least one SLO further ahead than the candidate (VLT below min(VLT_c, 0) - alpha);
+  * hysteresis: a victim has produced `MIN_STAY_TOKENS` tokens since it last (re)started running, so
+    a swap-in is paid back by decode steps before the next rotation of the same stream.
+The scheduler adds the rest: B_xfer (`rotation_budget_mb`) bounds voluntary rotations and resumes per
+iteration, pages already coming free (copies in flight) count as room, and victims are rotated only
+until the candidate fits.
 
     While everything fits in the pool it is exactly FCFS. Otherwise candidates are taken from the
     head of the VLT order (within the pool and the rotation budget, which the scheduler enforces)
@@ -107,6 +119,10 @@ SLO ahead of the candidate it makes room for.
     """
 
     wants_fit = True
+    # A rotation moves a stream's whole KV both ways (~128 MB each way for a 1000-token Llama-3-8B
+    # request, ~2.3 ms per direction at 55 GB/s); 16 decode steps (~160 ms on an H200) pay for it many
+    # times over and are well within the slack a stream banks at ~10x its TPOT SLO.
+    MIN_STAY_TOKENS: Final = 16
 
     def __init__(self, ttft_slo_s: float, tpot_slo_s: float, alpha: float, beta_ttft: float,
                  beta_tpot: float) -> None:
@@ -114,19 +130,38 @@ SLO ahead of the candidate it makes room for.
         self.alpha, self.beta_b, self.beta_f = alpha, beta_ttft, beta_tpot
         self.now = 0.0
         self.fits = True
+        # per iteration: id -> (status, tokens, VLT); the sorts ask for the same requests many times
+        self._memo: dict[int, tuple[ReqStatus, int, float]] = {}
 
     def begin(self, now: float, fits: bool) -> None:
         self.now, self.fits = now, fits
+        self._memo.clear()
+
+    def lag(self, r: Req) -> float | None:
+        """Decode lag in TPOT SLOs (positive = behind); None before the first token."""
+        if r.first_token_time is None or not r.output_ids:
+            return None
+        return (self.now - r.first_token_time) / self.s_f - (len(r.output_ids) - 1)
 
     def vlt(self, r: Req) -> float:
-        now = self.now
+        hit = self._memo.get(id(r))
+        if hit is not None and hit[0] is r.status and hit[1] == len(r.output_ids):
+            return hit[2]
+        v = self._vlt(r)
+        self._memo[id(r)] = (r.status, len(r.output_ids), v)
+        return v
+
+    def _vlt(self, r: Req) -> float:
+        lag = self.lag(r)
         if r.status is ReqStatus.RUNNING:
-            if r.first_token_time is None or not r.output_ids:
-                return 0.0  # still prefilling: neither ahead nor behind
-            return self.alpha * ((now - r.first_token_time) / self.s_f - (len(r.output_ids) - 1))
-        if r.status is ReqStatus.ROTARY and r.last_token_time is not None:
-            return self.alpha * ((now - r.last_token_time) / self.s_f - self.beta_f)
-        return (now - r.arrival_time) / self.s_b - self.beta_b
+            return 0.0 if lag is None else self.alpha * lag  # still prefilling: neither ahead nor behind
+        if r.status is ReqStatus.ROTARY and lag is not None:
+            return self.alpha * (lag - self.beta_f)
+        return (self.now - r.arrival_time) / self.s_b - self.beta_b
+
+    def settled(self, r: Req) -> bool:
+        """Ran long enough since it last (re)started to be a voluntary victim."""
+        return len(r.output_ids) - r.run_start_tokens >= self.MIN_STAY_TOKENS
 
     def candidates(self, waiting: list[Req], rotary: list[Req], cache: PrefixCache) -> list[Req]:
         if self.fits:
@@ -141,8 +176,18 @@ SLO ahead of the candidate it makes room for.
     def make_room_for(self, cand: Req, running: list[Req]) -> list[Req]:
         if self.fits:
             return []
-        bar = min(self.vlt(cand), 0.0) - self.alpha  # a rotation must buy at least one SLO of lag
-        return [r for r in self.victims(running) if self.vlt(r) < bar]
+        v = self.vlt(cand)
+        if cand.status is ReqStatus.ROTARY and cand.output_ids and v <= 0:
+            return []  # within its tolerance: it resumes when there is room, no one goes out for it
+        bar = min(v, 0.0) - self.alpha  # a rotation must buy at least one SLO of lag
+        out = []
+        for r in self.victims(running):
+            vr = self.vlt(r)
+            if vr >= bar:
+                break  # victims are in VLT order: the rest are no further ahead
+            if self.settled(r):
+                out.append(r)
+        return out
 
 
 POLICIES: Final[dict[str, type[SchedulePolicy]]] = {

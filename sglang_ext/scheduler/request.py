@@ -68,9 +68,11 @@ class Req:
     host_len: int = 0  # rotary: tokens of KV in host_pages
     eager: dict[int, tuple[int, int]] = field(default_factory=dict)  # page index -> (device page, host copy)
     transfers: list[Any] = field(default_factory=list)  # its rotation copies that may be in flight
+    copy_in: Any = None  # a resumed request's swap-in: it joins batches once this has landed
     # timing (the scheduler's clock)
     first_token_time: float | None = None
     run_start_time: float | None = None  # start of its current stay in the running batch
+    run_start_tokens: int = 0  # output tokens it had then
     last_token_time: float | None = None
     # logprobs, accumulated as SGLang returns them
     input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)

@@ -192,6 +192,8 @@ class Scheduler(Admission, RotaryRows, RemoteRows):
         outputs, self._pending = self._pending, []
         self._rot_begin()
         entries, mode = self._schedule()
+        if not entries and self._fence_arrivals():
+            entries, mode = self._schedule()  # the step waits for those copies on the device
         self._rot_end()
         if not entries and self.running and self._copies_in_flight():
             return outputs  # pages come free as rotation copies land: wait, do not preempt
@@ -230,7 +232,7 @@ class Scheduler(Admission, RotaryRows, RemoteRows):
         budget = self.chunk
         # 1. requests part-way through prefill continue first
         for r in self.running:
-            if r.prefilled or budget <= 0:
+            if r.prefilled or budget <= 0 or not self._ready(r):
                 continue
             n = min(r.fill_len - r.kv_len, budget)
             if not self.kv.can_grow(r, r.kv_len + n):
@@ -240,14 +242,15 @@ class Scheduler(Admission, RotaryRows, RemoteRows):
             budget -= n
         # 2. admit waiting requests and resume rotary ones, in the policy's order, while the token
         # budget, slots, KV headroom and rotation budget last (the policy may rotate some out)
-        if self.policy.wants_fit:
-            self.policy.begin(self.clock(), self._everything_fits())
-        else:
-            self.policy.begin(self.clock(), True)
+        if self.rot is not None or self.policy.wants_fit:
+            self._deficit = self._kv_deficit()
+        self.policy.begin(self.clock(), self._deficit == 0)
         reserve = self._decode_reserve()
         for r in self.policy.candidates(self.waiting, self.rotary, self.kv.cache):
             if budget <= 0:
                 break
+            if r.status is ReqStatus.ROTARY and any(not f.landed for f in r.transfers):
+                continue  # its KV is still on the way out: a copy back would race it
             if self.kv.pages_for(r.fill_len) > self.allocator.capacity:
                 # Grown past the whole pool (its KV was elsewhere, or it was preempted late): it can
                 # never run here again, and it must not block the queue.
@@ -269,7 +272,7 @@ class Scheduler(Admission, RotaryRows, RemoteRows):
                 reserve += self.kv.pages_for(r.kv_len + 1) - len(r.pages)
         # 3. decoding requests: alone (DECODE) or riding along a prefill (EXTEND)
         prefill_reqs = {id(e.req) for e in entries}
-        decoders = [r for r in self.running if r.prefilled and id(r) not in prefill_reqs]
+        decoders = [r for r in self.running if r.prefilled and id(r) not in prefill_reqs and self._ready(r)]
         if self.offload is not None:
             for r in self.offload.choose(decoders):
                 self._drop_local_kv(r)
@@ -283,13 +286,20 @@ class Scheduler(Admission, RotaryRows, RemoteRows):
         kept = [r for r in decoders if r.remote is not None]  # their KV grows on the executor
         # Grown in the reverse of the policy's victim order: the first victims grow last.
         decoders = self.policy.victims([r for r in decoders if r.remote is None])[::-1]
+        coming = self._pages_coming()
         while decoders:
             r = decoders.pop(0)
             while not self.kv.can_grow(r, r.kv_len + 1):
+                short = self.kv.pages_for(r.kv_len + 1) - len(r.pages) - self.kv.available_pages
+                if short <= coming:
+                    # Pages come free as copies in flight land (a victim just rotated out): it sits
+                    # out this step rather than push out another request the pool does not need.
+                    coming -= short
+                    break
                 victim = decoders.pop() if decoders else None
                 if victim is None:
                     others = [x for x in self.running if x is not r and id(x) not in protect and x not in kept
-                              and x.remote is None]
+                              and x.remote is None and self._ready(x)]
                     victim = self.policy.victims(others)[0] if others else r
                 if victim is r and len(self.running) == 1 and self._copies_in_flight():
                     break  # pages still under rotation copies: it grows once they land
@@ -347,7 +357,7 @@ class Scheduler(Admission, RotaryRows, RemoteRows):
             r.kv_len += e.extend
             if e.extend > 1:
                 # Publish finished prompt pages now so concurrent requests can share them.
-                self.kv.cache_prefix(r)
+                self._cache_prefix(r)
             if e.sample:
                 sample_rows.append(row)
                 sample_reqs.append(r)
