@@ -143,38 +143,24 @@ class PeerRemote(LocalRemote):
         launch may load its module, which can wait for the whole GPU to go idle; queued behind a
         doorbell wait that only the sender will ring, that is a deadlock. (What this step writes
         at the planned KV slots is overwritten by the real step at the same positions.)"""
-        n = self.rows
+        g = self.executor.guests[self.guest]
+        assert g.batch is not None
         with torch.cuda.device(self.dev_e):
-            z = self.exec_in[:n].zero_()
-            hq, hkv, d = self.hq, self.hkv, self.d
-            q = z[:, : hq * d].view(n, hq, d)
-            k = z[:, hq * d : (hq + hkv) * d].view(n, hkv, d)
-            v = z[:, (hq + hkv) * d :].view(n, hkv, d)
-            for layer in range(self.layers):
-                self.exec_out[:n].copy_(self.executor.attend(self.guest, layer, q, k, v).reshape(n, -1))
+            self.exec_in[: self.rows].zero_()
+            self._program(g.backend, self.rows, g.batch, gated=False)
             torch.cuda.synchronize(self.dev_e)
-        self._warm.add(n)
+        self._warm.add(self.rows)
 
     def _enqueue_executor_step(self) -> None:
-        """The executor's program for this step, queued now, gated layer by layer on the GPU."""
-        n, hq, hkv, d = self.rows, self.hq, self.hkv, self.d
+        """The executor's program for this step (eager: a backend without CUDA graphs), queued now,
+        gated layer by layer on the GPU."""
+        g = self.executor.guests[self.guest]
+        assert g.batch is not None
         s = self.stream
         # plans and KV loads were issued on the executor GPU's current stream
         s.wait_stream(torch.cuda.current_stream(self.dev_e))
         with torch.cuda.device(self.dev_e), torch.cuda.stream(s):
-            qkv = self.exec_in[:n]
-            q = qkv[:, : hq * d].view(n, hq, d)
-            k = qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d)
-            v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
-            out = self.exec_out[:n]
-            nbytes = out.numel() * out.element_size()
-            for layer in range(self.layers):
-                self.doorbell.wait(s, layer, 1)
-                self.doorbell.write(s, layer, 0)
-                o = self.executor.attend(self.guest, layer, q, k, v)
-                out.copy_(o.reshape(n, hq * d))
-                cs.peer_copy(self.recv.data_ptr(), out.data_ptr(), nbytes, s)
-                self.done.write(s, layer, 1)
+            self._program(g.backend, self.rows, g.batch, gated=True)
             self._program_done = torch.cuda.Event()
             self._program_done.record(s)
 
