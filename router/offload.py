@@ -48,11 +48,12 @@ class Pairing:
     last_try: float = -RETRY_S
     task: asyncio.Task[None] | None = None
     logged: str = ""  # the last state logged (a retry that fails the same way is not logged again)
+    transport: str = ""  # the data plane the host serves (torch_dist | cuda_ipc)
 
     def describe(self) -> dict[str, Any]:
         return {"from": self.sender, "from_model": self.rule.from_, "executor": self.executor or None,
                 "to_model": self.rule.to, "ratio": self.rule.ratio, "policy": self.rule.policy,
-                "state": self.state, "pairing": self.pairing_id or None}
+                "state": self.state, "pairing": self.pairing_id or None, "transport": self.transport or None}
 
 
 class OffloadPlanner:
@@ -177,7 +178,9 @@ class OffloadPlanner:
             why = reply.data.get("error", "refused") if reply is not None else f"no answer in {OPEN_TIMEOUT_S:g} s"
             self._set(p, f"failed: {host.worker_id}: {why}")
             return
-        self.router.send(p.sender, _directive(reply, p.rule, pid, host.worker_id))
+        d = _directive(reply, p.rule, pid, host.worker_id)
+        p.transport = d.transport
+        self.router.send(p.sender, d)
         self._set(p, "active")
 
 
