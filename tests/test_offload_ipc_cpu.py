@@ -29,6 +29,7 @@ from sglang_ext.offload.dist import (
     REPLY,
     SENDER_RANK,
     TAG_CTRL,
+    DistRemote,
     Link,
     open_store,
 )
@@ -92,7 +93,8 @@ def test_a_host_without_gpus_refuses_cuda_ipc_or_falls_back() -> None:
     data = host.open(msgspec.structs.replace(msg, fallback="torch_dist", guest_device="cpu"))
     assert data["transport"] == "torch_dist" and data["backend"] == "gloo"
     (svc,) = host.services.values()
-    svc.listener.close()  # type: ignore[union-attr]  # nobody connects: the service times out on its own
+    DistRemote.connect(data["store"], "gloo", torch.device("cpu"), SPEC, "host-0", 5.0).close()
+    assert svc.ended.wait(5)
 
 
 # ---- the handshake's messages ---------------------------------------------------------------------
@@ -192,6 +194,9 @@ def test_watchdog_fired_by_the_forward_thread_or_a_failing_wait() -> None:
     w2.stop()
 
 
+_stores: list[Any] = []
+
+
 def linked_pair() -> tuple[Link, Link]:
     store, listener = open_store("127.0.0.1")
     host: list[Link] = []
@@ -201,7 +206,7 @@ def linked_pair() -> tuple[Link, Link]:
 
     sender = Link(connect_store(f"127.0.0.1:{store.port}"), SENDER_RANK, "gloo", torch.device("cpu"), "127.0.0.1")
     t.join()
-    listener.close()
+    _stores.append((store, listener))  # the store uses the listener's descriptor while it lives
     return host[0], sender
 
 
@@ -265,7 +270,7 @@ def test_watchdog_sees_a_killed_host_process_at_once() -> None:
     finally:
         proc.kill()
         proc.wait(10)
-        listener.close()
+        _stores.append((store, listener))
 
 
 # ---- the host's end of the control protocol -------------------------------------------------------

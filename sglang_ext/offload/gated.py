@@ -24,6 +24,7 @@ only its own lane's plan buffers, which step t-1 used, so it need not wait for s
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +87,9 @@ class GatedProgram:
         self.rows = 0  # the step's rows the executor computes
         self._warm: set[int] = set()  # row counts whose kernels ran once ungated
         self.program_done: torch.cuda.Event | None = None  # end of the last queued program
+        # None: wait as long as it takes (in one process, the sender is this process). A host serving
+        # another process sets a bound: a program that never finishes then fails the step, not the thread.
+        self.wait_timeout_s: float | None = None
         self.sizes = [n for n in REMOTE_SIZES if n < shape.max_rows] + [shape.max_rows]
         self._lanes: list[_Lane] = []
         self._step = 0
@@ -118,7 +122,7 @@ class GatedProgram:
             # Planning rewrites plan buffers (and their pinned host staging) and frees a page table that
             # a queued program may still read: with lanes, the program two steps back (long finished
             # in practice); without, the last one.
-            last.synchronize()
+            self._wait(last)
         failed = self.executor.plan(self.guest, handles, positions, prepare=lane is None)
         self.rows = len(handles) - len(failed)
         if not self.rows:  # every row was dropped: the sender posts nothing this step, so queue nothing
@@ -130,6 +134,16 @@ class GatedProgram:
                 self._warm_up()
             self._enqueue()
         return failed
+
+    def _wait(self, event: torch.cuda.Event) -> None:
+        if self.wait_timeout_s is None:
+            event.synchronize()
+            return
+        deadline = time.monotonic() + self.wait_timeout_s
+        while not event.query():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the executor's previous program did not finish in {self.wait_timeout_s:g} s")
+            time.sleep(1e-4)
 
     def idle(self) -> bool:
         """Every queued program has finished (the host may then release the guest's pages)."""

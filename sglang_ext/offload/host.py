@@ -13,6 +13,7 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Final
 
 import torch
@@ -171,7 +172,14 @@ class ExecutorService:
 
                 self.ipc = IpcHostEnd.handshake(self.link, self.executor, self.lock, self.guest, self.spec,
                                                 self.timeout_s)
-            self._serve(self.link)
+                # Plans and loads on a stream of this thread's own: on the worker's default stream they
+                # would queue behind its model's kernels, and a load's wait for the guest's last program
+                # would hold those kernels back until the sender rang it.
+                cuda = self.executor.device.type == "cuda"
+                with torch.cuda.stream(torch.cuda.Stream(self.executor.device)) if cuda else nullcontext():
+                    self._serve(self.link)
+            else:
+                self._serve(self.link)
         except LinkError as e:
             why = str(e)
         except Exception as e:  # a protocol or executor bug: end this pairing only, loudly

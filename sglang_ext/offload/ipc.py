@@ -27,7 +27,7 @@ its stream has drained, and the next call raises ExecutorLost.
 from __future__ import annotations
 
 import logging
-import time
+import threading
 from datetime import timedelta
 from typing import Any, Final
 
@@ -146,14 +146,13 @@ def say_goodbye(link: Link, timeout_s: float) -> None:
     link.send(torch.tensor([BYE], dtype=torch.int64), TAG_WATCH, timeout_s)
 
 
-def wait_event(event: torch.cuda.Event, timeout_s: float) -> bool:
-    """Poll an event until it completes or the time is up (a host wait that cannot hang)."""
-    deadline = time.monotonic() + timeout_s
-    while not event.query():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(1e-4)
-    return True
+def device_idle(device: torch.device, timeout_s: float) -> bool:
+    """Wait for every stream of the device (the exchange may run on any of the sender's), at most
+    `timeout_s`: the synchronisation runs on a helper thread, so a wait that never ends cannot hold us."""
+    t = threading.Thread(target=torch.cuda.synchronize, args=(device,), name="ipc-drain", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return not t.is_alive()
 
 
 class IpcRemote(DistRemote):
@@ -257,9 +256,7 @@ class IpcRemote(DistRemote):
         say CLOSE (the host drains, releases the guest's KV and says goodbye), stop the watchdog."""
         drained = True
         if self.watchdog is not None:
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(self.device))
-            drained = wait_event(done, max(self.timeout_s, 5.0))
+            drained = device_idle(self.device, max(self.timeout_s, 5.0))
             if not drained:
                 logger.error("executor %s: the sender's stream did not drain in time; its IPC mappings stay "
                              "open", self.executor_id)

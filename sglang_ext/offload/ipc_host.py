@@ -25,6 +25,7 @@ from sglang_ext.offload.ipc import IPC_HELLO, IpcHello, IpcWelcome, check_hello,
 
 logger = logging.getLogger(__name__)
 DRAIN_TIMEOUT_S: Final = 10.0
+PROGRAM_TIMEOUT_S: Final = 60.0  # a step's program two steps back, still not done: the pairing ends
 
 
 def local_gpu(uuid: str) -> int | None:
@@ -75,6 +76,7 @@ class IpcHostEnd:
             self._maps.append(done_map)
             with torch.cuda.device(executor.device):
                 self.program = GatedProgram(executor, guest, shape, recv.ptr, done_map.flags(shape.layers))
+            self.program.wait_timeout_s = PROGRAM_TIMEOUT_S
         except BaseException:
             self.close()
             raise
