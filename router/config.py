@@ -19,7 +19,7 @@ from typing import Annotated, Any, Final, Literal, Union, get_args, get_origin
 import msgspec
 from msgspec import Meta
 
-from sglang_ext.offload.transport import served_transport
+from sglang_ext.offload.transport import check_served
 from sglang_ext.server_args import DEFAULT_PORT, ServerArgs
 
 Role = Literal["serve", "hot", "cold", "prefill", "decode"]
@@ -275,7 +275,7 @@ def _check_offload(rules: list[OffloadSpec], names: list[str], workers: list[Loc
                 raise ConfigError(f"{where}: worker {w.worker_id} of {o.from_!r} has an in-process executor "
                                   "(offload_executor); drop it or this entry")
             try:
-                served_transport(w.args.offload_transport)
+                check_served(w.args.offload_transport)
             except ValueError as e:
                 raise ConfigError(f"{where}: worker {w.worker_id}: {e}") from None
 

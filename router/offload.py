@@ -1,7 +1,8 @@
 """The cluster file's `offload:` entries at run time: senders paired with executors, on events.
 
     WorkerUp of a sender     pick an up worker of `to` that offers executor memory (fewest senders
-                             first) -> ExecutorOpen to it -> its reply (the pair's rendezvous)
+                             first), and the transport from where both run (offload/transport.py)
+                             -> ExecutorOpen to it -> its reply (the pair's rendezvous)
                              -> OffloadDirective to the sender
     WorkerUp of a host       pair the senders that have no executor (and, if it is a new process,
                              those it served before: their pairs died with it)
@@ -26,6 +27,7 @@ from router.config import OffloadSpec
 from router.events import Event, LoadReported, WorkerDown, WorkerUp
 from router.registry import WorkerState
 from sglang_ext.messages import ExecutorOpen, OffloadDirective, ReplyOut, WorkerInfo
+from sglang_ext.offload.transport import SERVED_DEFAULT, Choice, Placement, choose_transport
 
 if TYPE_CHECKING:
     from router.core import Router
@@ -46,11 +48,12 @@ class Pairing:
     last_try: float = -RETRY_S
     task: asyncio.Task[None] | None = None
     logged: str = ""  # the last state logged (a retry that fails the same way is not logged again)
+    transport: str = ""  # the data plane the host serves (torch_dist | cuda_ipc)
 
     def describe(self) -> dict[str, Any]:
         return {"from": self.sender, "from_model": self.rule.from_, "executor": self.executor or None,
                 "to_model": self.rule.to, "ratio": self.rule.ratio, "policy": self.rule.policy,
-                "state": self.state, "pairing": self.pairing_id or None}
+                "state": self.state, "pairing": self.pairing_id or None, "transport": self.transport or None}
 
 
 class OffloadPlanner:
@@ -161,26 +164,40 @@ class OffloadPlanner:
             return
         pid = f"{self.router.new_rid()}-pair{next(self._ids)}"
         p.executor, p.pairing_id = host.worker_id, pid
+        try:
+            choice = choose_transport(info.offload_transport or None, _placement(info), _placement(host.info))
+        except ValueError as e:
+            self._set(p, f"failed: {e}")
+            return
         self._set(p, "opening")
-        reply = await self.router.request_reply(host, lambda rid: _open_msg(rid, info, p.rule, pid), OPEN_TIMEOUT_S)
+        reply = await self.router.request_reply(host, lambda rid: _open_msg(rid, info, p.rule, pid, choice),
+                                                OPEN_TIMEOUT_S)
         if p.pairing_id != pid:
             return  # superseded meanwhile
         if reply is None or not reply.ok:
             why = reply.data.get("error", "refused") if reply is not None else f"no answer in {OPEN_TIMEOUT_S:g} s"
             self._set(p, f"failed: {host.worker_id}: {why}")
             return
-        self.router.send(p.sender, _directive(reply, p.rule, pid, host.worker_id))
+        d = _directive(reply, p.rule, pid, host.worker_id)
+        p.transport = d.transport
+        self.router.send(p.sender, d)
         self._set(p, "active")
 
 
-def _open_msg(rid: str, info: WorkerInfo, rule: OffloadSpec, pairing: str) -> ExecutorOpen:
+def _placement(info: WorkerInfo | None) -> Placement:
+    assert info is not None  # up workers have said hello
+    return Placement(info.worker_id, info.hostname, info.device)
+
+
+def _open_msg(rid: str, info: WorkerInfo, rule: OffloadSpec, pairing: str, choice: Choice) -> ExecutorOpen:
     return ExecutorOpen(rid=rid, guest=info.worker_id, guest_model=info.model_name, pairing=pairing,
                         num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
                         page_size=info.page_size, dtype=info.kv_dtype, num_q_heads=info.num_q_heads,
-                        scale=info.attn_scale, guest_device=info.device, timeout_s=rule.timeout_s)
+                        scale=info.attn_scale, guest_device=info.device, transport=choice.transport,
+                        fallback=choice.fallback, guest_gpu=info.gpu_uuid, timeout_s=rule.timeout_s)
 
 
 def _directive(reply: ReplyOut, rule: OffloadSpec, pairing: str, executor: str) -> OffloadDirective:
     return OffloadDirective(pairing=pairing, executor=executor, store=str(reply.data["store"]),
                             backend=str(reply.data.get("backend", "gloo")), ratio=rule.ratio, policy=rule.policy,
-                            timeout_s=rule.timeout_s)
+                            transport=str(reply.data.get("transport", SERVED_DEFAULT)), timeout_s=rule.timeout_s)

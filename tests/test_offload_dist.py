@@ -139,8 +139,8 @@ def test_attention_matches_the_in_process_executor(host: ExecutorHost) -> None:
         remote.post(layer, q, k, v)
         torch.testing.assert_close(remote.collect(layer), ref.attend("m", layer, q, k, v))
     assert remote.bytes_out > 0 and remote.bytes_in == 2 * 3 * 4 * 16 * 4 and remote.wait_s > 0
+    (svc,) = host.services.values()  # before close: an ended service leaves `services` at once
     remote.close()
-    (svc,) = host.services.values()
     assert svc.ended.wait(5) and not host.executor.guests  # the guest's KV went with its pairing
 
 

@@ -137,9 +137,9 @@ class Fleet:
     def __init__(self, ctx: zmq.asyncio.Context, router: Router) -> None:
         self.ctx, self.router, self.workers = ctx, router, list[FakeWorker]()
 
-    async def up(self, wid: str, model: str) -> FakeWorker:
+    async def up(self, wid: str, model: str, **info: Any) -> FakeWorker:
         extra: dict[str, Any] = {"executor_mem_bytes": 1 << 30} if model == "cold" else {}
-        w = FakeWorker(self.ctx, self.router.worker_addr, wid, model, **GEOMETRY, **extra)
+        w = FakeWorker(self.ctx, self.router.worker_addr, wid, model, **GEOMETRY, **extra, **info)
         self.workers.append(w)
         await w.hello()
         w.start_heartbeat()
@@ -234,3 +234,23 @@ async def test_a_restarted_host_pairs_its_senders_again(router: Router, fleet: F
     await h.hello()  # a new process under the same id: its executors are gone
     o2 = await serve_open(h)
     assert o2.pairing != o.pairing and (await next_of(s, OffloadDirective)).pairing == o2.pairing
+
+
+async def test_gpus_of_one_node_pair_over_cuda_ipc(router: Router, fleet: Fleet) -> None:
+    s = await fleet.up("hot-0", "hot", device="cuda:0", hostname="n1", gpu_uuid="GPU-a")
+    h = await fleet.up("cold-0", "cold", device="cuda:1", hostname="n1")
+    o = await next_of(h, ExecutorOpen)
+    assert (o.transport, o.fallback, o.guest_gpu) == ("cuda_ipc", "torch_dist", "GPU-a")
+    await h.send(ReplyOut(rid=o.rid, ok=True, data={"store": "127.0.0.1:9000", "backend": "gloo",
+                                                     "transport": "cuda_ipc"}))
+    assert (await next_of(s, OffloadDirective)).transport == "cuda_ipc"
+
+
+async def test_a_forced_cuda_ipc_across_nodes_fails_at_pairing(router: Router, fleet: Fleet) -> None:
+    await fleet.up("hot-0", "hot", device="cuda:0", hostname="n1", offload_transport="cuda_ipc")
+    h = await fleet.up("cold-0", "cold", device="cuda:0", hostname="n2")
+    await until(lambda: states(router).get("hot-0", "").startswith("failed"))
+    assert states(router)["hot-0"] == ("failed: offload_transport cuda_ipc needs both workers on GPUs of one node: "
+                                       "hot-0 runs on n1 and cold-0 on n2")
+    with pytest.raises(TimeoutError):  # nothing was asked of the host
+        await next_of(h, ExecutorOpen, timeout=0.5)

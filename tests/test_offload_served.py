@@ -1,6 +1,9 @@
 """Served remote attention (`offload:` in the cluster file), through `python -m sglang_ext.launch`:
 model `hot` (the embedded model) sends half of its decoding requests' attention and KV to an
 executor hosted by the worker of model `cold` (another geometry), over torch.distributed/gloo.
+With `SGLANG_EXT_TEST_DEVICE=cuda` (two GPUs) every test runs twice: over torch_dist (NCCL) and over
+cuda_ipc (the two worker processes share buffers and GPU-side flags; the kill test then checks the
+sender's watchdog: its stream, blocked on the dead executor's completion flags, drains and nothing hangs).
 
 The reference is model `ref`: the same embedded model with the same arguments in the same
 cluster, without an offload entry (a cluster without it, with one launch less). Greedy outputs of
@@ -9,6 +12,7 @@ cluster, without an offload entry (a cluster without it, with one launch less). 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -36,8 +40,24 @@ PROMPTS = ["The weather today is", "Once upon a time,", "A list of fruits: apple
            "Numbers: 1, 2, 3,", "Dear team,"]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def _cuda_ipc_missing() -> str | None:
+    if importlib.util.find_spec("cuda") is None:
+        return "cuda_ipc needs cuda-python (pip install cuda-python)"
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        return f"needs two GPUs, {torch.cuda.device_count()} visible"
+    return None
+
+
+TRANSPORTS = [None] if not TWO_GPUS else [
+    "torch_dist", pytest.param("cuda_ipc", marks=pytest.mark.skipif(bool(_cuda_ipc_missing()),
+                                                                    reason=str(_cuda_ipc_missing())))]
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    transport = request.param  # None on CPU: chosen from the placement (torch_dist over gloo)
     tmp = tmp_path_factory.mktemp("offload")
     cold = tmp / "cold"  # a small Llama of another geometry: 2 layers, 4 heads (2 KV), head_dim 32
     cold.mkdir()
@@ -49,7 +69,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     cfg = {
         "router": {"port": port, "log_level": "info"},
         "models": [
-            {"name": "hot", "args": ARGS},
+            {"name": "hot", "args": {**ARGS, **({"offload_transport": transport} if transport else {})}},
             {"name": "ref", "args": ARGS},
             {"name": "cold", "model_path": str(cold),
              "args": {**ARGS, "device": COLD_DEVICE, "load_format": "dummy",
@@ -62,6 +82,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     path.write_text(yaml.safe_dump(cfg))
     with serve(tmp, ["--config", str(path)], workers=3, port=port) as srv:
         wait_for(lambda: pairing(srv)["state"] == "active", 60, "hot-0 paired with cold-0")
+        assert pairing(srv)["transport"] == (transport or "torch_dist")
         yield srv
 
 

@@ -106,6 +106,11 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     attn_scale: float = 0.0
     kv_dtype: str = ""
     executor_mem_bytes: int = 0  # 0: hosts no executor
+    # Where it runs, for the router's choice of a pairing's transport (offload/transport.py): the
+    # machine's host name, its GPU's UUID ("" on a CPU), and the transport its arguments force ("": any).
+    hostname: str = ""
+    gpu_uuid: str = ""
+    offload_transport: str = ""
 
 
 class WorkerHello(msgspec.Struct, tag="hello", kw_only=True):
@@ -149,8 +154,9 @@ class LoadReport(msgspec.Struct, tag="load", kw_only=True):
 
 class ExecutorOpen(msgspec.Struct, tag="executor_open", kw_only=True, forbid_unknown_fields=True):
     """Router -> hosting worker: serve an executor for `guest` (a sender worker) over a new pair.
-    Answered with a ReplyOut whose data has `store` (HOST:PORT of the pair's rendezvous) and
-    `backend` (gloo | nccl), or ok=False and `error`."""
+    Answered with a ReplyOut whose data has `store` (HOST:PORT of the pair's rendezvous), `backend`
+    (gloo | nccl) and `transport` (the one served: `fallback` when `transport` cannot work here), or
+    ok=False and `error`."""
 
     rid: str
     guest: str  # the sender's worker id
@@ -165,6 +171,8 @@ class ExecutorOpen(msgspec.Struct, tag="executor_open", kw_only=True, forbid_unk
     scale: float
     guest_device: str
     transport: str = "torch_dist"
+    fallback: str = ""  # served instead when `transport` cannot work on this host ("": refuse)
+    guest_gpu: str = ""  # the sender GPU's UUID (cuda_ipc: which local GPU it is, and is there a peer path)
     timeout_s: float = 5.0
 
 

@@ -133,6 +133,16 @@ def _primary_context(drv: Any, device: int) -> Any:
     return _primary[device]
 
 
+def can_access_peer(device: int, peer: int) -> bool:
+    """Whether `device` can map `peer`'s memory (a GPU always reaches its own)."""
+    if device == peer:
+        return True
+    d = driver()
+    dev = _check(d.cuDeviceGet(device), "cuDeviceGet")
+    pdev = _check(d.cuDeviceGet(peer), "cuDeviceGet")
+    return bool(_check(d.cuDeviceCanAccessPeer(dev, pdev), "cuDeviceCanAccessPeer"))
+
+
 def enable_peer_access(device: int, peer: int) -> None:
     """Let streams and kernels of `device` read and write memory of `peer` (idempotent; one direction:
     call it both ways for a two-way exchange)."""

@@ -1,6 +1,6 @@
 """A worker's executor for other models' senders (`executor_mem_gb`): one ExecutorService thread per
-pairing the router opens (the host's end of dist.py's protocol), all over one AttentionExecutor and its
-foreign-KV partition.
+pairing the router opens (the host's end of dist.py's protocol; with cuda_ipc, of ipc.py's, whose GPU
+part is ipc_host.py), all over one AttentionExecutor and its foreign-KV partition.
 
 A guest is keyed by sender and pairing (`hot-0/p-1a2b-3`), so a sender paired again (it restarted,
 or lost its executor for a while) never meets the pages of its previous pairing: those are released
@@ -13,7 +13,8 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
-from typing import Final
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Final
 
 import torch
 from torch.distributed import TCPStore
@@ -37,7 +38,11 @@ from sglang_ext.offload.dist import (
     pair_backend,
 )
 from sglang_ext.offload.executor import AttentionExecutor, ExecutorFull, GuestSpec
+from sglang_ext.offload.ipc import say_goodbye
 from sglang_ext.offload.transport import SERVED_DEFAULT
+
+if TYPE_CHECKING:
+    from sglang_ext.offload.ipc_host import IpcHostEnd
 
 logger = logging.getLogger(__name__)
 
@@ -64,15 +69,16 @@ class ExecutorHost:
     def open(self, msg: ExecutorOpen) -> dict[str, str]:
         """Start serving a new pairing; returns the rendezvous address and backend for the sender.
         ValueError when this executor cannot host the guest."""
-        if msg.transport != SERVED_DEFAULT:
-            raise ValueError(f"this executor serves transport {SERVED_DEFAULT}, not {msg.transport}")
+        transport = self._transport(msg)
         spec = guest_spec_of(msg)
         key = f"{msg.guest}/{msg.pairing}"
         if key in self.services:
             raise ValueError(f"pairing {msg.pairing} of {msg.guest} is open already")
         with self.lock:
             self.executor.attach(key, spec)  # ValueError: a page larger than a slab
-        backend, wire = pair_backend(self.executor.device, torch.device(msg.guest_device))
+        # cuda_ipc: control messages over gloo (CPU tensors); the data moves over IPC mappings
+        backend, wire = (pair_backend(self.executor.device, torch.device(msg.guest_device))
+                         if transport == SERVED_DEFAULT else ("gloo", torch.device("cpu")))
         try:
             store, listener = open_store(self.address)
         except (OSError, RuntimeError) as e:
@@ -80,11 +86,28 @@ class ExecutorHost:
                 self.executor.detach(key)
             raise ValueError(f"cannot open a rendezvous on {self.address}: {e}") from None
         svc = ExecutorService(self.executor, self.lock, key, spec, store, backend, wire, self.address,
-                              msg.timeout_s, on_exit=self._ended, listener=listener)
+                              msg.timeout_s, on_exit=self._ended, listener=listener, transport=transport)
         self.services[key] = svc
         self.guest_models[key] = msg.guest_model
         svc.start()
-        return {"store": f"{self.address}:{store.port}", "backend": backend}
+        return {"store": f"{self.address}:{store.port}", "backend": backend, "transport": transport}
+
+    def _transport(self, msg: ExecutorOpen) -> str:
+        """What this host serves for `msg`: cuda_ipc only where it can work here (else its fallback,
+        or a ValueError that the router reports as the pairing's failure)."""
+        if msg.transport == SERVED_DEFAULT:
+            return SERVED_DEFAULT
+        if msg.transport != "cuda_ipc":
+            raise ValueError(f"this executor serves torch_dist or cuda_ipc, not {msg.transport}")
+        from sglang_ext.offload.ipc_host import ipc_problem
+
+        problem = ipc_problem(self.executor.device, msg.guest_device, msg.guest_gpu)
+        if problem is None:
+            return "cuda_ipc"
+        if msg.fallback == SERVED_DEFAULT:
+            logger.info("pairing %s: cuda_ipc cannot work here (%s); serving torch_dist", msg.pairing, problem)
+            return SERVED_DEFAULT
+        raise ValueError(f"offload_transport cuda_ipc: {problem}")
 
     def _ended(self, svc: ExecutorService) -> None:  # on the service's thread
         self.services.pop(svc.guest, None)
@@ -115,7 +138,8 @@ class ExecutorService:
     def __init__(self, executor: AttentionExecutor, lock: threading.Lock, guest: str, spec: GuestSpec,
                  store: TCPStore, backend: str, wire: torch.device, local_host: str, timeout_s: float,
                  on_exit: Callable[[ExecutorService], None] | None = None,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S, listener: socket.socket | None = None) -> None:
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, listener: socket.socket | None = None,
+                 transport: str = SERVED_DEFAULT) -> None:
         self.executor = executor
         self.lock = lock
         self.guest = guest
@@ -128,6 +152,8 @@ class ExecutorService:
         self.timeout_s = timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.on_exit = on_exit
+        self.transport = transport
+        self.ipc: IpcHostEnd | None = None  # cuda_ipc: the GPU exchange, after the handshake
         self.link: Link | None = None
         self.ended = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"executor-{guest}", daemon=True)
@@ -141,16 +167,37 @@ class ExecutorService:
             if self.executor.device.type == "cuda":
                 torch.cuda.set_device(self.executor.device)
             self.link = Link(self.store, HOST_RANK, self.backend, self.wire, self.local_host)
-            self._serve(self.link)
+            if self.transport == "cuda_ipc":
+                from sglang_ext.offload.ipc_host import IpcHostEnd
+
+                self.ipc = IpcHostEnd.handshake(self.link, self.executor, self.lock, self.guest, self.spec,
+                                                self.timeout_s)
+                # Plans and loads on a stream of this thread's own: on the worker's default stream they
+                # would queue behind its model's kernels, and a load's wait for the guest's last program
+                # would hold those kernels back until the sender rang it.
+                cuda = self.executor.device.type == "cuda"
+                with torch.cuda.stream(torch.cuda.Stream(self.executor.device)) if cuda else nullcontext():
+                    self._serve(self.link)
+            else:
+                self._serve(self.link)
         except LinkError as e:
             why = str(e)
         except Exception as e:  # a protocol or executor bug: end this pairing only, loudly
             logger.exception("executor for guest %s failed", self.guest)
             why = f"{type(e).__name__}: {e}"
         finally:
+            # cuda_ipc: queued programs still write the guest's pages (and the sender's memory): drain
+            # them first; pages a program may still write are never handed to another guest.
+            drained = self.ipc.drain() if self.ipc is not None else True
             with self.lock:
                 held = self.executor.used_tokens(self.guest) if self.guest in self.executor.guests else 0
-                self.executor.detach(self.guest)
+                if drained:
+                    self.executor.detach(self.guest)
+                else:
+                    logger.error("executor for guest %s: its queued GPU program did not drain; keeping its %d "
+                                 "tokens of KV", self.guest, held)
+            if self.ipc is not None and drained:
+                self.ipc.close()
             if self.link is not None:
                 self.link.close()
             if self.listener is not None:
@@ -171,6 +218,9 @@ class ExecutorService:
             elif kind == BEGIN:
                 self._step(link, a)
             elif kind == CLOSE:
+                if self.ipc is not None:  # the sender keeps its buffers until this goodbye
+                    self.ipc.drain()
+                    say_goodbye(link, self.timeout_s)
                 return
             else:
                 raise LinkError(f"unknown message kind {kind}")
@@ -181,6 +231,8 @@ class ExecutorService:
                          device=self.wire)
         link.recv(kv, TAG_CTRL, self.timeout_s)
         with self.lock:
+            if self.ipc is not None:
+                self.ipc.program.before_load()
             try:
                 self.executor.load(self.guest, handle, kv, length)
                 ok = 1
@@ -193,12 +245,15 @@ class ExecutorService:
         link.recv(hp, TAG_CTRL, self.timeout_s)
         handles, positions = ([int(x) for x in row] for row in hp.tolist())
         with self.lock:
-            failed = self.executor.plan(self.guest, handles, positions)
+            if self.ipc is not None:  # plan and queue the gated program: the layers never come here
+                failed = self.ipc.program.step(handles, positions)
+            else:
+                failed = self.executor.plan(self.guest, handles, positions)
         link.send_header([REPLY, len(failed)], self.timeout_s)
         if failed:
             link.send(torch.tensor(failed, dtype=torch.int64).to(self.wire), TAG_CTRL, self.timeout_s)
         rows = n - len(failed)
-        if not rows:
+        if not rows or self.ipc is not None:
             return
         s = self.spec
         hq, hkv, d = s.num_q_heads, s.geometry.num_kv_heads, s.head_dim

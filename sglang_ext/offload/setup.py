@@ -22,6 +22,13 @@ def guest_spec(runner: ModelRunner) -> GuestSpec:
     return GuestSpec(runner.pool.geometry, cfg.num_heads, cfg.head_dim, cfg.head_dim**-0.5)
 
 
+def gpu_uuid(device: torch.device) -> str:
+    """The GPU's UUID, the same in every process whatever its CUDA_VISIBLE_DEVICES ("" on a CPU)."""
+    if device.type != "cuda":
+        return ""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
 def executor_backend(device: torch.device, args: ServerArgs) -> str:
     """The executor computes with the engine's own kernels: FlashInfer on a GPU where the worker
     uses it, the exact torch backend elsewhere."""

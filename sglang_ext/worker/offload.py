@@ -2,7 +2,8 @@
 
     as a host (executor_mem_gb > 0):  ExecutorOpen -> an ExecutorService thread for that sender; reply
                                       with the pair's rendezvous address
-    as a sender:                      OffloadDirective -> DistRemote + Offloader installed between steps;
+    as a sender:                      OffloadDirective -> DistRemote (torch_dist) or IpcRemote (cuda_ipc)
+                                      + Offloader installed between steps;
                                       detach (or ratio 0) -> no new requests go out, the pair closes
                                       once those there have finished
 
@@ -13,6 +14,7 @@ load report (another thread) only reads numbers.
 from __future__ import annotations
 
 import logging
+import socket
 from typing import Any, Final
 
 import msgspec
@@ -25,8 +27,8 @@ from sglang_ext.offload.host import ExecutorHost
 from sglang_ext.offload.partition import ForeignKVPartition
 from sglang_ext.offload.remote import ExecutorLost, LocalRemote, RemoteAttention
 from sglang_ext.offload.sender import Offloader
-from sglang_ext.offload.setup import GiB, executor_backend, guest_spec
-from sglang_ext.offload.transport import served_transport
+from sglang_ext.offload.setup import GiB, executor_backend, gpu_uuid, guest_spec
+from sglang_ext.offload.transport import check_served
 from sglang_ext.scheduler.scheduler import Scheduler
 from sglang_ext.server_args import ServerArgs
 
@@ -83,11 +85,11 @@ class WorkerOffload:
                 raise ValueError(f"offload policy {d.policy!r} is not one of {', '.join(POLICIES)}")
             if not 0 < d.ratio <= 1:
                 raise ValueError(f"offload ratio must be in (0, 1], got {d.ratio}")
-            if d.transport != served_transport(self.args.offload_transport):
-                raise ValueError(f"the router paired over {d.transport}; this worker sends over "
-                                 f"{served_transport(self.args.offload_transport)}")
-            remote = DistRemote.connect(d.store, d.backend, self.runner.device, guest_spec(self.runner), d.executor,
-                                        d.timeout_s)
+            asked = self.args.offload_transport
+            check_served(asked)
+            if asked is not None and d.transport != asked:
+                raise ValueError(f"the router paired over {d.transport}; this worker sends over {asked}")
+            remote = self._connect(d)
         except (ValueError, ExecutorLost) as e:
             self._fail(d, str(e))
             return
@@ -97,6 +99,17 @@ class WorkerOffload:
         self.pairing, self.executor, self.state = d.pairing, d.executor, "active"
         logger.info("remote attention: %.0f%% of decoding requests to the executor on %s (pairing %s, %s)",
                     100 * d.ratio, d.executor, d.pairing, d.backend)
+
+    def _connect(self, d: OffloadDirective) -> RemoteAttention:
+        spec, dev = guest_spec(self.runner), self.runner.device
+        if d.transport == "cuda_ipc":
+            from sglang_ext.offload.ipc import IpcRemote
+
+            return IpcRemote.connect_ipc(d.store, dev, spec, d.executor, d.timeout_s,
+                                         max(self.args.max_running_requests or 256, 1), gpu_uuid(dev))
+        if d.transport != "torch_dist":
+            raise ValueError(f"unknown offload transport {d.transport!r}")
+        return DistRemote.connect(d.store, d.backend, dev, spec, d.executor, d.timeout_s)
 
     def _fail(self, d: OffloadDirective, why: str) -> None:
         logger.warning("offload directive %s not applied: %s", d.pairing, why)
@@ -147,7 +160,8 @@ class WorkerOffload:
         return msgspec.structs.replace(
             info, num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=spec.head_dim,
             num_q_heads=spec.num_q_heads, attn_scale=spec.scale, kv_dtype=str(g.dtype).removeprefix("torch."),
-            executor_mem_bytes=self.host.capacity_bytes if self.host else 0)
+            executor_mem_bytes=self.host.capacity_bytes if self.host else 0, hostname=socket.gethostname(),
+            gpu_uuid=gpu_uuid(self.runner.device), offload_transport=self.args.offload_transport or "")
 
     def report(self, scheduler: Scheduler) -> dict[str, Any]:
         """LoadReport fields: the sender's offload figures and the host's KV held per guest model."""

@@ -1,0 +1,276 @@
+"""The GPU-signalled exchange's two ends, shared by the in-process `PeerRemote` (peer.py) and the
+cross-process `IpcRemote` / its host (ipc.py, ipc_host.py). Neither end cares whether the other
+end's memory is a peer GPU's of this process or another process's mapped with CUDA IPC: both only
+hold raw addresses (`exec_in`, `recv`) and flag arrays.
+
+    GatedSender  (sender's GPU)                     GatedProgram  (executor's GPU)
+    pack q|k|v -> send; push send -> exec_in
+    doorbell[l] := 1  ───────────────────────────>  wait doorbell[l] == 1; doorbell[l] := 0
+    local rows' attention                           attention over the guest's pages -> exec_out
+    wait done[l] == 1; done[l] := 0  <────────────  push exec_out -> recv; done[l] := 1
+    scatter recv into the layer's output
+
+Flags are reset by whoever consumed them (reset-after-consume), so the same operations replay from
+CUDA graphs. Buffers are reused every layer safely: the sender writes `exec_in` for layer l+1 only
+after `done[l]`, by which time the executor has read layer l's; the executor writes `recv` for l+1
+only after the doorbell of l+1, which the sender rings after consuming layer l's output.
+
+With a backend that supports CUDA graphs (FlashInfer), the executor's whole gated program is one
+graph per padded row count, in two plan lanes that alternate by step: planning step t+1 rewrites
+only its own lane's plan buffers, which step t-1 used, so it need not wait for step t's program
+(still queued behind the sender's doorbells).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sglang_ext.attention.base import AttentionBackend
+from sglang_ext.engine.cuda_graph import padded_size
+from sglang_ext.engine.forward_batch import ForwardBatch
+from sglang_ext.engine.split_graph import REMOTE_SIZES
+from sglang_ext.offload import cuda_signal as cs
+from sglang_ext.offload.executor import AttentionExecutor
+
+
+@dataclass(frozen=True)
+class ExchangeShape:
+    """What moves per layer: R rows of q|k|v ([Hq + 2 Hkv] x D) out, R rows of o (Hq x D) back."""
+
+    layers: int
+    hq: int
+    hkv: int
+    d: int
+    dtype: torch.dtype
+    max_rows: int
+
+    @property
+    def width_in(self) -> int:
+        return (self.hq + 2 * self.hkv) * self.d
+
+    @property
+    def width_out(self) -> int:
+        return self.hq * self.d
+
+
+@dataclass(eq=False)
+class _Lane:
+    """One set of executor plan buffers and the graphs captured over them."""
+
+    backend: AttentionBackend
+    loc: torch.Tensor  # KV slots of the step's rows (the graphs read it)
+    mempool: Any
+    graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)
+    done: torch.cuda.Event | None = None  # end of this lane's last queued program
+
+
+class GatedProgram:
+    """The executor's end: per step, plan the guest's rows and queue its whole gated program on a
+    high-priority stream of the executor's GPU. `exec_in`/`exec_out` and `doorbell` are in the
+    executor's memory (made here); `recv` (an address) and `done` are the sender's (a peer GPU's,
+    or mapped from another process)."""
+
+    def __init__(self, executor: AttentionExecutor, guest: str, shape: ExchangeShape, recv_ptr: int,
+                 done: cs.FlagArray) -> None:
+        self.executor, self.guest, self.shape = executor, guest, shape
+        self.dev = executor.device
+        self.exec_in = torch.empty(shape.max_rows, shape.width_in, dtype=shape.dtype, device=self.dev)
+        self.exec_out = torch.empty(shape.max_rows, shape.width_out, dtype=shape.dtype, device=self.dev)
+        self.doorbell = cs.FlagArray.allocate(shape.layers, self.dev.index or 0)
+        self.recv_ptr, self.done = recv_ptr, done
+        self.stream = torch.cuda.Stream(self.dev, priority=-1)  # ahead of the host model's kernels
+        self.rows = 0  # the step's rows the executor computes
+        self._warm: set[int] = set()  # row counts whose kernels ran once ungated
+        self.program_done: torch.cuda.Event | None = None  # end of the last queued program
+        # None: wait as long as it takes (in one process, the sender is this process). A host serving
+        # another process sets a bound: a program that never finishes then fails the step, not the thread.
+        self.wait_timeout_s: float | None = None
+        self.sizes = [n for n in REMOTE_SIZES if n < shape.max_rows] + [shape.max_rows]
+        self._lanes: list[_Lane] = []
+        self._step = 0
+        g = executor.guests[guest]
+        first, spec = g.backend, g.spec
+        if first.supports_cuda_graph():
+            with torch.cuda.device(self.dev):
+                pages = executor.partition.total_bytes // spec.geometry.page_bytes + 1
+                mempool = torch.cuda.graph_pool_handle()  # shared: programs run one after another on `stream`
+                for backend in (first, type(first)(first.pool, spec.num_q_heads, spec.head_dim, spec.scale)):
+                    backend.init_cuda_graph_state(shape.max_rows, pages)
+                    loc = torch.zeros(shape.max_rows, dtype=torch.int64, device=self.dev)  # pads: slot 0 of page 0
+                    self._lanes.append(_Lane(backend, loc, mempool))
+
+    def before_load(self) -> None:
+        """A KV load gets pages that a request freed meanwhile may still be read and written by its
+        last queued program on `stream`: the copy in (on the current stream) waits for that program
+        on the GPU (no host wait)."""
+        if self.program_done is not None:
+            torch.cuda.current_stream(self.dev).wait_event(self.program_done)
+
+    def step(self, handles: list[int], positions: list[int]) -> list[int]:
+        """Plan a step and queue its program; returns the handles the executor dropped."""
+        if len(handles) > self.shape.max_rows:
+            raise ValueError(f"{len(handles)} remote rows; the exchange buffers hold {self.shape.max_rows}")
+        lane = self._lanes[self._step % 2] if self._lanes else None
+        self._step += 1
+        last = lane.done if lane is not None else self.program_done
+        if last is not None:
+            # Planning rewrites plan buffers (and their pinned host staging) and frees a page table that
+            # a queued program may still read: with lanes, the program two steps back (long finished
+            # in practice); without, the last one.
+            self._wait(last)
+        failed = self.executor.plan(self.guest, handles, positions, prepare=lane is None)
+        self.rows = len(handles) - len(failed)
+        if not self.rows:  # every row was dropped: the sender posts nothing this step, so queue nothing
+            self.program_done = None
+        elif lane is not None:
+            self._replay(lane)
+        else:
+            if self.rows not in self._warm:
+                self._warm_up()
+            self._enqueue()
+        return failed
+
+    def _wait(self, event: torch.cuda.Event) -> None:
+        if self.wait_timeout_s is None:
+            event.synchronize()
+            return
+        deadline = time.monotonic() + self.wait_timeout_s
+        while not event.query():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the executor's previous program did not finish in {self.wait_timeout_s:g} s")
+            time.sleep(1e-4)
+
+    def idle(self) -> bool:
+        """Every queued program has finished (the host may then release the guest's pages)."""
+        events = [ln.done for ln in self._lanes] + [self.program_done]
+        return all(e is None or e.query() for e in events)
+
+    def _warm_up(self) -> None:
+        """Run this row count's kernels once, ungated, and wait for them. A kernel's first launch may
+        load its module, which can wait for the whole GPU to go idle; queued behind a doorbell wait
+        that only the sender will ring, that is a deadlock. (What this writes at the planned KV slots
+        is overwritten by the real step at the same positions.)"""
+        g = self.executor.guests[self.guest]
+        assert g.batch is not None
+        with torch.cuda.device(self.dev):
+            self.exec_in[: self.rows].zero_()
+            self._program(g.backend, self.rows, g.batch, gated=False)
+            torch.cuda.synchronize(self.dev)
+        self._warm.add(self.rows)
+
+    def _enqueue(self) -> None:
+        """The step's program, eager (a backend without CUDA graphs), gated layer by layer."""
+        g = self.executor.guests[self.guest]
+        assert g.batch is not None
+        s = self.stream
+        s.wait_stream(torch.cuda.current_stream(self.dev))  # plans and KV loads ran on the current stream
+        with torch.cuda.device(self.dev), torch.cuda.stream(s):
+            self._program(g.backend, self.rows, g.batch, gated=True)
+            self.program_done = torch.cuda.Event()
+            self.program_done.record(s)
+
+    def _replay(self, lane: _Lane) -> None:
+        batch = self.executor.guests[self.guest].batch
+        assert batch is not None
+        n = self.rows
+        rp = padded_size(self.sizes, n)
+        assert rp is not None
+        s = self.stream
+        with torch.cuda.device(self.dev):
+            lane.backend.prepare_for_replay(batch, rp)  # re-plans the lane's captured buffers in place
+            lane.loc[:n].copy_(batch.out_cache_loc, non_blocking=True)
+            lane.loc[n:rp].zero_()
+            s.wait_stream(torch.cuda.current_stream(self.dev))
+            graph = lane.graphs.get(rp)
+            if graph is None:
+                graph = self._capture(lane, rp, dataclasses.replace(batch, out_cache_loc=lane.loc[:rp]))
+            with torch.cuda.stream(s):
+                graph.replay()
+            lane.done = self.program_done = torch.cuda.Event()
+            lane.done.record(s)
+
+    def _capture(self, lane: _Lane, rp: int, static: ForwardBatch) -> torch.cuda.CUDAGraph:
+        """Capture the gated program for `rp` rows, after running it once ungated (modules load and JIT
+        happens outside the capture and outside any doorbell wait). The device sync may wait for the
+        other lane's queued program: the sender's already queued step rings it."""
+        s = self.stream
+        with torch.cuda.stream(s):
+            self._program(lane.backend, rp, static, gated=False)
+        torch.cuda.synchronize(self.dev)
+        graph = torch.cuda.CUDAGraph()
+        # Not `torch.cuda.graph(...)`: it empties the allocator's cache, and a cudaFree waits for the
+        # GPU to go idle (see split_graph.py).
+        with torch.cuda.stream(s):
+            graph.capture_begin(pool=lane.mempool)
+            try:
+                self._program(lane.backend, rp, static, gated=True)
+            finally:
+                graph.capture_end()
+        lane.graphs[rp] = graph
+        return graph
+
+    def _program(self, backend: AttentionBackend, n: int, batch: ForwardBatch, gated: bool) -> None:
+        """The executor's step for `n` (padded) rows on the current stream: per layer, wait for the
+        sender's q|k|v, attend, push o back and signal."""
+        sh = self.shape
+        hq, hkv, d = sh.hq, sh.hkv, sh.d
+        s = self.stream
+        qkv = self.exec_in[:n]
+        q = qkv[:, : hq * d].view(n, hq, d)
+        k = qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d)
+        v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
+        out = self.exec_out[:n]
+        nbytes = out.numel() * out.element_size()
+        for layer in range(sh.layers):
+            if gated:
+                self.doorbell.wait(s, layer, 1)
+                self.doorbell.write(s, layer, 0)
+            out.copy_(backend.forward(q, k, v, layer, batch).reshape(n, hq * d))
+            if gated:
+                cs.peer_copy(self.recv_ptr, out.data_ptr(), nbytes, s)
+                self.done.write(s, layer, 1)
+
+
+class GatedSender:
+    """The sender's end: per layer, stream operations only (so decode graphs can hold them).
+    `send`, `recv` and `done` are in the sender's memory (made here); `exec_in` (an address) and
+    `doorbell` are the executor's (`attach`)."""
+
+    def __init__(self, shape: ExchangeShape, device: torch.device) -> None:
+        self.shape, self.dev = shape, device
+        self.send = torch.empty(shape.max_rows, shape.width_in, dtype=shape.dtype, device=device)
+        self.recv = torch.empty(shape.max_rows, shape.width_out, dtype=shape.dtype, device=device)
+        self.done = cs.FlagArray.allocate(shape.layers, device.index or 0)
+        self.exec_in_ptr = 0
+        self.doorbell: cs.FlagArray | None = None
+        self._posted = 0  # rows moved per layer: the step's rows, or their padded size in a graph
+
+    def attach(self, exec_in_ptr: int, doorbell: cs.FlagArray) -> None:
+        """The executor's end, once it exists (its buffers are made after it has the sender's)."""
+        self.exec_in_ptr, self.doorbell = exec_in_ptr, doorbell
+
+    def step_bytes(self, rows: int) -> tuple[int, int]:
+        """Bytes out and in for a step of `rows` rows (counted at begin_step: graph replays run no Python)."""
+        sh, elem = self.shape, self.send.element_size()
+        return rows * sh.layers * sh.width_in * elem, rows * sh.layers * sh.width_out * elem
+
+    def post(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        n = self._posted = q.shape[0]  # in a graph: the padded size; the first rows are real
+        s = torch.cuda.current_stream(self.dev)
+        buf = self.send[:n]
+        torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=1, out=buf)
+        assert self.doorbell is not None, "post before attach"
+        cs.peer_copy(self.exec_in_ptr, buf.data_ptr(), buf.numel() * buf.element_size(), s)
+        self.doorbell.write(s, layer, 1)
+
+    def collect(self, layer: int) -> torch.Tensor:
+        n = self._posted
+        s = torch.cuda.current_stream(self.dev)
+        self.done.wait(s, layer, 1)
+        self.done.write(s, layer, 0)
+        return self.recv[:n].view(n, self.shape.hq, self.shape.d)

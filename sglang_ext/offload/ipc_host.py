@@ -1,0 +1,128 @@
+"""The host's end of a `cuda_ipc` pairing (ipc.py has the protocol and the sender's end): an
+ExecutorService thread that, after the IPC handshake, plans each step and queues the guest's gated
+program on its GPU instead of exchanging layers over the control channel.
+
+    handshake   IpcHello -> open the sender's recv and done flags here, make exec_in, exec_out,
+                doorbell (GatedProgram), export them -> IpcWelcome (or its error: the pairing fails)
+    step        plan + queue the program (one graph launch per step with FlashInfer)
+    end         drain: every queued program is let through by raising our own doorbells (the sender
+                may be dead), then the guest's KV is released. A program that will not drain keeps
+                the guest's pages (never handed to another guest while a program may write them).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Final
+
+import msgspec
+import torch
+
+from sglang_ext.offload.dist import REPLY, Link, LinkError
+from sglang_ext.offload.executor import AttentionExecutor, GuestSpec
+from sglang_ext.offload.ipc import IPC_HELLO, IpcHello, IpcWelcome, check_hello, recv_blob, send_blob
+
+logger = logging.getLogger(__name__)
+DRAIN_TIMEOUT_S: Final = 10.0
+PROGRAM_TIMEOUT_S: Final = 60.0  # a step's program two steps back, still not done: the pairing ends
+
+
+def local_gpu(uuid: str) -> int | None:
+    """This process's index of the GPU with `uuid` (None: not visible here)."""
+    for i in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(i).uuid) == uuid:
+            return i
+    return None
+
+
+def ipc_problem(executor_device: torch.device, guest_device: str, guest_gpu: str) -> str | None:
+    """Why a cuda_ipc pairing with a sender on `guest_device` (GPU `guest_gpu`) cannot work from
+    this executor (None: it can, as far as can be told before the handshake)."""
+    if executor_device.type != "cuda" or not guest_device.startswith("cuda"):
+        return f"cuda_ipc needs GPUs at both ends (executor on {executor_device}, sender on {guest_device})"
+    from sglang_ext.offload import cuda_signal as cs
+
+    try:
+        cs.driver()
+    except cs.CudaSignalError as e:
+        return str(e)
+    if guest_gpu:
+        idx = local_gpu(guest_gpu)
+        if idx is None:
+            return f"the sender's GPU {guest_gpu} is not visible to this worker (CUDA_VISIBLE_DEVICES)"
+        try:
+            if not cs.can_access_peer(executor_device.index or 0, idx):
+                return f"GPU {executor_device} cannot reach the sender's GPU (cuda:{idx} here): no peer path"
+        except cs.CudaSignalError as e:
+            return str(e)
+    return None
+
+
+class IpcHostEnd:
+    """One guest's GPU exchange on the host: the sender's mapped buffers and our GatedProgram."""
+
+    def __init__(self, executor: AttentionExecutor, guest: str, spec: GuestSpec, hello: IpcHello) -> None:
+        from sglang_ext.offload import cuda_signal as cs
+        from sglang_ext.offload.gated import GatedProgram
+
+        shape = check_hello(hello, spec)
+        dev = executor.device.index or 0
+        self._maps: list[Any] = []
+        try:
+            recv = cs.IpcMapping(cs.IpcHandle.from_bytes(hello.recv), dev)
+            self._maps.append(recv)
+            done_map = cs.IpcMapping(cs.IpcHandle.from_bytes(hello.done), dev)
+            self._maps.append(done_map)
+            with torch.cuda.device(executor.device):
+                self.program = GatedProgram(executor, guest, shape, recv.ptr, done_map.flags(shape.layers))
+            self.program.wait_timeout_s = PROGRAM_TIMEOUT_S
+        except BaseException:
+            self.close()
+            raise
+        self.welcome = IpcWelcome(cs.export_tensor(self.program.exec_in).to_bytes(),
+                                  self.program.doorbell.export().to_bytes())
+
+    @classmethod
+    def handshake(cls, link: Link, executor: AttentionExecutor, lock: Any, guest: str, spec: GuestSpec,
+                  timeout_s: float) -> IpcHostEnd:
+        """Answer the sender's IPC_HELLO; a hello that cannot be served is answered with its error
+        and raised (the pairing ends)."""
+        try:
+            hello = msgspec.msgpack.decode(recv_blob(link, IPC_HELLO, timeout_s), type=IpcHello)
+        except msgspec.DecodeError as e:
+            send_blob(link, REPLY, msgspec.msgpack.encode(IpcWelcome(error=f"bad hello: {e}")), timeout_s)
+            raise LinkError(f"cuda_ipc handshake: bad hello: {e}") from None
+        try:
+            with lock:
+                end = cls(executor, guest, spec, hello)
+        except (ValueError, RuntimeError) as e:  # CudaSignalError is a RuntimeError
+            send_blob(link, REPLY, msgspec.msgpack.encode(IpcWelcome(error=str(e))), timeout_s)
+            raise LinkError(f"cuda_ipc handshake: {e}") from None
+        send_blob(link, REPLY, msgspec.msgpack.encode(end.welcome), timeout_s)
+        return end
+
+    def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> bool:
+        """Let every queued program finish: the sender may never ring its doorbells again (it closed,
+        or died), so ring them ourselves -- they are in our memory -- until the programs are done.
+        False when they did not finish in time."""
+        p = self.program
+        if p.idle():
+            return True
+        side = torch.cuda.Stream(p.dev)  # not the program's stream, which is blocked
+        deadline = time.monotonic() + timeout_s
+        while not p.idle():
+            if time.monotonic() > deadline:
+                return False
+            p.doorbell.fill(side, 1)
+            time.sleep(1e-3)
+        p.doorbell.fill(side, 0)
+        return True
+
+    def close(self) -> None:
+        for m in self._maps:
+            try:
+                m.close()
+            except RuntimeError as e:
+                logger.warning("closing an IPC mapping of a guest: %s", e)
+        self._maps.clear()

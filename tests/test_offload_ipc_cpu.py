@@ -1,0 +1,354 @@
+"""The cuda_ipc transport across processes, what of it runs without a GPU: the choice of a served
+pairing's transport, the handshake's messages and their checks, the sender's watchdog (a state
+machine with a fake flag array, and over a real gloo pair whose host process dies or says
+goodbye), and the host's end of the control protocol (plans on BEGIN and never waits for layers;
+drains its queued programs before it releases the guest's KV, and keeps the KV if they will not
+drain). The GPU half is tests/test_offload_served.py with SGLANG_EXT_TEST_DEVICE=cuda."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+
+from sglang_ext.kvcache.pool import KVGeometry
+from sglang_ext.offload import ipc_host
+from sglang_ext.offload.dist import (
+    BEGIN,
+    CLOSE,
+    HOST_RANK,
+    LOAD,
+    REPLY,
+    SENDER_RANK,
+    TAG_CTRL,
+    DistRemote,
+    Link,
+    open_store,
+)
+from sglang_ext.offload.executor import AttentionExecutor, GuestSpec
+from sglang_ext.offload.host import ExecutorHost, ExecutorService
+from sglang_ext.offload.ipc import (
+    IpcHello,
+    IpcWelcome,
+    check_hello,
+    check_welcome,
+    exchange_shape,
+    say_goodbye,
+    wait_for_goodbye,
+)
+from sglang_ext.offload.partition import ForeignKVPartition
+from sglang_ext.offload.transport import Choice, Placement, choose_transport
+from sglang_ext.offload.watchdog import ARMED, RELEASING, STOPPED, Watchdog
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPEC = GuestSpec(KVGeometry(2, 2, 16, 4, torch.bfloat16), 4, 16, 0.25)
+
+
+# ---- which transport ------------------------------------------------------------------------------
+GPU_A, GPU_B = Placement("hot-0", "n1", "cuda:0"), Placement("cold-0", "n1", "cuda:1")
+
+
+@pytest.mark.parametrize(("asked", "sender", "host", "want"), [
+    (None, GPU_A, GPU_B, Choice("cuda_ipc", "torch_dist")),  # GPUs of one node: cuda_ipc, may fall back
+    (None, GPU_A, GPU_B._replace(device="cuda:0"), Choice("cuda_ipc", "torch_dist")),  # even one GPU
+    (None, GPU_A, GPU_B._replace(hostname="n2"), Choice("torch_dist", "")),  # two nodes
+    (None, GPU_A, GPU_B._replace(device="cpu"), Choice("torch_dist", "")),
+    (None, GPU_A._replace(hostname=""), GPU_B, Choice("torch_dist", "")),  # an older worker: no host name
+    ("torch_dist", GPU_A, GPU_B, Choice("torch_dist", "")),
+    ("cuda_ipc", GPU_A, GPU_B, Choice("cuda_ipc", "")),  # forced: no fallback, the host refuses instead
+])
+def test_the_transport_follows_the_placement(asked: str | None, sender: Placement, host: Placement,
+                                             want: Choice) -> None:
+    assert choose_transport(asked, sender, host) == want
+
+
+@pytest.mark.parametrize(("sender", "host", "needle"), [
+    (GPU_A, GPU_B._replace(hostname="n2"), "hot-0 runs on n1 and cold-0 on n2"),
+    (GPU_A._replace(device="cpu"), GPU_B, "hot-0 runs on cpu, not a GPU"),
+])
+def test_a_forced_cuda_ipc_that_cannot_work_is_an_error(sender: Placement, host: Placement, needle: str) -> None:
+    with pytest.raises(ValueError, match="offload_transport cuda_ipc needs both workers on GPUs of one node") as e:
+        choose_transport("cuda_ipc", sender, host)
+    assert needle in str(e.value)
+    with pytest.raises(ValueError, match="in-process executor"):
+        choose_transport("local", GPU_A, GPU_B)
+
+
+def test_a_host_without_gpus_refuses_cuda_ipc_or_falls_back() -> None:
+    from test_offload_dist import open_msg
+
+    host = ExecutorHost(AttentionExecutor(ForeignKVPartition(1 << 22, "cpu", slab_bytes=1 << 15)))
+    msg = msgspec.structs.replace(open_msg(SPEC), transport="cuda_ipc", guest_device="cuda:0")
+    with pytest.raises(ValueError, match="offload_transport cuda_ipc: cuda_ipc needs GPUs at both ends"):
+        host.open(msg)
+    assert not host.executor.guests  # nothing attached
+    data = host.open(msgspec.structs.replace(msg, fallback="torch_dist", guest_device="cpu"))
+    assert data["transport"] == "torch_dist" and data["backend"] == "gloo"
+    (svc,) = host.services.values()
+    DistRemote.connect(data["store"], "gloo", torch.device("cpu"), SPEC, "host-0", 5.0).close()
+    assert svc.ended.wait(5)
+
+
+# ---- the handshake's messages ---------------------------------------------------------------------
+def handle(nbytes: int) -> bytes:
+    return b"\x01" * 64 + (0).to_bytes(8, "little") + nbytes.to_bytes(8, "little")
+
+
+def test_hello_and_welcome_round_trip_and_are_checked() -> None:
+    shape = exchange_shape(SPEC, 8)
+    assert (shape.width_in, shape.width_out) == ((4 + 2 * 2) * 16, 4 * 16)
+    hello = IpcHello(8, handle(8 * 64 * 2), handle(2 * 4), gpu="GPU-1234")
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(hello), type=IpcHello)
+    assert back == hello and check_hello(back, SPEC) == shape
+    with pytest.raises(ValueError, match="recv buffer is not 8 x 64"):
+        check_hello(IpcHello(8, handle(8 * 64 * 4), handle(8)), SPEC)  # float32-sized: not the guest's dtype
+    with pytest.raises(ValueError, match="done flags are not 2 int32"):
+        check_hello(IpcHello(8, handle(8 * 64 * 2), handle(4)), SPEC)
+    with pytest.raises(ValueError, match="max_rows 0 is not in"):
+        check_hello(IpcHello(0, handle(0), handle(8)), SPEC)
+    with pytest.raises(ValueError, match="recv: an IPC handle is 80 bytes, got 3"):
+        check_hello(IpcHello(8, b"abc", handle(8)), SPEC)
+    with pytest.raises(msgspec.ValidationError):  # strict: unknown fields are refused
+        msgspec.msgpack.decode(msgspec.msgpack.encode({**msgspec.structs.asdict(hello), "x": 1}), type=IpcHello)
+    check_welcome(IpcWelcome(handle(8 * 128 * 2), handle(8)), shape)
+    with pytest.raises(ValueError, match="no peer path"):
+        check_welcome(IpcWelcome(error="no peer path"), shape)
+    with pytest.raises(ValueError, match="exec_in buffer is not 8 x 128"):
+        check_welcome(IpcWelcome(handle(8 * 64 * 2), handle(8)), shape)
+
+
+# ---- the watchdog ---------------------------------------------------------------------------------
+class FakeFlags:
+    """Stands in for the sender's done flags: a stuck wait drains once a release raised them."""
+
+    def __init__(self) -> None:
+        self.raised = threading.Event()
+        self.fills = 0
+
+    def release(self) -> None:
+        self.fills += 1
+        self.raised.set()
+
+
+def until(cond: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)
+
+
+def test_watchdog_releases_until_stopped_when_the_peer_is_gone() -> None:
+    gone = threading.Event()
+    flags = FakeFlags()
+    w = Watchdog(lambda: gone.wait() and "connection closed by peer", flags.release, "t", interval_s=1e-3)
+    w.start()
+    time.sleep(0.05)
+    assert w.state == ARMED and w.lost is None and flags.fills == 0
+    gone.set()
+    assert flags.raised.wait(5)
+    until(lambda: flags.fills >= 3)  # again and again: step t+1 may be queued behind the same flags
+    assert w.state == RELEASING and w.lost == "connection closed by peer" and w.peer_ended.is_set()
+    w.stop()
+    w.join(5)
+    n = flags.fills
+    time.sleep(0.02)
+    assert w.state == STOPPED and flags.fills == n
+
+
+def test_watchdog_after_a_goodbye_releases_nothing() -> None:
+    flags = FakeFlags()
+    w = Watchdog(lambda: None, flags.release, "t")
+    w.start()
+    assert w.peer_ended.wait(5)
+    w.join(1)
+    assert w.state == STOPPED and w.lost is None and flags.fills == 0
+    w.fire("too late")  # a stopped watchdog stays stopped
+    assert w.state == STOPPED
+
+
+def test_watchdog_fired_by_the_forward_thread_or_a_failing_wait() -> None:
+    flags = FakeFlags()
+    block = threading.Event()
+    w = Watchdog(lambda: block.wait() and None, flags.release, "t")
+    w.start()
+    w.fire("begin_step: timed out after 5 s")  # the control channel saw it first
+    assert flags.raised.wait(5) and w.lost == "begin_step: timed out after 5 s"
+    w.stop()
+    block.set()
+
+    def broken() -> str | None:
+        raise RuntimeError("Connection reset by peer")
+
+    flags2 = FakeFlags()
+    w2 = Watchdog(broken, flags2.release, "t2")
+    w2.start()
+    assert flags2.raised.wait(5) and w2.lost == "RuntimeError: Connection reset by peer"
+    w2.stop()
+
+
+_stores: list[Any] = []
+
+
+def linked_pair() -> tuple[Link, Link]:
+    store, listener = open_store("127.0.0.1")
+    host: list[Link] = []
+    t = threading.Thread(target=lambda: host.append(Link(store, HOST_RANK, "gloo", torch.device("cpu"), "127.0.0.1")))
+    t.start()
+    from sglang_ext.offload.dist import connect_store
+
+    sender = Link(connect_store(f"127.0.0.1:{store.port}"), SENDER_RANK, "gloo", torch.device("cpu"), "127.0.0.1")
+    t.join()
+    _stores.append((store, listener))  # the store uses the listener's descriptor while it lives
+    return host[0], sender
+
+
+def test_goodbye_over_gloo_while_control_messages_flow() -> None:
+    """The watchdog's receive waits on its own tag while the control channel is used."""
+    host, sender = linked_pair()
+    result: list[str | None] = []
+    t = threading.Thread(target=lambda: result.append(wait_for_goodbye(sender)))
+    t.start()
+
+    def answer() -> None:  # the host's thread (a gloo send completes once the peer receives)
+        for _ in range(5):
+            _, i, _, _ = host.recv_header(5)
+            host.send_header([REPLY, i], 5)
+
+    h = threading.Thread(target=answer)
+    h.start()
+    for i in range(5):
+        sender.send_header([BEGIN, i], 5)
+        assert sender.recv_header(5)[:2] == [REPLY, i]
+    h.join(5)
+    assert t.is_alive()
+    say_goodbye(host, 5)
+    t.join(5)
+    assert result == [None]
+    host.close()
+    sender.close()
+
+
+_DYING_HOST = """
+import sys, time, torch
+sys.path[:0] = [{root!r}]
+from sglang_ext.offload.dist import HOST_RANK, Link, connect_store
+link = Link(connect_store({address!r}), HOST_RANK, "gloo", torch.device("cpu"), "127.0.0.1")
+print("up", flush=True)
+time.sleep(600)
+"""
+
+
+def test_watchdog_sees_a_killed_host_process_at_once() -> None:
+    """SIGKILL the host's process while the sender's watchdog waits: its sockets close, the wait
+    ends with an error, and the flags are released -- no timeout involved."""
+    store, listener = open_store("127.0.0.1")
+    address = f"127.0.0.1:{store.port}"
+    # the store's server is on the sender's side here (which end serves it does not matter)
+    proc = subprocess.Popen([sys.executable, "-c", _DYING_HOST.format(root=ROOT, address=address)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        sender = Link(store, SENDER_RANK, "gloo", torch.device("cpu"), "127.0.0.1")
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+        flags = FakeFlags()
+        w = Watchdog(lambda: wait_for_goodbye(sender), flags.release, "killed")
+        w.start()
+        time.sleep(0.1)
+        assert w.state == ARMED
+        os.kill(proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        assert flags.raised.wait(10), "the watchdog did not notice the dead host"
+        assert time.monotonic() - t0 < 5 and w.state == RELEASING and w.lost
+        w.stop()
+    finally:
+        proc.kill()
+        proc.wait(10)
+        _stores.append((store, listener))
+
+
+# ---- the host's end of the control protocol -------------------------------------------------------
+F32 = GuestSpec(KVGeometry(2, 2, 16, 4, torch.float32), 4, 16, 0.25)
+
+
+class FakeProgram:
+    """GatedProgram's host-side calls without a GPU: plans, and counts what it would queue."""
+
+    def __init__(self, executor: AttentionExecutor, guest: str) -> None:
+        self.executor, self.guest, self.steps, self.loads = executor, guest, list[list[int]](), 0
+
+    def before_load(self) -> None:
+        self.loads += 1
+
+    def step(self, handles: list[int], positions: list[int]) -> list[int]:
+        self.steps.append(handles)
+        return self.executor.plan(self.guest, handles, positions)
+
+
+class FakeEnd:
+    def __init__(self, program: FakeProgram, drains: bool) -> None:
+        self.program, self.drains, self.drained, self.closed = program, drains, 0, False
+
+    def drain(self, timeout_s: float = 0.0) -> bool:
+        self.drained += 1
+        return self.drains
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def serve_ipc(monkeypatch: pytest.MonkeyPatch, drains: bool) -> tuple[ExecutorService, FakeEnd, Link]:
+    executor = AttentionExecutor(ForeignKVPartition(1 << 22, "cpu", slab_bytes=1 << 15))
+    executor.attach("hot-0/p1", F32)
+    end = FakeEnd(FakeProgram(executor, "hot-0/p1"), drains)
+    monkeypatch.setattr(ipc_host.IpcHostEnd, "handshake", staticmethod(lambda *a, **k: end))
+    store, listener = open_store("127.0.0.1")
+    svc = ExecutorService(executor, threading.Lock(), "hot-0/p1", F32, store, "gloo", torch.device("cpu"),
+                          "127.0.0.1", 5.0, listener=listener, transport="cuda_ipc")
+    svc.start()
+    from sglang_ext.offload.dist import connect_store
+
+    link = Link(connect_store(f"127.0.0.1:{store.port}"), SENDER_RANK, "gloo", torch.device("cpu"), "127.0.0.1")
+    return svc, end, link
+
+
+def load_and_step(link: Link) -> None:
+    link.send_header([LOAD, 7, 10, 3], 5)
+    link.send(torch.randn(3, 2, 2, 4, 2, 16), TAG_CTRL, 5)
+    assert link.recv_header(5)[:2] == [REPLY, 1]
+    for pos in (10, 11):  # two steps back to back: the host never waits for a layer's q|k|v
+        link.send_header([BEGIN, 1], 5)
+        link.send(torch.tensor([[7], [pos]], dtype=torch.int64), TAG_CTRL, 5)
+        assert link.recv_header(5)[:2] == [REPLY, 0]
+
+
+def test_host_plans_on_begin_and_drains_before_its_goodbye(monkeypatch: pytest.MonkeyPatch) -> None:
+    svc, end, link = serve_ipc(monkeypatch, drains=True)
+    bye: list[str | None] = []
+    t = threading.Thread(target=lambda: bye.append(wait_for_goodbye(link)))
+    t.start()
+    load_and_step(link)
+    assert end.program.steps == [[7], [7]] and end.program.loads == 1
+    assert svc.executor.used_tokens("hot-0/p1") == 12
+    link.send_header([CLOSE], 5)
+    t.join(5)
+    assert bye == [None] and end.drained >= 1  # drained, then the goodbye
+    assert svc.ended.wait(5) and end.closed and not svc.executor.guests
+    svc.executor.check()
+    link.close()
+
+
+def test_a_vanished_sender_whose_program_will_not_drain_keeps_its_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pages a queued program may still write are never given to another guest."""
+    svc, end, link = serve_ipc(monkeypatch, drains=False)
+    load_and_step(link)
+    link.close()  # as a killed process's sockets close
+    assert svc.ended.wait(5)
+    assert end.drained == 1 and not end.closed
+    assert svc.executor.used_tokens("hot-0/p1") == 12  # kept: the program may still write them
