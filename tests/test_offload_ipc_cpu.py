@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from sglang_ext.kvcache.pool import KVGeometry
-from sglang_ext.offload import ipc_host
+from sglang_ext.offload import ipc_host, transport
 from sglang_ext.offload.dist import (
     BEGIN,
     CLOSE,
@@ -66,8 +66,15 @@ GPU_A, GPU_B = Placement("hot-0", "n1", "cuda:0"), Placement("cold-0", "n1", "cu
     ("cuda_ipc", GPU_A, GPU_B, Choice("cuda_ipc", "")),  # forced: no fallback, the host refuses instead
 ])
 def test_the_transport_follows_the_placement(asked: str | None, sender: Placement, host: Placement,
-                                             want: Choice) -> None:
+                                             want: Choice, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transport, "AUTO_CUDA_IPC", True)  # the rule once cross-process cuda_ipc is verified
     assert choose_transport(asked, sender, host) == want
+
+
+def test_an_unset_transport_stays_torch_dist_until_cuda_ipc_is_verified() -> None:
+    assert not transport.AUTO_CUDA_IPC
+    assert choose_transport(None, GPU_A, GPU_B) == Choice("torch_dist", "")
+    assert choose_transport("cuda_ipc", GPU_A, GPU_B) == Choice("cuda_ipc", "")
 
 
 @pytest.mark.parametrize(("sender", "host", "needle"), [

@@ -9,11 +9,15 @@ A served pairing (the cluster file's `offload:`) picks its transport from the pl
 knows (each worker's host name and device) unless the sender forces one:
 
     sender asked   both GPUs on one node            otherwise
-    (unset)        cuda_ipc, torch_dist if the      torch_dist
-                   host finds no peer path
+    (unset)        torch_dist (see AUTO_CUDA_IPC)   torch_dist
     cuda_ipc       cuda_ipc (an error, not a        error at pairing time
                    fallback, if it cannot work)
     torch_dist     torch_dist                       torch_dist
+
+`AUTO_CUDA_IPC` makes an unset transport pick cuda_ipc for GPUs of one node (falling back to
+torch_dist where the host finds no peer path). It is off until the cross-process cuda_ipc path has
+run on GPUs: served pairings verified on two H200s use torch_dist over NCCL, and a default must
+not be the untested path.
 
 Nothing here imports torch: the router validates cluster files with it.
 """
@@ -24,6 +28,7 @@ import importlib.util
 from typing import Final, NamedTuple
 
 SERVED_DEFAULT: Final = "torch_dist"  # a pairing across processes when nothing better is known
+AUTO_CUDA_IPC: Final = False  # unset transport + GPUs of one node -> cuda_ipc (on once verified on GPUs)
 SERVED: Final = ("torch_dist", "cuda_ipc")
 
 
@@ -80,6 +85,6 @@ def choose_transport(asked: str | None, sender: Placement, host: Placement) -> C
         if problem:
             raise ValueError(f"offload_transport cuda_ipc needs both workers on GPUs of one node: {problem}")
         return Choice("cuda_ipc", "")
-    if asked is None and problem is None:
+    if asked is None and problem is None and AUTO_CUDA_IPC:
         return Choice("cuda_ipc", SERVED_DEFAULT)
     return Choice(SERVED_DEFAULT, "")
