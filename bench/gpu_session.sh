@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One device session for the GPU fast path (the run behind docs/benchmarks.md's GPU section).
 # Needs the carried wheel folder .whl (../shared/tools/gpu-wheels.sh .whl). Writes logs and JSON to $OUT.
-#   bash bench/gpu_session.sh [test] [serving] [bench] [cputests] [sampling] [offload] [structured]
+#   bash bench/gpu_session.sh [test] [serving] [bench] [cputests] [sampling] [offload] [ipc] [served]
+#                             [structured] [rotation] [rotation_e2e]
+# On the two-GPU kind export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 first.
+# rotation_e2e replays ../shared/traces' Azure conversation trace: carry a copy (.traces, TRACES=.traces).
 # structured needs the xgrammar wheel in .whl too (../shared/tools/gpu-wheels.sh .whl xgrammar==0.2.9).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -31,6 +34,15 @@ for s in $steps; do
             | tee "$OUT/sampling.log" ;;
     structured) PYTHONPATH=$BASE:/tmp/fi timeout 500 python3 bench/structured.py --out "$OUT/structured.json" \
             ${STRUCTURED_ARGS:-} 2>&1 | tee "$OUT/structured.log" ;;
+    rotation) PYTHONPATH=$BASE:/tmp/fi timeout 120 python3 -m pytest -q -rfs -p no:cacheprovider tests/test_gpu_rotation.py \
+            2>&1 | tail -5 | tee "$OUT/gpu_rotation_test.log"
+          PYTHONPATH=$BASE:/tmp/fi timeout 200 python3 bench/kv_rotation.py --out "$OUT/kv_rotation.json" \
+            > "$OUT/kv_rotation.log" 2>&1; tail -8 "$OUT/kv_rotation.log" ;;
+    rotation_e2e) PYTHONPATH=$BASE:/tmp/fi RATE=${RATE:-20} N=${N:-400} TOKENS=${TOKENS:-32768} MAXDUR=${MAXDUR:-80} \
+            HOST_GB=${HOST_GB:-32} OUT="$OUT" timeout 580 bash bench/rotation_e2e.sh ${ROTATION_RUNS:-fcfs lvf wf sf} 2>&1 \
+            | grep -E "Request throughput|TTFT \(|TPOT \(|<=|Both|Succ|Fail" ;;
+    served) SGLANG_EXT_TEST_DEVICE=cuda PYTHONPATH=$BASE:/tmp/fi timeout 400 python3 -m pytest -q -rfs -x \
+            -p no:cacheprovider tests/test_offload_served.py 2>&1 | tail -15 | tee "$OUT/gpu_offload_served.log" ;;
     offload) PYTHONPATH=$BASE:/tmp/fi timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_offload.py \
             2>&1 | tee "$OUT/gpu_offload_test.log" ;;
     ipc) for lm in LAZY EAGER; do  # a hang is killed; EAGER module loading rules out lazy-load deadlocks
