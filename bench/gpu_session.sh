@@ -39,7 +39,7 @@ for s in $steps; do
           PYTHONPATH=$BASE:/tmp/fi timeout 200 python3 bench/kv_rotation.py --out "$OUT/kv_rotation.json" \
             > "$OUT/kv_rotation.log" 2>&1; tail -8 "$OUT/kv_rotation.log" ;;
     rotation_e2e) PYTHONPATH=$BASE:/tmp/fi RATE=${RATE:-20} N=${N:-400} TOKENS=${TOKENS:-32768} MAXDUR=${MAXDUR:-80} \
-            HOST_GB=${HOST_GB:-32} OUT="$OUT" timeout 580 bash bench/rotation_e2e.sh ${ROTATION_RUNS:-fcfs lvf wf sf} 2>&1 \
+            HOST_GB=${HOST_GB:-32} TRACES=${TRACES:-.traces} OUT="$OUT" timeout 580 bash bench/rotation_e2e.sh ${ROTATION_RUNS:-fcfs lvf wf sf} 2>&1 \
             | grep -E "Request throughput|TTFT \(|TPOT \(|<=|Both|Succ|Fail" ;;
     served) SGLANG_EXT_TEST_DEVICE=cuda PYTHONPATH=$BASE:/tmp/fi timeout 400 python3 -m pytest -q -rfs -x \
             -p no:cacheprovider tests/test_offload_served.py 2>&1 | tail -15 | tee "$OUT/gpu_offload_served.log" ;;
