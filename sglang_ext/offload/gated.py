@@ -274,3 +274,26 @@ class GatedSender:
         self.done.wait(s, layer, 1)
         self.done.write(s, layer, 0)
         return self.recv[:n].view(n, self.shape.hq, self.shape.d)
+
+
+class GatedSenderSide:
+    """The remote-attention calls a transport with a `GatedSender` makes the same way (PeerRemote in
+    one process, IpcRemote across processes): per layer post/collect are the sender's stream
+    operations, and a step's bytes are counted when it is planned (graph replays run no Python)."""
+
+    sender: GatedSender
+    rows: int
+    bytes_out: int
+    bytes_in: int
+
+    def _planned(self, rows: int) -> None:
+        self.rows = rows
+        out, into = self.sender.step_bytes(rows)
+        self.bytes_out += out
+        self.bytes_in += into
+
+    def post(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.sender.post(layer, q, k, v)
+
+    def collect(self, layer: int) -> torch.Tensor:
+        return self.sender.collect(layer)

@@ -47,7 +47,7 @@ from sglang_ext.offload.dist import (
     local_address_toward,
 )
 from sglang_ext.offload.executor import GuestSpec
-from sglang_ext.offload.gated import ExchangeShape
+from sglang_ext.offload.gated import ExchangeShape, GatedSenderSide
 from sglang_ext.offload.remote import ExecutorLost
 from sglang_ext.offload.watchdog import Watchdog
 
@@ -155,7 +155,7 @@ def device_idle(device: torch.device, timeout_s: float) -> bool:
     return not t.is_alive()
 
 
-class IpcRemote(DistRemote):
+class IpcRemote(GatedSenderSide, DistRemote):
     """DistRemote's control messages (load, release, begin, close) with gated.py's GPU-signalled
     per-layer exchange over CUDA IPC mappings, and a watchdog for waits on a dead executor."""
 
@@ -238,17 +238,8 @@ class IpcRemote(DistRemote):
         if len(handles) > self.shape.max_rows:
             raise ValueError(f"{len(handles)} remote rows; the exchange buffers hold {self.shape.max_rows}")
         failed = super().begin_step(handles, positions)
-        self.rows = len(handles) - len(failed)
-        out, into = self.sender.step_bytes(self.rows)
-        self.bytes_out += out
-        self.bytes_in += into
+        self._planned(len(handles) - len(failed))
         return failed
-
-    def post(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.sender.post(layer, q, k, v)
-
-    def collect(self, layer: int) -> torch.Tensor:
-        return self.sender.collect(layer)
 
     # ---- the end ------------------------------------------------------------------------------------
     def close(self) -> None:

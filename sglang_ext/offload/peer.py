@@ -14,11 +14,11 @@ import torch
 
 from sglang_ext.offload import cuda_signal as cs
 from sglang_ext.offload.executor import AttentionExecutor, GuestSpec
-from sglang_ext.offload.gated import ExchangeShape, GatedProgram, GatedSender
+from sglang_ext.offload.gated import ExchangeShape, GatedProgram, GatedSender, GatedSenderSide
 from sglang_ext.offload.remote import LocalRemote
 
 
-class PeerRemote(LocalRemote):
+class PeerRemote(GatedSenderSide, LocalRemote):
     """LocalRemote's per-request calls (load, release) with a GPU-signalled per-layer exchange."""
 
     graph_capturable = True  # post/collect are stream operations only: decode graphs can hold them
@@ -50,14 +50,5 @@ class PeerRemote(LocalRemote):
     def begin_step(self, handles: list[int], positions: list[int]) -> list[int]:
         self._check()
         failed = self.program.step(handles, positions)
-        self.rows = self.program.rows
-        out, into = self.sender.step_bytes(self.rows)
-        self.bytes_out += out
-        self.bytes_in += into
+        self._planned(self.program.rows)
         return failed
-
-    def post(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.sender.post(layer, q, k, v)
-
-    def collect(self, layer: int) -> torch.Tensor:
-        return self.sender.collect(layer)
