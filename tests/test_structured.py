@@ -17,9 +17,11 @@ from typing import Any
 
 import jsonschema
 import pytest
+import torch
 
 from sglang_ext.engine.model_runner import ModelRunner
-from sglang_ext.grammar.backend import Constraint, GrammarBackend
+from sglang_ext.grammar.backend import Constraint, GrammarBackend, constraint_of
+from sglang_ext.grammar.masks import GrammarMasks
 from sglang_ext.models.config import ModelConfig
 from sglang_ext.models.default_model import ensure_default_model
 from sglang_ext.sampling.params import InvalidRequest, SamplingParams
@@ -194,18 +196,104 @@ def test_rows_equal_alone(env: Env, mixed_ref: dict[str, list[int]]) -> None:
                  id="preempt-rotate"),
     pytest.param({"chunked_prefill_size": 5}, id="chunked"),
     pytest.param({"cls": OverlapScheduler}, id="overlap"),
+    pytest.param({"cls": OverlapScheduler, "disable_grammar_overlap": True}, id="overlap-drained"),
+    pytest.param({"cls": OverlapScheduler, "max_total_tokens": 72, "chunked_prefill_size": 8},
+                 id="overlap-preempt"),
+    pytest.param({"cls": OverlapScheduler, "chunked_prefill_size": 5}, id="overlap-chunked"),
+    pytest.param({"cls": OverlapScheduler, "max_total_tokens": 72, "chunked_prefill_size": 8,
+                  "preemption_mode": "rotate"}, id="overlap-rotate"),
 ])
 def test_outputs_survive_scheduling(env: Env, mixed_ref: dict[str, list[int]], setup: dict[str, Any]) -> None:
     """Matcher state follows its request through chunking, preemption (its kept tokens are never fed
-    to the matcher again) and rotation (the matcher is on the request); outputs are unchanged."""
+    to the matcher again), rotation (the matcher is on the request) and the overlap loop (constrained
+    rows overlapped, or drained with disable_grammar_overlap); outputs are unchanged."""
     s = env.scheduler(**setup)
     reqs = _mixed(env)
     assert run(s, reqs) == mixed_ref
     _check_valid(env, reqs)
+    _check_matchers(env, reqs)
     if setup.get("preemption_mode") == "rotate":
         assert sum(r.rotations for r in reqs) > 0
     elif "max_total_tokens" in setup:
         assert s.num_preemptions > 0
+    if isinstance(s, OverlapScheduler):
+        # Overlapped: steps with constrained rows are launched before their predecessor lands.
+        # Drained: only the steps after every constrained row has finished overlap.
+        drained = setup.get("disable_grammar_overlap", False)
+        assert (s.grammar_overlapped_steps == 0) if drained else (s.grammar_overlapped_steps > 10)
+
+
+def _check_matchers(env: Env, reqs: list[Req]) -> None:
+    """Each matcher has taken exactly its request's output tokens (never a dropped one): a fresh
+    matcher fed them ends in the same state (ended, or the same next-token mask)."""
+    masks = GrammarMasks(env.cfg.vocab_size, "cpu")
+    for r in reqs:
+        c = constraint_of(r.sampling)
+        if c is None or r.grammar is None:
+            continue
+        fresh = env.grammars.new_state(c)
+        for t in r.output_ids:
+            fresh.accept(t)
+        assert fresh.error is None and r.grammar.error is None, r.rid
+        assert fresh.terminated == r.grammar.terminated, r.rid
+        if not fresh.terminated:
+            assert torch.equal(masks.fill([fresh]), masks.fill([r.grammar])), r.rid
+
+
+def _finishes(env: Env, tag: str, stop: int) -> list[Req]:
+    """Rows that finish every way while the step after theirs is in flight: grammar end (EOS), length
+    with the grammar unfinished, a stop string and a stop token mid-grammar, and unconstrained rows
+    by length and by a stop token (the EOS rule's twin); greedy and seeded."""
+    return [
+        env.req(f"end{tag}", "Answer:", "regex", "(yes|no|maybe)", temperature=0.0),
+        env.req(f"len{tag}", "Letters:", "regex", "[a-z]{40}", max_new_tokens=5, temperature=1.0, seed=3),
+        env.req(f"sstr{tag}", "Code:", "regex", "[0-9]{3}-[a-z]{2,5}", stop=["-"], temperature=0.0),
+        env.req(f"stok{tag}", "Plain:", max_new_tokens=30, temperature=0.0, ignore_eos=True, stop_token_ids=[stop]),
+        env.req(f"json{tag}", "Person:", "json_schema", json.dumps(SCHEMA), max_new_tokens=96, temperature=1.0,
+                seed=11),
+        env.req(f"free{tag}", "Free text", max_new_tokens=9, temperature=0.7, seed=5, ignore_eos=True),
+    ]
+
+
+def test_overlap_finishes_every_way(env: Env) -> None:
+    """Greedy and seeded outputs and finish reasons of the overlap loop (constrained rows overlapped,
+    or drained) equal the plain loop's, whichever way a row finishes."""
+    stop = run(env.scheduler(), [env.req("probe", "Plain:", max_new_tokens=8, temperature=0.0,
+                                         ignore_eos=True)])["probe"][5]
+    results = []
+    for setup in ({}, {"cls": OverlapScheduler}, {"cls": OverlapScheduler, "disable_grammar_overlap": True}):
+        reqs = _finishes(env, "", stop)
+        s = env.scheduler(**setup)
+        out = run(s, reqs)
+        _check_matchers(env, reqs)
+        results.append((out, [r.finish_reason.to_dict() if r.finish_reason else None for r in reqs]))
+    assert results[1] == results[0] and results[2] == results[0]
+    reasons = {r["type"] + str(r.get("matched", "")) for r in results[0][1] if r}
+    assert {"length", "stop-", f"stop{stop}"} <= reasons and len(results[0][0]["stok"]) < 30
+    assert results[0][1][0] == {"type": "stop", "matched": results[0][0]["end"][-1]}
+
+
+@pytest.mark.parametrize("after_steps", [2, 5])
+def test_overlap_aborts_in_flight(env: Env, mixed_ref: dict[str, list[int]], after_steps: int) -> None:
+    """Aborts while a constrained step is in flight: the aborted rows' dropped tokens never reach their
+    matchers, the others come out as without aborts, and every page comes back."""
+    s = env.scheduler(OverlapScheduler, disable_radix_cache=True)
+    reqs = _mixed(env)
+    for r in reqs:
+        s.add_request(r)
+    for _ in range(after_steps):
+        s.step()
+        s.check()
+    gone = reqs[1::3]
+    assert s._inflight is not None and all(s.abort(r.rid) for r in gone)
+    run(s, [])
+    for r in reqs:
+        if r in gone:
+            assert r.finish_reason is not None and r.finish_reason.type == "abort"
+        else:
+            assert r.output_ids == mixed_ref[r.rid], r.rid
+    _check_matchers(env, reqs)
+    assert s.allocator.num_free == s.allocator.capacity
 
 
 def test_prefix_cache_hits(env: Env, mixed_ref: dict[str, list[int]]) -> None:
