@@ -24,6 +24,7 @@ from sglang_ext.grammar.backend import Constraint, GrammarBackend, constraint_of
 from sglang_ext.grammar.masks import GrammarMasks
 from sglang_ext.models.config import ModelConfig
 from sglang_ext.models.default_model import ensure_default_model
+from sglang_ext.offload.setup import local_offloader
 from sglang_ext.sampling.params import InvalidRequest, SamplingParams
 from sglang_ext.scheduler.overlap import OverlapScheduler
 from sglang_ext.scheduler.request import Req
@@ -57,8 +58,9 @@ class Env:
 
     def scheduler(self, cls: type[Scheduler] = Scheduler, max_total_tokens: int = 8192, **args: Any) -> Scheduler:
         sa = ServerArgs(device="cpu", dtype="float32", page_size=4, max_total_tokens=max_total_tokens, **args)
-        return cls(sa, ModelRunner(sa, self.dir, self.cfg), 4, self.eos,
-                   decode_fn=lambda ids: self.tok.decode(ids, False), vocab_size=self.cfg.vocab_size)
+        runner = ModelRunner(sa, self.dir, self.cfg)
+        return cls(sa, runner, 4, self.eos, decode_fn=lambda ids: self.tok.decode(ids, False),
+                   vocab_size=self.cfg.vocab_size, offload=local_offloader(sa, runner, "emb"))
 
     def req(self, rid: str, prompt: str, kind: str | None = None, text: str | None = None, **sp: Any) -> Req:
         sp.setdefault("max_new_tokens", 64)
@@ -369,3 +371,34 @@ def test_xgrammar_is_imported_only_when_needed() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
 
+
+
+def test_overlap_remote_rows_taken_back_in_flight(env: Env, mixed_ref: dict[str, list[int]]) -> None:
+    """Constrained remote rows (attention on an in-process executor) overlap too. Rows the executor
+    drops while their step-t token is in flight keep that token, in their matcher as well: one whose
+    token ends its grammar finishes from the queue, one mid-grammar is recomputed and goes on."""
+    s = env.scheduler(OverlapScheduler, offload_executor="local", offload_ratio=1.0)
+    assert s.offload is not None
+    remote: Any = s.offload.remote
+    inner = remote.begin_step
+    last = {"c2": len(mixed_ref["c2"]) - 1, "c1": 9}  # c2: its final token (EOS) is in flight
+    dropped: list[str] = []
+
+    def begin_step(handles: list[int], positions: list[int]) -> list[int]:
+        assert s.offload is not None
+        reqs = [s.offload.reqs[h] for h in handles]
+        gone = [h for h, r, p in zip(handles, reqs, positions, strict=True)
+                if p == r.kv_len + 1 and last.get(r.rid) == len(r.output_ids) and r.rid not in dropped]
+        for h in gone:
+            dropped.append(s.offload.reqs[h].rid)
+            remote.executor.release(remote.guest, h)
+        rest = [(h, p) for h, p in zip(handles, positions, strict=True) if h not in gone]
+        return gone + inner([h for h, _ in rest], [p for _, p in rest])
+
+    remote.begin_step = begin_step
+    reqs = _mixed(env)
+    assert run(s, reqs) == mixed_ref
+    _check_valid(env, reqs)
+    _check_matchers(env, reqs)
+    assert sorted(dropped) == ["c1", "c2"] and s.grammar_overlapped_steps > 10
+    assert reqs[2].finish_reason is not None and reqs[2].finish_reason.type == "stop" and s.num_preemptions == 2
