@@ -82,7 +82,7 @@ class _Forwarded:
 
     entries: list[Entry]
     logits: torch.Tensor
-    rows: list[SampleRow]  # built before the step before it landed: ahead=1, penalty slots still held
+    rows: list[SampleRow]  # built before the step before it landed (ahead=1); sampled before its finish rules
 
 
 class OverlapScheduler(Scheduler):
