@@ -4,19 +4,28 @@ rows constrained by a JSON schema, against the unconstrained step (Llama-3-8B ge
     python bench/structured.py --out structured.json      # on a GPU (needs xgrammar, a dependency)
     python bench/structured.py --smoke                    # CPU: the same logic at toy sizes (CI-sized)
 
-One step is what the scheduler's plain loop runs for a decode batch with constrained rows
-(`Scheduler._process`; the overlap loop drains for them): forward (CUDA graph), the constrained rows'
-bitmask filled on the host (xgrammar's batched fill, threads), copied and applied to the logits on the
-device, sampled, tokens to the host, matchers advanced. Each constrained row's matcher walks the
-schema; one that reaches its end starts over, so every step exercises real grammar states. Per point:
+Each point measures two loops over the same batch. Drained: what the scheduler's plain loop runs
+(`Scheduler._process`; also the overlap loop with `--disable-grammar-overlap`): forward (CUDA graph),
+the constrained rows' bitmask filled on the host (xgrammar's batched fill, threads), copied and applied
+to the logits on the device, sampled, tokens to the host, matchers advanced. Overlapped: what the
+overlap loop runs (`OverlapScheduler`, scheduler/overlap.py): step t+1's forward is queued with step
+t's sampled tokens (on the device) as input ids, then the host waits for t's tokens, the matchers take
+them, t+1's masks are filled while its forward runs, copied, applied, and t+1 is sampled. Each
+constrained row's matcher walks the schema; one that reaches its end starts over, so every step
+exercises real grammar states. Per point:
 
-  step_ms          wall time per step, each step synchronizing (the matchers need its tokens)
-  overhead         step_ms / the same batch's unconstrained step_ms - 1 (the issue's target: <= 10 % at 100 %)
-  fill_ms          host time of the batched bitmask fill (median over steps)
-  accept_ms        host time of advancing the matchers
-  mask_gpu_ms      device time of the bitmask copy + apply (events around them)
-  async_step_ms    the unconstrained step issued back to back without a sync: what the overlap loop
-                   approaches, and what a constrained batch gives up by draining it
+  step_ms          drained: wall time per step, each step synchronizing (the matchers need its tokens)
+  overhead         step_ms / the same batch's unconstrained step_ms - 1
+  overlap_step_ms  overlapped: wall time per step
+  overlap_overhead overlap_step_ms / the same batch's unconstrained overlap_step_ms - 1 (the issue's
+                   target: <= 10 % at 100 %; the unconstrained step runs overlapped in the server)
+  mask_late        overlapped, GPU: share of steps whose forward had finished before the masks were
+                   filled (the GPU waited for the host); 0 means the mask for t+1 was always ready first
+  fill_ms, overlap_fill_ms   host time of the batched bitmask fill (median over steps), per loop
+  accept_ms        host time of advancing the matchers (drained loop)
+  mask_gpu_ms      device time of the bitmask copy + apply (events around them; drained loop)
+  async_step_ms    the unconstrained step issued back to back without a sync: the bound the overlap
+                   loop approaches
 
 The embedded tokenizer knows 2048 ids; a grammar over it would mask the other 126K trivially. The
 grammar here uses a synthetic 128K-token vocabulary (words and pieces of the embedded corpus with
@@ -132,17 +141,10 @@ class Bench:
         states: list[GrammarState | None] = [
             GrammarState(xgr.GrammarMatcher(self.compiled)) if i < n_con else None for i in range(bs)]
         params = SamplingParams(temperature=0.0)
-        fill, accept, gpu = [], [], []
-        real_fill = self.masks.fill
-
-        def timed_fill(sts: Any) -> torch.Tensor:
-            t0 = time.perf_counter()
-            out = real_fill(sts)
-            fill.append(time.perf_counter() - t0)
-            return out
-
-        self.masks.fill = timed_fill  # type: ignore[method-assign]
-
+        fill: list[float] = []
+        accept: list[float] = []
+        gpu: list[Any] = []
+        self._time_fill(fill)
         every = list(range(bs))
 
         def step(k: int) -> None:
@@ -184,9 +186,88 @@ class Bench:
             out["fill_ms"] = statistics.median(fill) * 1e3
         if gpu:
             out["mask_gpu_ms"] = statistics.median([e0.elapsed_time(e1) for e0, e1 in gpu])
+        out.update(self.overlapped(batch, states))
         if share == 0.0:
             out["async_step_ms"] = self.async_step_ms(batch, bs)
         return out
+
+    def overlapped(self, batch: ForwardBatch, states: list[GrammarState | None]) -> dict[str, Any]:
+        """The overlap loop's steps (see the module docstring): per point, overlap_step_ms,
+        overlap_fill_ms and, on a GPU, mask_late."""
+        cuda = self.device.type == "cuda"
+        params = SamplingParams(temperature=0.0)
+        every = list(range(len(states)))
+        fill: list[float] = []
+        late: list[bool] = []
+
+        def sample(logits: torch.Tensor, k: int, timed: bool) -> tuple[torch.Tensor, torch.Tensor, Any]:
+            rows = [SampleRow(params, k)] * len(states)
+            live = [s if s is not None and s.live else None for s in states]
+            with torch.inference_mode():  # as the scheduler: the runner's logits are masked in place
+                rows = self.masks.constrain(logits, live, rows)
+            tokens = self.sampler.sample(logits, self.sampler.batch(rows))
+            if not cuda:
+                return tokens, tokens, None
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            return tokens, host, done
+
+        def run(n: int, timed: bool) -> None:
+            prev = sample(self.runner.forward(batch)[every], 0, False)  # the first step: nothing in flight
+            for k in range(1, n + 1):
+                batch.input_ids = prev[0]  # step t+1 decodes step t's tokens, still on the device
+                logits = self.runner.forward(batch)
+                fwd = None
+                if cuda:
+                    fwd = torch.cuda.Event()
+                    fwd.record()
+                if prev[2] is not None:
+                    prev[2].synchronize()
+                for s, t in zip(states, prev[1].tolist(), strict=True):
+                    if s is not None:
+                        s.accept(t)
+                        if s.terminated or s.error:
+                            s.matcher.reset()
+                            s.error = None
+                if fwd is not None and timed and any(s is not None for s in states):
+                    late.append(bool(fwd.query()))  # the forward done before the fill even starts
+                prev = sample(logits, k, timed)
+            if prev[2] is not None:
+                prev[2].synchronize()
+
+        ids = batch.input_ids
+        self._time_fill(fill)
+        try:
+            run(3, False)
+            fill.clear()
+            self.sync()
+            t0 = time.perf_counter()
+            run(self.a.steps, True)
+            self.sync()
+            step_s = (time.perf_counter() - t0) / (self.a.steps + 1)
+        finally:
+            batch.input_ids = ids
+            del self.masks.fill
+        out: dict[str, Any] = {"overlap_step_ms": step_s * 1e3}
+        if fill:
+            out["overlap_fill_ms"] = statistics.median(fill) * 1e3
+        if late:
+            out["mask_late"] = sum(late) / len(late)
+        return out
+
+    def _time_fill(self, into: list[float]) -> None:
+        """Time each batched bitmask fill into `into` (until `del self.masks.fill`)."""
+        real = type(self.masks).fill.__get__(self.masks)
+
+        def timed(sts: Any) -> torch.Tensor:
+            t0 = time.perf_counter()
+            out = real(sts)
+            into.append(time.perf_counter() - t0)
+            return out
+
+        self.masks.fill = timed  # type: ignore[method-assign]
 
     def async_step_ms(self, batch: ForwardBatch, bs: int) -> float:
         """Unconstrained forward + greedy sampling issued back to back, one sync at the end."""
@@ -207,14 +288,19 @@ class Bench:
             "schema_compile_s": self.compile_s, "torch": torch.__version__, "xgrammar": _version("xgrammar")},
             "points": []}
         for bs in self.bs_list:
-            base = None
+            base = obase = None
             for share in (0.0, 0.5, 1.0):
                 p = self.point(bs, share)
                 base = p["step_ms"] if base is None else base
+                obase = p["overlap_step_ms"] if obase is None else obase
                 p["overhead"] = p["step_ms"] / base - 1.0
+                p["overlap_overhead"] = p["overlap_step_ms"] / obase - 1.0
                 res["points"].append(p)
-                print(f"bs={bs:4d} constrained={share:4.0%}  step {p['step_ms']:7.2f} ms  overhead "
-                      f"{p['overhead']:+6.1%}  fill {p.get('fill_ms', 0):6.2f} ms  accept {p['accept_ms']:5.2f} ms"
+                print(f"bs={bs:4d} constrained={share:4.0%}  drained {p['step_ms']:7.2f} ms ({p['overhead']:+6.1%})"
+                      f"  overlapped {p['overlap_step_ms']:7.2f} ms ({p['overlap_overhead']:+6.1%})"
+                      f"  fill {p.get('fill_ms', 0):6.2f}/{p.get('overlap_fill_ms', 0):6.2f} ms"
+                      f"  accept {p['accept_ms']:5.2f} ms"
+                      + (f"  mask late {p['mask_late']:.0%}" if "mask_late" in p else "")
                       + (f"  mask(gpu) {p['mask_gpu_ms']:.3f} ms" if "mask_gpu_ms" in p else "")
                       + (f"  async(unconstrained) {p['async_step_ms']:.2f} ms" if "async_step_ms" in p else ""),
                       flush=True)

@@ -112,6 +112,9 @@ class ServerArgs:
         "grammar library for constrained decoding: xgrammar, or none (constrained requests get a 400)"))
     constrained_json_disable_any_whitespace: bool = field(default=False, metadata=_help(
         "JSON schemas admit no free whitespace: compact JSON with ', ' and ': ' separators"))
+    disable_grammar_overlap: bool = field(default=False, metadata=_help(
+        "decode batches with constrained rows drain the overlap loop (GPU): the next step's masks are "
+        "filled with nothing in flight, not while its forward runs"))
     # remote attention (docs/remote_attention.md)
     offload_ratio: float = field(default=0.0, metadata=_help(
         "share of decoding requests whose attention and KV run on an executor (0: none)"))

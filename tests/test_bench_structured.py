@@ -1,4 +1,5 @@
-"""bench/structured.py's logic runs on CPU (--smoke): every point is measured and written out."""
+"""bench/structured.py's logic runs on CPU (--smoke): every point is measured (drained and overlapped
+loops) and written out."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ def test_smoke(tmp_path: Path) -> None:
     res = json.loads(out.read_text())
     assert [(p["bs"], p["constrained_rows"]) for p in res["points"]] == [(2, 0), (2, 1), (2, 2)]
     assert all(p["step_ms"] > 0 for p in res["points"]) and "fill_ms" in res["points"][2]
+    # the overlap loop's step (masks filled while the next forward runs) beside the drained one
+    assert all(p["overlap_step_ms"] > 0 and "overlap_overhead" in p for p in res["points"])
+    assert "overlap_fill_ms" in res["points"][2] and "overlap_fill_ms" not in res["points"][0]
 
 
 def test_synthetic_vocab_is_distinct_and_deterministic() -> None:

@@ -17,11 +17,14 @@ from typing import Any
 
 import jsonschema
 import pytest
+import torch
 
 from sglang_ext.engine.model_runner import ModelRunner
-from sglang_ext.grammar.backend import Constraint, GrammarBackend
+from sglang_ext.grammar.backend import Constraint, GrammarBackend, constraint_of
+from sglang_ext.grammar.masks import GrammarMasks
 from sglang_ext.models.config import ModelConfig
 from sglang_ext.models.default_model import ensure_default_model
+from sglang_ext.offload.setup import local_offloader
 from sglang_ext.sampling.params import InvalidRequest, SamplingParams
 from sglang_ext.scheduler.overlap import OverlapScheduler
 from sglang_ext.scheduler.request import Req
@@ -55,8 +58,9 @@ class Env:
 
     def scheduler(self, cls: type[Scheduler] = Scheduler, max_total_tokens: int = 8192, **args: Any) -> Scheduler:
         sa = ServerArgs(device="cpu", dtype="float32", page_size=4, max_total_tokens=max_total_tokens, **args)
-        return cls(sa, ModelRunner(sa, self.dir, self.cfg), 4, self.eos,
-                   decode_fn=lambda ids: self.tok.decode(ids, False), vocab_size=self.cfg.vocab_size)
+        runner = ModelRunner(sa, self.dir, self.cfg)
+        return cls(sa, runner, 4, self.eos, decode_fn=lambda ids: self.tok.decode(ids, False),
+                   vocab_size=self.cfg.vocab_size, offload=local_offloader(sa, runner, "emb"))
 
     def req(self, rid: str, prompt: str, kind: str | None = None, text: str | None = None, **sp: Any) -> Req:
         sp.setdefault("max_new_tokens", 64)
@@ -194,18 +198,104 @@ def test_rows_equal_alone(env: Env, mixed_ref: dict[str, list[int]]) -> None:
                  id="preempt-rotate"),
     pytest.param({"chunked_prefill_size": 5}, id="chunked"),
     pytest.param({"cls": OverlapScheduler}, id="overlap"),
+    pytest.param({"cls": OverlapScheduler, "disable_grammar_overlap": True}, id="overlap-drained"),
+    pytest.param({"cls": OverlapScheduler, "max_total_tokens": 72, "chunked_prefill_size": 8},
+                 id="overlap-preempt"),
+    pytest.param({"cls": OverlapScheduler, "chunked_prefill_size": 5}, id="overlap-chunked"),
+    pytest.param({"cls": OverlapScheduler, "max_total_tokens": 72, "chunked_prefill_size": 8,
+                  "preemption_mode": "rotate"}, id="overlap-rotate"),
 ])
 def test_outputs_survive_scheduling(env: Env, mixed_ref: dict[str, list[int]], setup: dict[str, Any]) -> None:
     """Matcher state follows its request through chunking, preemption (its kept tokens are never fed
-    to the matcher again) and rotation (the matcher is on the request); outputs are unchanged."""
+    to the matcher again), rotation (the matcher is on the request) and the overlap loop (constrained
+    rows overlapped, or drained with disable_grammar_overlap); outputs are unchanged."""
     s = env.scheduler(**setup)
     reqs = _mixed(env)
     assert run(s, reqs) == mixed_ref
     _check_valid(env, reqs)
+    _check_matchers(env, reqs)
     if setup.get("preemption_mode") == "rotate":
         assert sum(r.rotations for r in reqs) > 0
     elif "max_total_tokens" in setup:
         assert s.num_preemptions > 0
+    if isinstance(s, OverlapScheduler):
+        # Overlapped: steps with constrained rows are launched before their predecessor lands.
+        # Drained: only the steps after every constrained row has finished overlap.
+        drained = setup.get("disable_grammar_overlap", False)
+        assert (s.grammar_overlapped_steps == 0) if drained else (s.grammar_overlapped_steps > 10)
+
+
+def _check_matchers(env: Env, reqs: list[Req]) -> None:
+    """Each matcher has taken exactly its request's output tokens (never a dropped one): a fresh
+    matcher fed them ends in the same state (ended, or the same next-token mask)."""
+    masks = GrammarMasks(env.cfg.vocab_size, "cpu")
+    for r in reqs:
+        c = constraint_of(r.sampling)
+        if c is None or r.grammar is None:
+            continue
+        fresh = env.grammars.new_state(c)
+        for t in r.output_ids:
+            fresh.accept(t)
+        assert fresh.error is None and r.grammar.error is None, r.rid
+        assert fresh.terminated == r.grammar.terminated, r.rid
+        if not fresh.terminated:
+            assert torch.equal(masks.fill([fresh]), masks.fill([r.grammar])), r.rid
+
+
+def _finishes(env: Env, tag: str, stop: int) -> list[Req]:
+    """Rows that finish every way while the step after theirs is in flight: grammar end (EOS), length
+    with the grammar unfinished, a stop string and a stop token mid-grammar, and unconstrained rows
+    by length and by a stop token (the EOS rule's twin); greedy and seeded."""
+    return [
+        env.req(f"end{tag}", "Answer:", "regex", "(yes|no|maybe)", temperature=0.0),
+        env.req(f"len{tag}", "Letters:", "regex", "[a-z]{40}", max_new_tokens=5, temperature=1.0, seed=3),
+        env.req(f"sstr{tag}", "Code:", "regex", "[0-9]{3}-[a-z]{2,5}", stop=["-"], temperature=0.0),
+        env.req(f"stok{tag}", "Plain:", max_new_tokens=30, temperature=0.0, ignore_eos=True, stop_token_ids=[stop]),
+        env.req(f"json{tag}", "Person:", "json_schema", json.dumps(SCHEMA), max_new_tokens=96, temperature=1.0,
+                seed=11),
+        env.req(f"free{tag}", "Free text", max_new_tokens=9, temperature=0.7, seed=5, ignore_eos=True),
+    ]
+
+
+def test_overlap_finishes_every_way(env: Env) -> None:
+    """Greedy and seeded outputs and finish reasons of the overlap loop (constrained rows overlapped,
+    or drained) equal the plain loop's, whichever way a row finishes."""
+    stop = run(env.scheduler(), [env.req("probe", "Plain:", max_new_tokens=8, temperature=0.0,
+                                         ignore_eos=True)])["probe"][5]
+    results = []
+    for setup in ({}, {"cls": OverlapScheduler}, {"cls": OverlapScheduler, "disable_grammar_overlap": True}):
+        reqs = _finishes(env, "", stop)
+        s = env.scheduler(**setup)
+        out = run(s, reqs)
+        _check_matchers(env, reqs)
+        results.append((out, [r.finish_reason.to_dict() if r.finish_reason else None for r in reqs]))
+    assert results[1] == results[0] and results[2] == results[0]
+    reasons = {r["type"] + str(r.get("matched", "")) for r in results[0][1] if r}
+    assert {"length", "stop-", f"stop{stop}"} <= reasons and len(results[0][0]["stok"]) < 30
+    assert results[0][1][0] == {"type": "stop", "matched": results[0][0]["end"][-1]}
+
+
+@pytest.mark.parametrize("after_steps", [2, 5])
+def test_overlap_aborts_in_flight(env: Env, mixed_ref: dict[str, list[int]], after_steps: int) -> None:
+    """Aborts while a constrained step is in flight: the aborted rows' dropped tokens never reach their
+    matchers, the others come out as without aborts, and every page comes back."""
+    s = env.scheduler(OverlapScheduler, disable_radix_cache=True)
+    reqs = _mixed(env)
+    for r in reqs:
+        s.add_request(r)
+    for _ in range(after_steps):
+        s.step()
+        s.check()
+    gone = reqs[1::3]
+    assert s._inflight is not None and all(s.abort(r.rid) for r in gone)
+    run(s, [])
+    for r in reqs:
+        if r in gone:
+            assert r.finish_reason is not None and r.finish_reason.type == "abort"
+        else:
+            assert r.output_ids == mixed_ref[r.rid], r.rid
+    _check_matchers(env, reqs)
+    assert s.allocator.num_free == s.allocator.capacity
 
 
 def test_prefix_cache_hits(env: Env, mixed_ref: dict[str, list[int]]) -> None:
@@ -281,3 +371,34 @@ def test_xgrammar_is_imported_only_when_needed() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
 
+
+
+def test_overlap_remote_rows_taken_back_in_flight(env: Env, mixed_ref: dict[str, list[int]]) -> None:
+    """Constrained remote rows (attention on an in-process executor) overlap too. Rows the executor
+    drops while their step-t token is in flight keep that token, in their matcher as well: one whose
+    token ends its grammar finishes from the queue, one mid-grammar is recomputed and goes on."""
+    s = env.scheduler(OverlapScheduler, offload_executor="local", offload_ratio=1.0)
+    assert s.offload is not None
+    remote: Any = s.offload.remote
+    inner = remote.begin_step
+    last = {"c2": len(mixed_ref["c2"]) - 1, "c1": 9}  # c2: its final token (EOS) is in flight
+    dropped: list[str] = []
+
+    def begin_step(handles: list[int], positions: list[int]) -> list[int]:
+        assert s.offload is not None
+        reqs = [s.offload.reqs[h] for h in handles]
+        gone = [h for h, r, p in zip(handles, reqs, positions, strict=True)
+                if p == r.kv_len + 1 and last.get(r.rid) == len(r.output_ids) and r.rid not in dropped]
+        for h in gone:
+            dropped.append(s.offload.reqs[h].rid)
+            remote.executor.release(remote.guest, h)
+        rest = [(h, p) for h, p in zip(handles, positions, strict=True) if h not in gone]
+        return gone + inner([h for h, _ in rest], [p for _, p in rest])
+
+    remote.begin_step = begin_step
+    reqs = _mixed(env)
+    assert run(s, reqs) == mixed_ref
+    _check_valid(env, reqs)
+    _check_matchers(env, reqs)
+    assert sorted(dropped) == ["c1", "c2"] and s.grammar_overlapped_steps > 10
+    assert reqs[2].finish_reason is not None and reqs[2].finish_reason.type == "stop" and s.num_preemptions == 2

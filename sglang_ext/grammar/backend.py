@@ -54,6 +54,11 @@ class GrammarState:
             self.error = f"the grammar refused token {token}"
 
     @property
+    def live(self) -> bool:
+        """It can take another token: not ended, no token refused."""
+        return self.error is None and not self.terminated
+
+    @property
     def terminated(self) -> bool:
         """The grammar ended (it accepted a stop token): nothing may follow."""
         return bool(self.matcher.is_terminated())

@@ -18,10 +18,23 @@ reuses the page later is ordered after it on the stream. Requests that certainly
 Only decode batches without logprobs overlap. Sampling needs nothing of step t on the host:
 penalty statistics live on the device and are updated as each token is drawn, min_new_tokens
 bans count the in-flight token, and seeded rows number their draws by output position. Anything
-else (prefill, admissions, preemption, logprobs, and constrained rows of structured output, whose
-mask for t+1 needs token t in their grammar matcher) first drains the in-flight step and then runs
+else (prefill, admissions, preemption, logprobs) first drains the in-flight step and then runs
 exactly as `Scheduler.step`, so the scheduling decisions and outputs are the same as without
 overlap.
+
+Constrained rows (structured output) overlap too, but their mask for t+1 needs token t in their
+grammar matcher, so a step t+1 with constrained rows is launched in two halves around t's landing:
+
+    step() n:  forward D(t+1) queued | wait D(t), append tokens, matchers accept them |
+               fill t+1's masks (host, while the forward runs), copy, mask, sample D(t+1) | finish
+               rules of t
+
+Every row of the batch keeps overlap; the fill overlaps the forward instead of following it. A row
+that finishes at t (its grammar ended, a stop, an abort meanwhile) was launched into t+1 all the
+same: its mask is not filled (its matcher may be done), its t+1 token is sampled unmasked and
+dropped when t+1 lands, like any row that finishes at t, and no dropped token reaches a matcher.
+`disable_grammar_overlap` keeps the older behaviour (constrained rows drain the loop and run as
+`Scheduler.step`), for comparison (bench/structured.py) and as a fallback.
 
 Remote rows (remote attention, `offload/`) overlap too when their transport is `overlap_safe`
 (every transport here is; one that is not drains the loop before each step with remote rows). Step
@@ -48,6 +61,7 @@ import torch
 
 from sglang_ext.engine.forward_batch import BatchRow, ForwardBatch, ForwardMode
 from sglang_ext.offload.remote import ExecutorLost
+from sglang_ext.sampling.batch import SampleRow
 from sglang_ext.scheduler.batch_builder import Entry, build_batch
 from sglang_ext.scheduler.output import StepOutput, check_finish
 from sglang_ext.scheduler.request import Req, ReqStatus
@@ -62,9 +76,19 @@ class _Launched:
     done: torch.cuda.Event | None
 
 
+@dataclass
+class _Forwarded:
+    """A step whose forward is queued but whose constrained rows' masks wait for the step before it."""
+
+    entries: list[Entry]
+    logits: torch.Tensor
+    rows: list[SampleRow]  # built before the step before it landed (ahead=1); sampled before its finish rules
+
+
 class OverlapScheduler(Scheduler):
     _inflight: _Launched | None = None
     overlapped_steps = 0  # decode steps launched before their predecessor landed
+    grammar_overlapped_steps = 0  # of those, steps with constrained rows (masks filled as t landed)
 
     def has_work(self) -> bool:
         return super().has_work() or self._inflight is not None
@@ -75,10 +99,15 @@ class OverlapScheduler(Scheduler):
             return super().step()  # schedules on landed state; `_run` may launch a decode
         outputs, self._pending = self._pending, []
         self._rot_begin()
-        self._inflight = self._launch_follow_up(prev)
-        if self._inflight is not None:
+        follow = self._launch_follow_up(prev)
+        if follow is not None:
             self._rot_end()  # eager copies ride beside the launched step too
-        return outputs + self._land(prev)
+        landed, taken_back = self._take(prev)
+        if isinstance(follow, _Forwarded):
+            # t's tokens are in the matchers: fill t+1's masks while its forward runs, then sample
+            follow = self._sample(follow.entries, follow.logits, follow.rows)
+        self._inflight = follow
+        return outputs + self._finish_or_report(landed) + self._finish_taken_back(taken_back)
 
     def _run(self, entries: list[Entry], mode: ForwardMode) -> list[StepOutput]:
         if mode is ForwardMode.DECODE and all(self._plain(e) for e in entries):
@@ -95,15 +124,26 @@ class OverlapScheduler(Scheduler):
     # ---- launching ----------------------------------------------------------------------------
     def _plain(self, e: Entry) -> bool:
         r = e.req
-        # A constrained row's mask for t+1 needs t's token in its matcher: it runs on landed state.
         return (e.extend == 1 and e.sample and not e.logprob_positions and not r.return_logprob
-                and r.grammar is None
+                and (r.grammar is None or not self.args.disable_grammar_overlap)
                 and (r.remote is None or (self.offload is not None and self.offload.remote.overlap_safe)))
 
     def _launch(self, entries: list[Entry], batch: ForwardBatch, ahead: int) -> _Launched:
+        """Forward and sample a step whose constrained rows' matchers are up to date (nothing in flight)."""
         logits = self.runner.forward(batch)
-        sb = self.sampler.batch([self._sample_row(e.req, ahead) for e in entries])
-        tokens = self.sampler.sample(logits, sb)
+        return self._sample(entries, logits, [self._sample_row(e.req, ahead) for e in entries])
+
+    def _sample(self, entries: list[Entry], logits: torch.Tensor, rows: list[SampleRow]) -> _Launched:
+        """Mask the constrained rows (their matchers hold every token before this step), sample, and
+        copy the tokens to the host behind an event."""
+        if any(e.req.grammar is not None for e in entries):
+            # A row whose request ended (aborted, or its grammar done at the step before) is not
+            # masked: its matcher may allow nothing, and its token is dropped when this step lands.
+            states = [g if (g := e.req.grammar) is not None and e.req.status is ReqStatus.RUNNING and g.live
+                      else None for e in entries]
+            with torch.inference_mode():  # masked in place: the runner's logits are inference tensors
+                rows = self.grammar_masks.constrain(logits, states, rows)
+        tokens = self.sampler.sample(logits, self.sampler.batch(rows))
         if tokens.is_cuda:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
@@ -112,8 +152,9 @@ class OverlapScheduler(Scheduler):
             return _Launched(entries, tokens, host, done)
         return _Launched(entries, tokens, tokens, None)
 
-    def _launch_follow_up(self, prev: _Launched) -> _Launched | None:
-        """Decode step t+1 from step t's in-flight tokens, or None when it needs t's results."""
+    def _launch_follow_up(self, prev: _Launched) -> _Launched | _Forwarded | None:
+        """Decode step t+1 from step t's in-flight tokens: launched, or only forwarded when it has
+        constrained rows (sampled once t has landed); None when it needs t's results."""
         if self.waiting or self.rotary:
             return None  # admission, resume (and prefill) decisions are made on landed state
         rows: list[int] = []
@@ -161,17 +202,24 @@ class OverlapScheduler(Scheduler):
             idx = torch.tensor(rows, dtype=torch.int64).to(prev.tokens.device, non_blocking=True)
             batch.input_ids = prev.tokens[idx]
         try:
-            launched = self._launch(entries, batch, ahead=1)
+            logits = self.runner.forward(batch)
         except ExecutorLost as e:
             # as in the plain loop: local rows redo t+1 (idempotent KV writes), remote ones are
             # recomputed (with their step-t tokens, kept when t lands)
             self._lose_executor(str(e))
             return None
         self.overlapped_steps += 1
-        return launched
+        # Sample rows now: a row that finishes at t releases its penalty slot when t lands.
+        rows = [self._sample_row(e.req, ahead=1) for e in entries]
+        if any(e.req.grammar is not None for e in entries):
+            self.grammar_overlapped_steps += 1
+            return _Forwarded(entries, logits, rows)
+        return self._sample(entries, logits, rows)
 
     # ---- landing ------------------------------------------------------------------------------
-    def _land(self, launched: _Launched) -> list[StepOutput]:
+    def _take(self, launched: _Launched) -> tuple[list[Req], list[Req]]:
+        """Wait for a launched step's tokens and keep them (matchers accept them): the requests that
+        landed, and those taken back meanwhile; the finish rules come after."""
         if launched.done is not None:
             launched.done.synchronize()
         tokens = launched.host.tolist()
@@ -182,15 +230,16 @@ class OverlapScheduler(Scheduler):
             if r.status is ReqStatus.WAITING:
                 # Taken back from its executor while this step was in flight (see the module
                 # docstring): the token stands, and the request is recomputed with it.
-                r.output_ids.append(t)
                 taken_back.append(r)
-                continue
-            if r.status is not ReqStatus.RUNNING:
+            elif r.status is ReqStatus.RUNNING:
+                r.kv_len += 1
+                landed.append(r)
+            else:
                 continue  # finished or aborted meanwhile: the extra row's token is dropped
-            r.kv_len += 1
             r.output_ids.append(t)
-            landed.append(r)
-        return self._finish_or_report(landed) + self._finish_taken_back(taken_back)
+            if r.grammar is not None:
+                r.grammar.accept(t)
+        return landed, taken_back
 
     def _finish_taken_back(self, reqs: list[Req]) -> list[StepOutput]:
         """The finish rules for requests that wait to be recomputed: one that stops here leaves the
