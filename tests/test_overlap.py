@@ -107,3 +107,25 @@ def test_scheduler_class_choice() -> None:
     assert scheduler_class("cpu", False) is Scheduler
     assert scheduler_class("cuda", False) is OverlapScheduler
     assert scheduler_class("cuda:0", True) is Scheduler
+
+
+def test_decode_keeps_overlapping_while_a_queue_waits_for_pages(test_device: str) -> None:
+    """A KV-bound pool with a standing queue: decode steps go on overlapping while nothing can be
+    admitted (no page beyond the decoders' reserve), and the outputs stay the plain loop's."""
+    plain, ov = _pair(test_device, max_total_tokens=96, max_running_requests=4)
+    launched_with_queue = []
+    follow_up = ov._launch_follow_up
+
+    def spy(prev: Any) -> Any:
+        out = follow_up(prev)
+        if out is not None and ov.waiting:
+            launched_with_queue.append(len(ov.waiting))
+        return out
+
+    ov._launch_follow_up = spy  # type: ignore[method-assign]
+    params = [greedy(16 + i) for i in range(len(LENGTHS))] * 2
+    reqs = [Req(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts(LENGTHS * 2, seed=5), params, strict=True))]
+    want = run_all(plain, [Req(r.rid, r.input_ids, r.sampling) for r in reqs])
+    assert run_all(ov, reqs) == want
+    assert launched_with_queue, "no decode step overlapped while requests waited"
+    assert ov.allocator.num_free + ov.kv.cache.size_info().cached_pages == ov.allocator.capacity

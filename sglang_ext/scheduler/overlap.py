@@ -15,12 +15,14 @@ runs one extra row at t+1 whose token is dropped; its KV write lands in its own,
 reuses the page later is ordered after it on the stream. Requests that certainly finish at t
 (max_new_tokens, context length) are left out of t+1.
 
-Only decode batches without logprobs overlap. Sampling needs nothing of step t on the host:
+Only decode batches without logprobs overlap, also while requests wait if none of them could be
+admitted now (the running batch full, or no page beyond the decoders' reserve: under load a queue
+stands and the pool binds). Sampling needs nothing of step t on the host:
 penalty statistics live on the device and are updated as each token is drawn, min_new_tokens
 bans count the in-flight token, and seeded rows number their draws by output position. Anything
 else (prefill, admissions, preemption, logprobs) first drains the in-flight step and then runs
-exactly as `Scheduler.step`, so the scheduling decisions and outputs are the same as without
-overlap.
+exactly as `Scheduler.step`, so the outputs are the same as without overlap (an admission that
+only the pages freed at step t make possible waits one step).
 
 Constrained rows (structured output) overlap too, but their mask for t+1 needs token t in their
 grammar matcher, so a step t+1 with constrained rows is launched in two halves around t's landing:
@@ -121,6 +123,20 @@ class OverlapScheduler(Scheduler):
             return []
         return super()._run(entries, mode)
 
+    def _admission_blocked(self) -> bool:
+        """No waiting request could be admitted now, whatever step t brings: the loop may keep
+        overlapping decode steps while a queue stands (a KV-bound pool under load) instead of
+        draining every step. Certain only where it cannot be wrong: the running batch is full, or the
+        pool has no page left beyond the running requests' decode reserve (an admission needs at
+        least one new page). Pages freed by requests that finish at step t are seen one step later,
+        so such an admission waits one step; rotation (whose policy may rotate requests out to admit
+        one) keeps deciding on landed state."""
+        if self.rot is not None:
+            return False
+        if len(self.running) >= self.max_running:
+            return True
+        return self.kv.available_pages - self._decode_reserve() < 1
+
     # ---- launching ----------------------------------------------------------------------------
     def _plain(self, e: Entry) -> bool:
         r = e.req
@@ -155,7 +171,7 @@ class OverlapScheduler(Scheduler):
     def _launch_follow_up(self, prev: _Launched) -> _Launched | _Forwarded | None:
         """Decode step t+1 from step t's in-flight tokens: launched, or only forwarded when it has
         constrained rows (sampled once t has landed); None when it needs t's results."""
-        if self.waiting or self.rotary:
+        if self.rotary or (self.waiting and not self._admission_blocked()):
             return None  # admission, resume (and prefill) decisions are made on landed state
         rows: list[int] = []
         live: set[int] = set()
