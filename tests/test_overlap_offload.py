@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from _offload_util import force_drop
 from _tiny import VOCAB, greedy, make_scheduler, prompts, run_all
 
 from sglang_ext.offload.remote import ExecutorLost
@@ -164,30 +165,6 @@ def test_a_full_executor_drops_rows_while_a_step_is_in_flight() -> None:
     assert spy.dropped_ahead > 0 and s.num_preemptions > 0
 
 
-def _force_drop(s: OverlapScheduler, pick: Callable[[list[Req]], list[Req]]) -> list[str]:
-    """Make the executor drop (release, report as failed) the requests `pick` chooses of those
-    planned while their previous step is in flight -- what a full partition does, at a chosen step."""
-    assert s.offload is not None
-    remote: Any = s.offload.remote
-    inner = remote.begin_step
-    dropped: list[str] = []
-
-    def begin_step(handles: list[int], positions: list[int]) -> list[int]:
-        assert s.offload is not None
-        reqs = [s.offload.reqs[h] for h in handles]
-        in_flight = all(p == r.kv_len + 1 for r, p in zip(reqs, positions, strict=True))
-        chosen = {id(r) for r in pick(reqs)} if in_flight else set()
-        gone = [h for h, r in zip(handles, reqs, strict=True) if id(r) in chosen]
-        for h in gone:
-            dropped.append(s.offload.reqs[h].rid)
-            remote.executor.release(remote.guest, h)
-        rest = [(h, p) for h, p in zip(handles, positions, strict=True) if h not in gone]
-        return gone + inner([h for h, _ in rest], [p for _, p in rest])
-
-    remote.begin_step = begin_step
-    return dropped
-
-
 @pytest.mark.parametrize("case", ["stops_in_flight", "continues", "every_remote_row"])
 def test_rows_dropped_in_flight_keep_their_token(reference: dict[str, list[int]], case: str) -> None:
     """A request dropped while its step-t token is in flight keeps that token: if it is a stop, the
@@ -219,7 +196,7 @@ def test_rows_dropped_in_flight_keep_their_token(reference: dict[str, list[int]]
         def pick(reqs: list[Req]) -> list[Req]:
             return [r for r in reqs if r.rid == "r0" and len(r.output_ids) == k]  # output k (in flight): the stop
 
-    dropped = _force_drop(s, pick)
+    dropped = force_drop(s, pick)
     reqs = _reqs(params)
     assert run_all(s, reqs) == want
     assert dropped and s.num_preemptions > 0

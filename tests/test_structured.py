@@ -18,6 +18,7 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
+from _offload_util import force_drop
 
 from sglang_ext.engine.model_runner import ModelRunner
 from sglang_ext.grammar.backend import Constraint, GrammarBackend, constraint_of
@@ -378,24 +379,9 @@ def test_overlap_remote_rows_taken_back_in_flight(env: Env, mixed_ref: dict[str,
     drops while their step-t token is in flight keep that token, in their matcher as well: one whose
     token ends its grammar finishes from the queue, one mid-grammar is recomputed and goes on."""
     s = env.scheduler(OverlapScheduler, offload_executor="local", offload_ratio=1.0)
-    assert s.offload is not None
-    remote: Any = s.offload.remote
-    inner = remote.begin_step
     last = {"c2": len(mixed_ref["c2"]) - 1, "c1": 9}  # c2: its final token (EOS) is in flight
-    dropped: list[str] = []
-
-    def begin_step(handles: list[int], positions: list[int]) -> list[int]:
-        assert s.offload is not None
-        reqs = [s.offload.reqs[h] for h in handles]
-        gone = [h for h, r, p in zip(handles, reqs, positions, strict=True)
-                if p == r.kv_len + 1 and last.get(r.rid) == len(r.output_ids) and r.rid not in dropped]
-        for h in gone:
-            dropped.append(s.offload.reqs[h].rid)
-            remote.executor.release(remote.guest, h)
-        rest = [(h, p) for h, p in zip(handles, positions, strict=True) if h not in gone]
-        return gone + inner([h for h, _ in rest], [p for _, p in rest])
-
-    remote.begin_step = begin_step
+    dropped = force_drop(s, lambda reqs: [r for r in reqs
+                                          if last.get(r.rid) == len(r.output_ids) and r.rid not in dropped])
     reqs = _mixed(env)
     assert run(s, reqs) == mixed_ref
     _check_valid(env, reqs)
