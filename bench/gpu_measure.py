@@ -109,3 +109,34 @@ def kernel_category(name: str) -> str:
     return "other"
 
 
+
+
+class SplitStep:
+    """A sender decode step with `n_local` rows on the sender's scattered pages and `n_remote` rows
+    whose random KV (ctx - 1 tokens each) is loaded into an executor's partition for guest `guest`;
+    `run()` decodes the same position again every call (re-planning the executor's rows first)."""
+
+    def __init__(self, runner: Any, remote: Any, executor: Any, guest: str, local_pages: list[list[int]],
+                 n_remote: int, ctx: int) -> None:
+        self.runner, self.remote, self.executor, self.guest = runner, remote, executor, guest
+        self.handles = list(range(1, n_remote + 1))
+        self.pos = ctx - 1
+        kv = torch.randn((-(-ctx // PAGE), *runner.pool.data.shape[1:]), dtype=runner.pool.data.dtype,
+                         device=executor.device)
+        for h in self.handles:
+            executor.load(guest, h, kv, self.pos)
+        rows = [BatchRow(self.pos, [7], pg, [0]) for pg in local_pages]
+        rows += [BatchRow(self.pos, [7], (), [0], remote=h) for h in self.handles]
+        self.batch = ForwardBatch.build(rows, ForwardMode.DECODE, PAGE, runner.device)
+
+    def run(self) -> None:
+        if self.handles:
+            seqs = self.executor.guests[self.guest].seqs
+            for h in self.handles:
+                seqs[h].length = self.pos
+            self.remote.begin_step(self.handles, [self.pos] * len(self.handles))
+        with torch.cuda.device(self.runner.device):
+            self.runner.forward(self.batch)
+
+    def release(self) -> None:
+        self.executor.release_all(self.guest)

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.gpu_measure import PAGE, Layout
+from bench.gpu_measure import PAGE, Layout, SplitStep
 from sglang_ext.engine.forward_batch import BatchRow, ForwardBatch, ForwardMode
 from sglang_ext.engine.model_runner import ModelRunner
 from sglang_ext.models.config import ModelConfig
@@ -100,29 +100,13 @@ def main() -> None:
     alone = _host_step_ms(host, host_batch, a.iters)
     res["host_alone_ms"] = alone
     print(json.dumps({"host_alone_ms": alone}), flush=True)
-    geo = sender.pool.geometry
-    shape = (geo.num_layers, 2, geo.page_size, geo.num_kv_heads, geo.head_dim)
     layout = Layout(sender.num_pages)
     for bs, ctx, share in senders:
         row: dict[str, Any] = {"bs": bs, "ctx": ctx, "share": share}
         try:
             n_remote = round(bs * share)
             pages = layout.pages(bs - n_remote, ctx)
-            handles = list(range(1, n_remote + 1))
-            kv = torch.randn((-(-ctx // PAGE), *shape), dtype=geo.dtype, device="cuda:1")
-            for h in handles:
-                executor.load("bench", h, kv, ctx - 1)
-            rows = [BatchRow(ctx - 1, [7], pg, [0]) for pg in pages]
-            rows += [BatchRow(ctx - 1, [7], (), [0], remote=h) for h in handles]
-            batch = ForwardBatch.build(rows, ForwardMode.DECODE, PAGE, "cuda:0")
-
-            def sender_step(batch: ForwardBatch = batch, handles: list[int] = handles, pos: int = ctx - 1) -> None:
-                seqs = executor.guests["bench"].seqs
-                for h in handles:
-                    seqs[h].length = pos
-                remote.begin_step(handles, [pos] * len(handles))
-                with torch.cuda.device(0):
-                    sender.forward(batch)
+            sender_step = SplitStep(sender, remote, executor, "bench", pages, n_remote, ctx).run
 
             busy = _host_step_ms(host, host_batch, a.iters, sender_step)
             row.update(host_busy_ms=busy, increase=busy / alone - 1)

@@ -24,8 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.gpu_measure import PAGE, Layout, time_gpu
-from sglang_ext.engine.forward_batch import BatchRow, ForwardBatch, ForwardMode
+from bench.gpu_measure import PAGE, Layout, SplitStep, time_gpu
 from sglang_ext.engine.model_runner import ModelRunner
 from sglang_ext.models.config import ModelConfig
 from sglang_ext.models.resolve import resolve_model_path
@@ -78,9 +77,7 @@ def main() -> None:
                                    "gpus": [torch.cuda.get_device_name(i) for i in range(2)],
                                    "torch": torch.__version__, "model": a.model_path,
                                    "transport": a.transport}, "rows": []}
-    geo = runner.pool.geometry
     for bs, ctx in points:
-        n_pages = -(-ctx // PAGE)
         for share in shares:
             n_remote = round(bs * share)
             n_local = bs - n_remote
@@ -89,23 +86,7 @@ def main() -> None:
                 if n_local * ctx > local_tokens:
                     raise RuntimeError(f"{n_local} local rows x {ctx} exceed the sender's pool")
                 pages = layout.pages(n_local, ctx) if n_local else []
-                handles = list(range(1, n_remote + 1))
-                kv = torch.randn((n_pages, *runner.pool.data.shape[1:]), dtype=geo.dtype, device="cuda:1")
-                for h in handles:
-                    executor.load("bench", h, kv, ctx - 1)
-                rows = [BatchRow(ctx - 1, [7], pg, [0]) for pg in pages]
-                rows += [BatchRow(ctx - 1, [7], (), [0], remote=h) for h in handles]
-                batch = ForwardBatch.build(rows, ForwardMode.DECODE, PAGE, "cuda:0")
-                seqs = executor.guests["bench"].seqs
-
-                def step(batch: ForwardBatch = batch, handles: list[int] = handles, pos: int = ctx - 1,
-                         seqs: Any = seqs) -> None:
-                    if handles:
-                        for h in handles:  # every step decodes the same position again
-                            seqs[h].length = pos
-                        remote.begin_step(handles, [pos] * len(handles))
-                    runner.forward(batch)
-
+                step = SplitStep(runner, remote, executor, "bench", pages, n_remote, ctx).run
                 torch.cuda.synchronize(1)
                 split_graphs = runner.graphs is not None and runner.graphs.split is not None
                 if "graph" in a.modes and (n_remote == 0 or split_graphs):
