@@ -23,6 +23,7 @@ hung one times out; the sender then raises ExecutorLost, and the host releases t
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -170,16 +171,24 @@ def connect_store(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> TCPStor
 
 def open_store(host: str) -> tuple[TCPStore, socket.socket]:
     """The pair's rendezvous on a free port of `host` only (TCPStore alone would listen on every
-    interface); the listening socket must stay open while the store lives."""
+    interface). The store takes ownership of the descriptor it is given and closes it when it is
+    destroyed, so it gets a duplicate: each descriptor then has one owner. (Handing it the
+    listener's own made two owners close one number; the second close could hit whatever socket
+    had reused it meanwhile, an EBADF in an unrelated place.)"""
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
         listener.bind((host.strip("[]"), 0))
         listener.listen(16)
         port = listener.getsockname()[1]
-        store = TCPStore(host, port, 2, True, timeout=timedelta(seconds=CONNECT_TIMEOUT_S), wait_for_workers=False,
-                         master_listen_fd=listener.fileno())
-    except (OSError, RuntimeError):
+    except OSError:
         listener.close()
+        raise
+    owned_by_store = os.dup(listener.fileno())
+    try:
+        store = TCPStore(host, port, 2, True, timeout=timedelta(seconds=CONNECT_TIMEOUT_S), wait_for_workers=False,
+                         master_listen_fd=owned_by_store)
+    except (OSError, RuntimeError):
+        listener.close()  # the duplicate is the store's: never closed here, in case it already did
         raise
     return store, listener
 
