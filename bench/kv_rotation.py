@@ -11,7 +11,8 @@ an 8 GiB device pool and an 8 GiB pinned host pool. Sections:
             layout must do (the pattern that held vLLM to ~10 GB/s on GH200);
   one_way   the engine's methods (batched, staged, runs, per_page) moving --pages scattered device pages
             out and in, with host pages contiguous (as `PageAllocator.alloc_lowest` hands them out) or scattered;
-  duplex    a swap-out and a swap-in of --pages each, enqueued together.
+  duplex    a swap-out and a swap-in of --pages each, enqueued together: as two big calls, and per request
+            (calls of --request-pages pages, the directions in turn, as the scheduler issues them).
 Each cell: wall time from a synchronized start to both streams drained, median of --repeats, plus the
 host time of the calls (what the scheduler pays), and a bit-exact check of sampled pages. Cells are
 guarded (an error is recorded and the run goes on) and skipped once --budget-s is spent. The summary
@@ -239,6 +240,17 @@ def duplex(b: Bench, engs: dict[str, DuplexRotationEngine]) -> None:
                lambda: pairs_match(b, out_dev, out_host) and pairs_match(b, in_dev, in_host), prepare,
                method=m, effective_method=e.method, concurrent=b.cuda)
 
+        # As the scheduler issues them: one call per request (--request-pages), the two directions in
+        # turn, so the second stream starts after one request's enqueue, not after the whole first batch's.
+        def interleaved(e: DuplexRotationEngine = e, k: int = max(1, b.a.request_pages)) -> None:
+            for i in range(0, n, k):
+                e.swap_out(out_dev[i:i + k], out_host[i:i + k])
+                e.swap_in(in_host[i:i + k], in_dev[i:i + k])
+
+        b.cell("duplex", f"{m}_duplex_per_request", 2 * n * PB, interleaved,
+               lambda: pairs_match(b, out_dev, out_host) and pairs_match(b, in_dev, in_host), prepare,
+               method=m, effective_method=e.method, concurrent=b.cuda, request_pages=b.a.request_pages)
+
 
 # ---- report -----------------------------------------------------------------------------------------
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -259,21 +271,26 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
                     s[f"{d}_{layout}_vs_peak"] = round(v / peak[d], 3)
                 if base[d]:
                     s[f"{d}_{layout}_vs_baseline"] = round(v / base[d], 2)
-        v = g.get(f"{m}_duplex")
-        if v is not None:
-            s["duplex_gbps"] = round(v, 2)
-            if peak["duplex"]:
-                s["duplex_vs_peak"] = round(v / peak["duplex"], 3)
+        for key, name in (("duplex", f"{m}_duplex"), ("duplex_per_request", f"{m}_duplex_per_request")):
+            v = g.get(name)
+            if v is not None:
+                s[f"{key}_gbps"] = round(v, 2)
+                if peak["duplex"]:
+                    s[f"{key}_vs_peak"] = round(v / peak["duplex"], 3)
         s["meets_targets"] = bool(s) and all(
             (val >= TARGET_PEAK if k.endswith("vs_peak") else val >= TARGET_BASELINE)
-            for k, val in s.items() if k.endswith(("vs_peak", "vs_baseline")) and "host_scattered" not in k)
+            for k, val in s.items() if k.endswith(("vs_peak", "vs_baseline")) and "host_scattered" not in k
+            and not k.startswith("duplex_vs"))  # duplex is judged on the better of its two issue patterns
+        dx = max(s.get("duplex_vs_peak", 0.0), s.get("duplex_per_request_vs_peak", 0.0))
+        if "duplex_vs_peak" in s or "duplex_per_request_vs_peak" in s:
+            s["meets_targets"] = s["meets_targets"] and dx >= TARGET_PEAK
         methods[m] = s
     checks_failed = [r["name"] for r in ok if r.get("check") is False]
 
     def score(m: str) -> float:  # duplex first (the engine's working mode), then one-way
         s = methods[m]
-        return s.get("duplex_gbps", 0.0) + 0.5 * min(s.get("out_host_contiguous_gbps", 0.0),
-                                                     s.get("in_host_contiguous_gbps", 0.0))
+        dx = max(s.get("duplex_gbps", 0.0), s.get("duplex_per_request_gbps", 0.0))
+        return dx + 0.5 * min(s.get("out_host_contiguous_gbps", 0.0), s.get("in_host_contiguous_gbps", 0.0))
 
     candidates = [m for m in METHODS if methods[m] and not any(c.startswith(m + "_") for c in checks_failed)]
     return {"peak_gbps": peak, "baseline_gbps": base, "methods": methods, "checks_failed": checks_failed,
@@ -285,7 +302,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def print_table(summary: dict[str, Any]) -> None:
     print(f"\npeaks GB/s: {summary['peak_gbps']}   baseline GB/s: {summary['baseline_gbps']}")
     print(f"{'method':10s} {'out':>7s} {'in':>7s} {'out/pk':>7s} {'in/pk':>7s} {'out/bl':>7s} {'in/bl':>7s} "
-          f"{'duplex':>7s} {'dx/pk':>6s}  targets")
+          f"{'duplex':>7s} {'dx/pk':>6s} {'dx/req':>7s} {'/pk':>6s}  targets")
     for m, s in summary["methods"].items():
         def f(k: str, s: dict[str, Any] = s) -> str:
             v = s.get(k)
@@ -294,7 +311,8 @@ def print_table(summary: dict[str, Any]) -> None:
         print(f"{m:10s} {f('out_host_contiguous_gbps')} {f('in_host_contiguous_gbps')} "
               f"{f('out_host_contiguous_vs_peak')} {f('in_host_contiguous_vs_peak')} "
               f"{f('out_host_contiguous_vs_baseline')} {f('in_host_contiguous_vs_baseline')} "
-              f"{f('duplex_gbps')} {f('duplex_vs_peak')}  {'met' if s.get('meets_targets') else 'NOT met'}")
+              f"{f('duplex_gbps')} {f('duplex_vs_peak')} {f('duplex_per_request_gbps')} "
+              f"{f('duplex_per_request_vs_peak')}  {'met' if s.get('meets_targets') else 'NOT met'}")
     print(f"best method: {summary['best_method']}; failed checks: {summary['checks_failed'] or 'none'}")
 
 
@@ -324,6 +342,8 @@ def main() -> None:
     p.add_argument("--pool-gb", type=float, default=8.0, help="device pool (and host pool) size")
     p.add_argument("--pages", type=int, default=1536, help="pages moved per direction per call (2 MiB each)")
     p.add_argument("--baseline-pages", type=int, default=256, help="pages for the per-layer-per-page baseline")
+    p.add_argument("--request-pages", type=int, default=64,
+                   help="pages per call in the per-request duplex cells (64: a 1K-token Llama-3-8B request)")
     p.add_argument("--staging-mb", type=int, default=128, help="staging buffer per direction (method staged)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per cell (median), after one warm-up")
     p.add_argument("--budget-s", type=float, default=150.0, help="cells after this many seconds are skipped")
@@ -333,7 +353,7 @@ def main() -> None:
     p.add_argument("--out", default="kv_rotation.json")
     a = p.parse_args()
     if a.smoke:
-        a.pool_gb, a.pages, a.baseline_pages, a.repeats, a.staging_mb = 0.25, 48, 8, 1, 16
+        a.pool_gb, a.pages, a.baseline_pages, a.repeats, a.staging_mb, a.request_pages = 0.25, 48, 8, 1, 16, 16
     if a.device != "cuda":
         print("no CUDA device: CPU tensors, copies are synchronous; GPU-only cells are skipped", flush=True)
     a.pool_pages = a.host_pages = max(int(a.pool_gb * 2**30) // PB, 2 * a.pages + 1)

@@ -123,6 +123,12 @@ def cell(report: Report, budget: float, topology: str, bs: int, variant: str, mo
 # ---- two GPUs, one process ----------------------------------------------------------------------------
 def two_gpu_signalled(snd: Sender, exe: Executor, bs: int, mode: str, a: argparse.Namespace,
                       lean: bool = False) -> dict[str, Any]:
+    # Every cell starts from lowered flags: a lean cell leaves the sender's completion flags raised, and a
+    # plain step that found them raised would ring doorbells still set (lost rings: a hang).
+    for flags, dev in ((snd.own.flags, 0), (exe.own.flags, 1)):
+        s = torch.cuda.Stream(device=dev)
+        flags.fill(s, 0)
+        s.synchronize()
     if mode == "graph":
         gs = capture(snd.stream, lambda: snd.step(bs, lean))
         gx = capture(exe.stream, lambda: exe.step(bs, lean))

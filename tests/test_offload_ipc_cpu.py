@@ -66,13 +66,12 @@ GPU_A, GPU_B = Placement("hot-0", "n1", "cuda:0"), Placement("cold-0", "n1", "cu
     ("cuda_ipc", GPU_A, GPU_B, Choice("cuda_ipc", "")),  # forced: no fallback, the host refuses instead
 ])
 def test_the_transport_follows_the_placement(asked: str | None, sender: Placement, host: Placement,
-                                             want: Choice, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(transport, "AUTO_CUDA_IPC", True)  # the rule once cross-process cuda_ipc is verified
+                                             want: Choice) -> None:
     assert choose_transport(asked, sender, host) == want
 
 
-def test_an_unset_transport_stays_torch_dist_until_cuda_ipc_is_verified() -> None:
-    assert not transport.AUTO_CUDA_IPC
+def test_without_the_automatic_rule_an_unset_transport_is_torch_dist(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transport, "AUTO_CUDA_IPC", False)
     assert choose_transport(None, GPU_A, GPU_B) == Choice("torch_dist", "")
     assert choose_transport("cuda_ipc", GPU_A, GPU_B) == Choice("cuda_ipc", "")
 

@@ -236,11 +236,7 @@ async def test_a_restarted_host_pairs_its_senders_again(router: Router, fleet: F
     assert o2.pairing != o.pairing and (await next_of(s, OffloadDirective)).pairing == o2.pairing
 
 
-async def test_gpus_of_one_node_pair_over_cuda_ipc(router: Router, fleet: Fleet,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from sglang_ext.offload import transport
-
-    monkeypatch.setattr(transport, "AUTO_CUDA_IPC", True)  # the rule once cross-process cuda_ipc is verified
+async def test_gpus_of_one_node_pair_over_cuda_ipc(router: Router, fleet: Fleet) -> None:
     s = await fleet.up("hot-0", "hot", device="cuda:0", hostname="n1", gpu_uuid="GPU-a")
     h = await fleet.up("cold-0", "cold", device="cuda:1", hostname="n1")
     o = await next_of(h, ExecutorOpen)
@@ -250,9 +246,9 @@ async def test_gpus_of_one_node_pair_over_cuda_ipc(router: Router, fleet: Fleet,
     assert (await next_of(s, OffloadDirective)).transport == "cuda_ipc"
 
 
-async def test_gpus_of_one_node_pair_over_torch_dist_unless_cuda_ipc_is_asked(router: Router,
-                                                                              fleet: Fleet) -> None:
-    await fleet.up("hot-0", "hot", device="cuda:0", hostname="n1", gpu_uuid="GPU-a")
+async def test_gpus_of_one_node_pair_over_torch_dist_when_asked(router: Router, fleet: Fleet) -> None:
+    await fleet.up("hot-0", "hot", device="cuda:0", hostname="n1", gpu_uuid="GPU-a",
+                   offload_transport="torch_dist")
     h = await fleet.up("cold-0", "cold", device="cuda:1", hostname="n1")
     assert (await next_of(h, ExecutorOpen)).transport == "torch_dist"
 

@@ -9,15 +9,15 @@ A served pairing (the cluster file's `offload:`) picks its transport from the pl
 knows (each worker's host name and device) unless the sender forces one:
 
     sender asked   both GPUs on one node            otherwise
-    (unset)        torch_dist (see AUTO_CUDA_IPC)   torch_dist
+    (unset)        cuda_ipc, torch_dist where the   torch_dist
+                   host finds no peer path
     cuda_ipc       cuda_ipc (an error, not a        error at pairing time
                    fallback, if it cannot work)
     torch_dist     torch_dist                       torch_dist
 
-`AUTO_CUDA_IPC` makes an unset transport pick cuda_ipc for GPUs of one node (falling back to
-torch_dist where the host finds no peer path). It is off until the cross-process cuda_ipc path has
-run on GPUs: served pairings verified on two H200s use torch_dist over NCCL, and a default must
-not be the untested path.
+`AUTO_CUDA_IPC` is that automatic choice of cuda_ipc for GPUs of one node. It was held off until the
+cross-process path had run on GPUs; it has (tests/test_offload_served.py on two H200s, 2026-11-30:
+outputs equal to no offload, and the executor's host killed mid-generation without a hang).
 
 Nothing here imports torch: the router validates cluster files with it.
 """
@@ -28,7 +28,7 @@ import importlib.util
 from typing import Final, NamedTuple
 
 SERVED_DEFAULT: Final = "torch_dist"  # a pairing across processes when nothing better is known
-AUTO_CUDA_IPC: Final = False  # unset transport + GPUs of one node -> cuda_ipc (on once verified on GPUs)
+AUTO_CUDA_IPC: Final = True  # unset transport + GPUs of one node -> cuda_ipc
 SERVED: Final = ("torch_dist", "cuda_ipc")
 
 
