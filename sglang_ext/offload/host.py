@@ -126,6 +126,17 @@ class ExecutorHost:
                 out[model] = out.get(model, 0) + pg.used * g.spec.geometry.page_size
         return out
 
+    def free_tokens(self) -> dict[str, int]:
+        """KV tokens each pairing could still get (its free pages plus whole free slabs, which every
+        guest shares), by pairing id; a report read without the lock, like `used_tokens`."""
+        out: dict[str, int] = {}
+        part = self.executor.partition
+        for key in list(self.guest_models):
+            g = self.executor.guests.get(key)
+            if g is not None and key in part.guests:
+                out[key.rpartition("/")[2]] = part.free_pages(key) * g.spec.geometry.page_size
+        return out
+
 
 class ExecutorService:
     """The host's end of one pairing: a thread answering the sender against the worker's executor.
