@@ -52,8 +52,8 @@ def test_a_ratio_update_changes_which_new_requests_go_remote(reference: list[lis
     d = open_for(sender, host)
     sender.handle(OffloadDirective(**{**_fields(d), "policy": "adaptive", "ratio": 0.4}))
     assert sender.load_report().offload_ratio == 0.4
-    free = host.load_report().executor_kv_free_tokens
-    assert set(free) == {"p1"} and free["p1"] > 0
+    rep = host.load_report()
+    assert rep.executor_kv_free_tokens["p1"] > 0 and rep.executor_kv_pairing_tokens == {"p1": 0}
     # ratio 0: the pairing stays, no new request goes out
     sender.handle(OffloadRatio(pairing="p1", ratio=0.0))
     outs, where = run(sender, "b")
@@ -61,8 +61,11 @@ def test_a_ratio_update_changes_which_new_requests_go_remote(reference: list[lis
     assert sender.load_report().offload_state == "active" and sender.load_report().offload_ratio == 0.0
     # ratio 1: every new request goes out
     sender.handle(OffloadRatio(pairing="p1", ratio=1.0))
-    outs, where = run(sender, "c")
+    held: list[tuple[int, int]] = []
+    outs, where = run(sender, "c", each=lambda w: held.append(
+        (host.load_report().executor_kv_pairing_tokens["p1"], host.load_report().executor_kv_free_tokens["p1"])))
     assert outs == reference and where == ["cold-0"] * len(PROMPTS)
+    assert max(u for u, _ in held) > 0 and min(f for _, f in held) < rep.executor_kv_free_tokens["p1"]
     # an update for another pairing (a stale one) and a bad one are ignored
     sender.handle(OffloadRatio(pairing="p0", ratio=0.0))
     sender.handle(OffloadRatio(pairing="p1", ratio=1.5))

@@ -140,9 +140,11 @@ class LoadReport(msgspec.Struct, tag="load", kw_only=True):
     offload_state: str = ""  # "" | active | draining | lost | failed: why
     offload_ratio: float = 0.0  # the share cap in force (OffloadDirective / OffloadRatio)
     offload_bound: float = 0.0  # Adrenaline's OB in force (policy adrenaline; 0 otherwise)
-    # ... and as a host: KV tokens held per guest model, and tokens each pairing could still get
+    # ... and as a host: KV tokens held per guest model; per pairing id, tokens held and tokens it
+    # could still get (free slabs are shared by every guest)
     executor_kv_used_tokens: dict[str, int] = msgspec.field(default_factory=dict)
-    executor_kv_free_tokens: dict[str, int] = msgspec.field(default_factory=dict)  # pairing id -> tokens
+    executor_kv_pairing_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+    executor_kv_free_tokens: dict[str, int] = msgspec.field(default_factory=dict)
     # Latency the planner steers by: P99 of finished requests' TPOT over the last few seconds
     # (0 with no samples) and how many requests it covers.
     tpot_p99_ms: float = 0.0

@@ -198,7 +198,8 @@ class WorkerOffload:
             "offload_ratio": off.ratio if off else 0.0, "offload_bound": (off.ob or 0.0) if off else 0.0,
         }
         used = self.host.used_tokens() if self.host else {}
-        out["executor_kv_free_tokens"] = self.host.free_tokens() if self.host else {}
+        if self.host is not None:
+            out["executor_kv_pairing_tokens"], out["executor_kv_free_tokens"] = self.host.pairing_tokens()
         if isinstance(r, LocalRemote):  # the in-process executor hosts this worker's own model
             used[self.model_name] = r.executor.used_tokens(r.guest)
             out["offload_state"] = "active" if r.alive else "lost"
