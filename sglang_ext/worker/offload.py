@@ -80,14 +80,15 @@ class WorkerOffload:
         if self.args.offload_executor is not None:
             self._fail(d, "this worker has an in-process executor (offload_executor)")
             return
-        if d.detach or d.ratio <= 0:
+        # A planned policy may pair at ratio 0 (nothing goes out until an OffloadRatio raises it).
+        if d.detach or (d.ratio <= 0 and d.policy == "fixed"):
             self._detach(d, scheduler)
             return
         try:
             if d.policy not in POLICIES:
                 raise ValueError(f"offload policy {d.policy!r} is not one of {', '.join(POLICIES)}")
-            if not 0 < d.ratio <= 1:
-                raise ValueError(f"offload ratio must be in (0, 1], got {d.ratio}")
+            if not 0 <= d.ratio <= 1:
+                raise ValueError(f"offload ratio must be in [0, 1], got {d.ratio}")
             if not d.bound >= 0:
                 raise ValueError(f"offload bound must be >= 0, got {d.bound}")
             asked = self.args.offload_transport
