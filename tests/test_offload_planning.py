@@ -18,7 +18,7 @@ from test_offload_router import Fleet, next_of, serve_open
 import router.planning.steer as steer
 from router.config import AdaptiveSpec, AdrenalineSpec, OffloadSpec, RouterConfig, SloSpec
 from router.core import Router
-from router.events import ExecutorMemoryLow, OffloadDecided
+from router.events import ExecutorMemoryLow, OffloadDecided, SloMissed
 from router.planning import Adaptive, Adrenaline, PairView, offload_bound
 from sglang_ext.messages import GenerateReq, OffloadDirective, OffloadRatio
 
@@ -162,6 +162,11 @@ async def test_adaptive_lowers_on_slo_misses_and_raises_with_slack(make_router: 
         assert f"sglang_ext:offload_ratio{{{labels}}} 0.4" in text
         assert f"sglang_ext:offload_bound{{{labels}}} 0.4" in text
         assert f"sglang_ext:offload_ratio_updates_total{{{labels}}} 11.0" in text
+        # a request of the host's own model misses its token-gap SLO (the router's check): lowered once,
+        # then raised again with slack
+        router.bus.publish(SloMissed("r-x", "cold", "cold-0", "tbt", 0.2, 0.05))
+        assert [m.ratio for m in await ratios(s, 3)] == pytest.approx([0.3, 0.35, 0.4])
+        assert "1 tbt miss(es)" in decided[-3].why
     finally:
         for w in fleet.workers:
             w.close()

@@ -50,12 +50,11 @@ def test_a_ratio_update_changes_which_new_requests_go_remote(reference: list[lis
     host = make("cold-0", executor_mem_gb=0.02)
     sender = make("hot-0")
     d = open_for(sender, host)
-    sender.handle(OffloadDirective(**{**_fields(d), "policy": "adaptive", "ratio": 0.4}))
-    assert sender.load_report().offload_ratio == 0.4
+    # a planned policy may pair at ratio 0: the pairing is up, no new request goes out
+    sender.handle(OffloadDirective(**{**_fields(d), "policy": "adaptive", "ratio": 0.0}))
+    assert sender.load_report().offload_ratio == 0.0
     rep = host.load_report()
     assert rep.executor_kv_free_tokens["p1"] > 0 and rep.executor_kv_pairing_tokens == {"p1": 0}
-    # ratio 0: the pairing stays, no new request goes out
-    sender.handle(OffloadRatio(pairing="p1", ratio=0.0))
     outs, where = run(sender, "b")
     assert outs == reference and where == [None] * len(PROMPTS)
     assert sender.load_report().offload_state == "active" and sender.load_report().offload_ratio == 0.0
