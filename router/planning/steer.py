@@ -108,6 +108,7 @@ class Steering:
 
     def opening(self, p: Pairing) -> tuple[float, float]:
         """The (ratio, bound) a new pairing's directive carries: the policy's decision now."""
+        p.exec_low = False  # a new pairing: the host's next report says
         p.decision = p.policy.decide(self.view(p))
         p.sent = p.decision.wire(p.rule.cap)
         p.sent_at = time.monotonic()

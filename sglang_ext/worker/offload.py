@@ -53,7 +53,6 @@ class WorkerOffload:
         self.pairing = ""
         self.executor = ""
         self.state = ""
-        self.policy = ""
         self._done = [0, 0, 0.0]  # bytes out, bytes in, wait seconds of remotes already closed
 
     def set_address(self, address: str) -> None:
@@ -103,7 +102,7 @@ class WorkerOffload:
         self.runner.set_remote(remote)
         ob = d.bound if d.policy == "adrenaline" else None
         scheduler.set_offload(Offloader(remote, d.ratio, self.runner.pool, ob))
-        self.pairing, self.executor, self.state, self.policy = d.pairing, d.executor, "active", d.policy
+        self.pairing, self.executor, self.state = d.pairing, d.executor, "active"
         logger.info("remote attention: %.0f%% of decoding requests to the executor on %s (pairing %s, %s, "
                     "policy %s)", 100 * d.ratio, d.executor, d.pairing, d.backend, d.policy)
 
@@ -116,10 +115,9 @@ class WorkerOffload:
             logger.warning("offload ratio update %s ignored: ratio %s (0..1), bound %s (>= 0)", m.pairing, m.ratio,
                            m.bound)
             return
-        if (off.ratio, off.ob) != (m.ratio, m.bound if off.ob is not None else None):
-            logger.debug("offload ratio %.3f -> %.3f, bound %s -> %s", off.ratio, m.ratio, off.ob, m.bound)
+        logger.debug("offload ratio %.3f -> %.3f, bound %s -> %s", off.ratio, m.ratio, off.ob, m.bound)
         off.ratio = m.ratio
-        if off.ob is not None:
+        if off.ob is not None:  # policy adrenaline: C1/C2 under the new bound
             off.ob = m.bound
 
     def _connect(self, d: OffloadDirective) -> RemoteAttention:
