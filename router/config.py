@@ -27,7 +27,8 @@ API_KEY_ENV: Final = "SGLANG_EXT_API_KEY"
 
 # Router settings the launcher's server flags already carry (`--host`, `--port`, `--api-key`, `--log-level`).
 SERVER_FLAG_FIELDS: Final = frozenset({"host", "port", "api_key", "log_level"})
-OFFLOAD_POLICIES: Final = ("fixed",)
+OFFLOAD_POLICIES: Final = ("fixed", "adrenaline", "adaptive")
+ADAPTIVE_START: Final = 0.45  # WEAVER's default ratio
 
 
 class ConfigError(ValueError):
@@ -93,15 +94,56 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True):
     slo: SloSpec | None = None
 
 
+class AdrenalineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Inputs of Adrenaline's bound OB(n, B_max) that no report carries (router/planning/adrenaline.py)."""
+
+    # The decode batch at which the sender's dense kernels turn compute-bound. Llama-3-8B on an H200
+    # (docs/DESIGN figures): a layer's GEMMs take 130 / 182 / 195 / 348 us at batch 1 / 128 / 256 / 512,
+    # flat up to 256, then time grows with the batch.
+    b_max: Annotated[int, Meta(ge=1)] = 256
+    # The executor's HBM bandwidth share over the sender's bandwidth (same GPUs: the share of its GPU
+    # the executor gets beside the host's own model; Adrenaline: 20% of the SMs reach 60% of HBM).
+    bandwidth_share: Annotated[float, Meta(gt=0)] = 0.5
+
+
+class AdaptiveSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The adaptive controller's steps and thresholds (router/planning/adaptive.py)."""
+
+    step_down: Annotated[float, Meta(gt=0, le=1)] = 0.1  # lower by this after an SLO miss
+    step_up: Annotated[float, Meta(gt=0, le=1)] = 0.05  # raise by this with slack
+    slack: Annotated[float, Meta(gt=0, lt=1)] = 0.8  # slack: P99 TPOT below slack x SLO (between: hold)
+    interval_s: Annotated[float, Meta(gt=0)] = 2.0  # at most one change per interval (time to show its effect)
+
+
 class OffloadSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename={"from_": "from"}):
-    """One `offload:` entry: workers of model `from` send `ratio` of their decoding requests'
-    attention and KV to an executor hosted by a worker of model `to` (one with executor_mem_gb > 0)."""
+    """One `offload:` entry: workers of model `from` send a share of their decoding requests'
+    attention and KV to an executor hosted by a worker of model `to` (one with executor_mem_gb > 0);
+    the share is `policy`'s: fixed (`ratio`), adrenaline (a bound from memory, bandwidth and B_max)
+    or adaptive (moved to keep `to`'s P99 TPOT within its SLO). See docs/configuration.md."""
 
     from_: str
     to: str
-    ratio: float
-    policy: str = "fixed"  # the only one for now; adaptive policies come with the planner
+    ratio: float | None = None  # fixed: the share (required); adaptive: the starting share
+    policy: str = "fixed"
     timeout_s: Annotated[float, Meta(gt=0)] = 5.0  # a data-plane wait longer than this: the executor is lost
+    max_ratio: float | None = None  # adrenaline, adaptive: the largest share (default 1)
+    executor_low_mem: Annotated[float, Meta(ge=0, lt=1)] = 0.1  # free executor KV below this share: "memory low"
+    adrenaline: AdrenalineSpec | None = None  # policy adrenaline's settings (defaults when omitted)
+    adaptive: AdaptiveSpec | None = None  # policy adaptive's settings (defaults when omitted)
+
+    @property
+    def cap(self) -> float:
+        """The largest share the policy may give (fixed: its ratio)."""
+        if self.policy == "fixed":
+            return self.ratio or 0.0
+        return self.max_ratio if self.max_ratio is not None else 1.0
+
+    @property
+    def start(self) -> float:
+        """The share a new pairing starts with (adrenaline: its cap; the bound then decides)."""
+        if self.policy == "adaptive":
+            return self.ratio if self.ratio is not None else min(ADAPTIVE_START, self.cap)
+        return self.cap
 
 
 class ClusterSpec(msgspec.Struct, forbid_unknown_fields=True):
@@ -235,7 +277,7 @@ def build_cluster(spec: ClusterSpec) -> Cluster:
     dup = sorted({x for x in ids if ids.count(x) > 1})
     if dup:
         raise ConfigError(f"worker ids must be unique, repeated: {', '.join(dup)}")
-    _check_offload(spec.offload, names, workers)
+    _check_offload(spec.offload, names, workers, slo)
     return Cluster(spec.router, tuple(workers), tuple(names), slo, tuple(spec.offload))
 
 
@@ -246,7 +288,33 @@ def _slo_args(slo: SloSpec | None) -> dict[str, float]:
     return {k: v for k, v in pairs if v is not None}
 
 
-def _check_offload(rules: list[OffloadSpec], names: list[str], workers: list[LocalWorker]) -> None:
+def _check_policy(where: str, o: OffloadSpec, slo: Mapping[str, SloSpec]) -> None:
+    if o.policy not in OFFLOAD_POLICIES:
+        raise ConfigError(f"{where}.policy: {o.policy!r} is not one of {', '.join(OFFLOAD_POLICIES)}")
+    for key in ("adrenaline", "adaptive"):
+        if getattr(o, key) is not None and o.policy != key:
+            raise ConfigError(f"{where}.{key}: settings of policy {key}, but the policy is {o.policy}")
+    if o.policy == "fixed":
+        if o.ratio is None:
+            raise ConfigError(f"{where}.ratio: policy fixed needs a ratio, in (0, 1]")
+        if o.max_ratio is not None:
+            raise ConfigError(f"{where}.max_ratio: for policies adrenaline and adaptive; fixed uses ratio")
+    elif o.policy == "adrenaline" and o.ratio is not None:
+        raise ConfigError(f"{where}.ratio: policy adrenaline derives the share from its bound; "
+                          "cap it with max_ratio")
+    if o.max_ratio is not None and not 0.0 < o.max_ratio <= 1.0:
+        raise ConfigError(f"{where}.max_ratio must be in (0, 1], got {o.max_ratio}")
+    hi = 1.0 if o.policy == "fixed" else o.cap
+    if o.ratio is not None and not 0.0 < o.ratio <= hi:
+        bound = "(0, 1]" if o.policy == "fixed" else f"(0, max_ratio {hi:g}]"
+        raise ConfigError(f"{where}.ratio must be in {bound}, got {o.ratio}")
+    if o.policy == "adaptive" and (o.to not in slo or slo[o.to].tpot_ms is None):
+        raise ConfigError(f"{where}: policy adaptive keeps {o.to!r}'s P99 TPOT within its SLO: "
+                          f"set slo: {{tpot_ms: ...}} on model {o.to!r}")
+
+
+def _check_offload(rules: list[OffloadSpec], names: list[str], workers: list[LocalWorker],
+                   slo: Mapping[str, SloSpec]) -> None:
     """Pairings that cannot work are errors at start. (A `to` model without local workers is checked
     when its workers join: they may offer executor memory from another host.)"""
     senders: set[str] = set()
@@ -257,10 +325,7 @@ def _check_offload(rules: list[OffloadSpec], names: list[str], workers: list[Loc
                 raise ConfigError(f"{where}.{key}: no model named {name!r} (models: {', '.join(names)})")
         if o.from_ == o.to:
             raise ConfigError(f"{where}: from and to are both {o.to!r}; a model offloads to another model")
-        if o.policy not in OFFLOAD_POLICIES:
-            raise ConfigError(f"{where}.policy: {o.policy!r} is not one of {', '.join(OFFLOAD_POLICIES)}")
-        if not 0.0 < o.ratio <= 1.0:
-            raise ConfigError(f"{where}.ratio must be in (0, 1], got {o.ratio}")
+        _check_policy(where, o, slo)
         if o.from_ in senders:
             raise ConfigError(f"{where}: model {o.from_!r} already offloads (one entry per `from` model)")
         senders.add(o.from_)

@@ -1,6 +1,6 @@
 """The router's event bus: what happened, published as it happens, for planners to react to.
 
-Offload planners (later issues) subscribe here instead of polling: each subscriber gets its own
+Offload planners (router/offload.py) subscribe here instead of polling: each subscriber gets its own
 bounded queue, so a slow planner loses its oldest events (counted in `dropped`) and never slows
 the request path. Publishing is synchronous and O(subscribers); it never awaits.
 """
@@ -85,6 +85,32 @@ class WorkerDown(Event):
     model: str
     worker_id: str
     reason: str
+
+
+@dataclass(frozen=True)
+class ExecutorMemoryLow(Event):
+    """A pairing's free executor KV fell under its entry's `executor_low_mem` share (published by
+    the offload planner on the host's load report, once per fall)."""
+
+    model: str  # the host's model
+    worker_id: str  # the host
+    sender: str
+    pairing: str
+    free_tokens: int
+    total_tokens: int
+
+
+@dataclass(frozen=True)
+class OffloadDecided(Event):
+    """An offload policy's new decision for a pairing, as sent to the sender."""
+
+    sender: str
+    executor: str
+    pairing: str
+    policy: str
+    ratio: float
+    bound: float
+    why: str
 
 
 class Subscription:

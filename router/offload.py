@@ -10,7 +10,9 @@
     LoadReported (sender)    a sender that lost its executor, or a pairing that failed or waits for a
                              host, is tried again (at most every RETRY_S)
 
-Policy `fixed` only (WEAVER's static ratio); adaptive policies will set `ratio` from these events.
+What share of a sender's requests go out is its entry's policy's (router/planning/): the directive
+carries the policy's decision when the pairing opens; later decisions, taken on events by
+`Steering` (router/planning/steer.py), go to the sender as OffloadRatio updates of the live pairing.
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from router.config import OffloadSpec
 from router.events import Event, LoadReported, WorkerDown, WorkerUp
+from router.planning import Decision, Policy, make_policy
+from router.planning.metrics import PlanningMetrics
+from router.planning.steer import EVENTS, Steering
 from router.registry import WorkerState
 from sglang_ext.messages import ExecutorOpen, OffloadDirective, ReplyOut, WorkerInfo
 from sglang_ext.offload.transport import SERVED_DEFAULT, Choice, Placement, choose_transport
@@ -49,10 +54,24 @@ class Pairing:
     task: asyncio.Task[None] | None = None
     logged: str = ""  # the last state logged (a retry that fails the same way is not logged again)
     transport: str = ""  # the data plane the host serves (torch_dist | cuda_ipc)
+    # planning (router/planning/steer.py): the entry's policy, its latest decision, what was sent
+    policy: Policy = field(init=False)
+    decision: Decision | None = None
+    sent: tuple[float, float] | None = None  # (ratio, bound) in the directive or the latest OffloadRatio
+    sent_at: float = 0.0
+    updates: int = 0  # OffloadRatio messages sent
+    exec_low: bool = False
+
+    def __post_init__(self) -> None:
+        self.policy = make_policy(self.rule)
 
     def describe(self) -> dict[str, Any]:
+        d = self.decision
         return {"from": self.sender, "from_model": self.rule.from_, "executor": self.executor or None,
-                "to_model": self.rule.to, "ratio": self.rule.ratio, "policy": self.rule.policy,
+                "to_model": self.rule.to, "policy": self.rule.policy,
+                "ratio": d.ratio if d else self.rule.start, "bound": d.bound if d else self.rule.cap,
+                "ob": d.ob if d else None, "why": d.why if d else None, "updates": self.updates,
+                "executor_memory_low": self.exec_low,
                 "state": self.state, "pairing": self.pairing_id or None, "transport": self.transport or None}
 
 
@@ -64,9 +83,11 @@ class OffloadPlanner:
         self.pairings: dict[str, Pairing] = {}  # sender worker id -> its pairing
         self._ids = itertools.count(1)
         self._unsubscribe: Any = None
+        self.steering = Steering(router, self.pairings, self.hosts_of)
+        router.metrics.registry.register(PlanningMetrics(self.pairings))
 
     def start(self) -> None:
-        self._unsubscribe = self.router.bus.on(self._on_event, WorkerUp, WorkerDown, LoadReported)
+        self._unsubscribe = self.router.bus.on(self._on_event, WorkerUp, WorkerDown, *EVENTS)
 
     def stop(self) -> None:
         if self._unsubscribe is not None:
@@ -112,6 +133,7 @@ class OffloadPlanner:
                 self._set(p, "lost" if r.offload_state == "lost" else r.offload_state)
             if p.state not in _LIVE:
                 self._pair(p)
+        self.steering.on_event(ev)  # the policies' decisions, for every event it listens to
 
     def _pairing(self, sender: str, model: str) -> Pairing:
         p = self.pairings.get(sender)
@@ -178,7 +200,7 @@ class OffloadPlanner:
             why = reply.data.get("error", "refused") if reply is not None else f"no answer in {OPEN_TIMEOUT_S:g} s"
             self._set(p, f"failed: {host.worker_id}: {why}")
             return
-        d = _directive(reply, p.rule, pid, host.worker_id)
+        d = _directive(reply, p.rule, pid, host.worker_id, self.steering.opening(p))
         p.transport = d.transport
         self.router.send(p.sender, d)
         self._set(p, "active")
@@ -197,7 +219,9 @@ def _open_msg(rid: str, info: WorkerInfo, rule: OffloadSpec, pairing: str, choic
                         fallback=choice.fallback, guest_gpu=info.gpu_uuid, timeout_s=rule.timeout_s)
 
 
-def _directive(reply: ReplyOut, rule: OffloadSpec, pairing: str, executor: str) -> OffloadDirective:
+def _directive(reply: ReplyOut, rule: OffloadSpec, pairing: str, executor: str,
+               wire: tuple[float, float]) -> OffloadDirective:
     return OffloadDirective(pairing=pairing, executor=executor, store=str(reply.data["store"]),
-                            backend=str(reply.data.get("backend", "gloo")), ratio=rule.ratio, policy=rule.policy,
-                            transport=str(reply.data.get("transport", SERVED_DEFAULT)), timeout_s=rule.timeout_s)
+                            backend=str(reply.data.get("backend", "gloo")), ratio=wire[0], bound=wire[1],
+                            policy=rule.policy, transport=str(reply.data.get("transport", SERVED_DEFAULT)),
+                            timeout_s=rule.timeout_s)

@@ -61,7 +61,17 @@ def test_a_valid_offload_entry() -> None:
     ({"from": "hot", "to": "cold", "ratio": 0.5}, {}, {}, "no worker of 'cold' offers executor memory"),
     ({"from": "hot", "to": "cold", "ratio": 0.0}, None, {}, "ratio must be in (0, 1], got 0.0"),
     ({"from": "hot", "to": "cold", "ratio": 1.5}, None, {}, "ratio must be in (0, 1], got 1.5"),
-    ({"from": "hot", "to": "cold", "ratio": 0.5, "policy": "adrenaline"}, None, {}, "'adrenaline' is not one of fixed"),
+    ({"from": "hot", "to": "cold", "ratio": 0.5, "policy": "weaver"}, None, {},
+     "policy: 'weaver' is not one of fixed, adrenaline, adaptive"),
+    ({"from": "hot", "to": "cold"}, None, {}, "offload[0].ratio: policy fixed needs a ratio"),
+    ({"from": "hot", "to": "cold", "ratio": 0.5, "max_ratio": 0.8}, None, {}, "max_ratio: for policies adrenaline"),
+    ({"from": "hot", "to": "cold", "ratio": 0.5, "policy": "adrenaline"}, None, {},
+     "ratio: policy adrenaline derives the share from its bound; cap it with max_ratio"),
+    ({"from": "hot", "to": "cold", "policy": "adrenaline", "max_ratio": 0}, None, {}, "max_ratio must be in (0, 1]"),
+    ({"from": "hot", "to": "cold", "policy": "adrenaline", "adaptive": {}}, None, {},
+     "offload[0].adaptive: settings of policy adaptive, but the policy is adrenaline"),
+    ({"from": "hot", "to": "cold", "policy": "adaptive"}, None, {},
+     "policy adaptive keeps 'cold''s P99 TPOT within its SLO: set slo: {tpot_ms: ...} on model 'cold'"),
     ({"from": "hot", "to": "cold", "ratio": 0.5}, None, {"offload_executor": "local", "offload_ratio": 0.5},
      "has an in-process executor"),
     ({"from": "hot", "to": "cold", "ratio": 0.5}, None, {"offload_transport": "local"},
@@ -72,6 +82,27 @@ def test_impossible_pairings_are_errors_at_start(entry: dict[str, Any], cold_arg
     with pytest.raises(ConfigError) as e:
         cluster([entry], cold_args, **hot_args)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_policies_and_their_defaults() -> None:
+    from router.config import AdaptiveSpec, AdrenalineSpec
+
+    spec = msgspec.convert({"models": [{"name": "hot"}, {"name": "cold", "args": {"executor_mem_gb": 1},
+                                                         "slo": {"tpot_ms": 50}}],
+                            "offload": [{"from": "hot", "to": "cold", "policy": "adaptive", "max_ratio": 0.3}]},
+                           ClusterSpec)
+    (o,) = build_cluster(spec).offload
+    assert (o.cap, o.start, o.adaptive) == (0.3, 0.3, None)  # starts at min(0.45, max_ratio)
+    assert OffloadSpec(from_="a", to="b", policy="adaptive", ratio=0.2).start == 0.2
+    assert OffloadSpec(from_="a", to="b", policy="adrenaline").cap == 1.0
+    assert (AdrenalineSpec().b_max, AdrenalineSpec().bandwidth_share) == (256, 0.5)
+    assert AdaptiveSpec() == AdaptiveSpec(step_down=0.1, step_up=0.05, slack=0.8, interval_s=2.0)
+    with pytest.raises(ConfigError, match=r"ratio must be in \(0, max_ratio 0.3\], got 0.4"):
+        cluster([{"from": "hot", "to": "cold", "policy": "adaptive", "max_ratio": 0.3, "ratio": 0.4}])
+    for bad in ({"b_max": 0}, {"bandwidth_share": 0}, {"bmax": 3}):
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.convert({"models": [{"name": "hot"}], "offload": [
+                {"from": "hot", "to": "cold", "policy": "adrenaline", "adrenaline": bad}]}, ClusterSpec)
 
 
 def test_offload_entries_are_strict() -> None:

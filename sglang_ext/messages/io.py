@@ -138,8 +138,17 @@ class LoadReport(msgspec.Struct, tag="load", kw_only=True):
     offload_executor: str = ""  # the executor's worker id ("" while none)
     offload_pairing: str = ""  # the router's id of the directive in force
     offload_state: str = ""  # "" | active | draining | lost | failed: why
-    # ... and as a host: KV tokens held per guest model
+    offload_ratio: float = 0.0  # the share cap in force (OffloadDirective / OffloadRatio)
+    offload_bound: float = 0.0  # Adrenaline's OB in force (policy adrenaline; 0 otherwise)
+    # ... and as a host: KV tokens held per guest model; per pairing id, tokens held and tokens it
+    # could still get (free slabs are shared by every guest)
     executor_kv_used_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+    executor_kv_pairing_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+    executor_kv_free_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+    # Latency the planner steers by: P99 of finished requests' TPOT over the last few seconds
+    # (0 with no samples) and how many requests it covers.
+    tpot_p99_ms: float = 0.0
+    tpot_samples: int = 0
     # KV rotation (preemption_mode=rotate): rotary requests and host-pool bytes now; cumulative
     # rotations, bytes and unhidden-transfer iterations over this process's life
     rotary_reqs: int = 0
@@ -179,19 +188,32 @@ class ExecutorOpen(msgspec.Struct, tag="executor_open", kw_only=True, forbid_unk
 class OffloadDirective(msgspec.Struct, tag="offload", kw_only=True, forbid_unknown_fields=True):
     """Router -> sender: offload `ratio` of the decoding requests to `executor` (its pair's
     rendezvous at `store`), or, with `detach` (or ratio 0), take no new ones: requests already
-    there finish there, or are recomputed locally if the executor is gone."""
+    there finish there, or are recomputed locally if the executor is gone. Policy `adrenaline`:
+    a request goes out only when it also meets Adrenaline's conditions C1/C2 under the bound
+    `bound` (OB: offloaded over local KV tokens); `ratio` then caps the share."""
 
     pairing: str
     executor: str = ""
     store: str = ""
     backend: str = "gloo"
     ratio: float = 0.0
-    policy: str = "fixed"
+    policy: str = "fixed"  # fixed | adrenaline | adaptive
+    bound: float = 0.0
     transport: str = "torch_dist"
     timeout_s: float = 5.0
     detach: bool = False
 
 
+class OffloadRatio(msgspec.Struct, tag="offload_ratio", kw_only=True, forbid_unknown_fields=True):
+    """Router -> sender: a planner's new decision for the pairing in force, applied live (no new
+    pairing): new requests follow `ratio` (0: none go out) and `bound`; requests already on the
+    executor stay there. Ignored unless `pairing` is the one in force."""
+
+    pairing: str
+    ratio: float
+    bound: float = 0.0
+
+
 ToWorker = (GenerateReq | AbortReq | FlushCacheReq | TokenizeReq | ShutdownReq | HelloReq | ExecutorOpen
-            | OffloadDirective)
+            | OffloadDirective | OffloadRatio)
 FromWorker = BatchOut | ErrorOut | ReplyOut | WorkerHello | LoadReport

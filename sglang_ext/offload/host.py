@@ -126,6 +126,19 @@ class ExecutorHost:
                 out[model] = out.get(model, 0) + pg.used * g.spec.geometry.page_size
         return out
 
+    def pairing_tokens(self) -> tuple[dict[str, int], dict[str, int]]:
+        """KV tokens each pairing holds and could still get (its free pages plus whole free slabs,
+        which every guest shares), by pairing id; a report read without the lock, like `used_tokens`."""
+        used: dict[str, int] = {}
+        free: dict[str, int] = {}
+        part = self.executor.partition
+        for key in list(self.guest_models):
+            g, pg = self.executor.guests.get(key), part.guests.get(key)
+            if g is not None and pg is not None:
+                pairing, ps = key.rpartition("/")[2], g.spec.geometry.page_size
+                used[pairing], free[pairing] = pg.used * ps, part.free_pages(key) * ps
+        return used, free
+
 
 class ExecutorService:
     """The host's end of one pairing: a thread answering the sender against the worker's executor.

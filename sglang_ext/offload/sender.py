@@ -7,8 +7,11 @@ on its new tokens' KV is appended on the executor. A request keeps its executor 
 if the executor drops it (no room to grow) or is lost, it is recomputed locally from its tokens,
 which gives the same greedy output.
 
-Policy `fixed` (WEAVER): keep `ratio` of the decoding requests remote, choosing each request once,
-at its first decode step.
+Each request is chosen once, at its first decode step. Policies `fixed` (WEAVER) and `adaptive`:
+keep `ratio` of the decoding requests remote (the router moves `ratio` for `adaptive`). Policy
+`adrenaline` (`ob` set): a request goes out when it meets C1/C2 under the bound `ob`
+(conditions.py), and `ratio` still caps the share. A router's OffloadRatio changes `ratio` and
+`ob` between steps; requests already out stay out.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Iterable
 import torch
 
 from sglang_ext.kvcache.pool import KVPool
+from sglang_ext.offload.conditions import Loads, should_offload
 from sglang_ext.offload.remote import RemoteAttention
 from sglang_ext.scheduler.request import Req
 
@@ -27,9 +31,10 @@ logger = logging.getLogger(__name__)
 
 
 class Offloader:
-    def __init__(self, remote: RemoteAttention, ratio: float, pool: KVPool) -> None:
+    def __init__(self, remote: RemoteAttention, ratio: float, pool: KVPool, ob: float | None = None) -> None:
         self.remote = remote
         self.ratio = ratio
+        self.ob = ob  # Adrenaline's OB (offloaded over local KV tokens); None: the share alone decides
         self.pool = pool
         self.active = True
         self._handles = itertools.count(1)
@@ -46,15 +51,23 @@ class Offloader:
             return []
         decoding = list(decoding)
         total = len(decoding)
+        # Adrenaline's LR: the locally decoding requests already decided (a new one joins when it stays)
+        local = [r for r in decoding if r.remote is None and r.offload_checked]
+        loads = [sum(r.kv_len for r in local), len(local)]
         moved: list[Req] = []
         for r in decoding:
             if r.remote is not None or r.offload_checked:
                 continue
             r.offload_checked = True
-            if self.num_remote + 1 > self.ratio * total + 1e-9:
-                continue
-            if self._load(r):
+            go = self.num_remote + 1 <= self.ratio * total + 1e-9
+            if go and self.ob is not None:
+                state = Loads(sum(q.kv_len for q in self.reqs.values()), self.num_remote, loads[0], loads[1])
+                go = should_offload(state, len(r.input_ids) + r.sampling.max_new_tokens, r.kv_len, self.ob)
+            if go and self._load(r):
                 moved.append(r)
+            else:
+                loads[0] += r.kv_len
+                loads[1] += 1
         return moved
 
     def _load(self, r: Req) -> bool:

@@ -6,6 +6,8 @@
                                       + Offloader installed between steps;
                                       detach (or ratio 0) -> no new requests go out, the pair closes
                                       once those there have finished
+                                      OffloadRatio -> the pairing in force takes a new ratio (and
+                                      Adrenaline bound) live: new requests follow it, those out stay
 
 Everything here runs on the worker's forward thread (through its inbox), never during a step; the
 load report (another thread) only reads numbers.
@@ -20,7 +22,7 @@ from typing import Any, Final
 import msgspec
 
 from sglang_ext.engine.model_runner import ModelRunner
-from sglang_ext.messages import ExecutorOpen, OffloadDirective, ReplyOut, WorkerInfo
+from sglang_ext.messages import ExecutorOpen, OffloadDirective, OffloadRatio, ReplyOut, WorkerInfo
 from sglang_ext.offload.dist import DistRemote
 from sglang_ext.offload.executor import AttentionExecutor
 from sglang_ext.offload.host import ExecutorHost
@@ -33,7 +35,7 @@ from sglang_ext.scheduler.scheduler import Scheduler
 from sglang_ext.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
-POLICIES: Final = ("fixed",)
+POLICIES: Final = ("fixed", "adrenaline", "adaptive")
 
 
 class WorkerOffload:
@@ -77,14 +79,17 @@ class WorkerOffload:
         if self.args.offload_executor is not None:
             self._fail(d, "this worker has an in-process executor (offload_executor)")
             return
-        if d.detach or d.ratio <= 0:
+        # A planned policy may pair at ratio 0 (nothing goes out until an OffloadRatio raises it).
+        if d.detach or (d.ratio <= 0 and d.policy == "fixed"):
             self._detach(d, scheduler)
             return
         try:
             if d.policy not in POLICIES:
                 raise ValueError(f"offload policy {d.policy!r} is not one of {', '.join(POLICIES)}")
-            if not 0 < d.ratio <= 1:
-                raise ValueError(f"offload ratio must be in (0, 1], got {d.ratio}")
+            if not 0 <= d.ratio <= 1:
+                raise ValueError(f"offload ratio must be in [0, 1], got {d.ratio}")
+            if not d.bound >= 0:
+                raise ValueError(f"offload bound must be >= 0, got {d.bound}")
             asked = self.args.offload_transport
             check_served(asked)
             if asked is not None and d.transport != asked:
@@ -95,10 +100,25 @@ class WorkerOffload:
             return
         self._retire(scheduler)
         self.runner.set_remote(remote)
-        scheduler.set_offload(Offloader(remote, d.ratio, self.runner.pool))
+        ob = d.bound if d.policy == "adrenaline" else None
+        scheduler.set_offload(Offloader(remote, d.ratio, self.runner.pool, ob))
         self.pairing, self.executor, self.state = d.pairing, d.executor, "active"
-        logger.info("remote attention: %.0f%% of decoding requests to the executor on %s (pairing %s, %s)",
-                    100 * d.ratio, d.executor, d.pairing, d.backend)
+        logger.info("remote attention: %.0f%% of decoding requests to the executor on %s (pairing %s, %s, "
+                    "policy %s)", 100 * d.ratio, d.executor, d.pairing, d.backend, d.policy)
+
+    def set_ratio(self, m: OffloadRatio, scheduler: Scheduler) -> None:
+        """A planner's new decision for the pairing in force; a stale one (another pairing) is ignored."""
+        off = scheduler.offload
+        if off is None or m.pairing != self.pairing or self.state != "active":
+            return
+        if not (0 <= m.ratio <= 1 and m.bound >= 0):
+            logger.warning("offload ratio update %s ignored: ratio %s (0..1), bound %s (>= 0)", m.pairing, m.ratio,
+                           m.bound)
+            return
+        logger.debug("offload ratio %.3f -> %.3f, bound %s -> %s", off.ratio, m.ratio, off.ob, m.bound)
+        off.ratio = m.ratio
+        if off.ob is not None:  # policy adrenaline: C1/C2 under the new bound
+            off.ob = m.bound
 
     def _connect(self, d: OffloadDirective) -> RemoteAttention:
         spec, dev = guest_spec(self.runner), self.runner.device
@@ -174,8 +194,11 @@ class WorkerOffload:
             "offload_wait_s": self._done[2] + (r.wait_s if r else 0.0),
             "offload_executor": r.executor_id if r else "",
             "offload_pairing": self.pairing, "offload_state": self.state,
+            "offload_ratio": off.ratio if off else 0.0, "offload_bound": (off.ob or 0.0) if off else 0.0,
         }
         used = self.host.used_tokens() if self.host else {}
+        if self.host is not None:
+            out["executor_kv_pairing_tokens"], out["executor_kv_free_tokens"] = self.host.pairing_tokens()
         if isinstance(r, LocalRemote):  # the in-process executor hosts this worker's own model
             used[self.model_name] = r.executor.used_tokens(r.guest)
             out["offload_state"] = "active" if r.alive else "lost"

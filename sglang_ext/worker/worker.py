@@ -28,6 +28,7 @@ from sglang_ext.messages import (
     GenerateReq,
     LoadReport,
     OffloadDirective,
+    OffloadRatio,
     ReplyOut,
     ShutdownReq,
     TokenizeReq,
@@ -46,6 +47,7 @@ from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
 from sglang_ext.server_args import ServerArgs
 from sglang_ext.worker.offload import WorkerOffload
+from sglang_ext.worker.stats import TpotWindow
 from sglang_ext.worker.tokenizer import IncrementalDetokenizer, StartupError, Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -108,6 +110,7 @@ class Worker:
                                            any_whitespace=not args.constrained_json_disable_any_whitespace)
         self.live: dict[str, _Live] = {}
         self.last_step_ms = 0.0
+        self.tpot = TpotWindow()
         self.stopped = False
         logging.getLogger("sglang_ext.startup").info("worker %s ready in %s", worker_id, timer.summary())
 
@@ -137,6 +140,7 @@ class Worker:
             kv_rotations_out=s.rotations_out, kv_rotations_in=s.rotations_in,
             kv_rotation_bytes_out=s.rotation_bytes_out, kv_rotation_bytes_in=s.rotation_bytes_in,
             kv_rotation_unhidden_iterations=s.unhidden_iterations,
+            tpot_p99_ms=self.tpot.p99_ms(), tpot_samples=self.tpot.count(),
         )
 
     def has_work(self) -> bool:
@@ -207,6 +211,8 @@ class Worker:
                 return [self.offload.open_executor(msg)]
             elif isinstance(msg, OffloadDirective):
                 self.offload.apply(msg, self.scheduler)
+            elif isinstance(msg, OffloadRatio):
+                self.offload.set_ratio(msg, self.scheduler)
             elif isinstance(msg, ShutdownReq):
                 self.stopped = True
         except InvalidRequest as e:
@@ -286,6 +292,8 @@ class Worker:
                 meta["output_top_logprobs"] = [[self._lp(lp, t, txt) for lp, t in row] for row in r.output_top_logprobs]
         if r.finished:
             del self.live[r.rid]
+            if live.first_token_time is not None and r.completion_tokens > 1:
+                self.tpot.add((now - live.first_token_time) / (r.completion_tokens - 1))
         return TokenOut(rid=r.rid, text_delta=text, token_ids=r.new_token_ids, finished=r.finished, meta_info=meta)
 
     def _lp(self, lp: float | None, tok: int, with_text: bool) -> list[Any]:

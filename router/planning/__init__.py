@@ -1,0 +1,29 @@
+"""Offload policies: what share of a sender's decoding requests its executor takes, decided on events.
+
+    fixed       WEAVER: the entry's `ratio`, always
+    adrenaline  Adrenaline's upper bound OB(n, B_max) from the executor's KV capacity and bandwidth
+                share and the batch at which the sender's dense kernels turn compute-bound; the
+                sender applies C1/C2 (sglang_ext/offload/conditions.py) under it
+    adaptive    a controller: lowers the share after the receiving worker misses its TPOT SLO,
+                raises it with slack (bounded steps, hysteresis, at most one change per interval)
+
+A policy is a small object per pairing that turns a `PairView` (built from the registry at each
+decision, so a lost event costs nothing but a late decision) into a `Decision`. The planner
+(router/offload.py) asks it on events and sends what changed to the sender (OffloadRatio).
+"""
+
+from __future__ import annotations
+
+from router.config import OffloadSpec
+from router.planning.adaptive import Adaptive
+from router.planning.adrenaline import Adrenaline, Bound, offload_bound
+from router.planning.base import Decision, PairView, Policy
+from router.planning.fixed import Fixed
+
+__all__ = ["Adaptive", "Adrenaline", "Bound", "Decision", "Fixed", "PairView", "Policy", "make_policy",
+           "offload_bound"]
+
+
+def make_policy(rule: OffloadSpec) -> Policy:
+    kinds: dict[str, type[Policy]] = {"fixed": Fixed, "adrenaline": Adrenaline, "adaptive": Adaptive}
+    return kinds[rule.policy](rule)

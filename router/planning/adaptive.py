@@ -1,0 +1,68 @@
+"""Beyond both papers: a controller that moves the share with measured load.
+
+It keeps the receiving worker's (the executor host's) P99 TPOT within its model's SLO while the
+sender's batch grows. At most once per `interval_s` (a change needs time to show in the latency):
+
+    missed   an SLO miss of the host's requests since the last look (the router's TBT check), its
+             executor memory ran low, or its P99 TPOT is above the SLO   -> lower by step_down
+    slack    no miss and P99 TPOT below slack x SLO (or no samples: nothing to protect), and the
+             sender has requests to send                              -> raise by step_up
+    between  hold (hysteresis: the band [slack x SLO, SLO] keeps the share still)
+
+The share stays in [0, max_ratio]; at 0 the pairing stays up and nothing new goes out.
+"""
+
+from __future__ import annotations
+
+import math
+
+from router.config import AdaptiveSpec, OffloadSpec
+from router.planning.base import Decision, PairView, Policy
+
+
+class Adaptive(Policy):
+    name = "adaptive"
+
+    def __init__(self, rule: OffloadSpec) -> None:
+        super().__init__(rule)
+        self.spec = rule.adaptive or AdaptiveSpec()
+        self.ratio = rule.start
+        self.misses: dict[str, int] = {}
+        self.last_look = -math.inf
+        self.why = "starting share"
+
+    def note_miss(self, kind: str) -> None:
+        self.misses[kind] = self.misses.get(kind, 0) + 1
+
+    def decide(self, view: PairView) -> Decision:
+        cap = self.rule.cap
+        if view.now - self.last_look >= self.spec.interval_s:
+            self.last_look = view.now
+            self._look(view, cap)
+        return Decision(self.ratio, cap, None, self.why)
+
+    def _look(self, v: PairView, cap: float) -> None:
+        slo = v.host_slo_tpot_ms or math.inf
+        p99 = v.host_tpot_p99_ms if v.host_tpot_samples else None
+        missed = [f"{n} {kind} miss(es)" for kind, n in sorted(self.misses.items())]
+        if v.exec_low:
+            missed.append("executor memory low")
+        if p99 is not None and p99 > slo:
+            missed.append(f"P99 TPOT {p99:.1f} ms > SLO {slo:g} ms")
+        self.misses = {}
+        old = self.ratio
+        if missed:
+            self.ratio = max(0.0, round(old - self.spec.step_down, 6))
+            self.why = f"lowered: {', '.join(missed)}" if self.ratio < old else f"at 0: {', '.join(missed)}"
+        elif p99 is None or p99 < self.spec.slack * slo:
+            have = f"P99 TPOT {p99:.1f} ms < {self.spec.slack:g} x SLO {slo:g} ms" if p99 is not None else "no samples"
+            if v.sender_batch <= 0:
+                self.why = f"slack ({have}), the sender has nothing to send"
+            elif old < cap:
+                self.ratio = min(cap, round(old + self.spec.step_up, 6))
+                self.why = f"raised: slack ({have})"
+            else:
+                self.why = f"at max_ratio: slack ({have})"
+        else:
+            assert p99 is not None
+            self.why = f"held: P99 TPOT {p99:.1f} ms within [{self.spec.slack:g} x SLO, SLO {slo:g} ms]"

@@ -1,0 +1,13 @@
+"""WEAVER's policy: the entry's ratio, whatever the load (the paper's default is 0.45)."""
+
+from __future__ import annotations
+
+from router.planning.base import Decision, PairView, Policy
+
+
+class Fixed(Policy):
+    name = "fixed"
+
+    def decide(self, view: PairView) -> Decision:
+        r = self.rule.cap
+        return Decision(r, r, None, "fixed ratio")

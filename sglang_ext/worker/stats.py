@@ -1,0 +1,43 @@
+"""Latency figures a worker reports for the router's planners (LoadReport.tpot_p99_ms)."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from typing import Final
+
+WINDOW_S: Final = 10.0
+MAX_SAMPLES: Final = 1024
+
+
+class TpotWindow:
+    """Finished requests' TPOT (seconds per output token after the first) over the last `window_s`.
+    Added on the forward thread, read by the load report's thread: guarded by a lock."""
+
+    def __init__(self, window_s: float = WINDOW_S, max_samples: int = MAX_SAMPLES) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)
+        self._lock = threading.Lock()
+
+    def add(self, tpot_s: float, now: float | None = None) -> None:
+        with self._lock:
+            self._samples.append((time.monotonic() if now is None else now, tpot_s))
+
+    def _recent(self, now: float | None) -> list[float]:
+        cut = (time.monotonic() if now is None else now) - self.window_s
+        with self._lock:
+            while self._samples and self._samples[0][0] < cut:
+                self._samples.popleft()
+            return [v for _, v in self._samples]
+
+    def count(self, now: float | None = None) -> int:
+        return len(self._recent(now))
+
+    def p99_ms(self, now: float | None = None) -> float:
+        """The nearest-rank 99th percentile in milliseconds; 0 with no samples."""
+        values = sorted(self._recent(now))
+        if not values:
+            return 0.0
+        return values[max(math.ceil(0.99 * len(values)) - 1, 0)] * 1e3
