@@ -5,7 +5,8 @@
 #                             [structured] [rotation] [rotation_e2e]
 # On the two-GPU kind export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 first.
 # rotation_e2e replays ../shared/traces' Azure conversation trace: carry a copy (.traces, TRACES=.traces).
-# structured needs the xgrammar wheel in .whl too (../shared/tools/gpu-wheels.sh .whl xgrammar==0.2.9).
+# structured needs the xgrammar wheel in .whl too (../shared/tools/gpu-wheels.sh .whl xgrammar==0.2.9), and reads a real
+# vocabulary from a carried .vocab/mistral_common-*.whl (pip download --no-deps -d .vocab mistral_common==1.13.1).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 steps=${*:-test bench}
@@ -32,8 +33,9 @@ for s in $steps; do
             2>&1 | tee "$OUT/gpu_sampling_test.log"
           PYTHONPATH=$BASE:/tmp/fi timeout 300 python3 bench/sampling.py --out "$OUT/sampling.json" 2>&1 \
             | tee "$OUT/sampling.log" ;;
-    structured) PYTHONPATH=$BASE:/tmp/fi timeout 500 python3 bench/structured.py --out "$OUT/structured.json" \
-            ${STRUCTURED_ARGS:-} 2>&1 | tee "$OUT/structured.log" ;;
+    structured) voc=(); v=$(ls .vocab/mistral_common-*.whl 2>/dev/null | head -1); [ -n "$v" ] && voc=(--vocab-file "$v")
+          PYTHONPATH=$BASE:/tmp/fi timeout 500 python3 bench/structured.py --out "$OUT/structured.json" \
+            ${voc[@]+"${voc[@]}"} ${STRUCTURED_ARGS:-} 2>&1 | tee "$OUT/structured.log" ;;
     rotation) PYTHONPATH=$BASE:/tmp/fi timeout 120 python3 -m pytest -q -rfs -p no:cacheprovider tests/test_gpu_rotation.py \
             2>&1 | tail -5 | tee "$OUT/gpu_rotation_test.log"
           PYTHONPATH=$BASE:/tmp/fi timeout 200 python3 bench/kv_rotation.py --out "$OUT/kv_rotation.json" \

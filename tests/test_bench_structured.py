@@ -26,3 +26,18 @@ def test_smoke(tmp_path: Path) -> None:
 def test_synthetic_vocab_is_distinct_and_deterministic() -> None:
     v = synthetic_vocab(3000)
     assert len(v) == len(set(v)) == 3000 and v == synthetic_vocab(3000)
+
+
+def test_tekken_vocab_reads_json_and_wheel(tmp_path: Path) -> None:
+    import base64
+    import zipfile
+
+    from bench.structured import tekken_vocab
+
+    toks = [b"a", b" the", b'":', "é".encode()]
+    doc = json.dumps({"vocab": [{"rank": i, "token_bytes": base64.b64encode(t).decode()} for i, t in enumerate(toks)]})
+    (tmp_path / "t.json").write_text(doc)
+    with zipfile.ZipFile(tmp_path / "m.whl", "w") as z:
+        z.writestr("mistral_common/data/tekken_240911.json", doc)
+    assert tekken_vocab(str(tmp_path / "t.json"), 3) == toks[:3]
+    assert tekken_vocab(str(tmp_path / "m.whl"), 4) == toks
