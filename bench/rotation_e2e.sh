@@ -5,7 +5,7 @@
 # A run is a policy, optionally with server flags after commas, e.g. the α / βF / B_xfer trade-offs:
 #   bash bench/rotation_e2e.sh lvf,--lvf-alpha=1 lvf,--lvf-beta-tpot=0.25 lvf,--rotation-budget-mb=64
 # Each run writes rot_<label>.json / .log / rot_metrics_<label>.txt / rot_server_<label>.log to OUT, where the
-# label is the run with commas as "_" and leading dashes dropped (lvf_lvf-alpha=1).
+# label is the run with commas as "_", leading dashes dropped and "=" as "-" (lvf_lvf-alpha-1).
 # Env: RATE (req/s, 24), N (requests, 600), TOKENS (device KV tokens, 65536), TTFT (s, 2), TBT (s, 0.1),
 #      MODEL (preset:llama-3-8b), DEVICE (cuda), DTYPE (bfloat16), HOST_GB (32), TRACES, OUT (results folder). Needs the GPU machine's wheels on PYTHONPATH.
 set -uo pipefail
@@ -16,7 +16,7 @@ policies=${*:-fcfs lvf wf sf}
 for run in $policies; do
   IFS=, read -r pol flags_csv <<< "$run,"
   flags=(); IFS=, read -r -a flags <<< "${flags_csv%,}"
-  label=$(echo "$run" | sed 's/,--/_/g; s/,/_/g')
+  label=$(echo "$run" | sed 's/,--/_/g; s/,/_/g; s/=/-/g')
   mode=rotate; [ "$pol" = fcfs ] && mode=recompute
   extra=(); [ "$mode" = rotate ] && extra=(--kv-host-size-gb "${HOST_GB:-32}")
   model=(); [ -n "$MODEL" ] && model=(--model-path "$MODEL" --load-format dummy)
