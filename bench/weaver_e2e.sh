@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# WEAVER end to end (issue 11): a hot model whose KV binds on one GPU and a cold model on a second GPU,
+# served through the router with a skewed two-model load; the hot model's throughput and SLO attainment
+# and the cold model's TPOT, dedicated (no offload) vs offloading a share of the hot model's decode
+# attention and KV to an executor the cold worker hosts.
+#   bash bench/weaver_e2e.sh [runs...]        (default: dedicated fixed adaptive)
+# Runs: dedicated (no offload: entry), fixed (policy fixed, RATIO), adaptive (policy adaptive, starting at
+# RATIO, bounded by MAX_RATIO, steered by the cold model's P99 TPOT against TBT).
+# Each run writes weaver_<run>.json / .log, weaver_metrics_<run>.txt, weaver_info_<run>.json,
+# weaver_router_<run>.log and weaver_cluster_<run>.yaml to OUT.
+# Env: RATE (total req/s, 16), N (requests, 600), HOT_SHARE (0.9), HOT_TOKENS (hot KV pool tokens, 32768),
+#      COLD_TOKENS (65536), EXEC_GB (executor memory the cold worker offers, 32), RATIO (0.45),
+#      MAX_RATIO (0.6), TTFT (s, 2), TBT (s, 0.1), MAXDUR (s, 120), MODEL (preset:llama-3-8b; empty: the
+#      embedded model), HOT_DEV (cuda:0), COLD_DEV (cuda:1), DTYPE (bfloat16), TRACES, OUT, PORT (31100).
+# On the two-GPU kind keep NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 set.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+RATE=${RATE:-16}; N=${N:-600}; HOT_SHARE=${HOT_SHARE:-0.9}; TTFT=${TTFT:-2}; TBT=${TBT:-0.1}
+MODEL=${MODEL-preset:llama-3-8b}; PORT=${PORT:-31100}
+runs=${*:-dedicated fixed adaptive}
+ms() { python3 -c "print(int($1*1000))"; }
+for run in $runs; do
+  cfg="$OUT/weaver_cluster_$run.yaml"
+  path=""; fmt=""
+  if [ -n "$MODEL" ]; then path="    model_path: $MODEL"; fmt="load_format: dummy, dtype: ${DTYPE:-bfloat16}, "; fi
+  {
+    echo "router: {host: 127.0.0.1, port: $PORT, log_level: warning}"
+    echo "models:"
+    echo "  - name: hot"
+    [ -n "$path" ] && echo "$path"
+    echo "    args: {${fmt}max_total_tokens: ${HOT_TOKENS:-32768}}"
+    echo "    slo: {ttft_ms: $(ms "$TTFT"), tpot_ms: $(ms "$TBT")}"
+    echo "    workers: [{id: hot-0, device: ${HOT_DEV:-cuda:0}, role: hot}]"
+    echo "  - name: cold"
+    [ -n "$path" ] && echo "$path"
+    echo "    args: {${fmt}max_total_tokens: ${COLD_TOKENS:-65536}, executor_mem_gb: ${EXEC_GB:-32}}"
+    echo "    slo: {ttft_ms: $(ms "$TTFT"), tpot_ms: $(ms "$TBT")}"
+    echo "    workers: [{id: cold-0, device: ${COLD_DEV:-cuda:1}, role: cold}]"
+    case $run in
+      fixed) echo "offload: [{from: hot, to: cold, policy: fixed, ratio: ${RATIO:-0.45}}]" ;;
+      adaptive) echo "offload: [{from: hot, to: cold, policy: adaptive, ratio: ${RATIO:-0.45}, max_ratio: ${MAX_RATIO:-0.6}}]" ;;
+    esac
+  } > "$cfg"
+  python3 -m sglang_ext.launch --config "$cfg" > "$OUT/weaver_router_$run.log" 2>&1 &
+  srv=$!
+  ready=0
+  for _ in $(seq 300); do
+    if python3 - "$PORT" <<'EOF' 2>/dev/null; then ready=1; break; fi
+import json, sys, urllib.request
+info = json.load(urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/get_server_info", timeout=2))
+assert all(w["up"] for m in info["models"].values() for w in m["workers"]) and len(info["models"]) == 2
+assert all(p["state"] == "active" for p in info["offload"])  # [] without an offload entry
+EOF
+    kill -0 $srv 2>/dev/null || break
+    sleep 1
+  done
+  echo "== $run (ready=$ready)"
+  timeout -s KILL $(( ${MAXDUR:-120} + 120 )) python3 bench/serving.py --trace azure-conv --num-requests "$N" --arrival poisson \
+    --traces-dir "${TRACES:-../shared/traces}" --request-rate "$RATE" --models hot,cold \
+    --model-weights "$HOT_SHARE,$(python3 -c "print(round(1-$HOT_SHARE, 6))")" \
+    --max-input-len "${MAX_IN:-2048}" --max-output-len "${MAX_OUT:-256}" --ttft-slo "$TTFT" --tbt-slo "$TBT" \
+    --tbt-stat "${TBT_STAT:-mean}" --vocab-size "${VOCAB:-32000}" --base-url "http://127.0.0.1:$PORT" \
+    --max-duration "${MAXDUR:-120}" --disable-tqdm --output-json "$OUT/weaver_$run.json" 2>&1 \
+    | tail -60 | tee "$OUT/weaver_$run.log"
+  python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$PORT/metrics').read().decode())" \
+    | grep -E "^sglang_ext:(offload|offloaded|executor|slo|num_running|kv_used)" > "$OUT/weaver_metrics_$run.txt"
+  python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$PORT/get_server_info').read().decode())" \
+    > "$OUT/weaver_info_$run.json"
+  kill -INT $srv; sleep 8; kill -9 $srv 2>/dev/null; wait $srv 2>/dev/null
+  pkill -9 -f "sglang_ext.worker" 2>/dev/null; sleep 1
+done
