@@ -60,6 +60,14 @@ class StartupTimer:
         return f"{time.perf_counter() - self.t0:.2f} s ({parts})"
 
 
+def bind_device(device: str) -> None:
+    """Make `device` the calling thread's current CUDA device (nothing for a CPU device or a bare "cuda").
+    The current device is per thread, and Triton launches on it: tensors of cuda:1 handed to a kernel
+    while cuda:0 is current fail with "cannot be accessed from Triton"."""
+    if device.startswith("cuda:"):
+        torch.cuda.set_device(torch.device(device))
+
+
 def resolve_dtype(args: ServerArgs, cfg: ModelConfig, device: str) -> torch.dtype:
     if args.dtype != "auto":
         return _DTYPES[args.dtype]
@@ -82,6 +90,7 @@ class ModelRunner:
         self.args = args
         self.cfg = cfg
         self.device = torch.device(args.resolved_device)
+        bind_device(args.resolved_device)  # loading and graph capture run on this thread (the Engine's too)
         self.dtype = resolve_dtype(args, cfg, args.resolved_device)
         self.context_len = context_length(args, cfg)
         self.timer = timer or StartupTimer()

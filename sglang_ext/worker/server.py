@@ -34,6 +34,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from sglang_ext.engine.model_runner import bind_device
 from sglang_ext.grammar.backend import constraint_of
 from sglang_ext.messages import (
     AbortReq,
@@ -70,7 +71,10 @@ class WorkerServer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.inbox: list[ToWorker] = []
         self.wake = asyncio.Event()
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="forward")
+        # The current CUDA device is per thread: the forward thread must be on the worker's GPU, or
+        # Triton kernels given tensors of cuda:1 launch on cuda:0 ("cannot be accessed from Triton").
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="forward", initializer=bind_device,
+                                       initargs=(worker.args.resolved_device,))
         # One thread per lane: a lane tokenizes one prompt at a time, which also bounds the memory
         # that tokenizing takes to one long prompt's.
         self.short_lane = ThreadPoolExecutor(1, thread_name_prefix="tokenize-short")
