@@ -68,9 +68,10 @@ class SplitGraphs:
         graph = torch.cuda.CUDAGraph()
         # Not `torch.cuda.graph(...)`: it empties the allocator's cache first, and a cudaFree on the
         # executor's GPU waits for that GPU to go idle -- while its step program waits on doorbells
-        # that only this graph's replay will ring (a deadlock, seen on two H200s).
+        # that only this graph's replay will ring (a deadlock, seen on two H200s). Thread-local: the
+        # offload threads (the watchdog, the transport's control) keep making CUDA calls meanwhile.
         with torch.cuda.stream(stream):
-            graph.capture_begin(pool=self.r.pool)
+            graph.capture_begin(pool=self.r.pool, capture_error_mode="thread_local")
             try:
                 out = self.r.model(batch)
             finally:

@@ -204,9 +204,11 @@ class GatedProgram:
         torch.cuda.synchronize(self.dev)
         graph = torch.cuda.CUDAGraph()
         # Not `torch.cuda.graph(...)`: it empties the allocator's cache, and a cudaFree waits for the
-        # GPU to go idle (see split_graph.py).
+        # GPU to go idle (see split_graph.py). Thread-local: this runs on the host's executor thread while
+        # the host's own model runs on its forward thread, whose stream syncs a global capture would
+        # forbid (the host died with "operation not permitted when stream is capturing").
         with torch.cuda.stream(s):
-            graph.capture_begin(pool=lane.mempool)
+            graph.capture_begin(pool=lane.mempool, capture_error_mode="thread_local")
             try:
                 self._program(lane.backend, rp, static, gated=True)
             finally:
