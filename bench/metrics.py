@@ -191,6 +191,31 @@ def timeline(
 # ---------------------------------------------------------------------------------------------- printing
 
 
+def slo_timeline(
+    results: Sequence[RequestResult], duration_s: float, slo: SloConfig, bin_s: float | None = None
+) -> dict[str, object]:
+    """SLO attainment over time, per model (all requests under "all"): the requests scheduled in each
+    time bin and the share of them that met both SLOs (None for an empty bin)."""
+    if bin_s is None:
+        bin_s = max(1.0, duration_s / 30.0)
+    n_bins = max(1, math.ceil(duration_s / bin_s))
+    groups: dict[str, list[RequestResult]] = {"all": list(results)}
+    for r in results:
+        if r.model is not None:
+            groups.setdefault(r.model, []).append(r)
+    out: dict[str, object] = {"bin_s": bin_s, "t_s": [i * bin_s for i in range(n_bins)]}
+    for name, rs in groups.items():
+        sent = np.zeros(n_bins)
+        met = np.zeros(n_bins)
+        for r in rs:
+            b = min(n_bins - 1, int(r.scheduled_s // bin_s))
+            sent[b] += 1
+            met[b] += _meets_ttft(r, slo) and _meets_tbt(r, slo)
+        out[name] = {"requests": sent.astype(int).tolist(),
+                     "attainment": [float(m / k) if k else None for m, k in zip(met, sent, strict=True)]}
+    return out
+
+
 def _fmt(value: object, digits: int = 2) -> str:
     if value is None:
         return "-"

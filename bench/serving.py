@@ -70,9 +70,10 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-offset", type=int, default=0, help="skip this many trace rows first")
     g.add_argument(
         "--arrival",
-        choices=("trace", "poisson"),
+        choices=("trace", "poisson", "ramp"),
         default=None,
-        help="trace: the trace's own times; poisson: exponential gaps "
+        help="trace: the trace's own times; poisson: exponential gaps; ramp: Poisson whose rate follows a "
+        "ServeGen model's 10-minute rates (--ramp-*), peaking at --request-rate "
         "(default: trace, or poisson for --trace synthetic)",
     )
     g.add_argument(
@@ -115,6 +116,11 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="weights = the top-k day-1 request shares of servegen_model_rates.csv, in order",
     )
+    g.add_argument("--ramp-model", default=None, help="ramp: the ServeGen model whose rates to follow "
+                   "(default: the day-1 busiest)")
+    g.add_argument("--ramp-start-window", type=int, default=0, help="ramp: first 10-minute window")
+    g.add_argument("--ramp-windows", type=int, default=12, help="ramp: how many windows")
+    g.add_argument("--ramp-window-s", type=float, default=10.0, help="ramp: seconds each window lasts here")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -218,6 +224,10 @@ def workload_config(args: argparse.Namespace) -> WorkloadConfig:
         models=args.models,
         model_weights=args.model_weights,
         servegen_skew=args.servegen_skew,
+        ramp_model=args.ramp_model,
+        ramp_start_window=args.ramp_start_window,
+        ramp_windows=args.ramp_windows,
+        ramp_window_s=args.ramp_window_s,
         seed=args.seed,
     )
 
@@ -353,6 +363,7 @@ def build_report(
         "per_model": M.per_model_metrics(results, duration, slo) if len(args.models) > 1 else {},
         "errors": M.error_counts(results),
         "timeline": M.timeline(results, duration),
+        "slo_timeline": M.slo_timeline(results, duration, slo),
     }
     if args.output_details:
         report["requests"] = [r.to_dict() for r in results]

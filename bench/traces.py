@@ -82,6 +82,10 @@ class WorkloadConfig:
     models: tuple[str, ...] = ()
     model_weights: tuple[float, ...] | None = None
     servegen_skew: bool = False
+    ramp_model: str | None = None  # --arrival ramp: whose ServeGen rate series (None: the day-1 busiest)
+    ramp_start_window: int = 0
+    ramp_windows: int = 12
+    ramp_window_s: float = 10.0
     seed: int = 0
 
 
@@ -198,6 +202,51 @@ def poisson_arrivals(n: int, rate: float, time_scale: float, rng: np.random.Gene
     return [float(t) * time_scale for t in np.cumsum(gaps)]
 
 
+def servegen_rate_series(path: Path, model: str | None, start: int, windows: int) -> tuple[str, list[float]]:
+    """`windows` consecutive 10-minute request rates of `model` (None: the day-1 busiest) from window
+    `start` on: the shape of a real load that changes over time."""
+    if windows < 1 or start < 0:
+        raise ValueError("--ramp-windows must be >= 1 and --ramp-start-window >= 0")
+    name = model or servegen_day1_shares(path)[0][0]
+    series: list[tuple[float, float]] = []
+    with path.open(newline="") as handle:
+        for rec in csv.DictReader(handle):
+            if rec["model"] == name:
+                series.append((float(rec["window_start_s"]), float(rec["total_rate_rps"])))
+    if not series:
+        raise ValueError(f"no ServeGen model {name!r} in {path}")
+    rates = [r for _, r in sorted(series)][start:start + windows]
+    if len(rates) < windows or max(rates) <= 0:
+        raise ValueError(f"{name!r} has {len(series)} windows with traffic, {start + windows} needed")
+    return name, rates
+
+
+def ramp_arrivals(n: int, rates: Sequence[float], peak: float, window_s: float, time_scale: float,
+                  rng: np.random.Generator) -> list[float]:
+    """A Poisson process whose rate follows `rates` (one per `window_s` seconds, piecewise constant,
+    repeated if `n` outlasts them), scaled so the busiest window runs at `peak` req/s. Unit-rate
+    Poisson times are mapped through the inverse of the cumulative intensity."""
+    if peak <= 0 or math.isinf(peak) or window_s <= 0:
+        raise ValueError("--arrival ramp needs a finite --request-rate > 0 and --ramp-window-s > 0")
+    scaled = [r / max(rates) * peak for r in rates]
+    # Cumulative intensity each arrival must reach: 0 for the first (it goes at 0), then unit gaps.
+    targets = np.cumsum(np.concatenate([[0.0], rng.exponential(1.0, size=max(0, n - 1))]))[:n]
+    out: list[float] = []
+    t = acc = 0.0  # time and cumulative intensity at the walk's position
+    i = 0  # window index (wraps around the series)
+    for target in targets:
+        while True:
+            lam, end = scaled[i % len(scaled)], (i + 1) * window_s
+            if lam > 0 and acc + lam * (end - t) >= target:
+                t += (target - acc) / lam
+                acc = float(target)
+                break
+            acc += lam * (end - t)
+            t, i = end, i + 1
+        out.append(float(t) * time_scale)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------- prompts
 
 
@@ -285,6 +334,8 @@ def assign_models(
 
 def resolve_arrival(cfg: WorkloadConfig) -> str:
     arrival = cfg.arrival or ("poisson" if cfg.trace == "synthetic" else "trace")
+    if arrival not in ("trace", "poisson", "ramp"):
+        raise ValueError(f"unknown arrival {arrival!r}")
     if arrival == "trace" and cfg.trace == "synthetic":
         raise ValueError("--trace synthetic has no timestamps: use --arrival poisson")
     return arrival
@@ -310,6 +361,10 @@ def schedule(
         rate = cfg.request_rate if cfg.request_rate is not None else 1.0
         return trace_arrivals(rows, rate, cfg.time_scale), rate
     rate = cfg.request_rate if cfg.request_rate is not None else (trace_mean_rate(rows) or 1.0)
+    if resolve_arrival(cfg) == "ramp":
+        _, rates = servegen_rate_series((cfg.traces_dir or default_traces_dir()) / SERVEGEN_RATES_FILE,
+                                        cfg.ramp_model, cfg.ramp_start_window, cfg.ramp_windows)
+        return ramp_arrivals(len(rows), rates, rate, cfg.ramp_window_s, cfg.time_scale, rng), rate
     return poisson_arrivals(len(rows), rate, cfg.time_scale, rng), rate
 
 

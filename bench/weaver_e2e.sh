@@ -11,7 +11,10 @@
 # Env: RATE (total req/s, 16), N (requests, 600), HOT_SHARE (0.9), HOT_TOKENS (hot KV pool tokens, 32768),
 #      COLD_TOKENS (65536), EXEC_GB (executor memory the cold worker offers, 32), RATIO (0.45),
 #      MAX_RATIO (0.6), TTFT (s, 2), TBT (s, 0.1), MAXDUR (s, 120), MODEL (preset:llama-3-8b; empty: the
-#      embedded model), HOT_DEV (cuda:0), COLD_DEV (cuda:1), DTYPE (bfloat16), TRACES, OUT, PORT (31100).
+#      embedded model), HOT_DEV (cuda:0), COLD_DEV (cuda:1), DTYPE (bfloat16), TRACES, OUT, PORT (31100),
+#      ARRIVAL (poisson | ramp: RATE is then the peak of a ServeGen rate series, shaped by RAMP_ARGS, e.g.
+#      "--ramp-windows 144 --ramp-window-s 1": a day in 144 s). Plot the runs' SLO attainment over time with
+#      python bench/plot_slo_timeline.py fixed=OUT/weaver_fixed.json adaptive=OUT/weaver_adaptive.json
 # On the two-GPU kind keep NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 set.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -55,7 +58,7 @@ EOF
     sleep 1
   done
   echo "== $run (ready=$ready)"
-  timeout -s KILL $(( ${MAXDUR:-120} + 120 )) python3 bench/serving.py --trace azure-conv --num-requests "$N" --arrival poisson \
+  timeout -s KILL $(( ${MAXDUR:-120} + 120 )) python3 bench/serving.py --trace azure-conv --num-requests "$N" --arrival "${ARRIVAL:-poisson}" ${RAMP_ARGS:-} \
     --traces-dir "${TRACES:-../shared/traces}" --request-rate "$RATE" --models hot,cold \
     --model-weights "$HOT_SHARE,$(python3 -c "print(round(1-$HOT_SHARE, 6))")" \
     --max-input-len "${MAX_IN:-2048}" --max-output-len "${MAX_OUT:-256}" --ttft-slo "$TTFT" --tbt-slo "$TBT" \
