@@ -127,6 +127,24 @@ def test_outputs_equal_without_offload(server: Server) -> None:
     wait_for(lambda: offload_metrics()[used] == 0, 10, "the executor's KV given back")
 
 
+def test_aborted_remote_requests_give_the_executors_kv_back(server: Server) -> None:
+    """A client that goes away while its requests decode on the executor: the sender releases them
+    there, and the host's partition is empty again (nothing leaks on the executor)."""
+    used = lambda: server.worker("cold-0").get("load", {}).get("executor_kv_used_tokens", {}).get("hot", 0)  # noqa: E731
+    with server.client(timeout=60) as c, c.stream(
+            "POST", "/generate", json={"text": PROMPTS, "model": "hot", "stream": True,
+                                       "sampling_params": {"max_new_tokens": 2000, "temperature": 0,
+                                                           "ignore_eos": True}}) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        wait_for(lambda: next(lines) is not None and used() > 0, 60, "hot's requests holding KV on the executor")
+    # the stream is closed: the router aborts the requests, the sender releases their executor rows
+    wait_for(lambda: used() == 0 and not server.worker("hot-0").get("load", {}).get("offloaded_reqs"), 30,
+             "the executor's KV given back after the abort")
+    outs = generate(server, "hot", 8)  # and the pairing still serves
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in generate(server, "ref", 8)]
+
+
 def test_executor_killed_mid_generation(server: Server) -> None:
     """SIGKILL the cold worker while hot's requests decode there: all of them finish with the same
     output (recomputed locally), nothing hangs, hot keeps serving; the launcher restarts cold and the
