@@ -14,6 +14,16 @@ import msgspec
 from sglang_ext.sampling.params import SamplingParams
 
 
+class Disagg(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A request's part in prefill/decode disaggregation: the prefill worker computes the prompt and
+    the first token and sends the prompt's KV over `pairing` to the decode worker, which takes the
+    same request (the same rid) and continues. `room` names the transfer on the pair's wire."""
+
+    role: str  # "prefill" | "decode": what the receiving worker does with it
+    pairing: str  # the router's id of the (prefill, decode) pair
+    room: int
+
+
 class GenerateReq(msgspec.Struct, tag="generate", kw_only=True):
     rid: str
     input_ids: list[int] | None = None
@@ -25,6 +35,7 @@ class GenerateReq(msgspec.Struct, tag="generate", kw_only=True):
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
     stream: bool = False
+    disagg: Disagg | None = None  # set by the router for a disaggregated request
 
 
 class AbortReq(msgspec.Struct, tag="abort", kw_only=True):
@@ -111,6 +122,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     hostname: str = ""
     gpu_uuid: str = ""
     offload_transport: str = ""
+    disaggregation_mode: str = ""  # "" | prefill | decode (its server argument)
 
 
 class WorkerHello(msgspec.Struct, tag="hello", kw_only=True):
@@ -192,6 +204,30 @@ class OffloadDirective(msgspec.Struct, tag="offload", kw_only=True, forbid_unkno
     detach: bool = False
 
 
+class KVPairOpen(msgspec.Struct, tag="kv_pair_open", kw_only=True, forbid_unknown_fields=True):
+    """Router -> decode worker: receive KV from prefill worker `peer` over a new pair. Answered with a
+    ReplyOut whose data has `store` (HOST:PORT of the pair's rendezvous) and `backend`, or ok=False
+    and `error`."""
+
+    rid: str
+    pairing: str
+    peer: str  # the prefill worker's id
+    peer_device: str
+    timeout_s: float = 30.0
+
+
+class KVPairConnect(msgspec.Struct, tag="kv_pair_connect", kw_only=True, forbid_unknown_fields=True):
+    """Router -> prefill worker: send KV to decode worker `peer` over the pair at `store`; replaces
+    any earlier pair to that peer. `close`: drop the pair (its peer is gone)."""
+
+    pairing: str
+    peer: str
+    store: str = ""
+    backend: str = "gloo"
+    timeout_s: float = 30.0
+    close: bool = False
+
+
 ToWorker = (GenerateReq | AbortReq | FlushCacheReq | TokenizeReq | ShutdownReq | HelloReq | ExecutorOpen
-            | OffloadDirective)
+            | OffloadDirective | KVPairOpen | KVPairConnect)
 FromWorker = BatchOut | ErrorOut | ReplyOut | WorkerHello | LoadReport
