@@ -192,7 +192,7 @@ def test_a_pair_that_is_gone_fails_explicitly(workers: tuple[Worker, Worker, Wor
     _, p, d = workers
     (err,) = d.handle(GenerateReq(rid="x", text="Hi", sampling_params=_sp(3),
                                   disagg=Disagg(role="decode", pairing="nope", room=1)))
-    assert isinstance(err, ErrorOut) and "no KV pair nope" in err.message
+    assert isinstance(err, ErrorOut) and err.status == 503 and "no KV pair nope" in err.message
     out = p.step([GenerateReq(rid="y", text="Hi", sampling_params=_sp(3),
                               disagg=Disagg(role="prefill", pairing="nope", room=1))])
     while not out:

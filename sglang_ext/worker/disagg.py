@@ -36,6 +36,11 @@ LOST_STATUS: Final = 503
 ORPHAN_S: Final = 120.0  # KV that landed for a request this worker never got (or that was aborted)
 
 
+class PairGone(RuntimeError):
+    """A request names a KV pair this worker does not have (it ended, or never opened): a 503, which
+    the router answers by placing the request again."""
+
+
 @dataclass
 class _Expect:
     req: Req
@@ -103,7 +108,7 @@ class WorkerDisagg:
         if got is not None:
             return got[0]
         if d.pairing not in self.receivers:
-            raise LookupError(f"no KV pair {d.pairing} on decode worker {self.worker_id}")
+            raise PairGone(f"no KV pair {d.pairing} on decode worker {self.worker_id} (its prefill worker is gone)")
         self.expecting[key] = _Expect(req, d.pairing)
         return None
 

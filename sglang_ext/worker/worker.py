@@ -48,7 +48,7 @@ from sglang_ext.scheduler.overlap import scheduler_class
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
 from sglang_ext.server_args import ServerArgs
-from sglang_ext.worker.disagg import WorkerDisagg
+from sglang_ext.worker.disagg import PairGone, WorkerDisagg
 from sglang_ext.worker.offload import WorkerOffload
 from sglang_ext.worker.tokenizer import IncrementalDetokenizer, StartupError, Tokenizer, load_tokenizer
 
@@ -223,10 +223,10 @@ class Worker:
                 self.offload.apply(msg, self.scheduler)
             elif isinstance(msg, ShutdownReq):
                 self.stopped = True
-        except InvalidRequest as e:
+        except (InvalidRequest, PairGone) as e:
             rid = getattr(msg, "rid", "")
             self.live.pop(rid, None)
-            return [ErrorOut(rid=rid, message=str(e), status=400)]
+            return [ErrorOut(rid=rid, message=str(e), status=400 if isinstance(e, InvalidRequest) else 503)]
         return []
 
     def _add(self, m: GenerateReq) -> None:
@@ -246,10 +246,7 @@ class Worker:
         d = m.disagg
         if d is not None and d.role == "decode":
             self.scheduler.validate(req)
-            try:
-                landed = self.disagg.expect(req, d)
-            except LookupError as e:
-                raise InvalidRequest(str(e)) from None
+            landed = self.disagg.expect(req, d)  # PairGone: a 503 (handle)
             if landed is not None:
                 self._land(req, landed)
             return
