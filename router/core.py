@@ -177,17 +177,19 @@ class Router:
     def new_rid(self) -> str:
         return f"r-{self._prefix}-{next(self._ids)}"
 
-    def pick(self, model: ModelEntry, prefix_key: str | None = None) -> WorkerState:
-        candidates = model.up_workers
+    def pick(self, model: ModelEntry, prefix_key: str | None = None, avoid: Collection[str] = ()) -> WorkerState:
+        """An up worker of the model for a whole request; those in `avoid` only if nothing else is up."""
+        candidates = [w for w in model.up_workers if w.worker_id not in avoid] or model.up_workers
         if not candidates:
             raise NoWorker(f"no worker of model {model.name!r} is up; try again later")
         return self.balancer.pick(candidates, prefix_key)
 
-    def place(self, model: ModelEntry, prefix_key: str | None = None) -> Placement:
+    def place(self, model: ModelEntry, prefix_key: str | None = None, avoid: Collection[str] = ()) -> Placement:
         """A prefill worker and a decode worker over an active KV pair of the model, or else one worker
-        (whatever its role) for the whole request. Raises NoWorker."""
-        pd = self.disagg.place(model, self.balancer, prefix_key)
-        return pd if pd is not None else Placement(self.pick(model, prefix_key))
+        (whatever its role) for the whole request; workers in `avoid` (suspects of a failure) only as a
+        last resort. Raises NoWorker."""
+        pd = self.disagg.place(model, self.balancer, prefix_key, avoid)
+        return pd if pd is not None else Placement(self.pick(model, prefix_key, avoid))
 
     def submit(self, model: ModelEntry, reqs: list[GenerateReq], est_prompt_tokens: list[int],
                worker: WorkerState | Placement | None = None) -> Submission:
@@ -230,14 +232,15 @@ class Router:
                 req, disagg=Disagg(role="prefill", pairing=placement.pairing, room=room)))
         self.bus.publish(RequestArrived(st.rid, st.model, worker.worker_id, st.est_prompt_tokens, st.max_new_tokens))
 
-    def _retry(self, st: RequestState, why: str) -> bool:
+    def _retry(self, st: RequestState, why: str, suspect: str = "") -> bool:
         """Place a disaggregated request again from the start (under a new worker-level rid), if
-        nothing of it reached the client yet; False if it cannot be retried."""
+        nothing of it reached the client yet, away from `suspect` if it can; False if it cannot be
+        retried."""
         if st.done or st.req is None or st.delivered or st.retries >= MAX_RETRIES:
             return False
         model = self.registry.models.get(st.model)
         try:
-            placement = self.place(model, prefix_key(st.req)) if model is not None else None
+            placement = self.place(model, prefix_key(st.req), (suspect,)) if model is not None else None
         except NoWorker:
             placement = None
         if placement is None:
@@ -350,7 +353,10 @@ class Router:
             if st.decode is not None and not st.handed and msg.status >= 500:
                 # The pair or one of its workers failed before anything reached the client.
                 self.disagg.broken(st.pairing, msg.message)
-                if self._retry(st, f"{ident}: {msg.message}"):
+                # Each side reports what it saw of the other (a send that failed, KV that never came).
+                assert st.prefill is not None
+                other = st.decode.worker_id if ident == st.prefill.worker_id else st.prefill.worker_id
+                if self._retry(st, f"{ident}: {msg.message}", suspect=other):
                     return
             self._fail(st, msg.status, msg.message)
         elif isinstance(msg, ReplyOut):

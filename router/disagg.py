@@ -17,6 +17,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -88,14 +89,18 @@ class DisaggPlanner:
         return [p.describe() for p in self.pairs.values()]
 
     # ---- placement ------------------------------------------------------------------------------
-    def place(self, model: ModelEntry, balancer: Balancer, prefix_key: str | None) -> Placement | None:
-        """A (prefill, decode) placement over an active pair of `model`, or None (serve it whole)."""
+    def place(self, model: ModelEntry, balancer: Balancer, prefix_key: str | None,
+              avoid: Collection[str] = ()) -> Placement | None:
+        """A (prefill, decode) placement over an active pair of `model` without a worker in `avoid`,
+        or None (serve it whole)."""
         partners: dict[str, list[tuple[WorkerState, str]]] = {}
         for p in self.pairs.values():
             if p.state != "active":
                 continue
             pw, dw = self.router.registry.workers.get(p.prefill), self.router.registry.workers.get(p.decode)
             if pw is None or dw is None or not (pw.up and dw.up) or pw.model != model.name:
+                continue
+            if pw.worker_id in avoid or dw.worker_id in avoid:
                 continue
             partners.setdefault(pw.worker_id, []).append((dw, p.pairing))
         if not partners:

@@ -101,10 +101,9 @@ async def test_failures_before_the_first_token_are_retried(router: Router, ctx: 
         assert router.disagg.describe()[0]["state"].startswith("failed: cannot send KV")
         retried = [router.requests[k] for k in router.requests]
         assert len(retried) == 1 and retried[0].rid == r.rid + "+retry1" and retried[0].decode is None
-        w = p if retried[0].worker.worker_id == "p" else d
-        g = await recv(w, GenerateReq)
+        g = await recv(p, GenerateReq)  # away from the suspect: the side the prefill worker could not reach
         assert g.rid == r.rid + "+retry1" and g.disagg is None
-        await w.token(g.rid, [5, 6], finished=True)
+        await p.token(g.rid, [5, 6], finished=True)
         _, out = await s.next(1)  # type: ignore[misc]
         assert out.token_ids == [5, 6] and s.finished and "prefill_worker" not in out.meta_info
     finally:
@@ -187,6 +186,25 @@ async def test_done_at_the_first_token_drops_it_on_the_decode_worker(router: Rou
         _, out = await s.next(1)  # type: ignore[misc]
         assert out.token_ids == [5] and out.meta_info["decode_worker"] is None and s.finished
         assert (await recv(d, AbortReq)).rid == r.rid
+    finally:
+        p.close()
+        d.close()
+
+
+async def test_kv_that_never_came_is_retried_away_from_the_prefill_worker(router: Router,
+                                                                         ctx: zmq.asyncio.Context) -> None:
+    p, d = await paired(router, ctx)
+    try:
+        r = req(router)
+        s = router.submit(router.registry.models["m"], [r], [3])
+        await recv(p, GenerateReq)
+        await recv(d, GenerateReq)
+        await d.send(ErrorOut(rid=r.rid, message="the prefill worker's KV never arrived", status=503))
+        assert (await recv(p, AbortReq)).rid == r.rid
+        g = await recv(d, GenerateReq)
+        assert g.rid == r.rid + "+retry1" and g.disagg is None
+        await d.token(g.rid, [5], finished=True)
+        assert (await s.next(1))[1].token_ids == [5] and s.finished  # type: ignore[index,union-attr]
     finally:
         p.close()
         d.close()
