@@ -16,14 +16,15 @@ from typing import Any
 
 import pytest
 from _router_util import Server, free_port, serve, sse_events, wait_for
-from test_disagg_served import PROMPTS, cluster, generate, pair_state
+from test_disagg_served import LONG, PROMPTS, cluster, generate, pair_state
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("disagg-fail")
     port = free_port()
-    with serve(tmp, ["--config", cluster(tmp, port)], workers=3, port=port) as srv:
+    # Small prefill chunks: a long prompt stays in prefill over many steps (to kill its worker there).
+    with serve(tmp, ["--config", cluster(tmp, port, {"chunked_prefill_size": 32})], workers=3, port=port) as srv:
         wait_for(lambda: pair_state(srv) == "active", 60, "the KV pair opened")
         yield srv
 
@@ -64,24 +65,52 @@ def test_decode_worker_killed_mid_stream(server: Server) -> None:
 
 
 def test_prefill_worker_killed_mid_stream(server: Server) -> None:
-    """Requests already handed off keep decoding: their KV is on the decode worker."""
+    """Requests already handed off keep decoding (their KV is on the decode worker); those still in
+    prefill are retried; every output is unchanged."""
     pid = server.worker("pd-prefill")["info"]["pid"]
     want = generate(server, "ref", PROMPTS, max_new=120)
-    result: list[Any] = []
-    t = threading.Thread(target=lambda: result.append(generate(server, "default", PROMPTS, max_new=120)))
-    t.start()
-    try:
-        wait_for(lambda: server.worker("pd-decode").get("load", {}).get("num_running"), 30,
-                 "requests decoding on pd-decode", poll=0.02)
-        kill(server, "pd-prefill")
-        assert not result, "the requests finished before the kill"
-    finally:
-        t.join(120)
-    assert not t.is_alive() and result, server.log()[-4000:]
-    assert [o["output_ids"] for o in result[0]] == [o["output_ids"] for o in want]
-    assert {o["meta_info"]["prefill_worker"] for o in result[0]} == {"pd-prefill"}
-    wait_for(lambda: not server.worker("pd-prefill")["up"] or server.worker("pd-prefill")["info"]["pid"] != pid,
-             10, "pd-prefill marked down")
+    body = {"text": PROMPTS, "stream": True, "sampling_params": {"max_new_tokens": 120, "temperature": 0,
+                                                                 "ignore_eos": True}}
+    last: dict[int, Any] = {}
+    killed = None
+    with server.client(timeout=60) as c, c.stream("POST", "/generate", json=body) as r:
+        for e in sse_events(r.iter_lines()):
+            assert "error" not in e, e
+            last[e["index"]] = e
+            if killed is None and e["meta_info"].get("decode_worker"):
+                kill(server, "pd-prefill")  # while this request decodes on pd-decode
+                killed = len(e["output_ids"])
+    assert killed is not None and killed < 120
+    assert [last[i]["output_ids"] for i in range(len(PROMPTS))] == [o["output_ids"] for o in want]
+    # Each was handed off before the kill (and finished on pd-decode), or was still in prefill there
+    # (small chunks) and was retried from the start, whole on pd-decode.
+    for e in last.values():
+        m = e["meta_info"]
+        assert (m.get("prefill_worker"), m.get("decode_worker")) == ("pd-prefill", "pd-decode") or \
+            (m["id"].endswith("+retry1") and "prefill_worker" not in m), m
     one = generate(server, "default", PROMPTS[3])  # served, by pd-decode alone or by the new pair
     assert one["output_ids"] == generate(server, "ref", PROMPTS[3])["output_ids"]
     disaggregated_again(server, "pd-prefill", pid)
+
+
+def test_prefill_worker_killed_before_the_first_token(server: Server) -> None:
+    """A request still in prefill is retried from the start, on the decode worker (served whole), and
+    its output is unchanged; the client sees one normal response."""
+    prompt = " ".join([LONG] * 50)  # ~1800 tokens: ~60 prefill steps of 32 tokens (the load report comes every 0.5 s)
+    want = generate(server, "ref", prompt, max_new=8)
+    result: list[Any] = []
+    t = threading.Thread(target=lambda: result.append(generate(server, "default", prompt, max_new=8)))
+    t.start()
+    try:
+        wait_for(lambda: server.worker("pd-prefill").get("load", {}).get("num_running"), 30,
+                 "the prompt in prefill on pd-prefill", poll=0.02)
+        kill(server, "pd-prefill")
+    finally:
+        t.join(60)
+    assert not t.is_alive() and result, server.log()[-4000:]
+    out = result[0]
+    assert out["output_ids"] == want["output_ids"]
+    assert out["meta_info"]["id"].endswith("+retry1"), (out["meta_info"], server.log()[-3000:])
+    assert "prefill_worker" not in out["meta_info"]  # served whole by pd-decode
+    # (pairing again after a restart is checked above; here the worker left standing keeps serving)
+    assert generate(server, "default", PROMPTS[0])["output_ids"] == generate(server, "ref", PROMPTS[0])["output_ids"]

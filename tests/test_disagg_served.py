@@ -26,9 +26,9 @@ PROMPTS = ["The weather today is", "The weather today is sunny and the", "Once u
            LONG + ", dates and"]  # the last two share more than a page (16 tokens)
 
 
-def cluster(tmp: Any, port: int) -> str:
+def cluster(tmp: Any, port: int, prefill_args: dict[str, Any] | None = None) -> str:
     cfg = {"router": {"port": port, "log_level": "info"},
-           "models": [{"args": ARGS, "workers": [{"id": "pd-prefill", "role": "prefill"},
+           "models": [{"args": ARGS, "workers": [{"id": "pd-prefill", "role": "prefill", "args": prefill_args or {}},
                                                  {"id": "pd-decode", "role": "decode"}]},
                       {"name": "ref", "args": ARGS}]}
     path = tmp / "cluster.yaml"
