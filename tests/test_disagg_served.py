@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from _router_util import ROOT, Server, free_port, serve, sse_events, wait_for
+from _router_util import ROOT, Server, free_port, serve, sse_events, start_worker, wait_for
 
 ARGS = {"max_total_tokens": 8192, "dtype": "float32", "device": "cpu", "log_level": "warning"}
 LONG = "A list of fruits: apples, pears, plums, cherries, grapes, bananas, oranges, lemons, limes, figs"
@@ -160,3 +160,20 @@ def test_frontend_programs(server: Server) -> None:
     assert len(s["phone"]) == 8 and s["phone"][3] == "-" and s["answer"] in ("yes", "no")
     assert set(json.loads(s["person"])) == {"name", "age"}
     assert server.worker("pd-decode")["num_served"] > 0
+
+
+def test_a_worker_that_joins_by_itself_says_its_role(server: Server, tmp_path: Any) -> None:
+    """`launch worker --router ... --disaggregation-mode decode`: its hello makes it a decode worker, the
+    router pairs it with the prefill worker, and the least loaded decode worker (the new, idle one)
+    takes requests."""
+    proc = start_worker(tmp_path, server.worker_addr, "pd-decode-2", ["--disaggregation-mode", "decode"])
+    try:
+        wait_for(lambda: server.worker("pd-decode-2")["up"], 120, "pd-decode-2 joined")
+        assert server.worker("pd-decode-2")["role"] == "decode"
+        wait_for(lambda: any(p["decode"] == "pd-decode-2" and p["state"] == "active"
+                             for p in server.info()["disaggregation"]), 30, "pd-prefill paired with pd-decode-2")
+        got = generate(server, "default", PROMPTS[2])
+        assert got["meta_info"]["decode_worker"] == "pd-decode-2"
+        assert got["output_ids"] == generate(server, "ref", PROMPTS[2])["output_ids"]
+    finally:
+        proc.stop()

@@ -200,3 +200,24 @@ def test_a_pair_that_is_gone_fails_explicitly(workers: tuple[Worker, Worker, Wor
     assert isinstance(out[0], ErrorOut) and out[0].status == 503 and "cannot send KV" in out[0].message
     p.scheduler.check()
     assert not p.scheduler.running and "y" not in p.live
+
+
+def test_requests_waiting_for_kv_fail_when_the_pair_closes(workers: tuple[Worker, Worker, Worker]) -> None:
+    """The prefill side goes away (here: closes the pair; a dead process closes its sockets the same
+    way): a decode request still waiting for its KV fails with an explicit 503 at once. (Last: it
+    ends the module's pair.)"""
+    _, p, d = workers
+    assert d.step([GenerateReq(rid="w", text="Hi", sampling_params=_sp(3),
+                               disagg=Disagg(role="decode", pairing="pair-1", room=999))]) == []
+    assert d.disagg.expecting
+    p.disagg.connect(KVPairConnect(pairing="pair-1", peer="d", close=True))
+    deadline = time.monotonic() + 10
+    out: list[Any] = []
+    while not out:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+        out = d.step([])
+    (err,) = out
+    assert isinstance(err, ErrorOut) and err.rid == "w" and err.status == 503 and "never arrived" in err.message
+    assert not d.disagg.expecting and "w" not in d.live and "pair-1" not in d.disagg.receivers
+    d.scheduler.check()
