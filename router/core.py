@@ -170,8 +170,13 @@ class Router:
                 logger.warning("cannot send to worker %s: %s", worker_id, e)
                 w = self.registry.workers.get(worker_id)
                 if w is not None:
+                    why = f"worker {worker_id} of model {w.model} is not connected"
                     for st in list(w.inflight.values()):
-                        self._fail(st, 503, f"worker {worker_id} of model {w.model} is not connected")
+                        if st.decode is not None and not st.handed:
+                            self.disagg.broken(st.pairing, why)
+                            if self._retry(st, why, suspect=worker_id):
+                                continue
+                        self._fail(st, 503, why)
 
     # ---- requests -----------------------------------------------------------------------------
     def new_rid(self) -> str:
@@ -230,6 +235,7 @@ class Router:
                 req, disagg=Disagg(role="decode", pairing=placement.pairing, room=room)))
             self.send(worker.worker_id, msgspec.structs.replace(
                 req, disagg=Disagg(role="prefill", pairing=placement.pairing, room=room)))
+            self.metrics.disagg.labels(st.model, "placed").inc()
         self.bus.publish(RequestArrived(st.rid, st.model, worker.worker_id, st.est_prompt_tokens, st.max_new_tokens))
 
     def _retry(self, st: RequestState, why: str, suspect: str = "") -> bool:
@@ -258,6 +264,7 @@ class Router:
         st.prefill = st.decode = None
         st.pairing, st.handed, st.early, st.pd_meta = "", False, [], {}
         self.requests[st.rid] = st
+        self.metrics.disagg.labels(st.model, "retried").inc()
         logger.warning("request %s: %s; retried from the start as %s on %s", old, why, st.rid,
                        "+".join(w.worker_id for w in (placement.worker, placement.decode) if w is not None))
         self._dispatch(st, placement)
@@ -435,6 +442,7 @@ class Router:
         self._deliver(st, out)
         if first and not st.done:
             st.handed = True
+            self.metrics.disagg.labels(st.model, "handed").inc()
             st.prefill.inflight.pop(st.rid, None)
             st.move_to(st.decode)
             early, st.early = st.early, []

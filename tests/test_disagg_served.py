@@ -172,8 +172,32 @@ def test_a_worker_that_joins_by_itself_says_its_role(server: Server, tmp_path: A
         assert server.worker("pd-decode-2")["role"] == "decode"
         wait_for(lambda: any(p["decode"] == "pd-decode-2" and p["state"] == "active"
                              for p in server.info()["disaggregation"]), 30, "pd-prefill paired with pd-decode-2")
+        want = generate(server, "ref", PROMPTS[2])["output_ids"]
         got = generate(server, "default", PROMPTS[2])
-        assert got["meta_info"]["decode_worker"] == "pd-decode-2"
-        assert got["output_ids"] == generate(server, "ref", PROMPTS[2])["output_ids"]
+        assert got["meta_info"]["decode_worker"] == "pd-decode-2" and got["output_ids"] == want
     finally:
         proc.stop()
+    # It left; until its heartbeat times out the router still counts it up and places the next request
+    # on its pair: the send fails and the request is retried on the other pair, invisibly to the client.
+    still_up = server.worker("pd-decode-2")["up"]
+    got = generate(server, "default", PROMPTS[2])
+    assert got["output_ids"] == want and got["meta_info"]["decode_worker"] == "pd-decode"
+    if still_up:
+        assert got["meta_info"]["id"].endswith("+retry1"), got["meta_info"]
+
+
+def test_metrics(server: Server) -> None:
+    def metrics() -> dict[str, float]:
+        with server.client() as c:
+            text = c.get("/metrics").text
+        return {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                if ln.startswith(("sglang_ext:kv_transfer", "sglang_ext:disagg_requests"))}
+
+    generate(server, "default", PROMPTS[0], max_new=4)
+    out = 'sglang_ext:kv_transfers_total{direction="out",model_name="default",worker="pd-prefill"}'
+    got = 'sglang_ext:kv_transfers_total{direction="in",model_name="default",worker="pd-decode"}'
+    m = wait_for(lambda: (m := metrics()).get(got, 0) > 0 and m.get(out, 0) > 0 and m, 10,
+                 "transfers in a load report of each worker")
+    assert m['sglang_ext:kv_transfer_bytes_total{direction="out",model_name="default",worker="pd-prefill"}'] > 0
+    placed = m['sglang_ext:disagg_requests_total{event="placed",model_name="default"}']
+    assert placed >= m['sglang_ext:disagg_requests_total{event="handed",model_name="default"}'] > 0

@@ -142,6 +142,10 @@ def test_greedy_outputs_equal_a_plain_worker(workers: tuple[Worker, Worker, Work
         assert got[r.rid]["text"] == want[r.rid]["text"]
         assert got[r.rid]["meta"]["completion_tokens"] == 12
     _drain(p, d)
+    sent, got = p.disagg.counts, d.disagg.counts
+    assert sent["kv_transfers_out"] == got["kv_transfers_in"] == len(reqs)
+    assert sent["kv_transfer_bytes_out"] == got["kv_transfer_bytes_in"] > 0
+    assert p.load_report().kv_transfers_out == len(reqs)
     # The prefill worker's prefix cache holds the prompts now: a repeat hits it, outputs unchanged.
     again, _ = _run_pd(p, d, reqs[:2], 200)
     assert [again[r.rid]["ids"] for r in reqs[:2]] == [want[r.rid]["ids"] for r in reqs[:2]]

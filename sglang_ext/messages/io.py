@@ -162,6 +162,12 @@ class LoadReport(msgspec.Struct, tag="load", kw_only=True):
     kv_rotation_bytes_out: int = 0
     kv_rotation_bytes_in: int = 0
     kv_rotation_unhidden_iterations: int = 0
+    # Prefill/decode disaggregation, cumulative: requests' KV sent (a prefill worker) and received (a
+    # decode worker), and their bytes
+    kv_transfers_out: int = 0
+    kv_transfers_in: int = 0
+    kv_transfer_bytes_out: int = 0
+    kv_transfer_bytes_in: int = 0
 
 
 class ExecutorOpen(msgspec.Struct, tag="executor_open", kw_only=True, forbid_unknown_fields=True):

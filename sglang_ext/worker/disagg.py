@@ -58,12 +58,14 @@ class WorkerDisagg:
         # prefill side
         self.senders: dict[str, KVSender] = {}  # pairing -> its sender
         self.prefilling: dict[str, Disagg] = {}  # rid -> where its KV goes, until handed off
-        self.sending: dict[str, str] = {}  # rid -> the decode worker, while its KV is on the way
+        self.sending: dict[str, tuple[str, int]] = {}  # rid -> (the decode worker, bytes), while its KV goes
         # decode side
         self.receivers: dict[str, KVReceiver] = {}  # pairing -> its receiver
         self.expecting: dict[tuple[str, int], _Expect] = {}  # (pairing, room) -> the request waiting
         self.arrived: dict[tuple[str, int], tuple[KVArrival, float]] = {}  # landed before its request
         self.dropped: dict[tuple[str, int], float] = {}  # aborted while its KV was on the way
+        self.counts = {"kv_transfers_out": 0, "kv_transfers_in": 0, "kv_transfer_bytes_out": 0,
+                       "kv_transfer_bytes_in": 0}  # LoadReport fields, cumulative
 
     def has_events(self) -> bool:
         return not self.events.empty()
@@ -134,7 +136,7 @@ class WorkerDisagg:
         assert req is not None
         n = len(req.input_ids)
         pages = req.pages[: -(-n // scheduler.page_size)]
-        self.sending[rid] = sender.peer
+        self.sending[rid] = (sender.peer, len(pages) * self.runner.pool.geometry.page_bytes)
         sender.submit(SendJob(rid, d.room, pages, n, first_token))
         return None
 
@@ -147,13 +149,18 @@ class WorkerDisagg:
             kind, a, b = self.events.get()
             if kind == "sent":
                 rid = str(a)
-                peer = self.sending.pop(rid, "?")
+                peer, nbytes = self.sending.pop(rid, ("?", 0))
                 scheduler.handed(rid)
-                if b is not None:
+                if b is None:
+                    self.counts["kv_transfers_out"] += 1
+                    self.counts["kv_transfer_bytes_out"] += nbytes
+                else:
                     errors.append(ErrorOut(rid=rid, message=f"the KV transfer to decode worker {peer} failed: {b}",
                                            status=LOST_STATUS))
             elif kind == "kv":
                 assert isinstance(a, KVArrival)
+                self.counts["kv_transfers_in"] += 1
+                self.counts["kv_transfer_bytes_in"] += a.kv.numel() * a.kv.element_size()
                 key = (a.pairing, a.room)
                 if self.dropped.pop(key, None) is not None:
                     continue

@@ -144,7 +144,7 @@ class Worker:
             rotary_reqs=s.num_rotary, kv_host_used_bytes=s.host_used_bytes, kv_host_total_bytes=s.host_total_bytes,
             kv_rotations_out=s.rotations_out, kv_rotations_in=s.rotations_in,
             kv_rotation_bytes_out=s.rotation_bytes_out, kv_rotation_bytes_in=s.rotation_bytes_in,
-            kv_rotation_unhidden_iterations=s.unhidden_iterations,
+            kv_rotation_unhidden_iterations=s.unhidden_iterations, **self.disagg.counts,
         )
 
     def has_work(self) -> bool:
