@@ -175,8 +175,8 @@ class DisaggMetrics(Collector):
         nbytes = CounterMetricFamily("sglang_ext:kv_transfer_bytes", "Bytes of those transfers",
                                      labels=[*_LABELS, "direction"])
         for w in self.workers():
-            if w.load is None or w.role not in ("prefill", "decode"):
-                continue
+            if not any(self.totals.total(w.worker_id, f) for f in _DISAGG_FIELDS):
+                continue  # no series for workers that never moved KV (every worker outside disaggregation)
             labels = [w.model, w.worker_id]
             for d in ("out", "in"):
                 n.add_metric([*labels, d], self.totals.total(w.worker_id, f"kv_transfers_{d}"))
