@@ -197,6 +197,7 @@ def test_a_pair_that_is_gone_fails_explicitly(workers: tuple[Worker, Worker, Wor
     (err,) = d.handle(GenerateReq(rid="x", text="Hi", sampling_params=_sp(3),
                                   disagg=Disagg(role="decode", pairing="nope", room=1)))
     assert isinstance(err, ErrorOut) and err.status == 503 and "no KV pair nope" in err.message
+    assert ("nope", 1) in d.disagg.dropped  # its KV, should it come, is not kept
     out = p.step([GenerateReq(rid="y", text="Hi", sampling_params=_sp(3),
                               disagg=Disagg(role="prefill", pairing="nope", room=1))])
     while not out:

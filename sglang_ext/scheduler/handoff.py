@@ -13,6 +13,7 @@ Kept apart from the batching loop (`scheduler.py`), like remote rows and rotatio
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from sglang_ext.scheduler.request import FinishReason, Req, ReqStatus
@@ -23,9 +24,8 @@ class Handoff:
     waiting: list[Req]
     _sent: dict[str, tuple[int, int, int]]
     handing: dict[str, Req]
-
-    def validate(self, req: Req) -> None: ...  # Scheduler's
-    def _finish(self, r: Req, reason: FinishReason) -> None: ...  # Scheduler's
+    validate: Callable[[Req], None]  # the Scheduler's
+    _finish: Callable[[Req, FinishReason], None]
 
     def hand_off(self, rid: str) -> Req | None:
         """Take a running request out of scheduling, its pages still its own; None if it is not

@@ -181,11 +181,16 @@ class WorkerDisagg:
         self._purge()
         return ready, errors
 
+    def refused(self, d: Disagg) -> None:
+        """Decode side: a request refused here (a 400); its KV, if the prefill worker sends it, is dropped."""
+        self.dropped[(d.pairing, d.room)] = time.monotonic()
+
     def _purge(self) -> None:
         old = time.monotonic() - ORPHAN_S
-        for d in (self.arrived, self.dropped):
-            for key in [k for k, v in d.items() if (v[1] if isinstance(v, tuple) else v) < old]:
-                del d[key]
+        for key in [k for k, (_, t) in self.arrived.items() if t < old]:
+            del self.arrived[key]
+        for key in [k for k, t in self.dropped.items() if t < old]:
+            del self.dropped[key]
 
     def close(self) -> None:
         for s in self.senders.values():

@@ -226,6 +226,8 @@ class Worker:
         except (InvalidRequest, PairGone) as e:
             rid = getattr(msg, "rid", "")
             self.live.pop(rid, None)
+            if isinstance(msg, GenerateReq) and msg.disagg is not None and msg.disagg.role == "decode":
+                self.disagg.refused(msg.disagg)
             return [ErrorOut(rid=rid, message=str(e), status=400 if isinstance(e, InvalidRequest) else 503)]
         return []
 
