@@ -176,6 +176,23 @@ def test_logprobs_and_stop_strings_across_the_hand_off(workers: tuple[Worker, Wo
     _drain(p, d)
 
 
+def test_seeded_sampling_and_penalties_continue_across_the_hand_off(workers: tuple[Worker, Worker, Worker]) -> None:
+    """The decode worker draws token k with the request's seed at position k, and its penalty table
+    and min_new_tokens count the first token: seeded outputs equal the plain worker's."""
+    ref, p, d = workers
+    sps = [SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True),
+           SamplingParams(max_new_tokens=12, temperature=0.7, seed=3, frequency_penalty=0.8, presence_penalty=0.3,
+                          repetition_penalty=1.3),
+           SamplingParams(max_new_tokens=12, temperature=0.0, min_new_tokens=8, repetition_penalty=1.5)]
+    reqs = [GenerateReq(rid=f"z{i}", text=PROMPTS[i], sampling_params=sp) for i, sp in enumerate(sps)]
+    want = _run_plain(ref, [GenerateReq(**{**_fields(r), "rid": r.rid + "-ref"}) for r in reqs])
+    got, errors = _run_pd(p, d, reqs, 500)
+    assert not errors
+    for r in reqs:
+        assert got[r.rid]["ids"] == want[r.rid + "-ref"]["ids"] and got[r.rid]["text"] == want[r.rid + "-ref"]["text"]
+    _drain(p, d)
+
+
 def test_abort_on_both_sides(workers: tuple[Worker, Worker, Worker]) -> None:
     _, p, d = workers
     reqs = [GenerateReq(rid=f"a{i}", text=t, sampling_params=_sp(40, ignore_eos=True))
