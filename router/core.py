@@ -270,6 +270,28 @@ class Router:
         self._dispatch(st, placement)
         return True
 
+    def _resume(self, st: RequestState, ident: str, why: str) -> bool:
+        """The first token went out but the prompt's KV never reached the decode worker (the prefill
+        worker died or the pair broke meanwhile): the decode worker continues from the first token,
+        recomputing the prompt itself (a new worker-level rid, `RID+resume`). Once only."""
+        d = st.decode
+        if st.resumed or st.done or st.req is None or d is None or not d.up or st.first_token < 0:
+            return False
+        old = st.rid
+        self.send(d.worker_id, AbortReq(rid=old))  # if it still waits for that KV
+        self.requests.pop(old, None)
+        d.inflight.pop(old, None)
+        st.resumed = True
+        st.rid = f"{old}+resume"
+        self.requests[st.rid] = st
+        d.inflight[st.rid] = st
+        self.metrics.disagg.labels(st.model, "resumed").inc()
+        logger.warning("request %s: %s: %s; %s recomputes its prompt and continues as %s", old, ident, why,
+                       d.worker_id, st.rid)
+        self.send(d.worker_id, msgspec.structs.replace(st.req, rid=st.rid, disagg=Disagg(
+            role="decode", pairing="", room=0, first_token=st.first_token)))
+        return True
+
     def _abort(self, st: RequestState) -> None:
         if st.done:
             return
@@ -357,6 +379,8 @@ class Router:
             st = self.requests.get(msg.rid)
             if st is None:
                 return
+            if st.decode is not None and st.handed and msg.status == 503 and self._resume(st, ident, msg.message):
+                return
             if st.decode is not None and not st.handed and msg.status >= 500:
                 # The pair or one of its workers failed before anything reached the client.
                 self.disagg.broken(st.pairing, msg.message)
@@ -442,6 +466,7 @@ class Router:
         self._deliver(st, out)
         if first and not st.done:
             st.handed = True
+            st.first_token = out.token_ids[0]
             self.metrics.disagg.labels(st.model, "handed").inc()
             st.prefill.inflight.pop(st.rid, None)
             st.move_to(st.decode)

@@ -226,7 +226,8 @@ class RouterMetrics:
         r.register(DisaggMetrics(workers, self.offload))
         self.disagg = Counter("sglang_ext:disagg_requests", "Disaggregated requests by event: placed (on a prefill "
                               "and a decode worker), handed (first token out, the rest on the decode worker), "
-                              "retried (a failure before the first token)", [*m, "event"], registry=r)
+                              "retried (a failure before the first token), resumed (its KV never came: the "
+                              "decode worker recomputed the prompt)", [*m, "event"], registry=r)
 
     def slo_result(self, model: str, kind: str, met: bool) -> None:
         self.slo_checked.labels(model, kind).inc()

@@ -53,6 +53,8 @@ class RequestState:
     handed: bool = False
     early: list[TokenOut] = field(default_factory=list)  # the decode worker's, come before the first token
     pd_meta: dict[str, Any] = field(default_factory=dict)  # meta_info the prefill worker knows best
+    first_token: int = -1  # the prefill worker's, once handed
+    resumed: bool = False  # its KV never came: the decode worker recomputes the prompt
 
     @property
     def disaggregated(self) -> bool:

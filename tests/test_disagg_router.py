@@ -208,3 +208,31 @@ async def test_kv_that_never_came_is_retried_away_from_the_prefill_worker(router
     finally:
         p.close()
         d.close()
+
+
+async def test_kv_lost_after_the_first_token_resumes_on_the_decode_worker(router: Router,
+                                                                          ctx: zmq.asyncio.Context) -> None:
+    """The first token went out, then the KV never came: the decode worker gets the request again with
+    that first token (it recomputes the prompt) and the client's stream goes on; once only."""
+    p, d = await paired(router, ctx)
+    try:
+        r = req(router, max_new=3)
+        s = router.submit(router.registry.models["m"], [r], [3])
+        await recv(p, GenerateReq)
+        await recv(d, GenerateReq)
+        await p.token(r.rid, [5])
+        assert (await s.next(1))[1].token_ids == [5]  # type: ignore[index,union-attr]
+        await d.send(ErrorOut(rid=r.rid, message="the prefill worker's KV for this request never arrived",
+                              status=503))
+        assert (await recv(d, AbortReq)).rid == r.rid
+        g = await recv(d, GenerateReq)
+        assert g.rid == r.rid + "+resume" and g.disagg.first_token == 5 and g.disagg.role == "decode"
+        await d.token(g.rid, [6])
+        await d.send(ErrorOut(rid=g.rid, message="lost again", status=503))  # no second resume
+        _, out = await s.next(1)  # type: ignore[misc]
+        assert out.token_ids == [6] and out.meta_info["decode_worker"] == "d"
+        _, ev = await s.next(1)  # type: ignore[misc]
+        assert ev == Failure(503, "lost again") and not router.requests
+    finally:
+        p.close()
+        d.close()

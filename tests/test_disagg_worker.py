@@ -193,6 +193,24 @@ def test_seeded_sampling_and_penalties_continue_across_the_hand_off(workers: tup
     _drain(p, d)
 
 
+def test_resumed_without_kv_recomputes_the_prompt(workers: tuple[Worker, Worker, Worker]) -> None:
+    """`disagg.first_token` (the prefill worker's KV will never come): the decode worker recomputes the
+    prompt and continues after that token with the plain worker's outputs."""
+    ref, _, d = workers
+    sp = _sp(10, ignore_eos=True)
+    want = _run_plain(ref, [GenerateReq(rid="r-ref", text=PROMPTS[4], sampling_params=sp, return_logprob=True)])
+    first_text = _run_plain(ref, [GenerateReq(rid="r1", text=PROMPTS[4], sampling_params=_sp(1))])["r1"]["text"]
+    got = _run_plain(d, [GenerateReq(rid="r", text=PROMPTS[4], sampling_params=sp, return_logprob=True, disagg=Disagg(
+        role="decode", pairing="", room=0, first_token=want["r-ref"]["ids"][0]))])["r"]
+    assert got["ids"] == want["r-ref"]["ids"][1:]
+    assert first_text + got["text"] == want["r-ref"]["text"]
+    lps, want_lps = got["output_token_logprobs"], want["r-ref"]["output_token_logprobs"][1:]
+    assert [t for _, t, _ in lps] == [t for _, t, _ in want_lps]
+    assert [x for x, _, _ in lps] == pytest.approx([x for x, _, _ in want_lps], abs=1e-4)
+    assert not got.get("input_token_logprobs")  # the prefill worker reported those
+    d.scheduler.check()
+
+
 def test_abort_on_both_sides(workers: tuple[Worker, Worker, Worker]) -> None:
     _, p, d = workers
     reqs = [GenerateReq(rid=f"a{i}", text=t, sampling_params=_sp(40, ignore_eos=True))

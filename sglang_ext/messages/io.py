@@ -22,6 +22,9 @@ class Disagg(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     role: str  # "prefill" | "decode": what the receiving worker does with it
     pairing: str  # the router's id of the (prefill, decode) pair
     room: int
+    # decode, resumed: the prefill worker's KV will not come (it died, or the pair broke, after the
+    # first token went out): continue after this first token, recomputing the prompt's KV here
+    first_token: int = -1
 
 
 class GenerateReq(msgspec.Struct, tag="generate", kw_only=True):

@@ -46,8 +46,9 @@ class Handoff:
 
     def add_prefilled(self, req: Req, kv: Any) -> None:
         """Queue a request that arrives with its first token (`req.output_ids`) and its prompt's KV
-        in pages (`kv`: [pages, L, 2, P, Hkv, D]). What the prefill worker reported already (input
-        logprobs, the first token and its logprob) is not reported again."""
+        in pages (`kv`: [pages, L, 2, P, Hkv, D]; None: recomputed here at admission, as for a
+        preempted request). What the prefill worker reported already (input logprobs, the first token
+        and its logprob) is not reported again."""
         assert len(req.output_ids) == 1
         self.validate(req)
         if req.return_logprob:  # computed on the prefill worker: placeholders keep positions, not resent

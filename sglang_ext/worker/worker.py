@@ -248,6 +248,9 @@ class Worker:
         d = m.disagg
         if d is not None and d.role == "decode":
             self.scheduler.validate(req)
+            if d.first_token >= 0:
+                self._start_decode(req, d.first_token, None)
+                return
             landed = self.disagg.expect(req, d)  # PairGone: a 503 (handle)
             if landed is not None:
                 self._land(req, landed)
@@ -258,18 +261,25 @@ class Worker:
 
     def _land(self, req: Req, a: KVArrival) -> None:
         """A decode request's prompt KV and first token arrived: it joins the scheduler there."""
-        live = self.live[req.rid]
         if a.n_tokens != len(req.input_ids):
             self.live.pop(req.rid)
             raise InvalidRequest(f"the prefill worker computed {a.n_tokens} prompt tokens, this worker has "
                                  f"{len(req.input_ids)} (the workers tokenize differently)")
-        req.output_ids = [a.first_token]
+        self._start_decode(req, a.first_token, a.kv)
+
+    def _start_decode(self, req: Req, first_token: int, kv: Any) -> None:
+        """Continue a request after its first token (which went out from the prefill worker), from the
+        prompt's KV, or with kv None by recomputing it here (as a preempted request is)."""
+        live = self.live[req.rid]
+        if not 0 <= first_token < self.cfg.vocab_size:
+            raise InvalidRequest(f"disagg.first_token must be a token id in [0, {self.cfg.vocab_size})")
+        req.output_ids = [first_token]
         if req.grammar is not None:
-            req.grammar.accept(a.first_token)
+            req.grammar.accept(first_token)
         if live.detok is not None:
-            live.detok.add([a.first_token], False, None)  # its text went out from the prefill worker
+            live.detok.add([first_token], False, None)  # its text went out from the prefill worker
         live.first_token_time = time.monotonic()
-        self.scheduler.add_prefilled(req, a.kv)
+        self.scheduler.add_prefilled(req, kv)
 
     # ---- one iteration ----------------------------------------------------------------------------
     def step(self, inbox: list[ToWorker]) -> list[FromWorker]:
