@@ -275,7 +275,7 @@ class Router:
         worker died or the pair broke meanwhile): the decode worker continues from the first token,
         recomputing the prompt itself (a new worker-level rid, `RID+resume`). Once only."""
         d = st.decode
-        if st.resumed or st.done or st.req is None or d is None or not d.up or st.first_token < 0:
+        if st.resumed or st.done or st.req is None or d is None or not d.up or st.first_token_id < 0:
             return False
         old = st.rid
         self.send(d.worker_id, AbortReq(rid=old))  # if it still waits for that KV
@@ -289,7 +289,7 @@ class Router:
         logger.warning("request %s: %s: %s; %s recomputes its prompt and continues as %s", old, ident, why,
                        d.worker_id, st.rid)
         self.send(d.worker_id, msgspec.structs.replace(st.req, rid=st.rid, disagg=Disagg(
-            role="decode", pairing="", room=0, first_token=st.first_token)))
+            role="decode", pairing="", room=0, first_token=st.first_token_id)))
         return True
 
     def _abort(self, st: RequestState) -> None:
@@ -466,7 +466,7 @@ class Router:
         self._deliver(st, out)
         if first and not st.done:
             st.handed = True
-            st.first_token = out.token_ids[0]
+            st.first_token_id = out.token_ids[0]
             self.metrics.disagg.labels(st.model, "handed").inc()
             st.prefill.inflight.pop(st.rid, None)
             st.move_to(st.decode)

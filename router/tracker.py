@@ -53,7 +53,7 @@ class RequestState:
     handed: bool = False
     early: list[TokenOut] = field(default_factory=list)  # the decode worker's, come before the first token
     pd_meta: dict[str, Any] = field(default_factory=dict)  # meta_info the prefill worker knows best
-    first_token: int = -1  # the prefill worker's, once handed
+    first_token_id: int = -1  # the prefill worker's first token, once handed
     resumed: bool = False  # its KV never came: the decode worker recomputes the prompt
 
     @property

@@ -69,6 +69,7 @@ async def test_a_request_goes_to_both_and_comes_back_as_one(router: Router, ctx:
         r = req(router)
         s = router.submit(router.registry.models["m"], [r], [3])
         gp, gd = await recv(p, GenerateReq), await recv(d, GenerateReq)
+        assert router.registry.workers["p"].outstanding_tokens == 3 + 4  # the prefill worker's until handed
         assert gp.rid == gd.rid == r.rid and gp.disagg.room == gd.disagg.room
         assert (gp.disagg.role, gd.disagg.role) == ("prefill", "decode")
         # the decode worker's output may overtake the prefill worker's first token: held back
@@ -236,3 +237,22 @@ async def test_kv_lost_after_the_first_token_resumes_on_the_decode_worker(router
     finally:
         p.close()
         d.close()
+
+
+async def test_a_decode_worker_that_left_unnoticed_is_retried_around(router: Router,
+                                                                      ctx: zmq.asyncio.Context) -> None:
+    """The decode worker's socket is gone but the router still counts it up: the request placed on its
+    pair is retried whole on the prefill worker (when the send to it fails, or at the latest when the
+    heartbeat times out), before anything reached the client."""
+    p, d = await paired(router, ctx)
+    try:
+        d.close()
+        r = req(router)
+        s = router.submit(router.registry.models["m"], [r], [3])
+        assert (await recv(p, GenerateReq)).disagg is not None
+        g = await recv(p, GenerateReq)  # (an AbortReq of the first attempt is skipped)
+        assert g.rid == r.rid + "+retry1" and g.disagg is None
+        await p.token(g.rid, [5], finished=True)
+        assert (await s.next(1))[1].token_ids == [5] and s.finished  # type: ignore[index,union-attr]
+    finally:
+        p.close()

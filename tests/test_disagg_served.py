@@ -177,13 +177,11 @@ def test_a_worker_that_joins_by_itself_says_its_role(server: Server, tmp_path: A
         assert got["meta_info"]["decode_worker"] == "pd-decode-2" and got["output_ids"] == want
     finally:
         proc.stop()
-    # It left; until its heartbeat times out the router still counts it up and places the next request
-    # on its pair: the send fails and the request is retried on the other pair, invisibly to the client.
-    still_up = server.worker("pd-decode-2")["up"]
+    # It left. Until its heartbeat times out the router may still count it up and place the next
+    # request on its pair: then the send fails and the request is retried on the other pair (what the
+    # client sees is the same either way; tests/test_disagg_router.py checks the retry itself).
     got = generate(server, "default", PROMPTS[2])
     assert got["output_ids"] == want and got["meta_info"]["decode_worker"] == "pd-decode"
-    if still_up:
-        assert got["meta_info"]["id"].endswith("+retry1"), got["meta_info"]
 
 
 def test_metrics(server: Server) -> None:
