@@ -4,7 +4,8 @@ model, opened on worker events, and the choice of a (prefill, decode) pair for a
     WorkerUp of a prefill or decode worker   open a pair with each up worker of the other role of its
                                              model: KVPairOpen to the decode worker -> its reply (the
                                              pair's rendezvous) -> KVPairConnect to the prefill worker
-    WorkerDown                               its pairs are down (a new process is paired afresh)
+    WorkerDown                               its pairs are down (a new process is paired afresh); a
+                                             prefill worker's decode partners are told (KVPairClose)
     LoadReported                             a pair that failed is tried again (at most every RETRY_S)
 
 A model is served disaggregated while at least one pair of it is active; otherwise its requests go to
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from router.events import Event, LoadReported, WorkerDown, WorkerUp
 from router.registry import Balancer, LeastOutstandingTokens, ModelEntry, WorkerState
-from sglang_ext.messages import KVPairConnect, KVPairOpen, WorkerInfo
+from sglang_ext.messages import KVPairClose, KVPairConnect, KVPairOpen, WorkerInfo
 
 if TYPE_CHECKING:
     from router.core import Router
@@ -130,6 +131,10 @@ class DisaggPlanner:
                 if ev.worker_id in (p.prefill, p.decode):
                     if p.task is not None:
                         p.task.cancel()
+                    if ev.worker_id == p.prefill and p.pairing and p.state in ("active", "opening"):
+                        # A hung prefill worker keeps its sockets open: the decode worker would wait
+                        # for its KV forever. (A dead one closes them; this is then a no-op there.)
+                        self.router.send(p.decode, KVPairClose(pairing=p.pairing))
                     self._set(p, "down")
         elif isinstance(ev, LoadReported):
             for p in self.pairs.values():

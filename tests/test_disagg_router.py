@@ -19,6 +19,7 @@ from sglang_ext.messages import (
     AbortReq,
     ErrorOut,
     GenerateReq,
+    KVPairClose,
     KVPairConnect,
     KVPairOpen,
     ReplyOut,
@@ -256,3 +257,25 @@ async def test_a_decode_worker_that_left_unnoticed_is_retried_around(router: Rou
         assert (await s.next(1))[1].token_ids == [5] and s.finished  # type: ignore[index,union-attr]
     finally:
         p.close()
+
+
+async def test_decode_worker_told_when_its_prefill_worker_is_down(router: Router, ctx: zmq.asyncio.Context) -> None:
+    """A prefill worker that stops answering (hung, its sockets open) after a first token: its decode
+    partner is told to give up on its KV (KVPairClose); the decode worker's 503 then resumes the
+    request there."""
+    p, d = await paired(router, ctx)
+    try:
+        r = req(router)
+        s = router.submit(router.registry.models["m"], [r], [3])
+        gd = (await recv(p, GenerateReq), await recv(d, GenerateReq))[1]
+        await p.token(r.rid, [5])
+        assert (await s.next(1))[1].token_ids == [5]  # type: ignore[index,union-attr]
+        p.stop_heartbeat()
+        closed = await recv(d, KVPairClose)
+        assert closed.pairing == gd.disagg.pairing
+        await d.send(ErrorOut(rid=r.rid, message="the prefill worker's KV never arrived (p is down)", status=503))
+        g = await recv(d, GenerateReq)
+        assert g.rid == r.rid + "+resume" and g.disagg.first_token == 5
+    finally:
+        p.close()
+        d.close()

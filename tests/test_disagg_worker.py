@@ -21,6 +21,7 @@ from sglang_ext.messages import (
     Disagg,
     ErrorOut,
     GenerateReq,
+    KVPairClose,
     KVPairConnect,
     KVPairOpen,
     ReplyOut,
@@ -240,6 +241,23 @@ def test_a_pair_that_is_gone_fails_explicitly(workers: tuple[Worker, Worker, Wor
     assert isinstance(out[0], ErrorOut) and out[0].status == 503 and "cannot send KV" in out[0].message
     p.scheduler.check()
     assert not p.scheduler.running and "y" not in p.live
+
+
+def test_the_router_closes_a_pair_whose_prefill_worker_is_down(workers: tuple[Worker, Worker, Worker]) -> None:
+    """A hung prefill worker keeps its sockets open: the router's KVPairClose fails the requests still
+    waiting for its KV at once (here the prefill side never even connected)."""
+    _, _, d = workers
+    (reply,) = d.handle(KVPairOpen(rid="o2", pairing="pair-2", peer="hung", peer_device="cpu", timeout_s=10))
+    assert isinstance(reply, ReplyOut) and reply.ok
+    assert d.step([GenerateReq(rid="h", text="Hi", sampling_params=_sp(3),
+                               disagg=Disagg(role="decode", pairing="pair-2", room=1))]) == []
+    out = d.step([KVPairClose(pairing="pair-2")])
+    while not out:
+        out = d.step([])
+    (err,) = out
+    assert isinstance(err, ErrorOut) and err.rid == "h" and err.status == 503 and "hung is down" in err.message
+    assert "pair-2" not in d.disagg.receivers and not d.disagg.expecting
+    d.scheduler.check()
 
 
 def test_requests_waiting_for_kv_fail_when_the_pair_closes(workers: tuple[Worker, Worker, Worker]) -> None:

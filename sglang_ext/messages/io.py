@@ -237,6 +237,13 @@ class KVPairConnect(msgspec.Struct, tag="kv_pair_connect", kw_only=True, forbid_
     close: bool = False
 
 
+class KVPairClose(msgspec.Struct, tag="kv_pair_close", kw_only=True, forbid_unknown_fields=True):
+    """Router -> decode worker: the prefill side of `pairing` is down (it may be hung rather than
+    dead, with its sockets open): requests still waiting for KV from it fail now (a 503)."""
+
+    pairing: str
+
+
 ToWorker = (GenerateReq | AbortReq | FlushCacheReq | TokenizeReq | ShutdownReq | HelloReq | ExecutorOpen
-            | OffloadDirective | KVPairOpen | KVPairConnect)
+            | OffloadDirective | KVPairOpen | KVPairConnect | KVPairClose)
 FromWorker = BatchOut | ErrorOut | ReplyOut | WorkerHello | LoadReport

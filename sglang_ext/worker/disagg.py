@@ -102,6 +102,15 @@ class WorkerDisagg:
                                              msg.timeout_s, on_done=lambda rid, err: self._post("sent", rid, err))
         logger.info("sending KV to decode worker %s (pairing %s, %s)", msg.peer, msg.pairing, msg.backend)
 
+    def close_pair(self, pairing: str) -> None:
+        """Decode side: the router says the prefill side is down. Its receiver thread may be blocked on
+        a hung peer, so requests waiting on it fail here (the thread, if it ever wakes, finds the
+        pair gone and its KV is dropped)."""
+        r = self.receivers.get(pairing)
+        if r is not None:
+            r.close()
+            self._post("end", pairing, f"prefill worker {r.peer} is down")
+
     # ---- requests -------------------------------------------------------------------------------
     def expect(self, req: Req, d: Disagg) -> KVArrival | None:
         """Decode side: `req` waits for its KV; returns it if it landed already."""
@@ -161,6 +170,8 @@ class WorkerDisagg:
                 assert isinstance(a, KVArrival)
                 self.counts["kv_transfers_in"] += 1
                 self.counts["kv_transfer_bytes_in"] += a.kv.numel() * a.kv.element_size()
+                if a.pairing not in self.receivers:
+                    continue  # the pair was closed meanwhile: its requests have failed already
                 key = (a.pairing, a.room)
                 if self.dropped.pop(key, None) is not None:
                     continue
@@ -172,6 +183,8 @@ class WorkerDisagg:
             elif kind == "end":
                 pairing, why = str(a), str(b)
                 r = self.receivers.pop(pairing, None)
+                if r is None:
+                    continue  # ended before (closed by the router, then its thread ended too)
                 logger.info("KV pair %s from %s ended: %s", pairing, r.peer if r else "?", why)
                 for key, e in list(self.expecting.items()):
                     if e.pairing == pairing:

@@ -27,6 +27,7 @@ from sglang_ext.messages import (
     FlushCacheReq,
     FromWorker,
     GenerateReq,
+    KVPairClose,
     KVPairConnect,
     KVPairOpen,
     LoadReport,
@@ -219,6 +220,8 @@ class Worker:
                 return [self.disagg.open_pair(msg)]
             elif isinstance(msg, KVPairConnect):
                 self.disagg.connect(msg)
+            elif isinstance(msg, KVPairClose):
+                self.disagg.close_pair(msg.pairing)
             elif isinstance(msg, OffloadDirective):
                 self.offload.apply(msg, self.scheduler)
             elif isinstance(msg, ShutdownReq):
