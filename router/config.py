@@ -271,14 +271,29 @@ def build_cluster(spec: ClusterSpec) -> Cluster:
                 if getattr(w, key) is not None:
                     values[key] = getattr(w, key)
             values.update(w.args)
+            role = _disagg_role(f"{where}.workers[{j}]", w.role, values)
             args = _server_args(f"{where}.workers[{j}]", values)
-            workers.append(LocalWorker(w.id or f"{name}-{j}", name, w.role, args))
+            workers.append(LocalWorker(w.id or f"{name}-{j}", name, role, args))
     ids = [w.worker_id for w in workers]
     dup = sorted({x for x in ids if ids.count(x) > 1})
     if dup:
         raise ConfigError(f"worker ids must be unique, repeated: {', '.join(dup)}")
     _check_offload(spec.offload, names, workers, slo)
     return Cluster(spec.router, tuple(workers), tuple(names), slo, tuple(spec.offload))
+
+
+def _disagg_role(where: str, role: str, values: dict[str, Any]) -> str:
+    """`role: prefill|decode` is the worker's disaggregation_mode (and a worker whose args set that
+    mode has that role); the two must not disagree."""
+    mode = values.get("disaggregation_mode")
+    if role in ("prefill", "decode"):
+        if mode is not None and mode != role:
+            raise ConfigError(f"{where}: role {role!r} but disaggregation_mode {mode!r}; give one of them")
+        values["disaggregation_mode"] = role
+        return role
+    if mode is not None and role != "serve":
+        raise ConfigError(f"{where}: role {role!r} cannot also be a {mode} worker (disaggregation_mode)")
+    return str(mode) if mode is not None else role
 
 
 def _slo_args(slo: SloSpec | None) -> dict[str, float]:

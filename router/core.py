@@ -24,6 +24,7 @@ import zmq
 import zmq.asyncio
 
 from router.config import OffloadSpec, RouterConfig, SloSpec
+from router.disagg import DisaggPlanner, Placement
 from router.events import (
     EventBus,
     FirstToken,
@@ -41,6 +42,7 @@ from router.tracker import Failure, Item, RequestState, Submission
 from sglang_ext.messages import (
     AbortReq,
     BatchOut,
+    Disagg,
     ErrorOut,
     FlushCacheReq,
     GenerateReq,
@@ -58,6 +60,7 @@ logger = logging.getLogger(__name__)
 _MONITOR_PERIOD_S = 0.25
 _HELLO_REQ_PERIOD_S = 2.0
 _PREFIX_CHARS = 128
+MAX_RETRIES = 2  # a disaggregated request whose worker or pair failed before its first token
 
 
 def prefix_key(req: GenerateReq) -> str | None:
@@ -96,6 +99,7 @@ class Router:
         self.worker_addr = ""
         self.started = time.time()
         self.offload = OffloadPlanner(self, offload) if offload else None  # the cluster file's offload:
+        self.disagg = DisaggPlanner(self)  # KV pairs of models with prefill and decode workers
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -115,6 +119,7 @@ class Router:
         self._tasks = [asyncio.create_task(t) for t in (self._recv_loop(), self._send_loop(), self._monitor())]
         if self.offload is not None:
             self.offload.start()
+        self.disagg.start()
 
     def fail_all(self, message: str, status: int = 503) -> None:
         for st in list(self.requests.values()):
@@ -126,6 +131,7 @@ class Router:
         self.fail_all("the server is shutting down")
         if self.offload is not None:
             self.offload.stop()
+        self.disagg.stop()
         for wid in shutdown:
             w = self.registry.workers.get(wid)
             if w is not None and w.up:
@@ -164,44 +170,134 @@ class Router:
                 logger.warning("cannot send to worker %s: %s", worker_id, e)
                 w = self.registry.workers.get(worker_id)
                 if w is not None:
+                    why = f"worker {worker_id} of model {w.model} is not connected"
                     for st in list(w.inflight.values()):
-                        self._fail(st, 503, f"worker {worker_id} of model {w.model} is not connected")
+                        if st.decode is not None and not st.handed:
+                            self.disagg.broken(st.pairing, why)
+                            if self._retry(st, why, suspect=worker_id):
+                                continue
+                        self._fail(st, 503, why)
 
     # ---- requests -----------------------------------------------------------------------------
     def new_rid(self) -> str:
         return f"r-{self._prefix}-{next(self._ids)}"
 
-    def pick(self, model: ModelEntry, prefix_key: str | None = None) -> WorkerState:
-        candidates = model.up_workers
+    def pick(self, model: ModelEntry, prefix_key: str | None = None, avoid: Collection[str] = ()) -> WorkerState:
+        """An up worker of the model for a whole request; those in `avoid` only if nothing else is up."""
+        candidates = [w for w in model.up_workers if w.worker_id not in avoid] or model.up_workers
         if not candidates:
             raise NoWorker(f"no worker of model {model.name!r} is up; try again later")
         return self.balancer.pick(candidates, prefix_key)
 
+    def place(self, model: ModelEntry, prefix_key: str | None = None, avoid: Collection[str] = ()) -> Placement:
+        """A prefill worker and a decode worker over an active KV pair of the model, or else one worker
+        (whatever its role) for the whole request; workers in `avoid` (suspects of a failure) only as a
+        last resort. Raises NoWorker."""
+        pd = self.disagg.place(model, self.balancer, prefix_key, avoid)
+        return pd if pd is not None else Placement(self.pick(model, prefix_key, avoid))
+
     def submit(self, model: ModelEntry, reqs: list[GenerateReq], est_prompt_tokens: list[int],
-               worker: WorkerState | None = None) -> Submission:
-        """Send the sub-requests of one HTTP request to one worker (they often share a prefix):
-        `worker`, or the one the balancer picks."""
+               worker: WorkerState | Placement | None = None) -> Submission:
+        """Send the sub-requests of one HTTP request to one placement (they often share a prefix):
+        `worker`, or the one `place` chooses."""
         if worker is None:
-            worker = self.pick(model, prefix_key(reqs[0]) if reqs else None)
+            placement = self.place(model, prefix_key(reqs[0]) if reqs else None)
+        else:
+            placement = worker if isinstance(worker, Placement) else Placement(worker)
         sink: asyncio.Queue[Item] = asyncio.Queue()
         now = time.monotonic()
         states = []
         for i, (req, est) in enumerate(zip(reqs, est_prompt_tokens, strict=True)):
-            st = RequestState(req.rid, i, model.name, worker, sink, req.sampling_params.max_new_tokens, est, now)
-            st.recharge()
+            st = RequestState(req.rid, i, model.name, placement.worker, sink, req.sampling_params.max_new_tokens,
+                              est, now, req=req)
             self.requests[req.rid] = st
-            worker.inflight[req.rid] = st
-            worker.num_served += 1
-            self.send(worker.worker_id, req)
-            self.bus.publish(RequestArrived(req.rid, model.name, worker.worker_id, est,
-                                            req.sampling_params.max_new_tokens))
+            self._dispatch(st, placement)
             states.append(st)
         return Submission(states, sink, self._abort)
+
+    def _dispatch(self, st: RequestState, placement: Placement) -> None:
+        assert st.req is not None
+        worker = st.worker = placement.worker
+        st.recharge()
+        req = st.req if st.req.rid == st.rid else msgspec.structs.replace(st.req, rid=st.rid)
+        worker.inflight[st.rid] = st
+        worker.num_served += 1
+        d = placement.decode
+        if d is None:
+            self.send(worker.worker_id, req)
+        else:
+            # Both at once: the decode worker tokenizes and waits while the prefill worker computes.
+            room = next(self.disagg.rooms)
+            st.prefill, st.decode, st.pairing = worker, d, placement.pairing
+            d.inflight[st.rid] = st
+            d.num_served += 1
+            self.send(d.worker_id, msgspec.structs.replace(
+                req, disagg=Disagg(role="decode", pairing=placement.pairing, room=room)))
+            self.send(worker.worker_id, msgspec.structs.replace(
+                req, disagg=Disagg(role="prefill", pairing=placement.pairing, room=room)))
+            self.metrics.disagg.labels(st.model, "placed").inc()
+        self.bus.publish(RequestArrived(st.rid, st.model, worker.worker_id, st.est_prompt_tokens, st.max_new_tokens))
+
+    def _retry(self, st: RequestState, why: str, suspect: str = "") -> bool:
+        """Place a disaggregated request again from the start (under a new worker-level rid), if
+        nothing of it reached the client yet, away from `suspect` if it can; False if it cannot be
+        retried."""
+        if st.done or st.req is None or st.delivered or st.retries >= MAX_RETRIES:
+            return False
+        model = self.registry.models.get(st.model)
+        try:
+            placement = self.place(model, prefix_key(st.req), (suspect,)) if model is not None else None
+        except NoWorker:
+            placement = None
+        if placement is None:
+            return False
+        old = st.rid
+        for w in {st.prefill, st.decode, st.worker}:
+            if w is not None:
+                w.inflight.pop(old, None)
+                if w.up:
+                    self.send(w.worker_id, AbortReq(rid=old))
+        self.requests.pop(old, None)
+        st.worker.outstanding_tokens -= st.charged
+        st.charged, st.retries = 0, st.retries + 1
+        st.rid = f"{st.req.rid}+retry{st.retries}"
+        st.prefill = st.decode = None
+        st.pairing, st.handed, st.early, st.pd_meta = "", False, [], {}
+        self.requests[st.rid] = st
+        self.metrics.disagg.labels(st.model, "retried").inc()
+        logger.warning("request %s: %s; retried from the start as %s on %s", old, why, st.rid,
+                       "+".join(w.worker_id for w in (placement.worker, placement.decode) if w is not None))
+        self._dispatch(st, placement)
+        return True
+
+    def _resume(self, st: RequestState, ident: str, why: str) -> bool:
+        """The first token went out but the prompt's KV never reached the decode worker (the prefill
+        worker died or the pair broke meanwhile): the decode worker continues from the first token,
+        recomputing the prompt itself (a new worker-level rid, `RID+resume`). Once only."""
+        d = st.decode
+        if st.resumed or st.done or st.req is None or d is None or not d.up or st.first_token_id < 0:
+            return False
+        old = st.rid
+        self.send(d.worker_id, AbortReq(rid=old))  # if it still waits for that KV
+        self.requests.pop(old, None)
+        d.inflight.pop(old, None)
+        st.resumed = True
+        st.rid = f"{old}+resume"
+        self.requests[st.rid] = st
+        d.inflight[st.rid] = st
+        self.metrics.disagg.labels(st.model, "resumed").inc()
+        logger.warning("request %s: %s: %s; %s recomputes its prompt and continues as %s", old, ident, why,
+                       d.worker_id, st.rid)
+        self.send(d.worker_id, msgspec.structs.replace(st.req, rid=st.rid, disagg=Disagg(
+            role="decode", pairing="", room=0, first_token=st.first_token_id)))
+        return True
 
     def _abort(self, st: RequestState) -> None:
         if st.done:
             return
         self.send(st.worker.worker_id, AbortReq(rid=st.rid))
+        if st.decode is not None and not st.handed:
+            self.send(st.decode.worker_id, AbortReq(rid=st.rid))  # it waits for the KV
         self._close(st, ok=False, status="abort", finish_reason={"type": "abort", "message": "client aborted"})
 
     def _close(self, st: RequestState, ok: bool, status: str, finish_reason: dict[str, Any] | None) -> None:
@@ -209,6 +305,9 @@ class Router:
         st.recharge()
         self.requests.pop(st.rid, None)
         st.worker.inflight.pop(st.rid, None)
+        for w in (st.prefill, st.decode):
+            if w is not None:
+                w.inflight.pop(st.rid, None)
         now = time.monotonic()
         e2e = now - st.arrival
         self.metrics.requests.labels(st.model, status).inc()
@@ -224,6 +323,10 @@ class Router:
     def _fail(self, st: RequestState, status: int, message: str) -> None:
         if st.done:
             return
+        if st.decode is not None and not st.handed:  # the other worker of the pair still holds it
+            for w in (st.worker, st.decode):
+                if w.up:
+                    self.send(w.worker_id, AbortReq(rid=st.rid))
         self._close(st, ok=False, status=str(status), finish_reason={"type": "abort", "message": message})
         st.sink.put_nowait((st.index, Failure(status, message)))
 
@@ -268,14 +371,25 @@ class Router:
         if isinstance(msg, BatchOut):
             self._touch(ident)
             for out in msg.outs:
-                self._on_token(out)
+                self._on_token(ident, out)
         elif isinstance(msg, LoadReport):
             self._on_load(ident, msg)
         elif isinstance(msg, ErrorOut):
             self._touch(ident)
             st = self.requests.get(msg.rid)
-            if st is not None:
-                self._fail(st, msg.status, msg.message)
+            if st is None:
+                return
+            if st.decode is not None and st.handed and msg.status == 503 and self._resume(st, ident, msg.message):
+                return
+            if st.decode is not None and not st.handed and msg.status >= 500:
+                # The pair or one of its workers failed before anything reached the client.
+                self.disagg.broken(st.pairing, msg.message)
+                # Each side reports what it saw of the other (a send that failed, KV that never came).
+                assert st.prefill is not None
+                other = st.decode.worker_id if ident == st.prefill.worker_id else st.prefill.worker_id
+                if self._retry(st, f"{ident}: {msg.message}", suspect=other):
+                    return
+            self._fail(st, msg.status, msg.message)
         elif isinstance(msg, ReplyOut):
             self._touch(ident)
             fut = self._replies.get(msg.rid)
@@ -323,10 +437,44 @@ class Router:
             self.bus.publish(WorkerUp(w.model, ident, w.role, True, fresh=False))
         self.bus.publish(LoadReported(w.model, ident, r))
 
-    def _on_token(self, out: TokenOut) -> None:
+    def _on_token(self, ident: str, out: TokenOut) -> None:
         st = self.requests.get(out.rid)
         if st is None:
             return  # aborted or failed already
+        if st.decode is None:
+            self._deliver(st, out)
+            return
+        assert st.prefill is not None
+        meta = out.meta_info
+        first = False
+        if not st.handed:
+            if ident != st.prefill.worker_id:
+                if ident == st.decode.worker_id:
+                    st.early.append(out)  # it overtook the prefill worker's first token
+                return
+            st.pd_meta = {k: meta[k] for k in ("cached_tokens", "ttft") if k in meta}
+            if out.finished:  # done at its first token (or failed there): the decode worker drops it
+                self.send(st.decode.worker_id, AbortReq(rid=st.rid))
+                st.decode.inflight.pop(st.rid, None)
+            first = bool(out.token_ids) and not out.finished
+        elif ident != st.decode.worker_id:
+            return
+        else:
+            meta.update(st.pd_meta)  # the decode worker's own would describe its half
+        meta["prefill_worker"] = st.prefill.worker_id
+        meta["decode_worker"] = st.decode.worker_id if first or st.handed else None
+        self._deliver(st, out)
+        if first and not st.done:
+            st.handed = True
+            st.first_token_id = out.token_ids[0]
+            self.metrics.disagg.labels(st.model, "handed").inc()
+            st.prefill.inflight.pop(st.rid, None)
+            st.move_to(st.decode)
+            early, st.early = st.early, []
+            for e in early:
+                self._on_token(st.decode.worker_id, e)
+
+    def _deliver(self, st: RequestState, out: TokenOut) -> None:
         now = time.monotonic()
         meta = out.meta_info
         if st.prompt_tokens is None and "prompt_tokens" in meta:
@@ -351,6 +499,7 @@ class Router:
             st.completion_tokens += len(out.token_ids)
             self.metrics.gen_tokens.labels(st.model).inc(len(out.token_ids))
         st.sink.put_nowait((st.index, out))
+        st.delivered = True
         if out.finished:
             reason = meta.get("finish_reason")
             self._close(st, ok=True, status="ok", finish_reason=reason if isinstance(reason, dict) else None)
@@ -386,7 +535,9 @@ class Router:
         w.up = False
         logger.warning("worker %s of model %s is down: %s", w.worker_id, w.model, reason)
         for st in list(w.inflight.values()):
-            self._fail(st, 503, f"worker {w.worker_id} of model {w.model} went down ({reason}); "
-                                "the request was not completed")
+            why = f"worker {w.worker_id} of model {w.model} went down ({reason})"
+            if st.decode is not None and not st.handed and self._retry(st, why):
+                continue
+            self._fail(st, 503, f"{why}; the request was not completed")
             self.send(w.worker_id, AbortReq(rid=st.rid))  # in case it is alive but slow
         self.bus.publish(WorkerDown(w.model, w.worker_id, reason))

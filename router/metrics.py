@@ -68,7 +68,8 @@ class WorkerGauges(Collector):
 
 _ROTATION_FIELDS = ("kv_rotations_out", "kv_rotations_in", "kv_rotation_bytes_out", "kv_rotation_bytes_in",
                     "kv_rotation_unhidden_iterations")
-_OFFLOAD_FIELDS = ("offload_bytes_out", "offload_bytes_in", "offload_wait_s", *_ROTATION_FIELDS)
+_DISAGG_FIELDS = ("kv_transfers_out", "kv_transfers_in", "kv_transfer_bytes_out", "kv_transfer_bytes_in")
+_OFFLOAD_FIELDS = ("offload_bytes_out", "offload_bytes_in", "offload_wait_s", *_ROTATION_FIELDS, *_DISAGG_FIELDS)
 
 
 class OffloadTotals:
@@ -160,6 +161,29 @@ class RotationMetrics(Collector):
         yield from (rotations, nbytes, unhidden, rotary, used, total)
 
 
+class DisaggMetrics(Collector):
+    """Prefill/decode disaggregation: requests' KV sent by prefill workers (out) and received by decode
+    workers (in), from load reports (kept monotonic across restarts like the offload counters)."""
+
+    def __init__(self, workers: Callable[[], Iterable[WorkerState]], totals: OffloadTotals) -> None:
+        self.workers = workers
+        self.totals = totals
+
+    def collect(self) -> Iterator[Metric]:
+        n = CounterMetricFamily("sglang_ext:kv_transfers", "Requests' prompt KV sent to (out) or received from (in) "
+                                "the other side of a prefill/decode pair", labels=[*_LABELS, "direction"])
+        nbytes = CounterMetricFamily("sglang_ext:kv_transfer_bytes", "Bytes of those transfers",
+                                     labels=[*_LABELS, "direction"])
+        for w in self.workers():
+            if not any(self.totals.total(w.worker_id, f) for f in _DISAGG_FIELDS):
+                continue  # no series for workers that never moved KV (every worker outside disaggregation)
+            labels = [w.model, w.worker_id]
+            for d in ("out", "in"):
+                n.add_metric([*labels, d], self.totals.total(w.worker_id, f"kv_transfers_{d}"))
+                nbytes.add_metric([*labels, d], self.totals.total(w.worker_id, f"kv_transfer_bytes_{d}"))
+        yield from (n, nbytes)
+
+
 class SloAttainment(Collector):
     def __init__(self, counts: dict[tuple[str, str], list[int]]) -> None:
         self.counts = counts
@@ -199,6 +223,11 @@ class RouterMetrics:
         self.offload = OffloadTotals()
         r.register(OffloadMetrics(workers, self.offload))
         r.register(RotationMetrics(workers, self.offload))
+        r.register(DisaggMetrics(workers, self.offload))
+        self.disagg = Counter("sglang_ext:disagg_requests", "Disaggregated requests by event: placed (on a prefill "
+                              "and a decode worker), handed (first token out, the rest on the decode worker), "
+                              "retried (a failure before the first token), resumed (its KV never came: the "
+                              "decode worker recomputed the prompt)", [*m, "event"], registry=r)
 
     def slo_result(self, model: str, kind: str, met: bool) -> None:
         self.slo_checked.labels(model, kind).inc()

@@ -177,6 +177,10 @@ class Registry:
             w.model = info.model_name
         self._entry(w.model).workers[w.worker_id] = w
         w.info = info
+        if info.disaggregation_mode:  # a worker that joined by itself says its role in its hello
+            w.role = info.disaggregation_mode
+        elif w.role in ("prefill", "decode"):  # restarted without the mode: it serves whole requests
+            w.role = "serve"
         w.up = True
         w.load = None
         w.touch()

@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from router.registry import WorkerState
-from sglang_ext.messages import TokenOut
+from sglang_ext.messages import GenerateReq, TokenOut
 
 
 @dataclass(frozen=True)
@@ -42,10 +43,33 @@ class RequestState:
     charged: int = 0  # this request's share of worker.outstanding_tokens
     tbt_missed: bool = False
     done: bool = False
+    req: GenerateReq | None = None  # as the client gave it (a retry sends it again)
+    retries: int = 0
+    delivered: bool = False  # something of it reached the client's queue (then it is never retried)
+    # disaggregated: `worker` is the prefill worker until the first token came (`handed`), then the decode one
+    prefill: WorkerState | None = None
+    decode: WorkerState | None = None
+    pairing: str = ""
+    handed: bool = False
+    early: list[TokenOut] = field(default_factory=list)  # the decode worker's, come before the first token
+    pd_meta: dict[str, Any] = field(default_factory=dict)  # meta_info the prefill worker knows best
+    first_token_id: int = -1  # the prefill worker's first token, once handed
+    resumed: bool = False  # its KV never came: the decode worker recomputes the prompt
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.decode is not None
 
     def remaining_tokens(self) -> int:
         prefill = 0 if self.first_token is not None else (self.prompt_tokens or self.est_prompt_tokens)
         return prefill + max(0, self.max_new_tokens - self.completion_tokens)
+
+    def move_to(self, worker: WorkerState) -> None:
+        """The request is now `worker`'s to finish (the hand-off to the decode worker)."""
+        self.worker.outstanding_tokens -= self.charged
+        self.charged = 0
+        self.worker = worker
+        self.recharge()
 
     def recharge(self) -> None:
         """Bring the worker's outstanding-token count in line with this request's progress."""

@@ -21,6 +21,7 @@ PreemptionMode = Literal["recompute", "rotate"]
 AttentionBackendName = Literal["torch", "flashinfer"]
 OffloadTransport = Literal["local", "torch_dist", "cuda_ipc"]
 GrammarBackendName = Literal["xgrammar", "none"]
+DisaggregationMode = Literal["prefill", "decode"]
 LOAD_FORMATS: Final = get_args(LoadFormat)
 SCHEDULE_POLICIES: Final = get_args(SchedulePolicy)
 ATTENTION_BACKENDS: Final = get_args(AttentionBackendName)
@@ -127,6 +128,11 @@ class ServerArgs:
     offload_transport: OffloadTransport | None = field(default=None, metadata=_help(
         "data plane to the executor: local, torch_dist (gloo on CPU, NCCL on GPU) or cuda_ipc",
         "chosen from the placement"))
+    # prefill/decode disaggregation (docs/architecture.md#prefilldecode-disaggregation)
+    disaggregation_mode: DisaggregationMode | None = field(default=None, metadata=_help(
+        "this worker's part in prefill/decode disaggregation behind a router: prefill (prompt and first "
+        "token, then its KV goes to a decode worker) or decode (continues from a prefill worker's KV)",
+        "null: serves whole requests"))
     # serving
     host: str = field(default="127.0.0.1", metadata=_help("HTTP bind address"))
     port: int = field(default=DEFAULT_PORT, metadata=_help("HTTP port"))
@@ -158,6 +164,9 @@ class ServerArgs:
             raise ValueError(f"offload_executor must be 'local' or a device such as cuda:1, got "
                              f"{self.offload_executor!r}")
         self._check_rotation()
+        if self.disaggregation_mode is not None and self.disaggregation_mode not in get_args(DisaggregationMode):
+            raise ValueError(f"disaggregation_mode must be null, 'prefill' or 'decode', "
+                             f"got {self.disaggregation_mode!r}")
         if self.offload_executor is not None and self.offload_ratio == 0.0:
             raise ValueError("offload_executor is set but offload_ratio is 0: give the share to offload")
 

@@ -158,3 +158,21 @@ def test_nonpositive_slo_rejected_with_its_field(tmp_path: Path) -> None:
     cfg.write_text("models:\n  - name: a\n    slo: {ttft_ms: 0}\n")
     with pytest.raises(ConfigError, match="ttft_ms"):
         load_cluster(cfg)
+
+
+def test_disaggregation_role_is_the_workers_mode() -> None:
+    import msgspec
+
+    from router.config import ClusterSpec
+
+    spec = msgspec.convert({"models": [{"workers": [{"role": "prefill"}, {"role": "decode"},
+                                                    {"args": {"disaggregation_mode": "decode"}}, {}]}]},
+                           ClusterSpec)
+    c = build_cluster(spec)
+    assert [(w.role, w.args.disaggregation_mode) for w in c.workers] == [
+        ("prefill", "prefill"), ("decode", "decode"), ("decode", "decode"), ("serve", None)]
+    for bad, match in (({"role": "prefill", "args": {"disaggregation_mode": "decode"}}, "role 'prefill' but"),
+                       ({"role": "hot", "args": {"disaggregation_mode": "decode"}}, "role 'hot' cannot"),
+                       ({"args": {"disaggregation_mode": "both"}}, "disaggregation_mode must be")):
+        with pytest.raises(ConfigError, match=match):
+            build_cluster(msgspec.convert({"models": [{"workers": [bad]}]}, ClusterSpec))

@@ -106,3 +106,11 @@ def test_rotation_flags_parse() -> None:
 def test_rotation_arguments_checked_with_messages(kw: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ServerArgs(**kw)  # type: ignore[arg-type]
+
+
+def test_disaggregation_mode_flag() -> None:
+    assert ServerArgs.from_cli(_parser().parse_args([])).disaggregation_mode is None
+    ns = _parser().parse_args(["--disaggregation-mode", "prefill"])
+    assert ServerArgs.from_cli(ns).disaggregation_mode == "prefill"
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--disaggregation-mode", "both"])

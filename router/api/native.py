@@ -26,11 +26,11 @@ def submit(router: Router, plan: GeneratePlan) -> Submission:
     if dup or len({r.rid for r in plan.reqs}) != len(plan.reqs):
         raise ApiError(400, f"duplicate request id(s): {', '.join(dup) or 'repeated in this request'}", param="rid")
     try:
-        worker = router.pick(plan.model, prefix_key(plan.reqs[0]) if plan.reqs else None)
+        placement = router.place(plan.model, prefix_key(plan.reqs[0]) if plan.reqs else None)
     except NoWorker as e:
         raise ApiError(503, str(e)) from None
-    check_prompt_size(worker.info, plan.reqs)
-    return router.submit(plan.model, plan.reqs, plan.est_tokens, worker)
+    check_prompt_size(placement.worker.info, plan.reqs)
+    return router.submit(plan.model, plan.reqs, plan.est_tokens, placement)
 
 
 async def collect(sub: Submission, request: Request | None) -> list[dict[str, Any]]:
@@ -167,5 +167,6 @@ def server_info_dict(router: Router) -> dict[str, Any]:
         "internal_states": states,
         "num_inflight_requests": len(router.requests),
         "offload": router.offload.describe() if router.offload is not None else [],
+        "disaggregation": router.disagg.describe(),
         "uptime_s": round(time.time() - router.started, 3),
     }

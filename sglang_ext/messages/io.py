@@ -14,6 +14,19 @@ import msgspec
 from sglang_ext.sampling.params import SamplingParams
 
 
+class Disagg(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A request's part in prefill/decode disaggregation: the prefill worker computes the prompt and
+    the first token and sends the prompt's KV over `pairing` to the decode worker, which takes the
+    same request (the same rid) and continues. `room` names the transfer on the pair's wire."""
+
+    role: str  # "prefill" | "decode": what the receiving worker does with it
+    pairing: str  # the router's id of the (prefill, decode) pair
+    room: int
+    # decode, resumed: the prefill worker's KV will not come (it died, or the pair broke, after the
+    # first token went out): continue after this first token, recomputing the prompt's KV here
+    first_token: int = -1
+
+
 class GenerateReq(msgspec.Struct, tag="generate", kw_only=True):
     rid: str
     input_ids: list[int] | None = None
@@ -25,6 +38,7 @@ class GenerateReq(msgspec.Struct, tag="generate", kw_only=True):
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
     stream: bool = False
+    disagg: Disagg | None = None  # set by the router for a disaggregated request
 
 
 class AbortReq(msgspec.Struct, tag="abort", kw_only=True):
@@ -111,6 +125,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     hostname: str = ""
     gpu_uuid: str = ""
     offload_transport: str = ""
+    disaggregation_mode: str = ""  # "" | prefill | decode (its server argument)
 
 
 class WorkerHello(msgspec.Struct, tag="hello", kw_only=True):
@@ -159,6 +174,12 @@ class LoadReport(msgspec.Struct, tag="load", kw_only=True):
     kv_rotation_bytes_out: int = 0
     kv_rotation_bytes_in: int = 0
     kv_rotation_unhidden_iterations: int = 0
+    # Prefill/decode disaggregation, cumulative: requests' KV sent (a prefill worker) and received (a
+    # decode worker), and their bytes
+    kv_transfers_out: int = 0
+    kv_transfers_in: int = 0
+    kv_transfer_bytes_out: int = 0
+    kv_transfer_bytes_in: int = 0
 
 
 class ExecutorOpen(msgspec.Struct, tag="executor_open", kw_only=True, forbid_unknown_fields=True):
@@ -214,6 +235,37 @@ class OffloadRatio(msgspec.Struct, tag="offload_ratio", kw_only=True, forbid_unk
     bound: float = 0.0
 
 
+class KVPairOpen(msgspec.Struct, tag="kv_pair_open", kw_only=True, forbid_unknown_fields=True):
+    """Router -> decode worker: receive KV from prefill worker `peer` over a new pair. Answered with a
+    ReplyOut whose data has `store` (HOST:PORT of the pair's rendezvous) and `backend`, or ok=False
+    and `error`."""
+
+    rid: str
+    pairing: str
+    peer: str  # the prefill worker's id
+    peer_device: str
+    timeout_s: float = 30.0
+
+
+class KVPairConnect(msgspec.Struct, tag="kv_pair_connect", kw_only=True, forbid_unknown_fields=True):
+    """Router -> prefill worker: send KV to decode worker `peer` over the pair at `store`; replaces
+    any earlier pair to that peer. `close`: drop the pair (its peer is gone)."""
+
+    pairing: str
+    peer: str
+    store: str = ""
+    backend: str = "gloo"
+    timeout_s: float = 30.0
+    close: bool = False
+
+
+class KVPairClose(msgspec.Struct, tag="kv_pair_close", kw_only=True, forbid_unknown_fields=True):
+    """Router -> decode worker: the prefill side of `pairing` is down (it may be hung rather than
+    dead, with its sockets open): requests still waiting for KV from it fail now (a 503)."""
+
+    pairing: str
+
+
 ToWorker = (GenerateReq | AbortReq | FlushCacheReq | TokenizeReq | ShutdownReq | HelloReq | ExecutorOpen
-            | OffloadDirective | OffloadRatio)
+            | OffloadDirective | OffloadRatio | KVPairOpen | KVPairConnect | KVPairClose)
 FromWorker = BatchOut | ErrorOut | ReplyOut | WorkerHello | LoadReport

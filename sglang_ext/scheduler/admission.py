@@ -5,6 +5,8 @@ batching loop stays short.
 
 from __future__ import annotations
 
+import torch
+
 from sglang_ext.scheduler.request import Req, ReqStatus
 from sglang_ext.scheduler.rotary import RotaryRows
 
@@ -30,6 +32,8 @@ class Admission(RotaryRows):
         resumed decoder, which decodes with the others), or None (nothing changed) if it does not fit."""
         if len(self.running) >= self.max_running:
             return None
+        if r.staged_kv is not None:
+            return self._admit_staged(r, reserve)
         rotary = r.status is ReqStatus.ROTARY
         self.kv.admit(r)
         if rotary:
@@ -58,6 +62,30 @@ class Admission(RotaryRows):
         if n:
             self.kv.grow(r, r.kv_len + n)
         return n
+
+    def _admit_staged(self, r: Req, reserve: int) -> int | None:
+        """Admit a request whose prompt KV came from a prefill worker (disaggregation): the pages this
+        worker's cache holds already are matched, the rest are copied in from the staged KV, and it
+        decodes with the others this step (0), or None if its pages do not fit now."""
+        self.kv.admit(r)
+        n = len(r.input_ids)  # the prompt's KV; the first token (output_ids[0]) is decoded here
+        need = self.kv.pages_for(n + 1) - len(r.pages)
+        if need + reserve > self.kv.available_pages:
+            self.kv.release(r, keep_in_cache=False)
+            return None
+        self.kv.grow(r, n)
+        lo, hi = r.cached_pages, self.kv.pages_for(n)
+        if hi > lo:
+            pool = self.runner.pool
+            idx = torch.tensor(r.pages[lo:hi], dtype=torch.int64, device=pool.device)
+            pool.data[idx] = r.staged_kv[lo:hi].to(pool.device, pool.data.dtype)
+        r.kv_len, r.staged_kv = n, None
+        self.waiting.remove(r)
+        r.status = ReqStatus.RUNNING
+        r.run_start_time = self.clock()
+        r.run_start_tokens = len(r.output_ids)
+        self.running.append(r)
+        return 0
 
     def _rotate_for(self, cand: Req, protect: set[int]) -> bool:
         """Rotate out the policy's voluntary victims (not in this step's batch) until `cand` could

@@ -85,6 +85,8 @@ class Req:
     remote: int | None = None
     offload_checked: bool = False  # considered for offload once, at its first decode
     attention_executor: str | None = None  # set once its attention ran remotely (meta_info)
+    # disaggregation, decode side: the prompt's KV from a prefill worker, copied in at admission
+    staged_kv: Any = None
 
     @property
     def fill_ids(self) -> list[int]:

@@ -40,6 +40,7 @@ from sglang_ext.sampling.params import InvalidRequest
 from sglang_ext.sampling.sampler import Sampler, logprobs_of
 from sglang_ext.scheduler.admission import Admission
 from sglang_ext.scheduler.batch_builder import Entry, build_batch
+from sglang_ext.scheduler.handoff import Handoff
 from sglang_ext.scheduler.kv_manager import KVManager
 from sglang_ext.scheduler.output import DecodeFn, StepOutput, check_finish
 from sglang_ext.scheduler.policy import make_policy
@@ -79,7 +80,7 @@ class LoadStats:
     unhidden_iterations: int = 0
 
 
-class Scheduler(Admission, RotaryRows, RemoteRows):
+class Scheduler(Admission, RotaryRows, RemoteRows, Handoff):
     def __init__(
         self,
         args: ServerArgs,
@@ -108,6 +109,7 @@ class Scheduler(Admission, RotaryRows, RemoteRows):
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.rotary: list[Req] = []  # KV in host memory (preemption_mode=rotate)
+        self.handing: dict[str, Req] = {}  # disaggregation: prefilled, pages held while their KV is sent
         self.rot = make_rotation(args, runner.pool) if rotate else None
         self._pending: list[StepOutput] = []  # outputs produced outside a forward (aborts)
         self._sent: dict[str, tuple[int, int, int]] = {}  # rid -> (tokens, in-logprobs, out-logprobs) sent
@@ -159,7 +161,7 @@ class Scheduler(Admission, RotaryRows, RemoteRows):
 
     def flush_cache(self) -> bool:
         """Drop the whole prefix cache; refused while requests are in flight (as in SGLang)."""
-        if self.waiting or self.running or self.rotary:
+        if self.waiting or self.running or self.rotary or self.handing:
             return False
         if self.rot is not None:
             self._rot_poll()
@@ -184,7 +186,7 @@ class Scheduler(Admission, RotaryRows, RemoteRows):
     def check(self) -> None:
         """Assert every device and host page is in exactly one place (tests call this between steps)."""
         parked = getattr(self.allocator, "parked", frozenset())
-        self.kv.check(self.running + self.waiting, {p: "in flight" for p in parked})
+        self.kv.check(self.running + self.waiting + list(self.handing.values()), {p: "in flight" for p in parked})
         self._rot_check()
 
     # ---- one iteration --------------------------------------------------------------------------

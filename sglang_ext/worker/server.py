@@ -85,7 +85,9 @@ class WorkerServer:
         self.tasks: set[asyncio.Task[None]] = set()
         self.parent_pid = os.getppid()
         # Executors this worker hosts are reached where the router reaches it.
-        worker.offload.set_address(local_address_toward(router_addr.split("://", 1)[-1].rpartition(":")[0]))
+        toward = local_address_toward(router_addr.split("://", 1)[-1].rpartition(":")[0])
+        worker.offload.set_address(toward)
+        worker.disagg.address = toward  # prefill workers reach this one's KV pairs there too
 
     async def send(self, msgs: list[FromWorker]) -> None:
         for m in msgs:
@@ -162,9 +164,10 @@ class WorkerServer:
     async def run(self) -> int:
         """Serve until shutdown (returns 0) or a fatal error (returns EXIT_FATAL)."""
         self.sock.connect(self.router_addr)
+        loop = asyncio.get_running_loop()
+        self.worker.disagg.notify = lambda: loop.call_soon_threadsafe(self.wake.set)  # KV sent or landed
         await self.send([WorkerHello(info=self.worker.info())])
         tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._heartbeat_loop())]
-        loop = asyncio.get_running_loop()
         code = 0
         try:
             while not self.worker.stopped:
@@ -224,6 +227,7 @@ def run_worker(args: ServerArgs, router_addr: str, worker_id: str) -> None:
         logger.error("cannot start: %s", e)
         sys.exit(EXIT_STARTUP)
     code = asyncio.run(WorkerServer(worker, router_addr).run())
+    worker.disagg.close()
     busy = worker.offload.close(worker.scheduler)
     if code or busy:
         # Skip interpreter teardown: after a device fault, joining threads or freeing CUDA memory

@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from sglang_ext.disagg.transfer import KVArrival
 from sglang_ext.engine.model_runner import ModelRunner, StartupTimer
 from sglang_ext.grammar.backend import GrammarBackend, GrammarState, constraint_of
 from sglang_ext.messages import (
@@ -26,6 +27,9 @@ from sglang_ext.messages import (
     FlushCacheReq,
     FromWorker,
     GenerateReq,
+    KVPairClose,
+    KVPairConnect,
+    KVPairOpen,
     LoadReport,
     OffloadDirective,
     OffloadRatio,
@@ -46,6 +50,7 @@ from sglang_ext.scheduler.overlap import scheduler_class
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
 from sglang_ext.server_args import ServerArgs
+from sglang_ext.worker.disagg import PairGone, WorkerDisagg
 from sglang_ext.worker.offload import WorkerOffload
 from sglang_ext.worker.stats import TpotWindow
 from sglang_ext.worker.tokenizer import IncrementalDetokenizer, StartupError, Tokenizer, load_tokenizer
@@ -95,9 +100,13 @@ class Worker:
         self.model_name = args.served_model_name or (
             "default" if args.model_path is None else str(args.model_path).rstrip("/").split("/")[-1])
         self.offload = WorkerOffload(args, self.runner, worker_id, self.model_name)
+        self.disagg = WorkerDisagg(args.disaggregation_mode or "", self.runner, worker_id)
         eos = set(self.cfg.eos_token_ids) | set(self.tokenizer.eos_ids if self.tokenizer else ())
         with timer.stage("scheduler"):
-            sched_cls = scheduler_class(self.runner.device, args.disable_overlap_schedule)
+            # A prefill worker hands each request off right after its first token: nothing to overlap,
+            # and a hand-off must not meet a step in flight.
+            sched_cls = scheduler_class(self.runner.device,
+                                        args.disable_overlap_schedule or args.disaggregation_mode == "prefill")
             self.scheduler: Scheduler = sched_cls(
                 args, self.runner, args.resolved_page_size, frozenset(eos),
                 decode_fn=(lambda ids: self.tokenizer.decode(ids, False)) if self.tokenizer else None,
@@ -125,7 +134,7 @@ class Worker:
             attention_backend=self.args.resolved_attention_backend,
             has_tokenizer=self.tokenizer is not None,
             chat_template=bool(self.tokenizer and self.tokenizer.has_chat_template), pid=os.getpid(),
-            max_token_chars=self.max_token_chars,
+            max_token_chars=self.max_token_chars, disaggregation_mode=self.args.disaggregation_mode or "",
         ))
 
     def load_report(self) -> LoadReport:
@@ -140,11 +149,11 @@ class Worker:
             kv_rotations_out=s.rotations_out, kv_rotations_in=s.rotations_in,
             kv_rotation_bytes_out=s.rotation_bytes_out, kv_rotation_bytes_in=s.rotation_bytes_in,
             kv_rotation_unhidden_iterations=s.unhidden_iterations,
-            tpot_p99_ms=self.tpot.p99_ms(), tpot_samples=self.tpot.count(),
+            tpot_p99_ms=self.tpot.p99_ms(), tpot_samples=self.tpot.count(), **self.disagg.counts,
         )
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.disagg.has_events()
 
     # ---- tokenizing (any thread: touches only the tokenizer) ------------------------------------
     def prompt_chars(self, text: str | None, messages: list[dict[str, Any]] | None) -> int:
@@ -203,22 +212,32 @@ class Worker:
                 self._add(msg)
             elif isinstance(msg, AbortReq):
                 self.scheduler.abort(msg.rid, msg.message)
+                if self.disagg.abort(msg.rid):
+                    self.live.pop(msg.rid, None)  # the router closed it; nothing more is reported
             elif isinstance(msg, FlushCacheReq):
                 return [ReplyOut(rid=msg.rid, ok=self.scheduler.flush_cache())]
             elif isinstance(msg, TokenizeReq):
                 return [self.reply_tokenize(msg)]
             elif isinstance(msg, ExecutorOpen):
                 return [self.offload.open_executor(msg)]
+            elif isinstance(msg, KVPairOpen):
+                return [self.disagg.open_pair(msg)]
+            elif isinstance(msg, KVPairConnect):
+                self.disagg.connect(msg)
+            elif isinstance(msg, KVPairClose):
+                self.disagg.close_pair(msg.pairing)
             elif isinstance(msg, OffloadDirective):
                 self.offload.apply(msg, self.scheduler)
             elif isinstance(msg, OffloadRatio):
                 self.offload.set_ratio(msg, self.scheduler)
             elif isinstance(msg, ShutdownReq):
                 self.stopped = True
-        except InvalidRequest as e:
+        except (InvalidRequest, PairGone) as e:
             rid = getattr(msg, "rid", "")
             self.live.pop(rid, None)
-            return [ErrorOut(rid=rid, message=str(e), status=400)]
+            if isinstance(msg, GenerateReq) and msg.disagg is not None and msg.disagg.role == "decode":
+                self.disagg.refused(msg.disagg)
+            return [ErrorOut(rid=rid, message=str(e), status=400 if isinstance(e, InvalidRequest) else 503)]
         return []
 
     def _add(self, m: GenerateReq) -> None:
@@ -235,21 +254,88 @@ class Worker:
         assert m.input_ids is not None
         req = Req(m.rid, list(m.input_ids), p, m.return_logprob, m.logprob_start_len, m.top_logprobs_num)
         req.grammar = self.compile_grammar(m)
+        d = m.disagg
+        if d is not None and d.role == "decode":
+            self.scheduler.validate(req)
+            if d.first_token >= 0:
+                self._start_decode(req, d.first_token, None)
+                return
+            landed = self.disagg.expect(req, d)  # PairGone: a 503 (handle)
+            if landed is not None:
+                self._land(req, landed)
+            return
+        if d is not None and d.role == "prefill":
+            self.disagg.prefilling[m.rid] = d
         self.scheduler.add_request(req)
+
+    def _land(self, req: Req, a: KVArrival) -> None:
+        """A decode request's prompt KV and first token arrived: it joins the scheduler there."""
+        if a.n_tokens != len(req.input_ids):
+            self.live.pop(req.rid)
+            raise InvalidRequest(f"the prefill worker computed {a.n_tokens} prompt tokens, this worker has "
+                                 f"{len(req.input_ids)} (the workers tokenize differently)")
+        self._start_decode(req, a.first_token, a.kv)
+
+    def _start_decode(self, req: Req, first_token: int, kv: Any) -> None:
+        """Continue a request after its first token (which went out from the prefill worker), from the
+        prompt's KV, or with kv None by recomputing it here (as a preempted request is)."""
+        live = self.live[req.rid]
+        if not 0 <= first_token < self.cfg.vocab_size:
+            raise InvalidRequest(f"disagg.first_token must be a token id in [0, {self.cfg.vocab_size})")
+        req.output_ids = [first_token]
+        if req.grammar is not None:
+            req.grammar.accept(first_token)
+        if live.detok is not None:
+            live.detok.add([first_token], False, None)  # its text went out from the prefill worker
+        live.first_token_time = time.monotonic()
+        self.scheduler.add_prefilled(req, kv)
 
     # ---- one iteration ----------------------------------------------------------------------------
     def step(self, inbox: list[ToWorker]) -> list[FromWorker]:
         out: list[FromWorker] = []
         for msg in inbox:
             out.extend(self.handle(msg))
+        out.extend(self._disagg_events())
         t0 = time.perf_counter()
         results = self.scheduler.step()  # raises on a fatal error (see the module docstring)
         self.offload.after_step(self.scheduler)
         if results:
             self.last_step_ms = (time.perf_counter() - t0) * 1e3
-            outs = [o for o in (self._token_out(r) for r in results) if o is not None]
+            outs = []
+            for r in results:
+                handed = False
+                if r.rid in self.disagg.prefilling:
+                    if r.finished:  # done at its first token (or aborted): nothing goes to the decode worker
+                        del self.disagg.prefilling[r.rid]
+                    elif r.new_token_ids:
+                        err = self.disagg.hand_off(r.rid, r.new_token_ids[0], self.scheduler)
+                        if err:
+                            self.live.pop(r.rid, None)
+                            out.append(ErrorOut(rid=r.rid, message=err, status=503))
+                            continue
+                        handed = True
+                o = self._token_out(r)
+                if handed:
+                    self.live.pop(r.rid, None)  # the decode worker reports the rest
+                if o is not None:
+                    outs.append(o)
             if outs:
                 out.append(BatchOut(outs=outs))
+        return out
+
+    def _disagg_events(self) -> list[FromWorker]:
+        ready, errors = self.disagg.poll(self.scheduler)
+        out: list[FromWorker] = list(errors)
+        for e in errors:
+            self.live.pop(e.rid, None)
+        for req, a in ready:
+            if req.rid not in self.live:
+                continue  # aborted meanwhile
+            try:
+                self._land(req, a)
+            except InvalidRequest as e:
+                self.live.pop(req.rid, None)
+                out.append(ErrorOut(rid=req.rid, message=str(e), status=500))
         return out
 
     def fatal_errors(self, message: str, also: set[str]) -> list[FromWorker]:

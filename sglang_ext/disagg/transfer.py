@@ -1,0 +1,196 @@
+"""Prefill -> decode KV transfer over a private two-rank torch.distributed pair (dist.py's `Link`).
+
+    decode worker (rank 0)                                   prefill worker (rank 1)
+    open_store + KVReceiver thread ── HOST:PORT via the router ──> KVSender thread: connect
+    header int64[8] [KV, room, n_tokens, n_pages, first_token]  <──  one per request, in order
+    KV pages [n_pages, L, 2, P, Hkv, D] (the pool's block-first layout)
+    [CLOSE]                                                       <──  the prefill side closes the pair
+
+Gloo carries CPU tensors (the CI's multi-process path); NCCL is used when both ends are GPUs. Both
+ends run on threads of their own, so the prefill worker's next forward overlaps a send, and the
+decode worker's forward a receive. A peer that dies closes its sockets: the other end's wait fails
+at once, and every request still in transit on that pair fails explicitly (never hangs).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import Final
+
+import torch
+
+from sglang_ext.kvcache.pool import KVGeometry, KVPool
+from sglang_ext.offload.dist import (
+    HOST_RANK,
+    IDLE_TIMEOUT_S,
+    SENDER_RANK,
+    TAG_CTRL,
+    Link,
+    LinkError,
+    connect_store,
+    local_address_toward,
+)
+
+logger = logging.getLogger(__name__)
+
+KV, CLOSE = 1, 2
+_HEADER: Final = 8
+
+
+@dataclass
+class KVArrival:
+    """One request's prompt KV, landed on the decode side (on the wire device)."""
+
+    pairing: str
+    room: int
+    n_tokens: int
+    first_token: int
+    kv: torch.Tensor  # [n_pages, L, 2, P, Hkv, D]
+
+
+@dataclass
+class SendJob:
+    rid: str
+    room: int
+    pages: list[int]
+    n_tokens: int
+    first_token: int
+
+
+def _header(vals: list[int], device: torch.device) -> torch.Tensor:
+    h = torch.zeros(_HEADER, dtype=torch.int64)
+    h[: len(vals)] = torch.tensor(vals, dtype=torch.int64)
+    return h.to(device)
+
+
+class KVSender:
+    """The prefill end of one pair: a thread that connects, then sends the jobs it is given in order.
+    `on_done(rid, error)` runs on that thread once a job's pages may be freed (error None: sent)."""
+
+    def __init__(self, pairing: str, peer: str, store: str, backend: str, pool: KVPool, timeout_s: float,
+                 on_done: Callable[[str, str | None], None]) -> None:
+        self.pairing = pairing
+        self.peer = peer
+        self.store_address = store
+        self.backend = backend
+        self.pool = pool
+        self.timeout_s = timeout_s
+        self.on_done = on_done
+        self.wire = pool.device if backend == "nccl" else torch.device("cpu")
+        self.jobs: queue.SimpleQueue[SendJob | None] = queue.SimpleQueue()
+        self.broken = ""  # why the pair is unusable ("" while it works)
+        self.bytes_sent = 0
+        self.thread = threading.Thread(target=self._run, name=f"kv-send-{peer}", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: SendJob) -> None:
+        self.jobs.put(job)
+
+    def close(self) -> None:
+        self.jobs.put(None)
+
+    def _run(self) -> None:
+        link: Link | None = None
+        try:
+            if self.wire.type == "cuda":
+                torch.cuda.set_device(self.wire)
+            store = connect_store(self.store_address, self.timeout_s)
+            host = local_address_toward(self.store_address.rpartition(":")[0])
+            link = Link(store, SENDER_RANK, self.backend, self.wire, host, self.timeout_s)
+        except (RuntimeError, ValueError) as e:  # LinkError is a RuntimeError
+            self.broken = f"cannot connect to decode worker {self.peer}: {e}"
+        while (job := self.jobs.get()) is not None:
+            if link is None or self.broken:
+                self.on_done(job.rid, self.broken or "the KV pair is closed")
+                continue
+            try:
+                self._send(link, job)
+            except LinkError as e:
+                self.broken = f"the KV pair to decode worker {self.peer} broke: {e}"
+                logger.warning("%s", self.broken)
+                link.close()
+                self.on_done(job.rid, self.broken)
+                continue
+            self.on_done(job.rid, None)
+        if link is not None:
+            if not self.broken:
+                with suppress(LinkError):
+                    link.send(_header([CLOSE], self.wire), TAG_CTRL, min(self.timeout_s, 1.0))
+            link.close()
+
+    def _send(self, link: Link, job: SendJob) -> None:
+        # Gathered here, off the forward thread: the pages stay the request's until on_done.
+        idx = torch.tensor(job.pages, dtype=torch.int64, device=self.pool.device)
+        kv = self.pool.data.index_select(0, idx).to(self.wire)
+        link.send(_header([KV, job.room, job.n_tokens, len(job.pages), job.first_token], self.wire), TAG_CTRL,
+                  self.timeout_s)
+        link.send(kv, TAG_CTRL, self.timeout_s)
+        self.bytes_sent += kv.numel() * kv.element_size()
+
+
+class KVReceiver:
+    """The decode end of one pair: a thread that receives requests' KV until the prefill side closes
+    the pair or dies. `on_kv` gets each arrival; `on_end(pairing, why)` runs once, at the end."""
+
+    def __init__(self, pairing: str, peer: str, geometry: KVGeometry, store: object, listener: socket.socket,
+                 backend: str, wire: torch.device, local_host: str, timeout_s: float,
+                 on_kv: Callable[[KVArrival], None], on_end: Callable[[str, str], None]) -> None:
+        self.pairing = pairing
+        self.peer = peer
+        self.geometry = geometry
+        self.store = store
+        self.listener = listener
+        self.backend = backend
+        self.wire = wire
+        self.local_host = local_host
+        self.timeout_s = timeout_s
+        self.on_kv = on_kv
+        self.on_end = on_end
+        self.link: Link | None = None
+        self.thread = threading.Thread(target=self._run, name=f"kv-recv-{peer}", daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        """Drop the pair from this end (the peer's next send fails at once)."""
+        if self.link is not None:
+            self.link.close()
+
+    def _run(self) -> None:
+        why = "closed by the prefill worker"
+        try:
+            if self.wire.type == "cuda":
+                torch.cuda.set_device(self.wire)
+            self.link = Link(self.store, HOST_RANK, self.backend, self.wire, self.local_host,  # type: ignore[arg-type]
+                             self.timeout_s)
+            self._serve(self.link)
+        except LinkError as e:
+            why = f"prefill worker {self.peer} lost: {e}"
+        except Exception as e:  # a protocol bug: end this pair only, loudly
+            logger.exception("KV receiver from %s failed", self.peer)
+            why = f"{type(e).__name__}: {e}"
+        finally:
+            if self.link is not None:
+                self.link.close()
+            self.listener.close()
+            self.on_end(self.pairing, why)
+
+    def _serve(self, link: Link) -> None:
+        g = self.geometry
+        while True:
+            h = torch.empty(_HEADER, dtype=torch.int64, device=self.wire)
+            link.recv(h, TAG_CTRL, IDLE_TIMEOUT_S)
+            kind, room, n_tokens, n_pages, first = (int(x) for x in h.tolist()[:5])
+            if kind == CLOSE:
+                return
+            if kind != KV or n_pages < 1 or n_pages > 1 << 24:
+                raise LinkError(f"unexpected header {h.tolist()}")
+            kv = torch.empty((n_pages, g.num_layers, 2, g.page_size, g.num_kv_heads, g.head_dim), dtype=g.dtype,
+                             device=self.wire)
+            link.recv(kv, TAG_CTRL, self.timeout_s)
+            self.on_kv(KVArrival(self.pairing, room, n_tokens, first, kv))

@@ -1,0 +1,212 @@
+"""A worker's part in prefill/decode disaggregation, driven by the router's messages.
+
+    decode worker:   KVPairOpen  -> a rendezvous and a KVReceiver thread for that prefill worker; reply
+                                    with the pair's address
+                     generate (disagg.role=decode) -> waits for its room's KV; when it lands, the
+                                    request joins the scheduler with its first token (Worker.step)
+    prefill worker:  KVPairConnect -> a KVSender thread to that decode worker (replacing an older one)
+                     generate (disagg.role=prefill) -> served as usual until its first token; then it
+                                    is handed off: its pages go to the sender thread, and are freed
+                                    once the send completed
+
+Threads report through `events` (drained on the forward thread by `poll`) and wake the worker's loop
+with `notify`; every scheduler call stays on the forward thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+import torch
+
+from sglang_ext.disagg.transfer import KVArrival, KVReceiver, KVSender, SendJob
+from sglang_ext.engine.model_runner import ModelRunner
+from sglang_ext.messages import Disagg, ErrorOut, KVPairConnect, KVPairOpen, ReplyOut
+from sglang_ext.offload.dist import open_store, pair_backend
+from sglang_ext.scheduler.request import Req
+from sglang_ext.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+LOST_STATUS: Final = 503
+ORPHAN_S: Final = 120.0  # KV that landed for a request this worker never got (or that was aborted)
+
+
+class PairGone(RuntimeError):
+    """A request names a KV pair this worker does not have (it ended, or never opened): a 503, which
+    the router answers by placing the request again."""
+
+
+@dataclass
+class _Expect:
+    req: Req
+    pairing: str
+
+
+class WorkerDisagg:
+    def __init__(self, mode: str, runner: ModelRunner, worker_id: str) -> None:
+        self.mode = mode
+        self.runner = runner
+        self.worker_id = worker_id
+        self.address = "127.0.0.1"  # where prefill workers reach this one (the interface toward the router)
+        self.events: queue.SimpleQueue[tuple[str, object, object]] = queue.SimpleQueue()
+        self.notify: Callable[[], None] = lambda: None
+        # prefill side
+        self.senders: dict[str, KVSender] = {}  # pairing -> its sender
+        self.prefilling: dict[str, Disagg] = {}  # rid -> where its KV goes, until handed off
+        self.sending: dict[str, tuple[str, int]] = {}  # rid -> (the decode worker, bytes), while its KV goes
+        # decode side
+        self.receivers: dict[str, KVReceiver] = {}  # pairing -> its receiver
+        self.expecting: dict[tuple[str, int], _Expect] = {}  # (pairing, room) -> the request waiting
+        self.arrived: dict[tuple[str, int], tuple[KVArrival, float]] = {}  # landed before its request
+        self.dropped: dict[tuple[str, int], float] = {}  # aborted while its KV was on the way
+        self.counts = {"kv_transfers_out": 0, "kv_transfers_in": 0, "kv_transfer_bytes_out": 0,
+                       "kv_transfer_bytes_in": 0}  # LoadReport fields, cumulative
+
+    def has_events(self) -> bool:
+        return not self.events.empty()
+
+    def _post(self, kind: str, a: object, b: object = None) -> None:  # any thread
+        self.events.put((kind, a, b))
+        self.notify()
+
+    # ---- pairs ----------------------------------------------------------------------------------
+    def open_pair(self, msg: KVPairOpen) -> ReplyOut:
+        """Decode side: receive from prefill worker `msg.peer` over a new pair."""
+        if msg.pairing in self.receivers:
+            return ReplyOut(rid=msg.rid, ok=False, data={"error": f"pairing {msg.pairing} is open already"})
+        backend, wire = pair_backend(self.runner.device, torch.device(msg.peer_device))
+        try:
+            store, listener = open_store(self.address)
+        except (OSError, RuntimeError) as e:
+            return ReplyOut(rid=msg.rid, ok=False, data={"error": f"cannot open a rendezvous on {self.address}: {e}"})
+        self.receivers[msg.pairing] = KVReceiver(
+            msg.pairing, msg.peer, self.runner.pool.geometry, store, listener, backend, wire, self.address,
+            msg.timeout_s, on_kv=lambda a: self._post("kv", a), on_end=lambda p, why: self._post("end", p, why))
+        logger.info("receiving KV from prefill worker %s (pairing %s, %s)", msg.peer, msg.pairing, backend)
+        return ReplyOut(rid=msg.rid, ok=True, data={"store": f"{self.address}:{store.port}", "backend": backend})
+
+    def connect(self, msg: KVPairConnect) -> None:
+        """Prefill side: send to decode worker `msg.peer` over the pair at `msg.store`."""
+        for pairing, s in list(self.senders.items()):
+            if s.peer == msg.peer or pairing == msg.pairing:
+                s.close()  # queued sends still go first; a broken pair fails them at once
+                del self.senders[pairing]
+        if msg.close:
+            return
+        self.senders[msg.pairing] = KVSender(msg.pairing, msg.peer, msg.store, msg.backend, self.runner.pool,
+                                             msg.timeout_s, on_done=lambda rid, err: self._post("sent", rid, err))
+        logger.info("sending KV to decode worker %s (pairing %s, %s)", msg.peer, msg.pairing, msg.backend)
+
+    def close_pair(self, pairing: str) -> None:
+        """Decode side: the router says the prefill side is down. Its receiver thread may be blocked on
+        a hung peer, so requests waiting on it fail here (the thread, if it ever wakes, finds the
+        pair gone and its KV is dropped)."""
+        r = self.receivers.get(pairing)
+        if r is not None:
+            r.close()
+            self._post("end", pairing, f"prefill worker {r.peer} is down")
+
+    # ---- requests -------------------------------------------------------------------------------
+    def expect(self, req: Req, d: Disagg) -> KVArrival | None:
+        """Decode side: `req` waits for its KV; returns it if it landed already."""
+        key = (d.pairing, d.room)
+        got = self.arrived.pop(key, None)
+        if got is not None:
+            return got[0]
+        if d.pairing not in self.receivers:
+            raise PairGone(f"no KV pair {d.pairing} on decode worker {self.worker_id} (its prefill worker is gone)")
+        self.expecting[key] = _Expect(req, d.pairing)
+        return None
+
+    def abort(self, rid: str) -> bool:
+        self.prefilling.pop(rid, None)
+        for key, e in list(self.expecting.items()):
+            if e.req.rid == rid:
+                del self.expecting[key]
+                self.dropped[key] = time.monotonic()
+                return True
+        return False
+
+    def hand_off(self, rid: str, first_token: int, scheduler: Scheduler) -> str | None:
+        """Prefill side, after the step that gave `rid` its first token: queue its KV for the decode
+        worker. Returns an error if it cannot go (the request is then aborted here)."""
+        d = self.prefilling.pop(rid)
+        sender = self.senders.get(d.pairing)
+        if sender is None or sender.broken:
+            scheduler.abort(rid, "no KV pair")
+            why = sender.broken if sender is not None else "it is not connected"
+            return f"prefill worker {self.worker_id} cannot send KV over pairing {d.pairing}: {why}"
+        req = scheduler.hand_off(rid)
+        assert req is not None
+        n = len(req.input_ids)
+        pages = req.pages[: -(-n // scheduler.page_size)]
+        self.sending[rid] = (sender.peer, len(pages) * self.runner.pool.geometry.page_bytes)
+        sender.submit(SendJob(rid, d.room, pages, n, first_token))
+        return None
+
+    def poll(self, scheduler: Scheduler) -> tuple[list[tuple[Req, KVArrival]], list[ErrorOut]]:
+        """On the forward thread: what the threads reported. Returns the decode requests whose KV
+        landed (to be started) and errors for requests that failed."""
+        ready: list[tuple[Req, KVArrival]] = []
+        errors: list[ErrorOut] = []
+        while not self.events.empty():
+            kind, a, b = self.events.get()
+            if kind == "sent":
+                rid = str(a)
+                peer, nbytes = self.sending.pop(rid, ("?", 0))
+                scheduler.handed(rid)
+                if b is None:
+                    self.counts["kv_transfers_out"] += 1
+                    self.counts["kv_transfer_bytes_out"] += nbytes
+                else:
+                    errors.append(ErrorOut(rid=rid, message=f"the KV transfer to decode worker {peer} failed: {b}",
+                                           status=LOST_STATUS))
+            elif kind == "kv":
+                assert isinstance(a, KVArrival)
+                self.counts["kv_transfers_in"] += 1
+                self.counts["kv_transfer_bytes_in"] += a.kv.numel() * a.kv.element_size()
+                if a.pairing not in self.receivers:
+                    continue  # the pair was closed meanwhile: its requests have failed already
+                key = (a.pairing, a.room)
+                if self.dropped.pop(key, None) is not None:
+                    continue
+                e = self.expecting.pop(key, None)
+                if e is None:
+                    self.arrived[key] = (a, time.monotonic())
+                else:
+                    ready.append((e.req, a))
+            elif kind == "end":
+                pairing, why = str(a), str(b)
+                r = self.receivers.pop(pairing, None)
+                if r is None:
+                    continue  # ended before (closed by the router, then its thread ended too)
+                logger.info("KV pair %s from %s ended: %s", pairing, r.peer if r else "?", why)
+                for key, e in list(self.expecting.items()):
+                    if e.pairing == pairing:
+                        del self.expecting[key]
+                        errors.append(ErrorOut(rid=e.req.rid, status=LOST_STATUS, message=(
+                            f"the prefill worker's KV for this request never arrived ({why})")))
+        self._purge()
+        return ready, errors
+
+    def refused(self, d: Disagg) -> None:
+        """Decode side: a request refused here (a 400); its KV, if the prefill worker sends it, is dropped."""
+        self.dropped[(d.pairing, d.room)] = time.monotonic()
+
+    def _purge(self) -> None:
+        old = time.monotonic() - ORPHAN_S
+        for key in [k for k, (_, t) in self.arrived.items() if t < old]:
+            del self.arrived[key]
+        for key in [k for k, t in self.dropped.items() if t < old]:
+            del self.dropped[key]
+
+    def close(self) -> None:
+        for s in self.senders.values():
+            s.close()
+        for r in self.receivers.values():
+            r.close()
