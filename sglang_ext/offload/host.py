@@ -39,6 +39,7 @@ from sglang_ext.offload.dist import (
 )
 from sglang_ext.offload.executor import AttentionExecutor, ExecutorFull, GuestSpec
 from sglang_ext.offload.ipc import say_goodbye
+from sglang_ext.offload.stage import LOAD_STAGED, copied, staged_kv
 from sglang_ext.offload.transport import SERVED_DEFAULT
 
 if TYPE_CHECKING:
@@ -225,6 +226,8 @@ class ExecutorService:
             kind, a, b, c = link.recv_header(self.idle_timeout_s)
             if kind == LOAD:
                 self._load(link, a, b, c)
+            elif kind == LOAD_STAGED and self.ipc is not None and self.ipc.stage is not None:
+                self._load_staged(link, a, b, c)
             elif kind == RELEASE:
                 with self.lock:
                     self.executor.release(self.guest, a)
@@ -238,20 +241,39 @@ class ExecutorService:
             else:
                 raise LinkError(f"unknown message kind {kind}")
 
-    def _load(self, link: Link, handle: int, length: int, n: int) -> None:
+    def _kv_shape(self, n: int) -> tuple[int, ...]:
         g = self.spec.geometry
-        kv = torch.empty((n, g.num_layers, 2, g.page_size, g.num_kv_heads, g.head_dim), dtype=g.dtype,
-                         device=self.wire)
+        return (n, g.num_layers, 2, g.page_size, g.num_kv_heads, g.head_dim)
+
+    def _load(self, link: Link, handle: int, length: int, n: int) -> None:
+        kv = torch.empty(self._kv_shape(n), dtype=self.spec.geometry.dtype, device=self.wire)
         link.recv(kv, TAG_CTRL, self.timeout_s)
+        link.send_header([REPLY, self._take(handle, kv, length)], self.timeout_s)
+
+    def _load_staged(self, link: Link, handle: int, length: int, n: int) -> None:
+        """cuda_ipc: the sender pushed the KV into our stage (stage.py) before this message. The copy
+        into the partition runs on this thread's stream; we wait for it before the reply, after which
+        the sender may overwrite the stage. The program that reads the pages is queued on a later
+        BEGIN, on a stream that first waits for this one."""
+        assert self.ipc is not None and self.ipc.stage is not None
+        try:
+            kv = staged_kv(self.ipc.stage, self._kv_shape(n), self.spec.geometry.dtype)
+        except ValueError as e:
+            raise LinkError(f"staged load: {e}") from None
+        ok = self._take(handle, kv, length)
+        copied(self.executor.device, self.timeout_s)
+        link.send_header([REPLY, ok], self.timeout_s)
+
+    def _take(self, handle: int, kv: torch.Tensor, length: int) -> int:
+        """Load a request's KV into the partition: 1, or 0 when it is full."""
         with self.lock:
             if self.ipc is not None:
                 self.ipc.program.before_load()
             try:
                 self.executor.load(self.guest, handle, kv, length)
-                ok = 1
             except ExecutorFull:
-                ok = 0
-        link.send_header([REPLY, ok], self.timeout_s)
+                return 0
+        return 1
 
     def _step(self, link: Link, n: int) -> None:
         hp = torch.empty((2, n), dtype=torch.int64, device=self.wire)
