@@ -369,11 +369,15 @@ def test_a_vanished_sender_whose_program_will_not_drain_keeps_its_pages(monkeypa
 PAGE = F32.geometry.page_bytes
 
 
+pushed: list[int] = []  # pages per push, as the fake peer copy saw them
+
+
 def fake_push(st: stage.KVStage, kv: torch.Tensor, timeout_s: float) -> None:
     """The sender's raw peer copy into the host's stage, as a raw copy between addresses of this process
     (the 'host' is a thread here, its stage a CPU tensor)."""
     assert kv.is_contiguous() and kv.numel() * kv.element_size() <= st.nbytes
     ctypes.memmove(st.ptr, kv.data_ptr(), kv.numel() * kv.element_size())
+    pushed.append(kv.shape[0])
 
 
 def staged_pair(monkeypatch: pytest.MonkeyPatch, stage_pages: int) -> tuple[ExecutorService, FakeEnd, Any]:
@@ -381,6 +385,7 @@ def staged_pair(monkeypatch: pytest.MonkeyPatch, stage_pages: int) -> tuple[Exec
     the sender's end that maps it as IpcRemote's handshake does (check_welcome, then a KVStage)."""
     svc, end, link = serve_ipc(monkeypatch, drains=True, stage_bytes=stage_pages * PAGE)
     monkeypatch.setattr(stage, "push_kv", fake_push)
+    pushed.clear()
     remote = stage.StagedRemote(link, F32, "cold-0", 5.0)
     welcome = IpcWelcome(handle(8 * 128 * 4), handle(8), stage=handle(stage_pages * PAGE) if stage_pages else b"")
     nbytes = check_welcome(welcome, exchange_shape(F32, 8), PAGE)
@@ -403,28 +408,32 @@ def test_a_staged_load_lands_the_same_kv_as_the_gloo_path(monkeypatch: pytest.Mo
     assert DistRemote.load(remote, 8, kv, 10)  # the same KV over gloo (LOAD)
     assert remote.staged_loads == 1
     assert torch.equal(held(svc, 7), kv) and torch.equal(held(svc, 8), held(svc, 7))
-    big = torch.randn(5, 2, 2, 4, 2, 16)  # larger than the stage: over gloo
-    assert remote.load(9, big, 18)
-    assert remote.staged_loads == 1 and torch.equal(held(svc, 9), big)
+    big = torch.randn(9, 2, 2, 4, 2, 16)  # larger than the stage: in chunks of the stage's 4 pages
+    assert remote.load(9, big, 34)
+    assert remote.staged_loads == 2 and torch.equal(held(svc, 9), big) and pushed == [3, 4, 4, 1]
+    assert remote.bytes_out == (3 + 3 + 9) * PAGE  # staged, over gloo, staged in chunks
     assert remote.load(10, kv[:2].clone(), 5)  # the stage is reused: the next load overwrites it
-    assert remote.staged_loads == 2 and torch.equal(held(svc, 10), kv[:2])
+    assert remote.staged_loads == 3 and torch.equal(held(svc, 10), kv[:2])
     assert torch.equal(held(svc, 7), kv)  # the earlier staged request's pages kept their KV
-    assert end.program.loads == 4  # every load waited for the guest's last program
-    assert remote.begin_step([7, 10], [10, 5]) == []  # the loaded lengths are what the host plans from
-    assert svc.executor.guests["hot-0/p1"].seqs[7].length == 11
+    assert end.program.loads == 4  # every load (not every chunk) waited for the guest's last program
+    assert remote.begin_step([7, 9, 10], [10, 34, 5]) == []  # the loaded lengths are what the host plans from
+    assert svc.executor.guests["hot-0/p1"].seqs[9].length == 35
     svc.executor.check()
     remote.close()
     assert svc.ended.wait(5) and not svc.executor.guests
 
 
-def test_a_full_executor_answers_a_staged_load_with_no(monkeypatch: pytest.MonkeyPatch) -> None:
-    svc, _, remote = staged_pair(monkeypatch, stage_pages=128)
+@pytest.mark.parametrize("stage_pages", [128, 50])  # one chunk; three, refused at the first
+def test_a_full_executor_answers_a_staged_load_with_no(monkeypatch: pytest.MonkeyPatch, stage_pages: int) -> None:
+    svc, _, remote = staged_pair(monkeypatch, stage_pages=stage_pages)
     huge = torch.zeros(120, 2, 2, 4, 2, 16)
     n = 0
     while remote.load(100 + n, huge, 480):
         n += 1
         assert n < 100, "the partition never filled"
     assert n >= 1 and remote.alive and remote.staged_loads == n  # full: the request stays local, the pairing lives
+    assert svc.executor.used_tokens("hot-0/p1") == n * 120 * 4  # the refused one took nothing
+    assert remote.load(200, huge[:2], 8)  # and the pairing goes on
     remote.close()
     assert svc.ended.wait(5)
 
@@ -460,9 +469,25 @@ def test_the_stage_is_checked_and_sized(monkeypatch: pytest.MonkeyPatch) -> None
     assert stage.stage_bytes(16 * PAGE - 1, PAGE) == 0  # not one page: no stage
 
 
-def test_a_staged_load_larger_than_the_stage_ends_the_pairing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A sender that names more pages than the stage holds is a protocol error, not a crash or a hang."""
+@pytest.mark.parametrize("after", [
+    [stage.LOAD_MORE, 7, 0, 4],  # the first chunk again
+    [stage.LOAD_MORE, 7, 4, 4],  # more than is left (1 page)
+    [stage.LOAD_MORE, 8, 4, 1],  # another request
+    [BEGIN, 1],  # anything else before the load ended
+])
+def test_a_staged_load_out_of_order_ends_the_pairing(monkeypatch: pytest.MonkeyPatch, after: list[int]) -> None:
+    """A sender that breaks the chunk protocol is a protocol error, not a crash or a hang: the pairing
+    ends and the guest's KV is released."""
     svc, _, remote = staged_pair(monkeypatch, stage_pages=4)
-    remote.link.send_header([stage.LOAD_STAGED, 7, 10, 5], 5)
+    remote.link.send_header([stage.LOAD_STAGED, 7, 20, 5], 5)  # 5 pages: 4 now, 1 to come
+    assert remote.link.recv_header(5)[:2] == [REPLY, 1]
+    remote.link.send_header(after, 5)
+    assert svc.ended.wait(5) and not svc.executor.guests
+    remote.link.close()
+
+
+def test_a_lone_load_more_ends_the_pairing(monkeypatch: pytest.MonkeyPatch) -> None:
+    svc, _, remote = staged_pair(monkeypatch, stage_pages=4)
+    remote.link.send_header([stage.LOAD_MORE, 7, 0, 1], 5)
     assert svc.ended.wait(5) and not svc.executor.guests
     remote.link.close()

@@ -5,7 +5,8 @@ program on its GPU instead of exchanging layers over the control channel.
     handshake   IpcHello -> open the sender's recv and done flags here, make exec_in, exec_out,
                 doorbell (GatedProgram) and the KV stage (stage.py), export them -> IpcWelcome
                 (or its error: the pairing fails)
-    load        LOAD_STAGED: the sender pushed the KV into our stage; copy it into the partition
+    load        LOAD_STAGED (LOAD_MORE for further chunks): the sender pushed the KV into our stage;
+                host.py copies it into the partition
     step        plan + queue the program (one graph launch per step with FlashInfer)
     end         drain: every queued program is let through by raising our own doorbells (the sender
                 may be dead), then the guest's KV is released. A program that will not drain keeps
@@ -83,7 +84,12 @@ class IpcHostEnd:
             self.program.wait_timeout_s = PROGRAM_TIMEOUT_S
             nbytes = stage_bytes(executor.partition.total_bytes, spec.geometry.page_bytes)
             if nbytes:
-                self.stage = torch.empty(nbytes, dtype=torch.uint8, device=executor.device)
+                try:
+                    self.stage = torch.empty(nbytes, dtype=torch.uint8, device=executor.device)
+                except torch.cuda.OutOfMemoryError:
+                    # It is allocated beside the partition: without room for it, loads go over gloo.
+                    logger.warning("guest %s: no GPU memory for a %d MiB KV stage; its loads go over gloo",
+                                   guest, nbytes >> 20)
             stage = cs.export_tensor(self.stage).to_bytes() if self.stage is not None else b""
         except BaseException:
             self.close()

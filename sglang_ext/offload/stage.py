@@ -5,18 +5,19 @@ exports at the handshake, instead of through the gloo control channel (GPU -> CP
     kv = pages gathered on a ([n, L, 2, P, Hkv, D])
     push kv -> stage (cuMemcpyDtoDAsync on a side
       stream), wait for it
-    [LOAD_STAGED, handle, length, n] ─────────────────────>  kv = stage[:bytes] viewed as the pages;
-                                                             under the lock: allocate n pages, index-copy
-                                                             on this thread's stream (after the guest's
-                                                             last program), wait for the copy
+    [LOAD_STAGED, handle, length, n] ─────────────────────>  kv = stage[:bytes] viewed as the first pages;
+                                                             under the lock: allocate all n pages,
+                                                             index-copy on this thread's stream (after
+                                                             the guest's last program), wait for the copy
              <─────────────────────────────── [REPLY, 1 ok | 0 full]   (the stage is free again)
+    KV larger than the stage goes in chunks of the stage's size, each pushed and then announced:
+    [LOAD_MORE, handle, first, count] ────────────────────>  copy into pages first.. (as above)
+             <─────────────────────────────── [REPLY, 1]
 
 The stage is one per pairing, `stage_bytes` of the host's partition (at most 1 GiB, a sixteenth of it,
 whole guest pages). It is allocated beside the partition, not out of it: the partition's arena is one
-allocation made when the worker starts, so `executor_mem_gb` does not shrink. KV larger than the stage
-takes the gloo path (`LOAD`): the executor loads a request in one call (`AttentionExecutor.load`), with
-no way to append pages to a request that is not planned yet, so a chunked load would need a new
-executor call; at a sixteenth of the budget a stage holds any request that uses less than 1/16 of it.
+allocation made when the worker starts, so `executor_mem_gb` does not shrink. A stage smaller than one
+page (a tiny partition) is not made: loads then take the gloo path (`LOAD`), as with an older host.
 
 Order: the gated program that reads those pages is queued on BEGIN, later than the REPLY, and its
 stream waits for this thread's stream first (GatedProgram), so it never reads pages before the copy;
@@ -35,6 +36,7 @@ import torch
 from sglang_ext.offload.dist import REPLY, DistRemote, LinkError
 
 LOAD_STAGED: Final = 8  # a control message kind after ipc.py's IPC_HELLO (6); BYE (7) is the watch tag's
+LOAD_MORE: Final = 9
 STAGE_MAX_BYTES: Final = 1 << 30
 STAGE_FRACTION: Final = 16  # of the partition's bytes
 
@@ -71,8 +73,9 @@ class KVStage:
     nbytes: int
     stream: Any = None  # torch.cuda.Stream on the sender's GPU (None in CPU tests)
 
-    def fits(self, kv: torch.Tensor) -> bool:
-        return kv.numel() * kv.element_size() <= self.nbytes
+    def pages(self, kv: torch.Tensor) -> int:
+        """How many of kv's pages one chunk holds (0: not one)."""
+        return self.nbytes // (kv[0].numel() * kv.element_size()) if kv.shape[0] else 0
 
 
 def push_kv(stage: KVStage, kv: torch.Tensor, timeout_s: float) -> None:
@@ -89,22 +92,32 @@ def push_kv(stage: KVStage, kv: torch.Tensor, timeout_s: float) -> None:
 
 
 class StagedRemote(DistRemote):
-    """DistRemote whose loads go through the host's stage when it has one and the KV fits."""
+    """DistRemote whose loads go through the host's stage when it has one, in chunks of its size."""
 
     stage: KVStage | None = None
 
     def load(self, handle: int, kv: torch.Tensor, length: int) -> bool:
         st = self.stage
-        if st is None or not st.fits(kv) or not self.alive:
+        per = st.pages(kv) if st is not None else 0
+        if st is None or not per or not self.alive:
             return super().load(handle, kv, length)  # gloo, as torch_dist does
         kv = kv.contiguous()
+        n = kv.shape[0]
         t0 = time.perf_counter()
         try:
-            push_kv(st, kv, self.timeout_s)
-            self.link.send_header([LOAD_STAGED, handle, length, kv.shape[0]], self.timeout_s)
-            got, ok, _, _ = self.link.recv_header(self.timeout_s)
-            if got != REPLY:
-                raise LinkError(f"expected a reply to a staged load, got message kind {got}")
+            ok = 1
+            for first in range(0, n, per):
+                chunk = kv[first : first + per]
+                push_kv(st, chunk, self.timeout_s)
+                head = [LOAD_STAGED, handle, length, n] if first == 0 else [LOAD_MORE, handle, first, len(chunk)]
+                self.link.send_header(head, self.timeout_s)
+                got, ok, _, _ = self.link.recv_header(self.timeout_s)
+                if got != REPLY:
+                    raise LinkError(f"expected a reply to a staged load, got message kind {got}")
+                if not ok:
+                    if first:
+                        raise LinkError(f"the executor refused pages {first}.. of a staged load")
+                    break  # full: nothing was taken
         except LinkError as e:
             self._broken("load", e)
             return False
