@@ -3,7 +3,9 @@ pairing's transport, the handshake's messages and their checks, the sender's wat
 machine with a fake flag array, and over a real gloo pair whose host process dies or says
 goodbye), and the host's end of the control protocol (plans on BEGIN and never waits for layers;
 drains its queued programs before it releases the guest's KV, and keeps the KV if they will not
-drain). The GPU half is tests/test_offload_served.py with SGLANG_EXT_TEST_DEVICE=cuda."""
+drain), and KV loads through the host's stage (stage.py: a CPU tensor as the stage, a raw memmove
+as the sender's peer copy). The GPU half is tests/test_offload_served.py with
+SGLANG_EXT_TEST_DEVICE=cuda."""
 
 from __future__ import annotations
 

@@ -9,7 +9,9 @@ stream operations on memory the two processes share with CUDA IPC.
     sender (GPU a)                                         host (GPU b), its ExecutorService thread
     GatedSender: send, recv, done[L]                       GatedProgram: exec_in, exec_out, doorbell[L]
     [IPC_HELLO n] + IpcHello(recv, done handles) ───────>  opens recv, done on b; makes its buffers
-    opens exec_in, doorbell on a <── [REPLY n] + IpcWelcome(exec_in, doorbell handles | error)
+    opens exec_in, doorbell, stage <── [REPLY n] + IpcWelcome(exec_in, doorbell, stage handles | error)
+    load: push KV -> stage; [LOAD_STAGED ..] ──────────>  copy stage -> partition (stage.py)
+           <───────────────────────────── [REPLY ok]
     begin: [BEGIN n] + rows ────────────────────────────>  plan; queue the gated program (2 lanes)
            <───────────────────────────── [REPLY f] + dropped handles
     per layer: push q|k|v -> exec_in, ring doorbell[l] ─>  (on b's stream: wait, attend, push o -> recv,
@@ -17,8 +19,8 @@ stream operations on memory the two processes share with CUDA IPC.
     close: [CLOSE] ─────────────────────────────────────>  drains, releases the guest; goodbye on TAG_WATCH
 
 Handles travel as IpcHandle bytes inside msgspec (msgpack) structs, never pickled. KV loads go GPU to
-GPU through a staging buffer the host exports in its welcome (stage.py); KV larger than the stage, or
-a host that sent none, goes over the control channel (CPU tensors), as torch_dist does.
+GPU through a staging buffer the host exports in its welcome (stage.py; KV larger than it goes in
+chunks); with a host that sent none they go over the control channel (CPU tensors), as torch_dist does.
 
 A dead executor is the watchdog's business (watchdog.py): its thread waits on TAG_WATCH, which only
 the host's goodbye or a broken connection ends; then it raises the sender's completion flags until
