@@ -170,6 +170,25 @@ def test_partition_serves_several_geometries() -> None:
         part.attach("c", KVGeometry(64, 8, 128, 16, torch.float32))
 
 
+def test_executor_load_in_parts() -> None:
+    """A load in parts (cuda_ipc's staged loads of KV larger than the stage) takes every page at once
+    and lands the same KV as a load in one piece."""
+    ex = AttentionExecutor(ForeignKVPartition(1 << 20, "cpu", slab_bytes=1 << 15))
+    spec = GuestSpec(KVGeometry(2, 2, 16, 4, torch.float32), 4, 16, 0.25)
+    ex.attach("g", spec)
+    kv = torch.randn(5, 2, 2, 4, 2, 16)
+    ex.load("g", 1, kv, 20)
+    ex.load("g", 2, kv[:2], 20, num_pages=5)
+    assert ex.used_tokens("g") == 40  # all five pages taken by the first part
+    ex.write("g", 2, 2, kv[2:4])
+    ex.write("g", 2, 4, kv[4:])
+    data, seqs = ex.guests["g"].backend.pool.data, ex.guests["g"].seqs
+    assert torch.equal(data[seqs[2].pages], data[seqs[1].pages]) and torch.equal(data[seqs[2].pages], kv)
+    with pytest.raises(ValueError, match=r"pages 4\.\.6 of request 2, which has 5"):
+        ex.write("g", 2, 4, kv[:2])
+    ex.check()
+
+
 def test_executor_attention_matches_local_backend() -> None:
     """The executor's attention over copied KV equals the local torch backend's (float32)."""
     from sglang_ext.attention.torch_backend import TorchAttentionBackend

@@ -3,10 +3,13 @@ pairing's transport, the handshake's messages and their checks, the sender's wat
 machine with a fake flag array, and over a real gloo pair whose host process dies or says
 goodbye), and the host's end of the control protocol (plans on BEGIN and never waits for layers;
 drains its queued programs before it releases the guest's KV, and keeps the KV if they will not
-drain). The GPU half is tests/test_offload_served.py with SGLANG_EXT_TEST_DEVICE=cuda."""
+drain), and KV loads through the host's stage (stage.py: a CPU tensor as the stage, a raw memmove
+as the sender's peer copy). The GPU half is tests/test_offload_served.py with
+SGLANG_EXT_TEST_DEVICE=cuda."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -20,7 +23,7 @@ import pytest
 import torch
 
 from sglang_ext.kvcache.pool import KVGeometry
-from sglang_ext.offload import ipc_host, transport
+from sglang_ext.offload import ipc_host, stage, transport
 from sglang_ext.offload.dist import (
     BEGIN,
     CLOSE,
@@ -124,11 +127,12 @@ def test_hello_and_welcome_round_trip_and_are_checked() -> None:
         check_hello(IpcHello(8, b"abc", handle(8)), SPEC)
     with pytest.raises(msgspec.ValidationError):  # strict: unknown fields are refused
         msgspec.msgpack.decode(msgspec.msgpack.encode({**msgspec.structs.asdict(hello), "x": 1}), type=IpcHello)
-    check_welcome(IpcWelcome(handle(8 * 128 * 2), handle(8)), shape)
+    page = SPEC.geometry.page_bytes
+    assert check_welcome(IpcWelcome(handle(8 * 128 * 2), handle(8)), shape, page) == 0  # no stage
     with pytest.raises(ValueError, match="no peer path"):
-        check_welcome(IpcWelcome(error="no peer path"), shape)
+        check_welcome(IpcWelcome(error="no peer path"), shape, page)
     with pytest.raises(ValueError, match="exec_in buffer is not 8 x 128"):
-        check_welcome(IpcWelcome(handle(8 * 64 * 2), handle(8)), shape)
+        check_welcome(IpcWelcome(handle(8 * 64 * 2), handle(8)), shape, page)
 
 
 # ---- the watchdog ---------------------------------------------------------------------------------
@@ -298,8 +302,10 @@ class FakeProgram:
 
 
 class FakeEnd:
-    def __init__(self, program: FakeProgram, drains: bool) -> None:
+    def __init__(self, program: FakeProgram, drains: bool, stage_bytes: int = 0) -> None:
         self.program, self.drains, self.drained, self.closed = program, drains, 0, False
+        # The host's KV stage: in host memory here, written by the fake peer copy (see `staged_pair`)
+        self.stage = torch.zeros(stage_bytes, dtype=torch.uint8) if stage_bytes else None
 
     def drain(self, timeout_s: float = 0.0) -> bool:
         self.drained += 1
@@ -309,10 +315,11 @@ class FakeEnd:
         self.closed = True
 
 
-def serve_ipc(monkeypatch: pytest.MonkeyPatch, drains: bool) -> tuple[ExecutorService, FakeEnd, Link]:
+def serve_ipc(monkeypatch: pytest.MonkeyPatch, drains: bool,
+              stage_bytes: int = 0) -> tuple[ExecutorService, FakeEnd, Link]:
     executor = AttentionExecutor(ForeignKVPartition(1 << 22, "cpu", slab_bytes=1 << 15))
     executor.attach("hot-0/p1", F32)
-    end = FakeEnd(FakeProgram(executor, "hot-0/p1"), drains)
+    end = FakeEnd(FakeProgram(executor, "hot-0/p1"), drains, stage_bytes)
     monkeypatch.setattr(ipc_host.IpcHostEnd, "handshake", staticmethod(lambda *a, **k: end))
     store, listener = open_store("127.0.0.1")
     svc = ExecutorService(executor, threading.Lock(), "hot-0/p1", F32, store, "gloo", torch.device("cpu"),
@@ -358,3 +365,131 @@ def test_a_vanished_sender_whose_program_will_not_drain_keeps_its_pages(monkeypa
     assert svc.ended.wait(5)
     assert end.drained == 1 and not end.closed
     assert svc.executor.used_tokens("hot-0/p1") == 12  # kept: the program may still write them
+
+
+# ---- KV loads through the host's stage (stage.py) ---------------------------------------------------
+PAGE = F32.geometry.page_bytes
+
+
+pushed: list[int] = []  # pages per push, as the fake peer copy saw them
+
+
+def fake_push(st: stage.KVStage, kv: torch.Tensor, timeout_s: float) -> None:
+    """The sender's raw peer copy into the host's stage, as a raw copy between addresses of this process
+    (the 'host' is a thread here, its stage a CPU tensor)."""
+    assert kv.is_contiguous() and kv.numel() * kv.element_size() <= st.nbytes
+    ctypes.memmove(st.ptr, kv.data_ptr(), kv.numel() * kv.element_size())
+    pushed.append(kv.shape[0])
+
+
+def staged_pair(monkeypatch: pytest.MonkeyPatch, stage_pages: int) -> tuple[ExecutorService, FakeEnd, Any]:
+    """A host serving cuda_ipc's control half (fakes for its GPU end) with a stage of `stage_pages`, and
+    the sender's end that maps it as IpcRemote's handshake does (check_welcome, then a KVStage)."""
+    svc, end, link = serve_ipc(monkeypatch, drains=True, stage_bytes=stage_pages * PAGE)
+    monkeypatch.setattr(stage, "push_kv", fake_push)
+    pushed.clear()
+    remote = stage.StagedRemote(link, F32, "cold-0", 5.0)
+    welcome = IpcWelcome(handle(8 * 128 * 4), handle(8), stage=handle(stage_pages * PAGE) if stage_pages else b"")
+    nbytes = check_welcome(welcome, exchange_shape(F32, 8), PAGE)
+    if nbytes:
+        assert end.stage is not None
+        remote.stage = stage.KVStage(end.stage.data_ptr(), nbytes)
+    return svc, end, remote
+
+
+def held(svc: ExecutorService, h: int) -> torch.Tensor:
+    g = svc.executor.guests["hot-0/p1"]
+    return g.backend.pool.data[g.seqs[h].pages]
+
+
+def test_a_staged_load_lands_the_same_kv_as_the_gloo_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    svc, end, remote = staged_pair(monkeypatch, stage_pages=4)
+    kv = torch.randn(3, 2, 2, 4, 2, 16)
+    assert remote.load(7, kv, 10)  # staged: fits the stage
+    assert remote.staged_loads == 1 and remote.bytes_out == kv.numel() * 4 and remote.wait_s > 0
+    assert DistRemote.load(remote, 8, kv, 10)  # the same KV over gloo (LOAD)
+    assert remote.staged_loads == 1
+    assert torch.equal(held(svc, 7), kv) and torch.equal(held(svc, 8), held(svc, 7))
+    big = torch.randn(9, 2, 2, 4, 2, 16)  # larger than the stage: in chunks of the stage's 4 pages
+    assert remote.load(9, big, 34)
+    assert remote.staged_loads == 2 and torch.equal(held(svc, 9), big) and pushed == [3, 4, 4, 1]
+    assert remote.bytes_out == (3 + 3 + 9) * PAGE  # staged, over gloo, staged in chunks
+    assert remote.load(10, kv[:2].clone(), 5)  # the stage is reused: the next load overwrites it
+    assert remote.staged_loads == 3 and torch.equal(held(svc, 10), kv[:2])
+    assert torch.equal(held(svc, 7), kv)  # the earlier staged request's pages kept their KV
+    assert end.program.loads == 4  # every load (not every chunk) waited for the guest's last program
+    assert remote.begin_step([7, 9, 10], [10, 34, 5]) == []  # the loaded lengths are what the host plans from
+    assert svc.executor.guests["hot-0/p1"].seqs[9].length == 35
+    svc.executor.check()
+    remote.close()
+    assert svc.ended.wait(5) and not svc.executor.guests
+
+
+@pytest.mark.parametrize("stage_pages", [128, 50])  # one chunk; three, refused at the first
+def test_a_full_executor_answers_a_staged_load_with_no(monkeypatch: pytest.MonkeyPatch, stage_pages: int) -> None:
+    svc, _, remote = staged_pair(monkeypatch, stage_pages=stage_pages)
+    huge = torch.zeros(120, 2, 2, 4, 2, 16)
+    n = 0
+    while remote.load(100 + n, huge, 480):
+        n += 1
+        assert n < 100, "the partition never filled"
+    assert n >= 1 and remote.alive and remote.staged_loads == n  # full: the request stays local, the pairing lives
+    assert svc.executor.used_tokens("hot-0/p1") == n * 120 * 4  # the refused one took nothing
+    assert remote.load(200, huge[:2], 8)  # and the pairing goes on
+    remote.close()
+    assert svc.ended.wait(5)
+
+
+def test_a_host_without_a_stage_gets_loads_over_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An older host (its welcome has no stage field) or one too small for a page: the gloo path."""
+    old = {"exec_in": handle(8 * 128 * 4), "doorbell": handle(8), "error": ""}
+    welcome = msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=IpcWelcome)
+    assert welcome.stage == b"" and check_welcome(welcome, exchange_shape(F32, 8), PAGE) == 0
+    svc, end, remote = staged_pair(monkeypatch, stage_pages=0)
+    assert remote.stage is None and end.stage is None
+    kv = torch.randn(3, 2, 2, 4, 2, 16)
+    assert remote.load(7, kv, 10) and remote.staged_loads == 0
+    assert torch.equal(held(svc, 7), kv)
+    remote.close()
+    assert svc.ended.wait(5)
+
+
+def test_the_stage_is_checked_and_sized(monkeypatch: pytest.MonkeyPatch) -> None:
+    shape = exchange_shape(F32, 8)
+    base = IpcWelcome(handle(8 * 128 * 4), handle(8))
+    assert check_welcome(msgspec.structs.replace(base, stage=handle(3 * PAGE)), shape, PAGE) == 3 * PAGE
+    with pytest.raises(ValueError, match="stage of 6145 bytes is not whole pages of 2048 bytes"):
+        check_welcome(msgspec.structs.replace(base, stage=handle(3 * PAGE + 1)), shape, PAGE)
+    too_big = (stage.STAGE_MAX_BYTES // PAGE + 1) * PAGE
+    with pytest.raises(ValueError, match=f"stage of {too_big} bytes"):
+        check_welcome(msgspec.structs.replace(base, stage=handle(too_big)), shape, PAGE)
+    with pytest.raises(ValueError, match="stage: an IPC handle is 80 bytes"):
+        check_welcome(msgspec.structs.replace(base, stage=b"xyz"), shape, PAGE)
+    assert stage.stage_bytes(1 << 22, PAGE) == (1 << 22) // 16  # a sixteenth, whole pages
+    assert stage.stage_bytes(3 * (1 << 20), 3000) == 196608 // 3000 * 3000
+    assert stage.stage_bytes(64 << 30, 2 << 20) == stage.STAGE_MAX_BYTES  # Llama-3-8B pages, 64 GiB
+    assert stage.stage_bytes(16 * PAGE - 1, PAGE) == 0  # not one page: no stage
+
+
+@pytest.mark.parametrize("after", [
+    [stage.LOAD_MORE, 7, 0, 4],  # the first chunk again
+    [stage.LOAD_MORE, 7, 4, 4],  # more than is left (1 page)
+    [stage.LOAD_MORE, 8, 4, 1],  # another request
+    [BEGIN, 1],  # anything else before the load ended
+])
+def test_a_staged_load_out_of_order_ends_the_pairing(monkeypatch: pytest.MonkeyPatch, after: list[int]) -> None:
+    """A sender that breaks the chunk protocol is a protocol error, not a crash or a hang: the pairing
+    ends and the guest's KV is released."""
+    svc, _, remote = staged_pair(monkeypatch, stage_pages=4)
+    remote.link.send_header([stage.LOAD_STAGED, 7, 20, 5], 5)  # 5 pages: 4 now, 1 to come
+    assert remote.link.recv_header(5)[:2] == [REPLY, 1]
+    remote.link.send_header(after, 5)
+    assert svc.ended.wait(5) and not svc.executor.guests
+    remote.link.close()
+
+
+def test_a_lone_load_more_ends_the_pairing(monkeypatch: pytest.MonkeyPatch) -> None:
+    svc, _, remote = staged_pair(monkeypatch, stage_pages=4)
+    remote.link.send_header([stage.LOAD_MORE, 7, 0, 1], 5)
+    assert svc.ended.wait(5) and not svc.executor.guests
+    remote.link.close()

@@ -3,7 +3,8 @@ model `hot` (the embedded model) sends half of its decoding requests' attention 
 executor hosted by the worker of model `cold` (another geometry), over torch.distributed/gloo.
 With `SGLANG_EXT_TEST_DEVICE=cuda` (two GPUs) every test runs twice: over torch_dist (NCCL) and over
 cuda_ipc (the two worker processes share buffers and GPU-side flags; the kill test then checks the
-sender's watchdog: its stream, blocked on the dead executor's completion flags, drains and nothing hangs).
+sender's watchdog: its stream, blocked on the dead executor's completion flags, drains and nothing hangs;
+KV loads then go through the host's staging buffer, which the first test checks in hot's load report).
 
 The reference is model `ref`: the same embedded model with the same arguments in the same
 cluster, without an offload entry (a cluster without it, with one launch less). Greedy outputs of
@@ -122,6 +123,13 @@ def test_outputs_equal_without_offload(server: Server) -> None:
     assert m['sglang_ext:offload_bytes_total{direction="out",model_name="hot",worker="hot-0"}'] > 0
     assert m['sglang_ext:offload_wait_seconds_total{model_name="hot",worker="hot-0"}'] > 0
     assert 'sglang_ext:offloaded_reqs{model_name="hot",worker="hot-0"}' in m
+    # cuda_ipc: the requests' KV (a page each here) went GPU to GPU through the host's stage
+    # (offload/stage.py), not over the gloo control channel; torch_dist has no stage.
+    if p["transport"] == "cuda_ipc":
+        wait_for(lambda: server.worker("hot-0")["load"].get("offload_staged_loads", 0) > 0, 10,
+                 "staged KV loads in hot-0's load report")
+    else:
+        assert server.worker("hot-0")["load"]["offload_staged_loads"] == 0
     used = 'sglang_ext:executor_kv_used_tokens{guest_model="hot",worker="cold-0"}'
     assert used in m
     wait_for(lambda: offload_metrics()[used] == 0, 10, "the executor's KV given back")

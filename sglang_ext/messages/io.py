@@ -150,6 +150,7 @@ class LoadReport(msgspec.Struct, tag="load", kw_only=True):
     offload_bytes_out: int = 0
     offload_bytes_in: int = 0
     offload_wait_s: float = 0.0
+    offload_staged_loads: int = 0  # KV loads sent GPU to GPU through the host's stage (cuda_ipc)
     offload_executor: str = ""  # the executor's worker id ("" while none)
     offload_pairing: str = ""  # the router's id of the directive in force
     offload_state: str = ""  # "" | active | draining | lost | failed: why

@@ -82,19 +82,33 @@ class AttentionExecutor:
         return self.partition.used_pages(guest) * self.guests[guest].spec.geometry.page_size
 
     # ---- requests -------------------------------------------------------------------------------
-    def load(self, guest: str, handle: int, kv: torch.Tensor, length: int) -> None:
+    def load(self, guest: str, handle: int, kv: torch.Tensor, length: int, num_pages: int = 0) -> None:
         """Take a request's prefilled KV: `kv` is its pages in block-first layout
-        [n, layers, 2, page_size, kv_heads, head_dim] covering `length` tokens. Raises ExecutorFull."""
+        [n, layers, 2, page_size, kv_heads, head_dim] covering `length` tokens. Raises ExecutorFull.
+        `num_pages` > n: a load in parts, `kv` being its first n pages; `write` brings the rest (before
+        the request is planned)."""
         g = self.guests[guest]
         if handle in g.seqs:
             raise ValueError(f"guest {guest!r} already has request {handle}")
-        pages = self.partition.alloc(guest, kv.shape[0])
+        n = max(num_pages, kv.shape[0])
+        pages = self.partition.alloc(guest, n)
         if pages is None:
-            raise ExecutorFull(f"no room for {kv.shape[0]} pages of guest {guest!r}")
+            raise ExecutorFull(f"no room for {n} pages of guest {guest!r}")
+        self._copy_in(g, pages[: kv.shape[0]], kv)
+        g.seqs[handle] = _Seq(pages, length)
+
+    def write(self, guest: str, handle: int, first: int, kv: torch.Tensor) -> None:
+        """Pages `first`.. of a request loaded in parts (ValueError outside the pages it was given)."""
+        g = self.guests[guest]
+        seq = g.seqs[handle]
+        if not 0 <= first < first + kv.shape[0] <= len(seq.pages):
+            raise ValueError(f"pages {first}..{first + kv.shape[0]} of request {handle}, which has {len(seq.pages)}")
+        self._copy_in(g, seq.pages[first : first + kv.shape[0]], kv)
+
+    def _copy_in(self, g: _GuestState, pages: list[int], kv: torch.Tensor) -> None:
         with self._on_device():
             idx = torch.tensor(pages, dtype=torch.long, device=self.device)
             g.backend.pool.data.index_copy_(0, idx, kv.to(self.device, non_blocking=True))
-        g.seqs[handle] = _Seq(pages, length)
 
     def release(self, guest: str, handle: int) -> None:
         g = self.guests.get(guest)

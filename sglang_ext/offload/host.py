@@ -39,6 +39,7 @@ from sglang_ext.offload.dist import (
 )
 from sglang_ext.offload.executor import AttentionExecutor, ExecutorFull, GuestSpec
 from sglang_ext.offload.ipc import say_goodbye
+from sglang_ext.offload.stage import LOAD_MORE, LOAD_STAGED, copied, staged_kv
 from sglang_ext.offload.transport import SERVED_DEFAULT
 
 if TYPE_CHECKING:
@@ -167,6 +168,7 @@ class ExecutorService:
         self.on_exit = on_exit
         self.transport = transport
         self.ipc: IpcHostEnd | None = None  # cuda_ipc: the GPU exchange, after the handshake
+        self._filling: list[int] | None = None  # a staged load in parts: [handle, pages, pages landed]
         self.link: Link | None = None
         self.ended = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"executor-{guest}", daemon=True)
@@ -223,8 +225,14 @@ class ExecutorService:
     def _serve(self, link: Link) -> None:
         while True:
             kind, a, b, c = link.recv_header(self.idle_timeout_s)
+            if self._filling is not None and kind != LOAD_MORE:
+                raise LinkError(f"message kind {kind} before the staged load of request {self._filling[0]} ended")
             if kind == LOAD:
                 self._load(link, a, b, c)
+            elif kind == LOAD_STAGED and self.ipc is not None and self.ipc.stage is not None:
+                self._load_staged(link, a, b, c)
+            elif kind == LOAD_MORE and self._filling is not None:
+                self._load_more(link, a, b, c)
             elif kind == RELEASE:
                 with self.lock:
                     self.executor.release(self.guest, a)
@@ -238,20 +246,64 @@ class ExecutorService:
             else:
                 raise LinkError(f"unknown message kind {kind}")
 
-    def _load(self, link: Link, handle: int, length: int, n: int) -> None:
+    def _kv_shape(self, n: int) -> tuple[int, ...]:
         g = self.spec.geometry
-        kv = torch.empty((n, g.num_layers, 2, g.page_size, g.num_kv_heads, g.head_dim), dtype=g.dtype,
-                         device=self.wire)
+        return (n, g.num_layers, 2, g.page_size, g.num_kv_heads, g.head_dim)
+
+    def _load(self, link: Link, handle: int, length: int, n: int) -> None:
+        kv = torch.empty(self._kv_shape(n), dtype=self.spec.geometry.dtype, device=self.wire)
         link.recv(kv, TAG_CTRL, self.timeout_s)
+        link.send_header([REPLY, self._take(handle, kv, length)], self.timeout_s)
+
+    def _load_staged(self, link: Link, handle: int, length: int, n: int) -> None:
+        """cuda_ipc: the sender pushed the KV (its first pages, when it is larger than the stage) into
+        our stage (stage.py) before this message. The copy into the partition runs on this thread's
+        stream; we wait for it before the reply, after which the sender may overwrite the stage. The
+        program that reads the pages is queued on a later BEGIN, on a stream that first waits for
+        this one."""
+        kv = self._staged(min(n, self._stage_pages()))
+        ok = self._take(handle, kv, length, n)
+        if ok and len(kv) < n:  # the rest comes in chunks (LOAD_MORE); the pages are all taken now
+            self._filling = [handle, n, len(kv)]
+        copied(self.executor.device, self.timeout_s)
+        link.send_header([REPLY, ok], self.timeout_s)
+
+    def _load_more(self, link: Link, handle: int, first: int, count: int) -> None:
+        """The next chunk of a staged load in parts: pages `first`.. of the request."""
+        assert self._filling is not None
+        want, n, landed = self._filling
+        if (handle, first, count) != (want, landed, min(n - landed, self._stage_pages())):
+            raise LinkError(f"staged load of request {want}: expected pages {landed}.. of {n}, got {handle} "
+                            f"pages {first}..+{count}")
+        kv = self._staged(count)
+        with self.lock:  # pages taken on the first chunk, after the guest's last program (before_load)
+            self.executor.write(self.guest, handle, first, kv)
+        self._filling = None if first + count == n else [handle, n, first + count]
+        copied(self.executor.device, self.timeout_s)
+        link.send_header([REPLY, 1], self.timeout_s)
+
+    def _stage_pages(self) -> int:
+        assert self.ipc is not None and self.ipc.stage is not None
+        return self.ipc.stage.numel() // self.spec.geometry.page_bytes
+
+    def _staged(self, n: int) -> torch.Tensor:
+        assert self.ipc is not None and self.ipc.stage is not None
+        try:
+            return staged_kv(self.ipc.stage, self._kv_shape(n), self.spec.geometry.dtype)
+        except ValueError as e:
+            raise LinkError(f"staged load: {e}") from None
+
+    def _take(self, handle: int, kv: torch.Tensor, length: int, num_pages: int = 0) -> int:
+        """Load a request's KV (or its first `len(kv)` of `num_pages` pages) into the partition: 1, or
+        0 when it is full."""
         with self.lock:
             if self.ipc is not None:
                 self.ipc.program.before_load()
             try:
-                self.executor.load(self.guest, handle, kv, length)
-                ok = 1
+                self.executor.load(self.guest, handle, kv, length, num_pages)
             except ExecutorFull:
-                ok = 0
-        link.send_header([REPLY, ok], self.timeout_s)
+                return 0
+        return 1
 
     def _step(self, link: Link, n: int) -> None:
         hp = torch.empty((2, n), dtype=torch.int64, device=self.wire)

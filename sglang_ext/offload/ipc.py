@@ -9,15 +9,18 @@ stream operations on memory the two processes share with CUDA IPC.
     sender (GPU a)                                         host (GPU b), its ExecutorService thread
     GatedSender: send, recv, done[L]                       GatedProgram: exec_in, exec_out, doorbell[L]
     [IPC_HELLO n] + IpcHello(recv, done handles) ───────>  opens recv, done on b; makes its buffers
-    opens exec_in, doorbell on a <── [REPLY n] + IpcWelcome(exec_in, doorbell handles | error)
+    opens exec_in, doorbell, stage <── [REPLY n] + IpcWelcome(exec_in, doorbell, stage handles | error)
+    load: push KV -> stage; [LOAD_STAGED ..] ──────────>  copy stage -> partition (stage.py)
+           <───────────────────────────── [REPLY ok]
     begin: [BEGIN n] + rows ────────────────────────────>  plan; queue the gated program (2 lanes)
            <───────────────────────────── [REPLY f] + dropped handles
     per layer: push q|k|v -> exec_in, ring doorbell[l] ─>  (on b's stream: wait, attend, push o -> recv,
                wait done[l] <────────────────────────────   raise done[l])
     close: [CLOSE] ─────────────────────────────────────>  drains, releases the guest; goodbye on TAG_WATCH
 
-Handles travel as IpcHandle bytes inside msgspec (msgpack) structs, never pickled. KV loads go over
-the control channel (CPU tensors), as torch_dist does: once per request, see docs/remote_attention.md.
+Handles travel as IpcHandle bytes inside msgspec (msgpack) structs, never pickled. KV loads go GPU to
+GPU through a staging buffer the host exports in its welcome (stage.py; KV larger than it goes in
+chunks); with a host that sent none they go over the control channel (CPU tensors), as torch_dist does.
 
 A dead executor is the watchdog's business (watchdog.py): its thread waits on TAG_WATCH, which only
 the host's goodbye or a broken connection ends; then it raises the sender's completion flags until
@@ -39,7 +42,6 @@ from sglang_ext.offload.dist import (
     REPLY,
     SENDER_RANK,
     TAG_CTRL,
-    DistRemote,
     Link,
     LinkError,
     _short,
@@ -49,6 +51,7 @@ from sglang_ext.offload.dist import (
 from sglang_ext.offload.executor import GuestSpec
 from sglang_ext.offload.gated import ExchangeShape, GatedSenderSide
 from sglang_ext.offload.remote import ExecutorLost
+from sglang_ext.offload.stage import KVStage, StagedRemote, check_stage
 from sglang_ext.offload.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
@@ -77,6 +80,7 @@ class IpcWelcome(msgspec.Struct, forbid_unknown_fields=True):
     exec_in: bytes = b""  # [max_rows, (Hq + 2 Hkv) * D]
     doorbell: bytes = b""  # L int32 flags
     error: str = ""
+    stage: bytes = b""  # whole guest pages, for KV loads (stage.py); empty: loads go over gloo
 
 
 def exchange_shape(spec: GuestSpec, max_rows: int) -> ExchangeShape:
@@ -104,7 +108,8 @@ def check_hello(hello: IpcHello, spec: GuestSpec) -> ExchangeShape:
     return shape
 
 
-def check_welcome(w: IpcWelcome, shape: ExchangeShape) -> None:
+def check_welcome(w: IpcWelcome, shape: ExchangeShape, page_bytes: int) -> int:
+    """ValueError when the welcome is an error or its buffers do not fit; returns the stage's bytes."""
     if w.error:
         raise ValueError(w.error)
     elem = torch.empty(0, dtype=shape.dtype).element_size()
@@ -112,6 +117,11 @@ def check_welcome(w: IpcWelcome, shape: ExchangeShape) -> None:
         raise ValueError(f"exec_in buffer is not {shape.max_rows} x {shape.width_in} {shape.dtype}")
     if _handle_size(w.doorbell, "doorbell") != 4 * shape.layers:
         raise ValueError(f"doorbell flags are not {shape.layers} int32")
+    if not w.stage:
+        return 0  # a host without a stage (or an older one)
+    nbytes = _handle_size(w.stage, "stage")
+    check_stage(nbytes, page_bytes)
+    return nbytes
 
 
 def send_blob(link: Link, kind: int, data: bytes, timeout_s: float) -> None:
@@ -155,9 +165,10 @@ def device_idle(device: torch.device, timeout_s: float) -> bool:
     return not t.is_alive()
 
 
-class IpcRemote(GatedSenderSide, DistRemote):
+class IpcRemote(GatedSenderSide, StagedRemote):
     """DistRemote's control messages (load, release, begin, close) with gated.py's GPU-signalled
-    per-layer exchange over CUDA IPC mappings, and a watchdog for waits on a dead executor."""
+    per-layer exchange over CUDA IPC mappings, KV loads through the host's stage (StagedRemote), and
+    a watchdog for waits on a dead executor."""
 
     graph_capturable = True  # post/collect are stream operations only
     # As PeerRemote: step t+1 is planned in the host's other plan lane while t's program may still be
@@ -205,13 +216,18 @@ class IpcRemote(GatedSenderSide, DistRemote):
         hello = IpcHello(self.shape.max_rows, cs.export_tensor(s.recv).to_bytes(), s.done.export().to_bytes(), gpu)
         send_blob(self.link, IPC_HELLO, msgspec.msgpack.encode(hello), self.timeout_s)
         welcome = msgspec.msgpack.decode(recv_blob(self.link, REPLY, self.timeout_s), type=IpcWelcome)
-        check_welcome(welcome, self.shape)
+        staged = check_welcome(welcome, self.shape, self.spec.geometry.page_bytes)
         dev = self.device.index or 0
         exec_in = cs.IpcMapping(cs.IpcHandle.from_bytes(welcome.exec_in), dev)
         self._maps.append(exec_in)
         bell = cs.IpcMapping(cs.IpcHandle.from_bytes(welcome.doorbell), dev)
         self._maps.append(bell)
         s.attach(exec_in.ptr, bell.flags(self.shape.layers))
+        if staged:
+            stage = cs.IpcMapping(cs.IpcHandle.from_bytes(welcome.stage), dev)
+            self._maps.append(stage)
+            # Its own stream: the forward stream may be blocked on the executor's completion flags.
+            self.stage = KVStage(stage.ptr, staged, torch.cuda.Stream(self.device))
         release_stream = torch.cuda.Stream(self.device)  # not the (blocked) forward stream
         self.watchdog = Watchdog(lambda: wait_for_goodbye(self.link), lambda: s.done.fill(release_stream, 1),
                                  name=self.executor_id)
@@ -266,6 +282,7 @@ class IpcRemote(GatedSenderSide, DistRemote):
                          self.executor_id)
 
     def _unmap(self) -> None:
+        self.stage = None  # its mapping goes with the others
         for m in self._maps:
             try:
                 m.close()

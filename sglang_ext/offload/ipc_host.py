@@ -3,7 +3,10 @@ ExecutorService thread that, after the IPC handshake, plans each step and queues
 program on its GPU instead of exchanging layers over the control channel.
 
     handshake   IpcHello -> open the sender's recv and done flags here, make exec_in, exec_out,
-                doorbell (GatedProgram), export them -> IpcWelcome (or its error: the pairing fails)
+                doorbell (GatedProgram) and the KV stage (stage.py), export them -> IpcWelcome
+                (or its error: the pairing fails)
+    load        LOAD_STAGED (LOAD_MORE for further chunks): the sender pushed the KV into our stage;
+                host.py copies it into the partition
     step        plan + queue the program (one graph launch per step with FlashInfer)
     end         drain: every queued program is let through by raising our own doorbells (the sender
                 may be dead), then the guest's KV is released. A program that will not drain keeps
@@ -22,6 +25,7 @@ import torch
 from sglang_ext.offload.dist import REPLY, Link, LinkError
 from sglang_ext.offload.executor import AttentionExecutor, GuestSpec
 from sglang_ext.offload.ipc import IPC_HELLO, IpcHello, IpcWelcome, check_hello, recv_blob, send_blob
+from sglang_ext.offload.stage import stage_bytes
 
 logger = logging.getLogger(__name__)
 DRAIN_TIMEOUT_S: Final = 10.0
@@ -69,6 +73,7 @@ class IpcHostEnd:
         shape = check_hello(hello, spec)
         dev = executor.device.index or 0
         self._maps: list[Any] = []
+        self.stage: torch.Tensor | None = None  # KV loads land here (stage.py); lives as long as exec_in
         try:
             recv = cs.IpcMapping(cs.IpcHandle.from_bytes(hello.recv), dev)
             self._maps.append(recv)
@@ -77,11 +82,20 @@ class IpcHostEnd:
             with torch.cuda.device(executor.device):
                 self.program = GatedProgram(executor, guest, shape, recv.ptr, done_map.flags(shape.layers))
             self.program.wait_timeout_s = PROGRAM_TIMEOUT_S
+            nbytes = stage_bytes(executor.partition.total_bytes, spec.geometry.page_bytes)
+            if nbytes:
+                try:
+                    self.stage = torch.empty(nbytes, dtype=torch.uint8, device=executor.device)
+                except torch.cuda.OutOfMemoryError:
+                    # It is allocated beside the partition: without room for it, loads go over gloo.
+                    logger.warning("guest %s: no GPU memory for a %d MiB KV stage; its loads go over gloo",
+                                   guest, nbytes >> 20)
+            stage = cs.export_tensor(self.stage).to_bytes() if self.stage is not None else b""
         except BaseException:
             self.close()
             raise
         self.welcome = IpcWelcome(cs.export_tensor(self.program.exec_in).to_bytes(),
-                                  self.program.doorbell.export().to_bytes())
+                                  self.program.doorbell.export().to_bytes(), stage=stage)
 
     @classmethod
     def handshake(cls, link: Link, executor: AttentionExecutor, lock: Any, guest: str, spec: GuestSpec,

@@ -37,6 +37,7 @@ class RemoteAttention(ABC):
         self.wait_s = 0.0  # time the sender spent waiting on the executor
         self.bytes_out = 0  # q, k, v and KV loads sent
         self.bytes_in = 0  # attention outputs received
+        self.staged_loads = 0  # KV loads that went GPU to GPU through the host's stage (cuda_ipc)
         self.alive = True
 
     @abstractmethod

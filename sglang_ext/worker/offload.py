@@ -53,7 +53,7 @@ class WorkerOffload:
         self.pairing = ""
         self.executor = ""
         self.state = ""
-        self._done = [0, 0, 0.0]  # bytes out, bytes in, wait seconds of remotes already closed
+        self._done = [0, 0, 0.0, 0]  # bytes out, bytes in, wait seconds, staged loads of remotes already closed
 
     def set_address(self, address: str) -> None:
         """Where senders reach this worker's executors (the interface toward the router)."""
@@ -162,7 +162,8 @@ class WorkerOffload:
             return
         scheduler.set_offload(None)
         r = off.remote
-        self._done = [self._done[0] + r.bytes_out, self._done[1] + r.bytes_in, self._done[2] + r.wait_s]
+        self._done = [self._done[0] + r.bytes_out, self._done[1] + r.bytes_in, self._done[2] + r.wait_s,
+                      self._done[3] + r.staged_loads]
         r.close()
 
     def close(self, scheduler: Scheduler | None = None) -> bool:
@@ -192,6 +193,7 @@ class WorkerOffload:
             "offload_bytes_out": self._done[0] + (r.bytes_out if r else 0),
             "offload_bytes_in": self._done[1] + (r.bytes_in if r else 0),
             "offload_wait_s": self._done[2] + (r.wait_s if r else 0.0),
+            "offload_staged_loads": int(self._done[3] + (r.staged_loads if r else 0)),
             "offload_executor": r.executor_id if r else "",
             "offload_pairing": self.pairing, "offload_state": self.state,
             "offload_ratio": off.ratio if off else 0.0, "offload_bound": (off.ob or 0.0) if off else 0.0,

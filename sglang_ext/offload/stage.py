@@ -1,0 +1,149 @@
+"""Staged KV loads for `cuda_ipc` pairings: a request's KV goes GPU to GPU through a buffer the host
+exports at the handshake, instead of through the gloo control channel (GPU -> CPU -> TCP -> CPU -> GPU).
+
+    sender (GPU a)                                          host (GPU b), its ExecutorService thread
+    kv = pages gathered on a ([n, L, 2, P, Hkv, D])
+    push kv -> stage (cuMemcpyDtoDAsync on a side
+      stream), wait for it
+    [LOAD_STAGED, handle, length, n] ─────────────────────>  kv = stage[:bytes] viewed as the first pages;
+                                                             under the lock: allocate all n pages,
+                                                             index-copy on this thread's stream (after
+                                                             the guest's last program), wait for the copy
+             <─────────────────────────────── [REPLY, 1 ok | 0 full]   (the stage is free again)
+    KV larger than the stage goes in chunks of the stage's size, each pushed and then announced:
+    [LOAD_MORE, handle, first, count] ────────────────────>  copy into pages first.. (as above)
+             <─────────────────────────────── [REPLY, 1]
+
+The stage is one per pairing, `stage_bytes` of the host's partition (at most 1 GiB, a sixteenth of it,
+whole guest pages). It is allocated beside the partition, not out of it: the partition's arena is one
+allocation made when the worker starts, so `executor_mem_gb` does not shrink. A stage smaller than one
+page (a tiny partition) is not made: loads then take the gloo path (`LOAD`), as with an older host.
+
+Order: the gated program that reads those pages is queued on BEGIN, later than the REPLY, and its
+stream waits for this thread's stream first (GatedProgram), so it never reads pages before the copy;
+the copy itself waits for the guest's last queued program (`before_load`: freed pages it may still
+read). The host waits for the copy before it replies, so the sender may overwrite the stage next.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Final
+
+import torch
+
+from sglang_ext.offload.dist import REPLY, DistRemote, LinkError
+
+LOAD_STAGED: Final = 8  # a control message kind after ipc.py's IPC_HELLO (6); BYE (7) is the watch tag's
+LOAD_MORE: Final = 9
+STAGE_MAX_BYTES: Final = 1 << 30
+STAGE_FRACTION: Final = 16  # of the partition's bytes
+
+
+def stage_bytes(partition_bytes: int, page_bytes: int, max_bytes: int = STAGE_MAX_BYTES) -> int:
+    """The stage a host allocates for a guest: min(max_bytes, partition / 16) in whole pages (0: none)."""
+    return min(max_bytes, partition_bytes // STAGE_FRACTION) // page_bytes * page_bytes
+
+
+def check_stage(nbytes: int, page_bytes: int) -> None:
+    """ValueError unless a welcome's stage is whole pages and at most STAGE_MAX_BYTES (0: no stage)."""
+    if nbytes == 0:
+        return
+    if nbytes % page_bytes or nbytes > STAGE_MAX_BYTES:
+        raise ValueError(f"stage of {nbytes} bytes is not whole pages of {page_bytes} bytes up to "
+                         f"{STAGE_MAX_BYTES}")
+
+
+def wait_event(event: Any, timeout_s: float, what: str) -> None:
+    """Poll a CUDA event until it completed, at most `timeout_s` (LinkError after that)."""
+    deadline = time.monotonic() + timeout_s
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise LinkError(f"{what} did not finish in {timeout_s:g} s")
+        time.sleep(1e-4)
+
+
+# ---- the sender's end -----------------------------------------------------------------------------
+@dataclass
+class KVStage:
+    """The host's stage as the sender sees it: its address here (an IPC mapping) and size."""
+
+    ptr: int
+    nbytes: int
+    stream: Any = None  # torch.cuda.Stream on the sender's GPU (None in CPU tests)
+
+    def pages(self, kv: torch.Tensor) -> int:
+        """How many of kv's pages one chunk holds (0: not one)."""
+        return self.nbytes // (kv[0].numel() * kv.element_size()) if kv.shape[0] else 0
+
+
+def push_kv(stage: KVStage, kv: torch.Tensor, timeout_s: float) -> None:
+    """Copy `kv` (contiguous, on the sender's GPU) into the host's stage and wait until it landed. The
+    copy is a raw peer copy on a side stream, which first waits for the stream that gathered `kv`."""
+    from sglang_ext.offload import cuda_signal as cs
+
+    s = stage.stream
+    s.wait_stream(torch.cuda.current_stream(kv.device))
+    cs.peer_copy(stage.ptr, kv.data_ptr(), kv.numel() * kv.element_size(), s)
+    done = torch.cuda.Event()
+    done.record(s)
+    wait_event(done, timeout_s, "the KV copy into the executor's stage")
+
+
+class StagedRemote(DistRemote):
+    """DistRemote whose loads go through the host's stage when it has one, in chunks of its size."""
+
+    stage: KVStage | None = None
+
+    def load(self, handle: int, kv: torch.Tensor, length: int) -> bool:
+        st = self.stage
+        per = st.pages(kv) if st is not None else 0
+        if st is None or not per or not self.alive:
+            return super().load(handle, kv, length)  # gloo, as torch_dist does
+        kv = kv.contiguous()
+        n = kv.shape[0]
+        t0 = time.perf_counter()
+        try:
+            ok = 1
+            for first in range(0, n, per):
+                chunk = kv[first : first + per]
+                push_kv(st, chunk, self.timeout_s)
+                head = [LOAD_STAGED, handle, length, n] if first == 0 else [LOAD_MORE, handle, first, len(chunk)]
+                self.link.send_header(head, self.timeout_s)
+                got, ok, _, _ = self.link.recv_header(self.timeout_s)
+                if got != REPLY:
+                    raise LinkError(f"expected a reply to a staged load, got message kind {got}")
+                if not ok:
+                    if first:
+                        raise LinkError(f"the executor refused pages {first}.. of a staged load")
+                    break  # full: nothing was taken
+        except LinkError as e:
+            self._broken("load", e)
+            return False
+        finally:
+            self.wait_s += time.perf_counter() - t0
+        if ok:
+            self.bytes_out += kv.numel() * kv.element_size()
+            self.staged_loads += 1
+        return bool(ok)
+
+
+# ---- the host's end ------------------------------------------------------------------------------
+def staged_kv(stage: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The first pages of the stage (flat uint8) as a request's KV; ValueError when they do not fit."""
+    nbytes = torch.empty(0, dtype=dtype).element_size()
+    for s in shape:
+        nbytes *= s
+    if not 0 < nbytes <= stage.numel():
+        raise ValueError(f"a staged load of {nbytes} bytes; the stage holds {stage.numel()}")
+    return stage[:nbytes].view(dtype).view(shape)
+
+
+def copied(device: torch.device, timeout_s: float) -> None:
+    """Wait for the work queued so far on this thread's stream of `device` (the copy out of the stage)."""
+    if device.type != "cuda":
+        return
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    wait_event(done, timeout_s, "the KV copy out of the stage")
