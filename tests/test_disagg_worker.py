@@ -20,6 +20,7 @@ from sglang_ext.messages import (
     BatchOut,
     Disagg,
     ErrorOut,
+    FlushCacheReq,
     GenerateReq,
     KVPairClose,
     KVPairConnect,
@@ -209,6 +210,34 @@ def test_resumed_without_kv_recomputes_the_prompt(workers: tuple[Worker, Worker,
     assert [t for _, t, _ in lps] == [t for _, t, _ in want_lps]
     assert [x for x, _, _ in lps] == pytest.approx([x for x, _, _ in want_lps], abs=1e-4)
     assert not got.get("input_token_logprobs")  # the prefill worker reported those
+    d.scheduler.check()
+
+
+def test_cache_flush_right_after_a_hand_off(workers: tuple[Worker, Worker, Worker]) -> None:
+    """The client has its first token (and may have all of it) while the prefill worker's send is still
+    in flight: a cache flush then waits for the send to complete instead of being refused."""
+    ref, p, d = workers
+    want = _run_plain(ref, [GenerateReq(rid="f-ref", text=PROMPTS[0], sampling_params=_sp(6))])["f-ref"]["ids"]
+    dis = Disagg(role="decode", pairing="pair-1", room=600)
+    assert d.step([GenerateReq(rid="f", text=PROMPTS[0], sampling_params=_sp(6), disagg=dis)]) == []
+    out = p.step([GenerateReq(rid="f", text=PROMPTS[0], sampling_params=_sp(6),
+                              disagg=Disagg(role="prefill", pairing="pair-1", room=600))])
+    while not out:
+        out = p.step([])
+    assert isinstance(out[0], BatchOut) and out[0].outs[0].token_ids == want[:1]
+    replies = [m for m in p.handle(FlushCacheReq(rid="flush")) if isinstance(m, ReplyOut)]
+    assert replies == [ReplyOut(rid="flush", ok=True)] and not p.scheduler.handing
+    assert p.scheduler.kv.cache.size_info().cached_pages == 0
+    ids: list[int] = []
+    deadline = time.monotonic() + 30
+    while len(ids) < len(want) - 1:
+        assert time.monotonic() < deadline
+        for m in d.step([]):
+            assert isinstance(m, BatchOut), m
+            ids += [t for o in m.outs for t in o.token_ids]
+        time.sleep(0.002)
+    assert want[:1] + ids == want
+    p.scheduler.check()
     d.scheduler.check()
 
 

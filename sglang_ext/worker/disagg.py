@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ class WorkerDisagg:
         self.worker_id = worker_id
         self.address = "127.0.0.1"  # where prefill workers reach this one (the interface toward the router)
         self.events: queue.SimpleQueue[tuple[str, object, object]] = queue.SimpleQueue()
+        self.posted = threading.Event()  # set with every event (settle waits on it)
         self.notify: Callable[[], None] = lambda: None
         # prefill side
         self.senders: dict[str, KVSender] = {}  # pairing -> its sender
@@ -72,6 +74,7 @@ class WorkerDisagg:
 
     def _post(self, kind: str, a: object, b: object = None) -> None:  # any thread
         self.events.put((kind, a, b))
+        self.posted.set()
         self.notify()
 
     # ---- pairs ----------------------------------------------------------------------------------
@@ -149,9 +152,21 @@ class WorkerDisagg:
         sender.submit(SendJob(rid, d.room, pages, n, first_token))
         return None
 
-    def poll(self, scheduler: Scheduler) -> tuple[list[tuple[Req, KVArrival]], list[ErrorOut]]:
+    def poll(self, scheduler: Scheduler, settle_s: float = 0.0) -> tuple[list[tuple[Req, KVArrival]], list[ErrorOut]]:
         """On the forward thread: what the threads reported. Returns the decode requests whose KV
-        landed (to be started) and errors for requests that failed."""
+        landed (to be started) and errors for requests that failed. With `settle_s`, waits up to that
+        long for sends in flight to complete (a cache flush needs their pages back)."""
+        ready, errors = self._drain(scheduler)
+        deadline = time.monotonic() + settle_s
+        while self.sending and (left := deadline - time.monotonic()) > 0:
+            self.posted.wait(left)
+            more = self._drain(scheduler)
+            ready += more[0]
+            errors += more[1]
+        return ready, errors
+
+    def _drain(self, scheduler: Scheduler) -> tuple[list[tuple[Req, KVArrival]], list[ErrorOut]]:
+        self.posted.clear()
         ready: list[tuple[Req, KVArrival]] = []
         errors: list[ErrorOut] = []
         while not self.events.empty():

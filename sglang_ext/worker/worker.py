@@ -58,6 +58,7 @@ from sglang_ext.worker.tokenizer import IncrementalDetokenizer, StartupError, To
 logger = logging.getLogger(__name__)
 # A request failed because its worker died: the same status the router gives when a worker vanishes.
 FATAL_STATUS = 503
+FLUSH_SETTLE_S = 5.0  # a cache flush waits this long at most for KV sends in flight (disaggregation)
 
 
 @dataclass
@@ -215,7 +216,9 @@ class Worker:
                 if self.disagg.abort(msg.rid):
                     self.live.pop(msg.rid, None)  # the router closed it; nothing more is reported
             elif isinstance(msg, FlushCacheReq):
-                return [ReplyOut(rid=msg.rid, ok=self.scheduler.flush_cache())]
+                # KV sends in flight still hold their requests' pages: let them complete first.
+                out = self._disagg_events(settle_s=FLUSH_SETTLE_S)
+                return [*out, ReplyOut(rid=msg.rid, ok=self.scheduler.flush_cache())]
             elif isinstance(msg, TokenizeReq):
                 return [self.reply_tokenize(msg)]
             elif isinstance(msg, ExecutorOpen):
@@ -323,8 +326,8 @@ class Worker:
                 out.append(BatchOut(outs=outs))
         return out
 
-    def _disagg_events(self) -> list[FromWorker]:
-        ready, errors = self.disagg.poll(self.scheduler)
+    def _disagg_events(self, settle_s: float = 0.0) -> list[FromWorker]:
+        ready, errors = self.disagg.poll(self.scheduler, settle_s)
         out: list[FromWorker] = list(errors)
         for e in errors:
             self.live.pop(e.rid, None)
