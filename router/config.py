@@ -338,18 +338,26 @@ def _check_offload(rules: list[OffloadSpec], names: list[str], workers: list[Loc
         for key, name in (("from", o.from_), ("to", o.to)):
             if name not in names:
                 raise ConfigError(f"{where}.{key}: no model named {name!r} (models: {', '.join(names)})")
-        if o.from_ == o.to:
-            raise ConfigError(f"{where}: from and to are both {o.to!r}; a model offloads to another model")
+        adrenaline = o.from_ == o.to
+        if adrenaline:
+            roles = {w.role for w in workers if w.model == o.to}
+            if not {"prefill", "decode"} <= roles:
+                raise ConfigError(f"{where}: from and to are both {o.to!r}: that is Adrenaline placement, which "
+                                  f"needs prefill and decode workers of {o.to!r} (role: prefill|decode; it has "
+                                  f"{', '.join(sorted(roles)) or 'no local workers'}); otherwise a model "
+                                  "offloads to another model")
         _check_policy(where, o, slo)
         if o.from_ in senders:
             raise ConfigError(f"{where}: model {o.from_!r} already offloads (one entry per `from` model)")
         senders.add(o.from_)
-        hosts = [w for w in workers if w.model == o.to]
+        # Adrenaline placement: the prefill workers host the executors
+        hosts = [w for w in workers if w.model == o.to and (not adrenaline or w.role == "prefill")]
         if hosts and not any(w.args.executor_mem_gb > 0 and w.args.offload_executor is None for w in hosts):
-            raise ConfigError(f"{where}: no worker of {o.to!r} offers executor memory; set executor_mem_gb (GiB) "
+            which = "prefill worker" if adrenaline else "worker"
+            raise ConfigError(f"{where}: no {which} of {o.to!r} offers executor memory; set executor_mem_gb (GiB) "
                               f"in its args or a worker's args")
         for w in workers:
-            if w.model != o.from_:
+            if w.model != o.from_ or (adrenaline and w.role != "decode"):
                 continue
             if w.args.offload_executor is not None:
                 raise ConfigError(f"{where}: worker {w.worker_id} of {o.from_!r} has an in-process executor "
