@@ -83,6 +83,8 @@ class WorkerSpec(msgspec.Struct, forbid_unknown_fields=True):
     mem_fraction_static: float | None = None
     max_total_tokens: int | None = None
     args: dict[str, Any] = msgspec.field(default_factory=dict)  # any other ServerArgs field
+    # set in this worker's environment only (e.g. CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: its SM share under MPS)
+    env: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class ModelSpec(msgspec.Struct, forbid_unknown_fields=True):
@@ -160,6 +162,7 @@ class LocalWorker:
     model: str
     role: str
     args: ServerArgs
+    env: tuple[tuple[str, str], ...] = ()  # added to the launcher's environment (a tuple: hashable)
 
 
 @dataclass(frozen=True)
@@ -273,7 +276,7 @@ def build_cluster(spec: ClusterSpec) -> Cluster:
             values.update(w.args)
             role = _disagg_role(f"{where}.workers[{j}]", w.role, values)
             args = _server_args(f"{where}.workers[{j}]", values)
-            workers.append(LocalWorker(w.id or f"{name}-{j}", name, role, args))
+            workers.append(LocalWorker(w.id or f"{name}-{j}", name, role, args, tuple(w.env.items())))
     ids = [w.worker_id for w in workers]
     dup = sorted({x for x in ids if ids.count(x) > 1})
     if dup:

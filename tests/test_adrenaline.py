@@ -34,8 +34,12 @@ def cluster(workers: list[dict[str, Any]], **entry: Any) -> Any:
 
 
 def test_an_entry_from_a_model_to_itself_is_adrenaline_placement() -> None:
-    c = cluster([{"role": "prefill", "args": {"executor_mem_gb": 1}}, {"role": "decode"}])
+    mps = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "30"}
+    c = cluster([{"role": "prefill", "args": {"executor_mem_gb": 1}, "env": mps}, {"role": "decode"}])
     assert c.offload == (OffloadSpec(from_="m", to="m", ratio=0.5),)
+    assert [w.env for w in c.workers] == [(("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "30"),), ()]
+    with pytest.raises(msgspec.ValidationError, match="Expected `str`"):
+        cluster([{"role": "prefill", "env": {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": 30}}])
 
 
 @pytest.mark.parametrize(("workers", "needle"), [

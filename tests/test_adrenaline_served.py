@@ -26,7 +26,9 @@ from test_disagg_served import ARGS, LONG, PROMPTS, generate, pair_state
 def cluster(tmp: Any, port: int) -> str:
     cfg = {"router": {"port": port, "log_level": "info"},
            "models": [{"args": ARGS, "workers": [
-               {"id": "pd-prefill", "role": "prefill", "args": {"executor_mem_gb": 0.05}},
+               # on a GPU under MPS this bounds the prefill worker's SMs; on the CPU it only shows in its environment
+               {"id": "pd-prefill", "role": "prefill", "args": {"executor_mem_gb": 0.05},
+                "env": {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "60"}},
                {"id": "pd-decode", "role": "decode"}]},
                {"name": "ref", "args": ARGS}],
            "offload": [{"from": "default", "to": "default", "policy": "fixed", "ratio": 0.5}]}
@@ -100,6 +102,16 @@ def test_greedy_outputs_equal_a_plain_worker(server: Server) -> None:
     wait_for(idle, 20, "no executor KV and no page held")
     # The placed requests' KV never went over the KV pair: fewer transfers than requests.
     assert server.worker("pd-decode")["load"]["offloaded_reqs"] == 0
+
+
+def test_a_worker_gets_its_own_environment(server: Server) -> None:
+    def env(worker_id: str) -> list[bytes]:
+        with open(f"/proc/{server.worker(worker_id)['info']['pid']}/environ", "rb") as f:
+            return f.read().split(b"\0")
+
+    assert b"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=60" in env("pd-prefill")
+    assert not any(v.startswith(b"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=") for v in env("pd-decode"))
+    assert any(v.startswith(b"PATH=") for v in env("pd-prefill"))  # added to the launcher's, not instead
 
 
 def test_streaming_placed_request(server: Server) -> None:
