@@ -239,6 +239,8 @@ class Router:
             self.send(worker.worker_id, msgspec.structs.replace(
                 req, disagg=Disagg(role="prefill", pairing=placement.pairing, room=room, **extra)))
             self.metrics.disagg.labels(st.model, "placed").inc()
+            if adr is not None:
+                self.metrics.disagg.labels(st.model, "on_executor").inc()
         self.bus.publish(RequestArrived(st.rid, st.model, worker.worker_id, st.est_prompt_tokens, st.max_new_tokens))
 
     def _retry(self, st: RequestState, why: str, suspect: str = "") -> bool:

@@ -16,11 +16,13 @@ from _tiny import greedy, make_scheduler, prompts, run_all
 
 from router.adrenaline import HANDLE_BASE, AdrenalinePlacer
 from router.config import ClusterSpec, ConfigError, OffloadSpec, build_cluster
+from sglang_ext.messages import Disagg
 from sglang_ext.offload.executor import AttentionExecutor
 from sglang_ext.offload.host import ExecutorHost
 from sglang_ext.offload.remote import ExecutorLost
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
+from sglang_ext.worker.adrenaline import Placer
 
 LENGTHS = [5, 17, 33, 9, 40, 3]
 MAX_NEW = 14
@@ -204,3 +206,35 @@ def test_an_adopted_request_aborted_before_it_runs_frees_its_executor_kv() -> No
     while s.has_work():
         s.step()
     assert remote.executor.used_tokens(remote.guest) == 0
+
+
+# ---- the prefill worker's side of a hand-off --------------------------------------------------------
+class FakeHost:
+    def __init__(self, room: bool) -> None:
+        self.room = room
+        self.adopted: list[tuple[str, int, int, int]] = []
+        self.released: list[tuple[str, int]] = []
+
+    def adopt(self, pairing: str, handle: int, kv: torch.Tensor, length: int) -> bool:
+        self.adopted.append((pairing, handle, kv.shape[0], length))
+        return self.room
+
+    def release_placed(self, pairing: str, handle: int) -> None:
+        self.released.append((pairing, handle))
+
+
+def test_the_placer_keeps_placed_kv_or_falls_back_to_sending_it() -> None:
+    pool = make_scheduler().runner.pool
+    placer = Placer(pool)
+    d = Disagg(role="prefill", pairing="kv1", room=7, executor_pairing="pair1", handle=HANDLE_BASE + 5)
+    plain = Disagg(role="prefill", pairing="kv1", room=8)
+    assert not placer.place("r0", d, [1, 2], 7)  # no executor on this worker: the KV is sent
+    host = placer.host = FakeHost(room=True)  # type: ignore[assignment]
+    assert not placer.place("r1", plain, [1, 2], 7) and not host.adopted  # not chosen by the router
+    assert placer.place("r2", d, [1, 2], 7) and host.adopted == [("pair1", HANDLE_BASE + 5, 2, 7)]
+    assert placer.sent("r2", ok=True) and not host.released
+    assert placer.place("r3", d, [3], 2)
+    assert placer.sent("r3", ok=False) and host.released == [("pair1", HANDLE_BASE + 5)]  # the header never went
+    assert not placer.sent("r1", ok=True)  # a plain hand-off
+    host.room = False  # the executor is full: sent as in plain PD
+    assert not placer.place("r4", d, [1], 3) and "r4" not in placer.placed

@@ -100,6 +100,10 @@ def test_greedy_outputs_equal_a_plain_worker(server: Server) -> None:
         return True
 
     wait_for(idle, 20, "no executor KV and no page held")
+    with server.client() as c:
+        metrics = c.get("/metrics").text
+    line = 'sglang_ext:disagg_requests_total{event="on_executor",model_name="default"}'
+    assert float(next(ln for ln in metrics.splitlines() if ln.startswith(line)).rsplit(" ", 1)[1]) >= len(PROMPTS)
     # The placed requests' KV never went over the KV pair: fewer transfers than requests.
     assert server.worker("pd-decode")["load"]["offloaded_reqs"] == 0
 

@@ -38,7 +38,6 @@ class Placer:
         self.pool = pool
         self.host: ExecutorHost | None = None  # set when this worker offers executor memory
         self.placed: dict[str, tuple[str, int]] = {}  # rid -> (offload pairing, handle), until its header went
-        self.num_placed = 0
 
     def place(self, rid: str, d: Disagg, pages: list[int], n_tokens: int) -> bool:
         """On the forward thread, at hand-off: True if the prompt's KV (`pages`, `n_tokens`) is now in
@@ -59,9 +58,7 @@ class Placer:
         got = self.placed.pop(rid, None)
         if got is None:
             return False
-        if ok:
-            self.num_placed += 1
-        elif self.host is not None:
+        if not ok and self.host is not None:
             self.host.release_placed(*got)
         return True
 
