@@ -161,3 +161,30 @@ def test_prefill_worker_killed_while_hosting(server: Server) -> None:
     got = generate(server, "default", PROMPTS[:2])
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in generate(server, "ref", PROMPTS[:2])]
     assert "pd-prefill" in {o["meta_info"].get("attention_executor") for o in got}
+
+
+def test_decode_worker_killed_while_its_requests_are_on_the_executor(server: Server) -> None:
+    """The decode worker dies while some of its requests run on pd-prefill's executor: their streams
+    end with an explicit 503 at once, and the executor gives their KV back (the pairing ended)."""
+    pid = server.worker("pd-decode")["info"]["pid"]
+    body = {"text": PROMPTS[:4], "stream": True, "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+    ends: dict[int, Any] = {}
+    seen_remote = False
+    t0 = time.monotonic()
+    with server.client(timeout=30) as c, c.stream("POST", "/generate", json=body) as r:
+        for e in sse_events(r.iter_lines()):
+            if "error" in e:
+                ends[e.get("index", -1)] = e
+                continue
+            if not seen_remote and e["meta_info"].get("attention_executor") == "pd-prefill" \
+                    and len(e["output_ids"]) > 3:
+                seen_remote = True
+                os.kill(pid, signal.SIGKILL)
+    assert seen_remote and time.monotonic() - t0 < 30
+    assert ends and all(e["error"]["code"] == 503 for e in ends.values()), ends
+    wait_for(lambda: not sum(server.worker("pd-prefill")["load"]["executor_kv_pairing_tokens"].values()), 20,
+             "pd-prefill's executor released the dead sender's KV")
+    wait_for(lambda: (w := server.worker("pd-decode"))["up"] and w["info"]["pid"] != pid, 60, "pd-decode restarted")
+    wait_for(lambda: pair_state(server) == "active" and placed(server), 60, "pd-decode paired again")
+    got = generate(server, "default", PROMPTS[:2])
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in generate(server, "ref", PROMPTS[:2])]
