@@ -76,7 +76,8 @@ class Pairing:
                 "ratio": d.ratio if d else self.rule.start, "bound": d.bound if d else self.rule.cap,
                 "ob": d.ob if d else None, "why": d.why if d else None, "updates": self.updates,
                 "executor_memory_low": self.exec_low,
-                "state": self.state, "pairing": self.pairing_id or None, "transport": self.transport or None}
+                "state": self.state, "pairing": self.pairing_id or None, "transport": self.transport or None,
+                "placement": "prefill" if self.rule.from_ == self.rule.to else "weaver"}
 
 
 class OffloadPlanner:

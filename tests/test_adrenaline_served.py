@@ -44,7 +44,8 @@ def offload_state(srv: Server) -> dict[str, Any]:
 
 def placed(srv: Server) -> bool:
     p = offload_state(srv)
-    return p["state"] == "active" and (p["from"], p["executor"]) == ("pd-decode", "pd-prefill")
+    return p["state"] == "active" and (p["from"], p["executor"], p["placement"]) == ("pd-decode", "pd-prefill",
+                                                                                     "prefill")
 
 
 @pytest.fixture(scope="module")
