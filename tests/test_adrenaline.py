@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 import torch
-from _tiny import greedy, make_scheduler, prompts, run_all
+from _tiny import VOCAB, greedy, make_scheduler, prompts, run_all
 
 from router.adrenaline import HANDLE_BASE, AdrenalinePlacer
 from router.config import ClusterSpec, ConfigError, OffloadSpec, build_cluster
@@ -20,6 +20,7 @@ from sglang_ext.messages import Disagg
 from sglang_ext.offload.executor import AttentionExecutor
 from sglang_ext.offload.host import ExecutorHost
 from sglang_ext.offload.remote import ExecutorLost
+from sglang_ext.scheduler.overlap import OverlapScheduler
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
 from sglang_ext.worker.adrenaline import Placer
@@ -143,14 +144,15 @@ def decode_with_placed(s: Scheduler, rs: list[Req], placed: set[str]) -> dict[st
     s.offload.placed_only = True
     remote: Any = s.offload.remote
     out: dict[str, list[int]] = {}
-    for i, r in enumerate(rs):
+    for r in rs:
         first, kv = prefill(r)
         r.output_ids = [first]
         out[r.rid] = [first]
         if r.rid in placed:
-            remote.executor.load(remote.guest, HANDLE_BASE + i, kv, len(r.input_ids))
+            handle = HANDLE_BASE + int(r.rid[1:])
+            remote.executor.load(remote.guest, handle, kv, len(r.input_ids))
             s.add_prefilled(r, None)
-            assert s.adopt_remote(r, HANDLE_BASE + i)
+            assert s.adopt_remote(r, handle)
         else:
             s.add_prefilled(r, kv)
     return out
@@ -194,6 +196,26 @@ def test_adopted_requests_are_recomputed_when_the_executor_is_lost(reference: di
     drive(s, out, lose_after)
     assert out == reference
     assert s.num_preemptions >= 3 and not s.offload.active  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("lose_after", [-1, 6])
+def test_requests_adopted_while_others_decode_under_overlap_scheduling(reference: dict[str, list[int]],
+                                                                       lose_after: int) -> None:
+    """The decode worker on a GPU runs the overlap loop: placed requests arrive while a step is in
+    flight (and the executor may be lost after that); outputs are still a plain run's."""
+    base = make_scheduler(offload_executor="local", offload_ratio=1.0)
+    s = OverlapScheduler(base.args, base.runner, base.page_size, base.eos_ids, vocab_size=VOCAB, offload=base.offload)
+    rs = reqs()
+    out = decode_with_placed(s, rs[:3], {"r1"})
+    for _ in range(3):
+        for o in s.step():
+            out[o.rid].extend(o.new_token_ids)
+        s.check()
+    out.update(decode_with_placed(s, rs[3:], {"r3", "r5"}))
+    drive(s, out, lose_after)
+    assert out == reference
+    placed = {r.rid for r in rs if r.attention_executor is not None}
+    assert placed == {"r1", "r3", "r5"}
 
 
 def test_an_adopted_request_aborted_before_it_runs_frees_its_executor_kv() -> None:
