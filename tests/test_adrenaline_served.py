@@ -23,7 +23,7 @@ from _router_util import Server, free_port, serve, sse_events, wait_for
 from test_disagg_served import ARGS, LONG, PROMPTS, generate, pair_state
 
 
-def cluster(tmp: Any, port: int) -> str:
+def cluster(tmp: Any, port: int, entry: dict[str, Any] | None = None) -> str:
     cfg = {"router": {"port": port, "log_level": "info"},
            "models": [{"args": ARGS, "workers": [
                # on a GPU under MPS this bounds the prefill worker's SMs; on the CPU it only shows in its environment
@@ -31,7 +31,7 @@ def cluster(tmp: Any, port: int) -> str:
                 "env": {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "60"}},
                {"id": "pd-decode", "role": "decode"}]},
                {"name": "ref", "args": ARGS}],
-           "offload": [{"from": "default", "to": "default", "policy": "fixed", "ratio": 0.5}]}
+           "offload": [{"from": "default", "to": "default", **(entry or {"policy": "fixed", "ratio": 0.5})}]}
     path = tmp / "cluster.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return str(path)
@@ -189,3 +189,28 @@ def test_decode_worker_killed_while_its_requests_are_on_the_executor(server: Ser
     wait_for(lambda: pair_state(server) == "active" and placed(server), 60, "pd-decode paired again")
     got = generate(server, "default", PROMPTS[:2])
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in generate(server, "ref", PROMPTS[:2])]
+
+
+@pytest.mark.parametrize("entry", [{"policy": "adrenaline", "max_ratio": 0.5},
+                                   {"policy": "adaptive", "ratio": 0.5, "max_ratio": 0.8}])
+def test_planned_policies(tmp_path: Any, entry: dict[str, Any]) -> None:
+    """The planned policies decide the share of an Adrenaline pairing like any other's: outputs are
+    unchanged, and the requests placed on the executor stay within the policy's cap."""
+    port = free_port()
+    path = cluster(tmp_path, port, entry)
+    if entry["policy"] == "adaptive":  # its controller keeps the model's P99 TPOT within an SLO
+        with open(path) as f:
+            cfg = yaml.safe_load(f)
+        cfg["models"][0]["slo"] = {"tpot_ms": 10000}
+        with open(path, "w") as f:
+            yaml.safe_dump(cfg, f)
+    with serve(tmp_path, ["--config", path], workers=3, port=port) as srv:
+        wait_for(lambda: pair_state(srv) == "active" and placed(srv), 60, "paired")
+        want = generate(srv, "ref", PROMPTS, max_new=12)
+        got = generate(srv, "default", PROMPTS, max_new=12)
+        assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+        p = offload_state(srv)
+        assert p["policy"] == entry["policy"] and 0 <= p["ratio"] <= entry["max_ratio"]
+        # the share moves with the decode worker's batch; it never passes max_ratio
+        n = sum(o["meta_info"].get("attention_executor") == "pd-prefill" for o in got)
+        assert n <= entry["max_ratio"] * len(PROMPTS) + 1e-9, (n, p)
