@@ -83,6 +83,8 @@ class WorkerSpec(msgspec.Struct, forbid_unknown_fields=True):
     mem_fraction_static: float | None = None
     max_total_tokens: int | None = None
     args: dict[str, Any] = msgspec.field(default_factory=dict)  # any other ServerArgs field
+    # set in this worker's environment only (e.g. CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: its SM share under MPS)
+    env: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class ModelSpec(msgspec.Struct, forbid_unknown_fields=True):
@@ -160,6 +162,7 @@ class LocalWorker:
     model: str
     role: str
     args: ServerArgs
+    env: tuple[tuple[str, str], ...] = ()  # added to the launcher's environment (a tuple: hashable)
 
 
 @dataclass(frozen=True)
@@ -273,7 +276,7 @@ def build_cluster(spec: ClusterSpec) -> Cluster:
             values.update(w.args)
             role = _disagg_role(f"{where}.workers[{j}]", w.role, values)
             args = _server_args(f"{where}.workers[{j}]", values)
-            workers.append(LocalWorker(w.id or f"{name}-{j}", name, role, args))
+            workers.append(LocalWorker(w.id or f"{name}-{j}", name, role, args, tuple(w.env.items())))
     ids = [w.worker_id for w in workers]
     dup = sorted({x for x in ids if ids.count(x) > 1})
     if dup:
@@ -338,18 +341,26 @@ def _check_offload(rules: list[OffloadSpec], names: list[str], workers: list[Loc
         for key, name in (("from", o.from_), ("to", o.to)):
             if name not in names:
                 raise ConfigError(f"{where}.{key}: no model named {name!r} (models: {', '.join(names)})")
-        if o.from_ == o.to:
-            raise ConfigError(f"{where}: from and to are both {o.to!r}; a model offloads to another model")
+        adrenaline = o.from_ == o.to
+        if adrenaline:
+            roles = {w.role for w in workers if w.model == o.to}
+            if not {"prefill", "decode"} <= roles:
+                raise ConfigError(f"{where}: from and to are both {o.to!r}: that is Adrenaline placement, which "
+                                  f"needs prefill and decode workers of {o.to!r} (role: prefill|decode; it has "
+                                  f"{', '.join(sorted(roles)) or 'no local workers'}); otherwise a model "
+                                  "offloads to another model")
         _check_policy(where, o, slo)
         if o.from_ in senders:
             raise ConfigError(f"{where}: model {o.from_!r} already offloads (one entry per `from` model)")
         senders.add(o.from_)
-        hosts = [w for w in workers if w.model == o.to]
+        # Adrenaline placement: the prefill workers host the executors
+        hosts = [w for w in workers if w.model == o.to and (not adrenaline or w.role == "prefill")]
         if hosts and not any(w.args.executor_mem_gb > 0 and w.args.offload_executor is None for w in hosts):
-            raise ConfigError(f"{where}: no worker of {o.to!r} offers executor memory; set executor_mem_gb (GiB) "
+            which = "prefill worker" if adrenaline else "worker"
+            raise ConfigError(f"{where}: no {which} of {o.to!r} offers executor memory; set executor_mem_gb (GiB) "
                               f"in its args or a worker's args")
         for w in workers:
-            if w.model != o.from_:
+            if w.model != o.from_ or (adrenaline and w.role != "decode"):
                 continue
             if w.args.offload_executor is not None:
                 raise ConfigError(f"{where}: worker {w.worker_id} of {o.from_!r} has an in-process executor "

@@ -231,11 +231,16 @@ class Router:
             st.prefill, st.decode, st.pairing = worker, d, placement.pairing
             d.inflight[st.rid] = st
             d.num_served += 1
+            # Adrenaline placement: its KV may stay on the prefill worker (router/adrenaline.py)
+            adr = self.offload.adrenaline.choose(st.rid, worker, d) if self.offload is not None else None
+            extra = {"executor_pairing": adr.pairing, "handle": adr.handle} if adr is not None else {}
             self.send(d.worker_id, msgspec.structs.replace(
-                req, disagg=Disagg(role="decode", pairing=placement.pairing, room=room)))
+                req, disagg=Disagg(role="decode", pairing=placement.pairing, room=room, **extra)))
             self.send(worker.worker_id, msgspec.structs.replace(
-                req, disagg=Disagg(role="prefill", pairing=placement.pairing, room=room)))
+                req, disagg=Disagg(role="prefill", pairing=placement.pairing, room=room, **extra)))
             self.metrics.disagg.labels(st.model, "placed").inc()
+            if adr is not None:
+                self.metrics.disagg.labels(st.model, "on_executor").inc()
         self.bus.publish(RequestArrived(st.rid, st.model, worker.worker_id, st.est_prompt_tokens, st.max_new_tokens))
 
     def _retry(self, st: RequestState, why: str, suspect: str = "") -> bool:

@@ -227,7 +227,8 @@ class RouterMetrics:
         self.disagg = Counter("sglang_ext:disagg_requests", "Disaggregated requests by event: placed (on a prefill "
                               "and a decode worker), handed (first token out, the rest on the decode worker), "
                               "retried (a failure before the first token), resumed (its KV never came: the "
-                              "decode worker recomputed the prompt)", [*m, "event"], registry=r)
+                              "decode worker recomputed the prompt), on_executor (Adrenaline placement: its KV "
+                              "stays on the prefill worker's executor)", [*m, "event"], registry=r)
 
     def slo_result(self, model: str, kind: str, met: bool) -> None:
         self.slo_checked.labels(model, kind).inc()

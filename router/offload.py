@@ -6,6 +6,9 @@
                              -> OffloadDirective to the sender
     WorkerUp of a host       pair the senders that have no executor (and, if it is a new process,
                              those it served before: their pairs died with it)
+    Adrenaline placement     an entry with from == to (a model with prefill and decode workers):
+                             its decode workers are the senders, its prefill workers the hosts;
+                             the router places requests there at prefill (router/adrenaline.py)
     WorkerDown of a host     its senders detach (their transport would time out anyway)
     LoadReported (sender)    a sender that lost its executor, or a pairing that failed or waits for a
                              host, is tried again (at most every RETRY_S)
@@ -25,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
+from router.adrenaline import AdrenalinePlacer
 from router.config import OffloadSpec
 from router.events import Event, LoadReported, WorkerDown, WorkerUp
 from router.planning import Decision, Policy, make_policy
@@ -72,7 +76,8 @@ class Pairing:
                 "ratio": d.ratio if d else self.rule.start, "bound": d.bound if d else self.rule.cap,
                 "ob": d.ob if d else None, "why": d.why if d else None, "updates": self.updates,
                 "executor_memory_low": self.exec_low,
-                "state": self.state, "pairing": self.pairing_id or None, "transport": self.transport or None}
+                "state": self.state, "pairing": self.pairing_id or None, "transport": self.transport or None,
+                "placement": "prefill" if self.rule.from_ == self.rule.to else "weaver"}
 
 
 class OffloadPlanner:
@@ -84,6 +89,7 @@ class OffloadPlanner:
         self._ids = itertools.count(1)
         self._unsubscribe: Any = None
         self.steering = Steering(router, self.pairings, self.hosts_of)
+        self.adrenaline = AdrenalinePlacer(self)  # from == to entries: requests placed at prefill
         router.metrics.registry.register(PlanningMetrics(self.pairings))
 
     def start(self) -> None:
@@ -101,19 +107,21 @@ class OffloadPlanner:
         for model in self.rules:  # senders the router knows of but has not paired yet
             entry = self.router.registry.models.get(model)
             for wid in entry.workers if entry else ():
-                if wid not in self.pairings:
+                if wid not in self.pairings and self._is(wid, self.rules[model], "decode"):
                     out.append(Pairing(wid, self.rules[model], state="sender not up").describe())
         return out
 
     # ---- events -----------------------------------------------------------------------------------
     def _on_event(self, ev: Event) -> None:
         if isinstance(ev, WorkerUp):
-            if ev.model in self.rules:
+            if ev.model in self.rules and self._is(ev.worker_id, self.rules[ev.model], "decode"):
                 p = self._pairing(ev.worker_id, ev.model)
                 if ev.fresh or p.state not in _LIVE:
                     self._pair(p, now=True)
             if ev.model in self.hosts_of:
                 for p in self.pairings.values():
+                    if not self._is(ev.worker_id, p.rule, "prefill"):
+                        continue
                     if p.rule.to == ev.model and (p.state not in _LIVE or (ev.fresh and p.executor == ev.worker_id)):
                         self._pair(p, now=True)
         elif isinstance(ev, WorkerDown):
@@ -126,7 +134,8 @@ class OffloadPlanner:
                     self._cancel(p)
                     self.router.send(p.sender, OffloadDirective(pairing=p.pairing_id, detach=True))
                     self._set(p, f"detached: executor {ev.worker_id} is down")
-        elif isinstance(ev, LoadReported) and ev.model in self.rules:
+        elif (isinstance(ev, LoadReported) and ev.model in self.rules
+              and self._is(ev.worker_id, self.rules[ev.model], "decode")):
             p = self._pairing(ev.worker_id, ev.model)
             r = ev.report
             if p.state == "active" and r.offload_pairing == p.pairing_id and r.offload_state not in ("active", ""):
@@ -134,6 +143,14 @@ class OffloadPlanner:
             if p.state not in _LIVE:
                 self._pair(p)
         self.steering.on_event(ev)  # the policies' decisions, for every event it listens to
+
+    def _is(self, worker_id: str, rule: OffloadSpec, role: str) -> bool:
+        """Whether the worker takes that side of the entry: any worker of a WEAVER entry; under
+        Adrenaline placement (from == to) decode workers send and prefill workers host."""
+        if rule.from_ != rule.to:
+            return True
+        w = self.router.registry.workers.get(worker_id)
+        return w is not None and w.info is not None and w.info.disaggregation_mode == role
 
     def _pairing(self, sender: str, model: str) -> Pairing:
         p = self.pairings.get(sender)
@@ -163,7 +180,8 @@ class OffloadPlanner:
     # ---- one pairing ------------------------------------------------------------------------------
     def _pick_host(self, p: Pairing) -> WorkerState | None:
         entry = self.router.registry.models.get(p.rule.to)
-        hosts = [w for w in entry.up_workers if w.info is not None and w.info.executor_mem_bytes > 0] if entry else []
+        hosts = [w for w in entry.up_workers if w.info is not None and w.info.executor_mem_bytes > 0
+                 and self._is(w.worker_id, p.rule, "prefill")] if entry else []
         if not hosts:
             return None
         load = {w.worker_id: 0 for w in hosts}
@@ -182,7 +200,8 @@ class OffloadPlanner:
             return
         host = self._pick_host(p)
         if host is None:
-            self._set(p, f"waiting: no up worker of {p.rule.to!r} offers executor memory")
+            which = "prefill worker" if p.rule.from_ == p.rule.to else "worker"
+            self._set(p, f"waiting: no up {which} of {p.rule.to!r} offers executor memory")
             return
         pid = f"{self.router.new_rid()}-pair{next(self._ids)}"
         p.executor, p.pairing_id = host.worker_id, pid
@@ -224,4 +243,4 @@ def _directive(reply: ReplyOut, rule: OffloadSpec, pairing: str, executor: str,
     return OffloadDirective(pairing=pairing, executor=executor, store=str(reply.data["store"]),
                             backend=str(reply.data.get("backend", "gloo")), ratio=wire[0], bound=wire[1],
                             policy=rule.policy, transport=str(reply.data.get("transport", SERVED_DEFAULT)),
-                            timeout_s=rule.timeout_s)
+                            timeout_s=rule.timeout_s, placement="prefill" if rule.from_ == rule.to else "")

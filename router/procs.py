@@ -45,7 +45,7 @@ class LocalWorkers:
     def _spawn(self, s: LocalWorker, sup: Supervision) -> None:
         # The API key stays with the router: in a child's arguments it would show in `ps`.
         args = dataclasses.replace(s.args, api_key=None)
-        self.procs[s.worker_id] = spawn_worker(args, self.router.worker_addr, s.worker_id)
+        self.procs[s.worker_id] = spawn_worker(args, self.router.worker_addr, s.worker_id, dict(s.env))
         sup.state, sup.started_at = "running", time.monotonic()
 
     def _worker(self, worker_id: str) -> tuple[WorkerState, Supervision]:

@@ -4,6 +4,9 @@
     open_store + KVReceiver thread ── HOST:PORT via the router ──> KVSender thread: connect
     header int64[8] [KV, room, n_tokens, n_pages, first_token]  <──  one per request, in order
     KV pages [n_pages, L, 2, P, Hkv, D] (the pool's block-first layout)
+    header [PLACED, room, n_tokens, handle, first_token]        <──  Adrenaline placement: no pages;
+                                                                     the KV is in the prefill worker's
+                                                                     executor under `handle`
     [CLOSE]                                                       <──  the prefill side closes the pair
 
 Gloo carries CPU tensors (the CI's multi-process path); NCCL is used when both ends are GPUs. Both
@@ -39,7 +42,7 @@ from sglang_ext.offload.dist import (
 
 logger = logging.getLogger(__name__)
 
-KV, CLOSE = 1, 2
+KV, CLOSE, PLACED = 1, 2, 3
 _HEADER: Final = 8
 
 
@@ -51,7 +54,8 @@ class KVArrival:
     room: int
     n_tokens: int
     first_token: int
-    kv: torch.Tensor  # [n_pages, L, 2, P, Hkv, D]
+    kv: torch.Tensor  # [n_pages, L, 2, P, Hkv, D] (empty when placed)
+    handle: int = 0  # Adrenaline placement: the KV stayed in the prefill worker's executor as this request
 
 
 @dataclass
@@ -61,6 +65,7 @@ class SendJob:
     pages: list[int]
     n_tokens: int
     first_token: int
+    handle: int = 0  # Adrenaline placement: no pages go, only the header saying where the KV is
 
 
 def _header(vals: list[int], device: torch.device) -> torch.Tensor:
@@ -125,6 +130,10 @@ class KVSender:
             link.close()
 
     def _send(self, link: Link, job: SendJob) -> None:
+        if job.handle:
+            link.send(_header([PLACED, job.room, job.n_tokens, job.handle, job.first_token], self.wire), TAG_CTRL,
+                      self.timeout_s)
+            return
         # Gathered here, off the forward thread: the pages stay the request's until on_done.
         idx = torch.tensor(job.pages, dtype=torch.int64, device=self.pool.device)
         kv = self.pool.data.index_select(0, idx).to(self.wire)
@@ -188,6 +197,9 @@ class KVReceiver:
             kind, room, n_tokens, n_pages, first = (int(x) for x in h.tolist()[:5])
             if kind == CLOSE:
                 return
+            if kind == PLACED and n_pages > 0:  # n_pages is the executor handle here
+                self.on_kv(KVArrival(self.pairing, room, n_tokens, first, torch.empty(0), handle=n_pages))
+                continue
             if kind != KV or n_pages < 1 or n_pages > 1 << 24:
                 raise LinkError(f"unexpected header {h.tolist()}")
             kv = torch.empty((n_pages, g.num_layers, 2, g.page_size, g.num_kv_heads, g.head_dim), dtype=g.dtype,

@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import msgspec
@@ -242,10 +242,12 @@ class Engine:
         return {**msgspec.structs.asdict(self.info), "server_args": msgspec.to_builtins(self.server_args)}
 
 
-def spawn_worker(args: ServerArgs, addr: str, worker_id: str) -> subprocess.Popen[bytes]:
-    """Start `python -m sglang_ext.worker` connected to `addr`; it exits when its parent does."""
+def spawn_worker(args: ServerArgs, addr: str, worker_id: str,
+                 env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start `python -m sglang_ext.worker` connected to `addr`, with `env` added to this process's
+    environment; it exits when its parent does."""
     cmd = [sys.executable, "-m", "sglang_ext.worker", addr, worker_id, msgspec.json.encode(args).decode()]
-    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env={**os.environ, **env} if env else None)
 
 
 __all__ = ["Engine", "SamplingParams", "WorkerDied"]

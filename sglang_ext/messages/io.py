@@ -25,6 +25,11 @@ class Disagg(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # decode, resumed: the prefill worker's KV will not come (it died, or the pair broke, after the
     # first token went out): continue after this first token, recomputing the prompt's KV here
     first_token: int = -1
+    # Adrenaline placement (both legs): the prefill worker keeps the prompt's KV in its own executor,
+    # under the decode worker's offload pairing `executor_pairing` as request `handle`, instead of
+    # sending it; the decode worker runs it as a remote row there. 0: the KV is sent (plain PD).
+    executor_pairing: str = ""
+    handle: int = 0
 
 
 class GenerateReq(msgspec.Struct, tag="generate", kw_only=True):
@@ -224,6 +229,10 @@ class OffloadDirective(msgspec.Struct, tag="offload", kw_only=True, forbid_unkno
     transport: str = "torch_dist"
     timeout_s: float = 5.0
     detach: bool = False
+    # "" (WEAVER): the sender chooses which decoding requests go out. "prefill" (Adrenaline placement):
+    # the executor is a prefill worker of the sender's own model, and only requests the router placed
+    # there at prefill (Disagg.handle) run remotely; the sender moves none of its own.
+    placement: str = ""
 
 
 class OffloadRatio(msgspec.Struct, tag="offload_ratio", kw_only=True, forbid_unknown_fields=True):

@@ -93,6 +93,32 @@ class ExecutorHost:
         svc.start()
         return {"store": f"{self.address}:{store.port}", "backend": backend, "transport": transport}
 
+    def adopt(self, pairing: str, handle: int, kv: torch.Tensor, length: int) -> bool:
+        """Adrenaline placement, on this (prefill) worker's forward thread: take a request's prompt KV
+        from this worker's own pool (`kv`, on this device: a device-local copy) into the executor under
+        the live pairing `pairing`, as its guest's request `handle`. False when that pairing is not
+        served here (any more) or its executor is full: the KV then goes to the decode worker as usual."""
+        svc = next((v for k, v in list(self.services.items()) if k.rpartition("/")[2] == pairing), None)
+        if svc is None or svc.ended.is_set():
+            return False
+        with self.lock:
+            if svc.guest not in self.executor.guests:
+                return False
+            if svc.ipc is not None:
+                svc.ipc.program.before_load()
+            try:
+                self.executor.load(svc.guest, handle, kv, length)
+            except (ExecutorFull, ValueError):
+                return False
+        return True
+
+    def release_placed(self, pairing: str, handle: int) -> None:
+        """Give back KV that `adopt` took for a request whose decode worker will never use it."""
+        svc = next((v for k, v in list(self.services.items()) if k.rpartition("/")[2] == pairing), None)
+        if svc is not None:
+            with self.lock:
+                self.executor.release(svc.guest, handle)
+
     def _transport(self, msg: ExecutorOpen) -> str:
         """What this host serves for `msg`: cuda_ipc only where it can work here (else its fallback,
         or a ValueError that the router reports as the pairing's failure)."""

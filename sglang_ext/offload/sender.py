@@ -12,6 +12,10 @@ keep `ratio` of the decoding requests remote (the router moves `ratio` for `adap
 `adrenaline` (`ob` set): a request goes out when it meets C1/C2 under the bound `ob`
 (conditions.py), and `ratio` still caps the share. A router's OffloadRatio changes `ratio` and
 `ob` between steps; requests already out stay out.
+
+Adrenaline placement (`placed_only`): the executor is a prefill worker of this model, which kept the
+KV of the requests the router chose there after their prefill; such a request arrives already remote
+(`adopt`, under the handle the router gave it) and `choose` moves none of the local ones.
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ logger = logging.getLogger(__name__)
 
 
 class Offloader:
-    def __init__(self, remote: RemoteAttention, ratio: float, pool: KVPool, ob: float | None = None) -> None:
+    def __init__(self, remote: RemoteAttention, ratio: float, pool: KVPool, ob: float | None = None,
+                 placed_only: bool = False) -> None:
         self.remote = remote
+        self.placed_only = placed_only
         self.ratio = ratio
         self.ob = ob  # Adrenaline's OB (offloaded over local KV tokens); None: the share alone decides
         self.pool = pool
@@ -47,7 +53,7 @@ class Offloader:
     def choose(self, decoding: Iterable[Req]) -> list[Req]:
         """Offload newly decoding requests while the remote share is under `ratio`; returns those
         moved (their local pages are for the caller to give back)."""
-        if not self.active:
+        if not self.active or self.placed_only:
             return []
         decoding = list(decoding)
         total = len(decoding)
@@ -79,6 +85,16 @@ class Offloader:
         if not self.remote.load(handle, kv, r.kv_len):
             return False  # the executor is full: the request stays local
         r.remote = handle
+        r.attention_executor = self.remote.executor_id
+        self.reqs[handle] = r
+        return True
+
+    def adopt(self, r: Req, handle: int) -> bool:
+        """Adrenaline placement: `r`'s prompt KV is on the executor already (the prefill worker put it
+        there under `handle`); False if this executor can take no request now."""
+        if not self.active or not self.remote.alive or handle in self.reqs:
+            return False
+        r.remote, r.offload_checked = handle, True
         r.attention_executor = self.remote.executor_id
         self.reqs[handle] = r
         return True

@@ -5,6 +5,8 @@ batching loop stays short.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from sglang_ext.scheduler.request import Req, ReqStatus
@@ -14,6 +16,7 @@ from sglang_ext.scheduler.rotary import RotaryRows
 class Admission(RotaryRows):
     max_running: int
     chunk: int
+    _admit_remote: Callable[[Req], int]  # RemoteRows'
 
     def _decode_reserve(self) -> int:
         """Pages kept free for running requests' next tokens, so admission does not cause an
@@ -34,6 +37,8 @@ class Admission(RotaryRows):
             return None
         if r.staged_kv is not None:
             return self._admit_staged(r, reserve)
+        if r.remote is not None:  # its KV is on an executor already (Adrenaline placement)
+            return self._admit_remote(r)
         rotary = r.status is ReqStatus.ROTARY
         self.kv.admit(r)
         if rotary:

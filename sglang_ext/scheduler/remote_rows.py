@@ -8,6 +8,7 @@ recomputed from its tokens, like a preempted request).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from sglang_ext.kvcache.allocator import PageAllocator
 from sglang_ext.offload.sender import Offloader
@@ -25,6 +26,7 @@ class RemoteRows:
     running: list[Req]
     waiting: list[Req]
     num_preemptions: int
+    clock: Callable[[], float]
 
     def _plan_remote(self, entries: list[Entry], ahead: int = 0) -> list[Entry]:
         """Tell the executor this step's remote rows (at kv_len + ahead); rows it cannot grow are
@@ -57,6 +59,25 @@ class RemoteRows:
             self._requeue(r)
         old.active = False
 
+    def adopt_remote(self, r: Req, handle: int) -> bool:
+        """Adrenaline placement: a request queued by `add_prefilled` (its first token in hand, no KV
+        staged) whose prompt KV the prefill worker left in its executor under `handle`. It is
+        admitted as a remote row (no local pages) and decodes there. False when the offloader in
+        force cannot take it (the caller then lets it recompute its prompt here)."""
+        if self.offload is None or not self.offload.adopt(r, handle):
+            return False
+        r.kv_len, r.admitted = len(r.input_ids), True
+        return True
+
+    def _admit_remote(self, r: Req) -> int:
+        """Admission of an adopted request: no pages to find; it decodes with the others (0)."""
+        self.waiting.remove(r)
+        r.status = ReqStatus.RUNNING
+        r.run_start_time = self.clock()
+        r.run_start_tokens = len(r.output_ids)
+        self.running.append(r)
+        return 0
+
     def _requeue(self, r: Req) -> None:
         """A remote request whose executor KV is gone: back to the queue head, recomputed. (With a
         step in flight, the overlap scheduler still lands that step's token for it.)"""
@@ -64,6 +85,8 @@ class RemoteRows:
         r.pages, r.cached_pages, r.prefix_node, r.kv_len, r.admitted = [], 0, None, 0, False
         if r in self.running:
             self.running.remove(r)
+        if r in self.waiting:  # adopted (Adrenaline placement) but not admitted yet
+            self.waiting.remove(r)
         r.status = ReqStatus.WAITING
         r.num_preemptions += 1
         self.num_preemptions += 1

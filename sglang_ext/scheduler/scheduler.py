@@ -270,8 +270,8 @@ class Scheduler(Admission, RotaryRows, RemoteRows, Handoff):
             if n:
                 entries.append(self._entry(r, n))
                 budget -= n
-            else:  # a resumed decoder: keep its next token's page for it
-                reserve += self.kv.pages_for(r.kv_len + 1) - len(r.pages)
+            elif r.remote is None:  # a resumed decoder: keep its next token's page for it (a remote
+                reserve += self.kv.pages_for(r.kv_len + 1) - len(r.pages)  # one grows on the executor)
         # 3. decoding requests: alone (DECODE) or riding along a prefill (EXTEND)
         prefill_reqs = {id(e.req) for e in entries}
         decoders = [r for r in self.running if r.prefilled and id(r) not in prefill_reqs and self._ready(r)]

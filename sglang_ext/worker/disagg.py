@@ -7,7 +7,10 @@
     prefill worker:  KVPairConnect -> a KVSender thread to that decode worker (replacing an older one)
                      generate (disagg.role=prefill) -> served as usual until its first token; then it
                                     is handed off: its pages go to the sender thread, and are freed
-                                    once the send completed
+                                    once the send completed; with Adrenaline placement
+                                    (disagg.handle) its KV goes into this worker's own executor
+                                    instead (a device-local copy) and only a header goes
+                                    (see adrenaline.py)
 
 Threads report through `events` (drained on the forward thread by `poll`) and wake the worker's loop
 with `notify`; every scheduler call stays on the forward thread.
@@ -31,6 +34,7 @@ from sglang_ext.messages import Disagg, ErrorOut, KVPairConnect, KVPairOpen, Rep
 from sglang_ext.offload.dist import open_store, pair_backend
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
+from sglang_ext.worker.adrenaline import Placer, drop_placed
 
 logger = logging.getLogger(__name__)
 LOST_STATUS: Final = 503
@@ -61,6 +65,7 @@ class WorkerDisagg:
         self.senders: dict[str, KVSender] = {}  # pairing -> its sender
         self.prefilling: dict[str, Disagg] = {}  # rid -> where its KV goes, until handed off
         self.sending: dict[str, tuple[str, int]] = {}  # rid -> (the decode worker, bytes), while its KV goes
+        self.placer = Placer(runner.pool)  # Adrenaline placement (given its executor host by the worker)
         # decode side
         self.receivers: dict[str, KVReceiver] = {}  # pairing -> its receiver
         self.expecting: dict[tuple[str, int], _Expect] = {}  # (pairing, room) -> the request waiting
@@ -148,6 +153,10 @@ class WorkerDisagg:
         assert req is not None
         n = len(req.input_ids)
         pages = req.pages[: -(-n // scheduler.page_size)]
+        if self.placer.place(rid, d, pages, n):  # kept here, in the executor: only the header goes
+            self.sending[rid] = (sender.peer, 0)
+            sender.submit(SendJob(rid, d.room, [], n, first_token, handle=d.handle))
+            return None
         self.sending[rid] = (sender.peer, len(pages) * self.runner.pool.geometry.page_bytes)
         sender.submit(SendJob(rid, d.room, pages, n, first_token))
         return None
@@ -175,20 +184,25 @@ class WorkerDisagg:
                 rid = str(a)
                 peer, nbytes = self.sending.pop(rid, ("?", 0))
                 scheduler.handed(rid)
+                placed = self.placer.sent(rid, ok=b is None)  # kept in this worker's executor: no transfer
                 if b is None:
-                    self.counts["kv_transfers_out"] += 1
-                    self.counts["kv_transfer_bytes_out"] += nbytes
+                    if not placed:
+                        self.counts["kv_transfers_out"] += 1
+                        self.counts["kv_transfer_bytes_out"] += nbytes
                 else:
                     errors.append(ErrorOut(rid=rid, message=f"the KV transfer to decode worker {peer} failed: {b}",
                                            status=LOST_STATUS))
             elif kind == "kv":
                 assert isinstance(a, KVArrival)
-                self.counts["kv_transfers_in"] += 1
-                self.counts["kv_transfer_bytes_in"] += a.kv.numel() * a.kv.element_size()
+                if not a.handle:
+                    self.counts["kv_transfers_in"] += 1
+                    self.counts["kv_transfer_bytes_in"] += a.kv.numel() * a.kv.element_size()
                 if a.pairing not in self.receivers:
+                    drop_placed(a.handle, scheduler)
                     continue  # the pair was closed meanwhile: its requests have failed already
                 key = (a.pairing, a.room)
                 if self.dropped.pop(key, None) is not None:
+                    drop_placed(a.handle, scheduler)
                     continue
                 e = self.expecting.pop(key, None)
                 if e is None:
@@ -206,17 +220,17 @@ class WorkerDisagg:
                         del self.expecting[key]
                         errors.append(ErrorOut(rid=e.req.rid, status=LOST_STATUS, message=(
                             f"the prefill worker's KV for this request never arrived ({why})")))
-        self._purge()
+        self._purge(scheduler)
         return ready, errors
 
     def refused(self, d: Disagg) -> None:
         """Decode side: a request refused here (a 400); its KV, if the prefill worker sends it, is dropped."""
         self.dropped[(d.pairing, d.room)] = time.monotonic()
 
-    def _purge(self) -> None:
+    def _purge(self, scheduler: Scheduler) -> None:
         old = time.monotonic() - ORPHAN_S
         for key in [k for k, (_, t) in self.arrived.items() if t < old]:
-            del self.arrived[key]
+            drop_placed(self.arrived.pop(key)[0].handle, scheduler)
         for key in [k for k, t in self.dropped.items() if t < old]:
             del self.dropped[key]
 

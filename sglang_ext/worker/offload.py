@@ -88,6 +88,8 @@ class WorkerOffload:
                 raise ValueError(f"offload policy {d.policy!r} is not one of {', '.join(POLICIES)}")
             if not 0 <= d.ratio <= 1:
                 raise ValueError(f"offload ratio must be in [0, 1], got {d.ratio}")
+            if d.placement not in ("", "prefill"):
+                raise ValueError(f"offload placement {d.placement!r} is not '' or 'prefill'")
             if not d.bound >= 0:
                 raise ValueError(f"offload bound must be >= 0, got {d.bound}")
             asked = self.args.offload_transport
@@ -101,7 +103,8 @@ class WorkerOffload:
         self._retire(scheduler)
         self.runner.set_remote(remote)
         ob = d.bound if d.policy == "adrenaline" else None
-        scheduler.set_offload(Offloader(remote, d.ratio, self.runner.pool, ob))
+        # Adrenaline placement: the router places requests on the executor at prefill; none move later
+        scheduler.set_offload(Offloader(remote, d.ratio, self.runner.pool, ob, placed_only=d.placement == "prefill"))
         self.pairing, self.executor, self.state = d.pairing, d.executor, "active"
         logger.info("remote attention: %.0f%% of decoding requests to the executor on %s (pairing %s, %s, "
                     "policy %s)", 100 * d.ratio, d.executor, d.pairing, d.backend, d.policy)

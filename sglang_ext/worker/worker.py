@@ -102,6 +102,7 @@ class Worker:
             "default" if args.model_path is None else str(args.model_path).rstrip("/").split("/")[-1])
         self.offload = WorkerOffload(args, self.runner, worker_id, self.model_name)
         self.disagg = WorkerDisagg(args.disaggregation_mode or "", self.runner, worker_id)
+        self.disagg.placer.host = self.offload.host  # Adrenaline placement: prefill KV kept in its executor
         eos = set(self.cfg.eos_token_ids) | set(self.tokenizer.eos_ids if self.tokenizer else ())
         with timer.stage("scheduler"):
             # A prefill worker hands each request off right after its first token: nothing to overlap,
@@ -277,9 +278,12 @@ class Worker:
             self.live.pop(req.rid)
             raise InvalidRequest(f"the prefill worker computed {a.n_tokens} prompt tokens, this worker has "
                                  f"{len(req.input_ids)} (the workers tokenize differently)")
-        self._start_decode(req, a.first_token, a.kv)
+        if a.handle:
+            self._start_decode(req, a.first_token, None, a.handle)
+        else:
+            self._start_decode(req, a.first_token, a.kv)
 
-    def _start_decode(self, req: Req, first_token: int, kv: Any) -> None:
+    def _start_decode(self, req: Req, first_token: int, kv: Any, handle: int = 0) -> None:
         """Continue a request after its first token (which went out from the prefill worker), from the
         prompt's KV, or with kv None by recomputing it here (as a preempted request is)."""
         live = self.live[req.rid]
@@ -292,6 +296,12 @@ class Worker:
             live.detok.add([first_token], False, None)  # its text went out from the prefill worker
         live.first_token_time = time.monotonic()
         self.scheduler.add_prefilled(req, kv)
+        if handle:  # Adrenaline placement: its KV is on the prefill worker's executor
+            d = live.req.disagg
+            ours = d is not None and d.executor_pairing == self.offload.pairing and self.offload.state == "active"
+            if not (ours and self.scheduler.adopt_remote(req, handle)):
+                logger.warning("request %s: its KV is on executor pairing %s, which is not this worker's in force; "
+                               "its prompt is recomputed here", req.rid, d.executor_pairing if d else "?")
 
     # ---- one iteration ----------------------------------------------------------------------------
     def step(self, inbox: list[ToWorker]) -> list[FromWorker]:

@@ -1,0 +1,50 @@
+"""Adrenaline placement on the router: which disaggregated requests keep their KV on the prefill
+worker, whose executor then runs their decode attention for the decode worker (seed 003).
+
+The router decides, at placement, because it is the one party that knows both legs before either
+starts: the prefill worker must know when its prefill ends whether to keep the KV, and the decode
+worker must know which executor handle the request will have. A request goes there when the decode
+worker's pairing (an `offload:` entry with from == to, router/offload.py) is active with this very
+prefill worker as its executor, and the requests already placed there, among those in flight on the
+decode worker, stay within the pairing's share (its policy's ratio in force). Both legs then carry
+`Disagg.executor_pairing` and a `handle` unique on the router (above the range a sender's own
+offloader numbers its requests in). Everything else follows the plain PD path, and a prefill worker
+whose executor is full sends the KV as usual.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Final, NamedTuple
+
+from router.registry import WorkerState
+
+if TYPE_CHECKING:
+    from router.offload import OffloadPlanner
+
+HANDLE_BASE: Final = 1 << 40  # an Offloader numbers the requests it moves itself from 1
+
+
+class Placed(NamedTuple):
+    pairing: str  # the decode worker's offload pairing
+    handle: int
+
+
+class AdrenalinePlacer:
+    def __init__(self, planner: OffloadPlanner) -> None:
+        self.planner = planner
+        self.placed: dict[str, set[str]] = {}  # offload pairing -> rids placed there (pruned lazily)
+        self._handles = itertools.count(1)
+
+    def choose(self, rid: str, prefill: WorkerState, decode: WorkerState) -> Placed | None:
+        """Whether request `rid` (already counted in `decode.inflight`) keeps its KV on `prefill`."""
+        p = self.planner.pairings.get(decode.worker_id)
+        if p is None or p.rule.from_ != p.rule.to or p.state != "active" or p.executor != prefill.worker_id:
+            return None
+        ratio = p.sent[0] if p.sent is not None else p.rule.start
+        there = self.placed.setdefault(p.pairing_id, set())
+        there.intersection_update(decode.inflight)  # finished, failed or retried ones left
+        if len(there) + 1 > ratio * len(decode.inflight) + 1e-9:
+            return None
+        there.add(rid)
+        return Placed(p.pairing_id, HANDLE_BASE + next(self._handles))
