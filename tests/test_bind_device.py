@@ -26,18 +26,10 @@ def test_the_forward_thread_is_bound_to_the_workers_device(monkeypatch: pytest.M
 
     seen: list[tuple[str, Any]] = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.append((threading.current_thread().name, d)))
-
-    class FakeWorker:
-        worker_id = "w"
-        args = type("A", (), {"resolved_device": "cuda:1"})()
-        offload = type("O", (), {"set_address": staticmethod(lambda addr: None)})()
-
-    srv = server.WorkerServer(FakeWorker(), "tcp://127.0.0.1:1")  # type: ignore[arg-type]
+    pool = server.forward_pool("cuda:1")
     try:
-        srv.pool.submit(lambda: None).result()
+        pool.submit(lambda: None).result()
     finally:
-        for pool in (srv.pool, srv.short_lane, srv.long_lane, srv.grammar_lane):
-            pool.shutdown()
-        srv.ctx.destroy(linger=0)
+        pool.shutdown()
     assert [(name.startswith("forward"), d) for name, d in seen] == [(True, torch.device("cuda:1"))]
     assert model_runner.bind_device is server.bind_device

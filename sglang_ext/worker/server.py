@@ -61,6 +61,13 @@ EXIT_FATAL: Final = 1  # a runtime failure: restart me
 EXIT_STARTUP: Final = 2  # a configuration error (bad model path, no tokenizer): restarting will not help
 
 
+def forward_pool(device: str) -> ThreadPoolExecutor:
+    """The one thread that runs the model. The current CUDA device is per thread: this one must be on
+    the worker's GPU, or Triton kernels given tensors of cuda:1 launch on cuda:0 ("cannot be accessed
+    from Triton")."""
+    return ThreadPoolExecutor(1, thread_name_prefix="forward", initializer=bind_device, initargs=(device,))
+
+
 class WorkerServer:
     def __init__(self, worker: Worker, router_addr: str) -> None:
         self.worker = worker
@@ -71,10 +78,7 @@ class WorkerServer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.inbox: list[ToWorker] = []
         self.wake = asyncio.Event()
-        # The current CUDA device is per thread: the forward thread must be on the worker's GPU, or
-        # Triton kernels given tensors of cuda:1 launch on cuda:0 ("cannot be accessed from Triton").
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="forward", initializer=bind_device,
-                                       initargs=(worker.args.resolved_device,))
+        self.pool = forward_pool(worker.args.resolved_device)
         # One thread per lane: a lane tokenizes one prompt at a time, which also bounds the memory
         # that tokenizing takes to one long prompt's.
         self.short_lane = ThreadPoolExecutor(1, thread_name_prefix="tokenize-short")
