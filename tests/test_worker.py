@@ -203,7 +203,16 @@ def test_bad_input_fails_only_its_request_and_a_fatal_error_fails_all(tmp_path: 
         assert isinstance(ended["bad"], ErrorOut) and ended["bad"].status == 400
         assert ended["good"].meta_info["completion_tokens"] == 4
 
+        real = w.runner.forward
+
         def boom(batch: object) -> object:
+            # Fail only once the worker holds both requests. A request that has not reached the worker
+            # when it dies is failed by the router (the process is gone), not by the worker: under load,
+            # "b" (tokenized first) could otherwise still be unread when "a"'s step raises.
+            sched = w.scheduler
+            held = {r.rid for q in (sched.waiting, sched.running) for r in q}
+            if not {"a", "b"} <= held:
+                return real(batch)  # type: ignore[arg-type]
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
         w.runner.forward = boom  # type: ignore[method-assign]
