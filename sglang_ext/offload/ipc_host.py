@@ -16,6 +16,7 @@ program on its GPU instead of exchanging layers over the control channel.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, Final
 
@@ -63,6 +64,16 @@ def ipc_problem(executor_device: torch.device, guest_device: str, guest_gpu: str
     return None
 
 
+STAGED_LOADS_ENV: Final = "SGLANG_EXT_IPC_STAGED_LOADS"
+
+
+def staged_loads() -> bool:
+    """Whether this host offers a KV stage (loads GPU to GPU) or leaves loads on gloo. Off unless
+    SGLANG_EXT_IPC_STAGED_LOADS=1 until the staged path has run on GPUs: gloo loads are slow (they lost
+    the WEAVER run on two H200s) but verified, and a default must not be the untested path."""
+    return os.environ.get(STAGED_LOADS_ENV, "0") == "1"
+
+
 class IpcHostEnd:
     """One guest's GPU exchange on the host: the sender's mapped buffers and our GatedProgram."""
 
@@ -82,7 +93,7 @@ class IpcHostEnd:
             with torch.cuda.device(executor.device):
                 self.program = GatedProgram(executor, guest, shape, recv.ptr, done_map.flags(shape.layers))
             self.program.wait_timeout_s = PROGRAM_TIMEOUT_S
-            nbytes = stage_bytes(executor.partition.total_bytes, spec.geometry.page_bytes)
+            nbytes = stage_bytes(executor.partition.total_bytes, spec.geometry.page_bytes) if staged_loads() else 0
             if nbytes:
                 try:
                     self.stage = torch.empty(nbytes, dtype=torch.uint8, device=executor.device)
