@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Prefill/decode disaggregation end to end (issue 11): a prefill worker on one GPU and a decode worker on
+# another, served through the router; output throughput and SLO attainment with and without Adrenaline
+# placement (the prefill worker's executor keeps a share of the requests' KV and runs their decode
+# attention for the decode worker).
+#   bash bench/pd_e2e.sh [runs...]        (default: pd fixed adrenaline)
+# Runs: pd (no offload: entry), fixed (Adrenaline placement at RATIO), adrenaline (the adrenaline policy's
+# bound), adaptive (steered by the model's P99 TPOT against TBT).
+# Each run writes pd_<run>.json / .log, pd_metrics_<run>.txt, pd_info_<run>.json, pd_router_<run>.log and
+# pd_cluster_<run>.yaml to OUT.
+# Env: RATE (req/s, 16), N (600), DECODE_TOKENS (decode worker's KV pool, 32768), PREFILL_TOKENS (65536),
+#      EXEC_GB (executor memory the prefill worker offers, 32), RATIO (0.5), TTFT (s, 2), TBT (s, 0.1),
+#      MAXDUR (s, 120), MODEL (preset:llama-3-8b; empty: the embedded model), PREFILL_DEV (cuda:0),
+#      DECODE_DEV (cuda:1), DTYPE (bfloat16), MAX_IN (2048), MAX_OUT (256), TRACES, OUT, PORT (31200),
+#      PREFILL_SM (empty; e.g. 60: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE for the prefill worker when both share a
+#      GPU under MPS).
+# On the two-GPU kind keep NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 set.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+RATE=${RATE:-16}; N=${N:-600}; TTFT=${TTFT:-2}; TBT=${TBT:-0.1}
+MODEL=${MODEL-preset:llama-3-8b}; PORT=${PORT:-31200}
+runs=${*:-pd fixed adrenaline}
+ms() { python3 -c "print(int($1*1000))"; }
+for run in $runs; do
+  cfg="$OUT/pd_cluster_$run.yaml"
+  fmt=""; [ -n "$MODEL" ] && fmt="load_format: dummy, dtype: ${DTYPE:-bfloat16}, "
+  env=""; [ -n "${PREFILL_SM:-}" ] && env=", env: {CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: \"$PREFILL_SM\"}"
+  {
+    echo "router: {host: 127.0.0.1, port: $PORT, log_level: warning}"
+    echo "models:"
+    echo "  - name: m"
+    [ -n "$MODEL" ] && echo "    model_path: $MODEL"
+    echo "    args: {${fmt%, }}"
+    echo "    slo: {ttft_ms: $(ms "$TTFT"), tpot_ms: $(ms "$TBT")}"
+    echo "    workers:"
+    echo "      - {id: prefill-0, device: ${PREFILL_DEV:-cuda:0}, role: prefill, max_total_tokens: ${PREFILL_TOKENS:-65536}, args: {executor_mem_gb: ${EXEC_GB:-32}}$env}"
+    echo "      - {id: decode-0, device: ${DECODE_DEV:-cuda:1}, role: decode, max_total_tokens: ${DECODE_TOKENS:-32768}}"
+    case $run in
+      fixed) echo "offload: [{from: m, to: m, policy: fixed, ratio: ${RATIO:-0.5}}]" ;;
+      adrenaline) echo "offload: [{from: m, to: m, policy: adrenaline}]" ;;
+      adaptive) echo "offload: [{from: m, to: m, policy: adaptive, ratio: ${RATIO:-0.5}}]" ;;
+    esac
+  } > "$cfg"
+  python3 -m sglang_ext.launch --config "$cfg" > "$OUT/pd_router_$run.log" 2>&1 &
+  srv=$!
+  ready=0
+  for _ in $(seq 300); do
+    if python3 - "$PORT" <<'PY' 2>/dev/null; then ready=1; break; fi
+import json, sys, urllib.request
+info = json.load(urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/get_server_info", timeout=2))
+assert all(w["up"] for m in info["models"].values() for w in m["workers"])
+assert info.get("disaggregation") and all(p["state"] == "active" for p in info["disaggregation"])
+assert all(p["state"] == "active" for p in info["offload"])  # [] without an offload entry
+PY
+    kill -0 $srv 2>/dev/null || break
+    sleep 1
+  done
+  echo "== $run (ready=$ready)"
+  timeout -s KILL $(( ${MAXDUR:-120} + 120 )) python3 bench/serving.py --trace azure-conv --num-requests "$N" \
+    --arrival "${ARRIVAL:-poisson}" ${RAMP_ARGS:-} --traces-dir "${TRACES:-../shared/traces}" --request-rate "$RATE" \
+    --max-input-len "${MAX_IN:-2048}" --max-output-len "${MAX_OUT:-256}" --ttft-slo "$TTFT" --tbt-slo "$TBT" \
+    --tbt-stat "${TBT_STAT:-mean}" --vocab-size "${VOCAB:-32000}" --base-url "http://127.0.0.1:$PORT" \
+    --max-duration "${MAXDUR:-120}" --disable-tqdm --output-json "$OUT/pd_$run.json" 2>&1 | tail -30 | tee "$OUT/pd_$run.log"
+  python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$PORT/metrics').read().decode())" \
+    | grep -E "^sglang_ext:(offload|offloaded|executor|slo|kv_transfer|disagg)" > "$OUT/pd_metrics_$run.txt"
+  python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$PORT/get_server_info').read().decode())" \
+    > "$OUT/pd_info_$run.json"
+  kill -INT $srv; sleep 8; kill -9 $srv 2>/dev/null; wait $srv 2>/dev/null
+  pkill -9 -f "sglang_ext.worker" 2>/dev/null; sleep 1
+done
