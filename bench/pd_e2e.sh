@@ -16,6 +16,7 @@
 #      GPU under MPS).
 # On the two-GPU kind keep NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 set.
 set -uo pipefail
+source "$(dirname "$0")/cluster_run.sh"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 RATE=${RATE:-16}; N=${N:-600}; TTFT=${TTFT:-2}; TBT=${TBT:-0.1}
 MODEL=${MODEL-preset:llama-3-8b}; PORT=${PORT:-31200}
@@ -41,30 +42,13 @@ for run in $runs; do
       adaptive) echo "offload: [{from: m, to: m, policy: adaptive, ratio: ${RATIO:-0.5}}]" ;;
     esac
   } > "$cfg"
-  python3 -m sglang_ext.launch --config "$cfg" > "$OUT/pd_router_$run.log" 2>&1 &
-  srv=$!
-  ready=0
-  for _ in $(seq 300); do
-    if python3 - "$PORT" <<'PY' 2>/dev/null; then ready=1; break; fi
-import json, sys, urllib.request
-info = json.load(urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/get_server_info", timeout=2))
-assert all(w["up"] for m in info["models"].values() for w in m["workers"])
-assert info.get("disaggregation") and all(p["state"] == "active" for p in info["disaggregation"])
-assert all(p["state"] == "active" for p in info["offload"])  # [] without an offload entry
-PY
-    kill -0 $srv 2>/dev/null || break
-    sleep 1
-  done
-  echo "== $run (ready=$ready)"
+  cluster_up "$cfg" "$OUT/pd_router_$run.log" "$PORT"
+  echo "== $run (ready=$READY)"
   timeout -s KILL $(( ${MAXDUR:-120} + 120 )) python3 bench/serving.py --trace azure-conv --num-requests "$N" \
     --arrival "${ARRIVAL:-poisson}" ${RAMP_ARGS:-} --traces-dir "${TRACES:-../shared/traces}" --request-rate "$RATE" \
     --max-input-len "${MAX_IN:-2048}" --max-output-len "${MAX_OUT:-256}" --ttft-slo "$TTFT" --tbt-slo "$TBT" \
     --tbt-stat "${TBT_STAT:-mean}" --vocab-size "${VOCAB:-32000}" --base-url "http://127.0.0.1:$PORT" \
     --max-duration "${MAXDUR:-120}" --disable-tqdm --output-json "$OUT/pd_$run.json" 2>&1 | tail -30 | tee "$OUT/pd_$run.log"
-  python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$PORT/metrics').read().decode())" \
-    | grep -E "^sglang_ext:(offload|offloaded|executor|slo|kv_transfer|disagg)" > "$OUT/pd_metrics_$run.txt"
-  python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$PORT/get_server_info').read().decode())" \
-    > "$OUT/pd_info_$run.json"
-  kill -INT $srv; sleep 8; kill -9 $srv 2>/dev/null; wait $srv 2>/dev/null
-  pkill -9 -f "sglang_ext.worker" 2>/dev/null; sleep 1
+  cluster_scrape "$PORT" "^sglang_ext:(offload|offloaded|executor|slo|kv_transfer|disagg)" "$OUT/pd_metrics_$run.txt" "$OUT/pd_info_$run.json"
+  cluster_down
 done

@@ -17,6 +17,7 @@
 #      python bench/plot_slo_timeline.py fixed=OUT/weaver_fixed.json adaptive=OUT/weaver_adaptive.json
 # On the two-GPU kind keep NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 set.
 set -uo pipefail
+source "$(dirname "$0")/cluster_run.sh"
 # cuda_ipc pairings load KV GPU to GPU through the host's stage (off by default until verified; this run
 # is meant to measure it; set SGLANG_EXT_IPC_STAGED_LOADS=0 for the gloo loads of the first runs).
 export SGLANG_EXT_IPC_STAGED_LOADS=${SGLANG_EXT_IPC_STAGED_LOADS:-1}
@@ -47,20 +48,8 @@ for run in $runs; do
       adaptive) echo "offload: [{from: hot, to: cold, policy: adaptive, ratio: ${RATIO:-0.45}, max_ratio: ${MAX_RATIO:-0.6}}]" ;;
     esac
   } > "$cfg"
-  python3 -m sglang_ext.launch --config "$cfg" > "$OUT/weaver_router_$run.log" 2>&1 &
-  srv=$!
-  ready=0
-  for _ in $(seq 300); do
-    if python3 - "$PORT" <<'EOF' 2>/dev/null; then ready=1; break; fi
-import json, sys, urllib.request
-info = json.load(urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/get_server_info", timeout=2))
-assert all(w["up"] for m in info["models"].values() for w in m["workers"]) and len(info["models"]) == 2
-assert all(p["state"] == "active" for p in info["offload"])  # [] without an offload entry
-EOF
-    kill -0 $srv 2>/dev/null || break
-    sleep 1
-  done
-  echo "== $run (ready=$ready)"
+  cluster_up "$cfg" "$OUT/weaver_router_$run.log" "$PORT"
+  echo "== $run (ready=$READY)"
   timeout -s KILL $(( ${MAXDUR:-120} + 120 )) python3 bench/serving.py --trace azure-conv --num-requests "$N" --arrival "${ARRIVAL:-poisson}" ${RAMP_ARGS:-} \
     --traces-dir "${TRACES:-../shared/traces}" --request-rate "$RATE" --models hot,cold \
     --model-weights "$HOT_SHARE,$(python3 -c "print(round(1-$HOT_SHARE, 6))")" \
@@ -68,10 +57,6 @@ EOF
     --tbt-stat "${TBT_STAT:-mean}" --vocab-size "${VOCAB:-32000}" --base-url "http://127.0.0.1:$PORT" \
     --max-duration "${MAXDUR:-120}" --disable-tqdm --output-json "$OUT/weaver_$run.json" 2>&1 \
     | tail -60 | tee "$OUT/weaver_$run.log"
-  python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$PORT/metrics').read().decode())" \
-    | grep -E "^sglang_ext:(offload|offloaded|executor|slo|num_running|kv_used)" > "$OUT/weaver_metrics_$run.txt"
-  python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$PORT/get_server_info').read().decode())" \
-    > "$OUT/weaver_info_$run.json"
-  kill -INT $srv; sleep 8; kill -9 $srv 2>/dev/null; wait $srv 2>/dev/null
-  pkill -9 -f "sglang_ext.worker" 2>/dev/null; sleep 1
+  cluster_scrape "$PORT" "^sglang_ext:(offload|offloaded|executor|slo|num_running|kv_used)" "$OUT/weaver_metrics_$run.txt" "$OUT/weaver_info_$run.json"
+  cluster_down
 done

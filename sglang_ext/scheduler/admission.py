@@ -60,9 +60,7 @@ class Admission(RotaryRows):
             if r.num_preemptions == 0:
                 r.cached_tokens = r.kv_len
             self.waiting.remove(r)
-            r.status = ReqStatus.RUNNING
-            r.run_start_time = self.clock()
-            r.run_start_tokens = len(r.output_ids)
+            r.start_running(self.clock())
             self.running.append(r)
         if n:
             self.kv.grow(r, r.kv_len + n)
@@ -86,9 +84,7 @@ class Admission(RotaryRows):
             pool.data[idx] = r.staged_kv[lo:hi].to(pool.device, pool.data.dtype)
         r.kv_len, r.staged_kv = n, None
         self.waiting.remove(r)
-        r.status = ReqStatus.RUNNING
-        r.run_start_time = self.clock()
-        r.run_start_tokens = len(r.output_ids)
+        r.start_running(self.clock())
         self.running.append(r)
         return 0
 

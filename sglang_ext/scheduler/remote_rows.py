@@ -72,9 +72,7 @@ class RemoteRows:
     def _admit_remote(self, r: Req) -> int:
         """Admission of an adopted request: no pages to find; it decodes with the others (0)."""
         self.waiting.remove(r)
-        r.status = ReqStatus.RUNNING
-        r.run_start_time = self.clock()
-        r.run_start_tokens = len(r.output_ids)
+        r.start_running(self.clock())
         self.running.append(r)
         return 0
 

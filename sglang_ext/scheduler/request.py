@@ -88,6 +88,12 @@ class Req:
     # disaggregation, decode side: the prompt's KV from a prefill worker, copied in at admission
     staged_kv: Any = None
 
+    def start_running(self, now: float) -> None:
+        """Joins the running batch: its stay (what lvf's decode lag and victim rules measure) starts now."""
+        self.status = ReqStatus.RUNNING
+        self.run_start_time = now
+        self.run_start_tokens = len(self.output_ids)
+
     @property
     def fill_ids(self) -> list[int]:
         return self.input_ids + self.output_ids

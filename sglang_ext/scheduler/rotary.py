@@ -390,9 +390,7 @@ class RotaryRows:
         r.eager = keep
         r.host_pages, r.host_len, r.kv_len = [], 0, target
         self.rotary.remove(r)
-        r.status = ReqStatus.RUNNING
-        r.run_start_time = self.clock()
-        r.run_start_tokens = len(r.output_ids)
+        r.start_running(self.clock())
         self.running.append(r)
         r.rotations += 1
         rot.rotations_in += 1
