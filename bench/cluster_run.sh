@@ -2,7 +2,8 @@
 #   cluster_up CLUSTER.yaml LOG PORT     start `python -m sglang_ext.launch --config`; sets SRV (its pid) and
 #                                        READY (1 once every worker is up and every pairing active)
 #   cluster_scrape PORT REGEX METRICS INFO   the router's /metrics lines matching REGEX, and /get_server_info
-#   cluster_down                         stop the launcher and any worker it left behind
+#   cluster_down                         stop the launcher and any worker it left behind (DUMP_STACKS=1:
+#                                        first every worker thread's stack into the launcher's log)
 cluster_up() {
   python3 -m sglang_ext.launch --config "$1" > "$2" 2>&1 &
   SRV=$!
@@ -31,6 +32,9 @@ cluster_scrape() {
 }
 
 cluster_down() {
+  if [ "${DUMP_STACKS:-0}" = 1 ]; then  # every worker thread's stack into the log (faulthandler, SIGUSR1)
+    pkill -USR1 -f "sglang_ext.worker" 2>/dev/null; sleep 2
+  fi
   kill -INT "$SRV"; sleep 8; kill -9 "$SRV" 2>/dev/null; wait "$SRV" 2>/dev/null
   pkill -9 -f "sglang_ext.worker" 2>/dev/null; sleep 1
 }

@@ -296,9 +296,14 @@ class FakeProgram:
     def before_load(self) -> None:
         self.loads += 1
 
-    def step(self, handles: list[int], positions: list[int]) -> list[int]:
+    def plan(self, handles: list[int], positions: list[int]) -> list[int]:
         self.steps.append(handles)
         return self.executor.plan(self.guest, handles, positions)
+
+    def queue(self) -> None:  # the host answers the sender between plan() and queue()
+        self.queued += 1
+
+    queued = 0
 
 
 class FakeEnd:

@@ -83,7 +83,8 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     }
     path = tmp / "cluster.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    # The staged (GPU to GPU) KV loads are off by default until verified on GPUs: this test is that check.
+    # Staged (GPU to GPU) KV loads are the default; set explicitly, so this test checks them whatever
+    # the environment says.
     with _env(STAGED_LOADS_ENV, "1"), serve(tmp, ["--config", str(path)], workers=3, port=port) as srv:
         wait_for(lambda: pairing(srv)["state"] == "active", 60, "hot-0 paired with cold-0")
         assert pairing(srv)["transport"] == (transport or "torch_dist")

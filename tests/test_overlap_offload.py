@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 from _offload_util import force_drop
 from _tiny import VOCAB, greedy, make_scheduler, prompts, run_all
 
@@ -229,6 +230,40 @@ def test_executor_lost_with_a_step_in_flight(where: str, after_steps: int) -> No
             setattr(remote, where, gone)
 
     assert _drive(s, _reqs(params), kill) == want
+    assert s.offload is not None and not s.offload.active and s.num_preemptions > 0
+
+
+@pytest.mark.parametrize("loop", ["overlap", "plain"])
+@pytest.mark.parametrize("after_steps", [3, 8])
+def test_steps_let_through_without_the_executor_are_dropped(loop: str, after_steps: int) -> None:
+    """A GPU-signalled transport whose executor died mid-step: the watchdog raised the completion
+    flags, so that step's remote rows landed with garbage (`results_forged`), and the next plan
+    finds the executor gone. Those tokens are dropped and the requests recomputed: outputs equal the
+    reference (penalised rows: the garbage token's count is not kept either)."""
+    params = [greedy(12 + i, frequency_penalty=0.8 if i % 2 else 0.0) for i in range(len(LENGTHS))]
+    want = run_all(_plain(offload=False), _reqs(params))
+    s = _overlap() if loop == "overlap" else _plain(offload=True)
+    remote: Any = s.offload.remote if s.offload else None
+    plans = remote.begin_step
+    gen = torch.Generator().manual_seed(0)
+
+    def forged_plan(*a: object) -> list[int]:
+        if remote.plans_left == 0:
+            raise ExecutorLost("the executor's worker died (simulated)")
+        remote.plans_left -= 1
+        return list(plans(*a))
+
+    def garbage(layer: int) -> torch.Tensor:
+        out = type(remote).collect(remote, layer)
+        return torch.randn(out.shape, generator=gen).to(out.dtype) * 50
+
+    def die(step: int) -> None:
+        if step == after_steps:
+            assert s.offload is not None and s.offload.num_remote > 0
+            remote.plans_left = 1  # the step planned now runs without results, then the loss shows
+            remote.begin_step, remote.collect, remote.results_forged = forged_plan, garbage, lambda: True
+
+    assert _drive(s, _reqs(params), die) == want
     assert s.offload is not None and not s.offload.active and s.num_preemptions > 0
 
 

@@ -38,6 +38,7 @@ class SplitGraphs:
         self.remote_sizes = [s for s in REMOTE_SIZES if s <= runner.max_bs] or [runner.max_bs]
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._capture_stream: torch.cuda.Stream | None = None
 
     def can_run(self, batch: ForwardBatch) -> bool:
         assert batch.split is not None
@@ -61,10 +62,10 @@ class SplitGraphs:
         batch = self._static_batch(lp, rp)
         if lp:
             self.r.attn.prepare_for_capture(batch)
-        stream = torch.cuda.Stream(self.r.device)
+        stream = self._stream()
         stream.wait_stream(torch.cuda.current_stream(self.r.device))
-        # No eager warm-up: it would need the executor to answer; the kernels were warmed by the
-        # local-only graphs, and a capture runs nothing.
+        # No eager warm-up of the model: it would need the executor to answer; the kernels were warmed
+        # by the local-only graphs, and a capture runs nothing. (cuBLAS is set up by _stream.)
         graph = torch.cuda.CUDAGraph()
         # Not `torch.cuda.graph(...)`: it empties the allocator's cache first, and a cudaFree on the
         # executor's GPU waits for that GPU to go idle -- while its step program waits on doorbells
@@ -80,6 +81,20 @@ class SplitGraphs:
         self.graphs[lp, rp], self.outputs[lp, rp] = graph, out
         logger.info("captured the split decode graph for %d local + %d remote rows in %.2f s",
                     lp, rp, time.perf_counter() - t0)
+
+    def _stream(self) -> torch.cuda.Stream:
+        """The capture stream, with cuBLAS ready on it for this thread. The first capture may be this
+        thread's first cuBLAS use (a PD decode worker whose first request arrives already remote runs
+        no eager forward before it): cuBLAS would create its handle and workspace inside the capture,
+        which fails (CUBLAS_STATUS_NOT_INITIALIZED, seen on two H200s). A tiny matmul does it first."""
+        if self._capture_stream is None:
+            dev = self.r.device
+            self._capture_stream = torch.cuda.Stream(dev)
+            with torch.cuda.stream(self._capture_stream):
+                a = torch.zeros(8, 8, dtype=next(self.r.model.parameters()).dtype, device=dev)
+                torch.mm(a, a)
+            self._capture_stream.synchronize()
+        return self._capture_stream
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         sp = batch.split

@@ -24,7 +24,6 @@ only its own lane's plan buffers, which step t-1 used, so it need not wait for s
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +35,7 @@ from sglang_ext.engine.forward_batch import ForwardBatch
 from sglang_ext.engine.split_graph import REMOTE_SIZES
 from sglang_ext.offload import cuda_signal as cs
 from sglang_ext.offload.executor import AttentionExecutor
+from sglang_ext.offload.stage import wait_event
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,7 @@ class GatedProgram:
         self.wait_timeout_s: float | None = None
         self.sizes = [n for n in REMOTE_SIZES if n < shape.max_rows] + [shape.max_rows]
         self._lanes: list[_Lane] = []
+        self._lane: _Lane | None = None  # the planned step's lane, between plan() and queue()
         self._step = 0
         g = executor.guests[guest]
         first, spec = g.backend, g.spec
@@ -113,6 +114,16 @@ class GatedProgram:
 
     def step(self, handles: list[int], positions: list[int]) -> list[int]:
         """Plan a step and queue its program; returns the handles the executor dropped."""
+        failed = self.plan(handles, positions)
+        self.queue()
+        return failed
+
+    def plan(self, handles: list[int], positions: list[int]) -> list[int]:
+        """The first half of `step`: plan the rows (the handles the executor dropped are known now).
+        A host in another process answers the sender between the halves: once `queue` has put a
+        program behind doorbells on this GPU, nothing may wait for this process's next CUDA call
+        (a kernel's first launch elsewhere in the process can hold every CUDA call until the GPU is
+        idle), so the sender must not need anything more from us to ring them."""
         if len(handles) > self.shape.max_rows:
             raise ValueError(f"{len(handles)} remote rows; the exchange buffers hold {self.shape.max_rows}")
         lane = self._lanes[self._step % 2] if self._lanes else None
@@ -125,6 +136,12 @@ class GatedProgram:
             self._wait(last)
         failed = self.executor.plan(self.guest, handles, positions, prepare=lane is None)
         self.rows = len(handles) - len(failed)
+        self._lane = lane
+        return failed
+
+    def queue(self) -> None:
+        """The second half of `step`: queue the planned step's program behind its doorbells."""
+        lane = self._lane
         if not self.rows:  # every row was dropped: the sender posts nothing this step, so queue nothing
             self.program_done = None
         elif lane is not None:
@@ -133,17 +150,19 @@ class GatedProgram:
             if self.rows not in self._warm:
                 self._warm_up()
             self._enqueue()
-        return failed
 
-    def _wait(self, event: torch.cuda.Event) -> None:
+    def _wait(self, event: torch.cuda.Event, what: str = "the executor's previous program") -> None:
         if self.wait_timeout_s is None:
             event.synchronize()
             return
-        deadline = time.monotonic() + self.wait_timeout_s
-        while not event.query():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the executor's previous program did not finish in {self.wait_timeout_s:g} s")
-            time.sleep(1e-4)
+        wait_event(event, self.wait_timeout_s, what, RuntimeError)
+
+    def _wait_stream(self, stream: torch.cuda.Stream, what: str) -> None:
+        """Wait for what is queued on `stream` -- not for the whole GPU: the host's own model runs
+        there too, and a device-wide wait ties this thread to every stream's progress."""
+        done = torch.cuda.Event()
+        done.record(stream)
+        self._wait(done, what)
 
     def idle(self) -> bool:
         """Every queued program has finished (the host may then release the guest's pages)."""
@@ -160,7 +179,7 @@ class GatedProgram:
         with torch.cuda.device(self.dev):
             self.exec_in[: self.rows].zero_()
             self._program(g.backend, self.rows, g.batch, gated=False)
-            torch.cuda.synchronize(self.dev)
+            self._wait_stream(torch.cuda.current_stream(self.dev), f"the ungated warm-up for {self.rows} rows")
         self._warm.add(self.rows)
 
     def _enqueue(self) -> None:
@@ -196,12 +215,12 @@ class GatedProgram:
 
     def _capture(self, lane: _Lane, rp: int, static: ForwardBatch) -> torch.cuda.CUDAGraph:
         """Capture the gated program for `rp` rows, after running it once ungated (modules load and JIT
-        happens outside the capture and outside any doorbell wait). The device sync may wait for the
+        happens outside the capture and outside any doorbell wait). The wait after it includes the
         other lane's queued program: the sender's already queued step rings it."""
         s = self.stream
         with torch.cuda.stream(s):
             self._program(lane.backend, rp, static, gated=False)
-        torch.cuda.synchronize(self.dev)
+        self._wait_stream(s, f"the ungated run before capturing {rp} rows")
         graph = torch.cuda.CUDAGraph()
         # Not `torch.cuda.graph(...)`: it empties the allocator's cache, and a cudaFree waits for the
         # GPU to go idle (see split_graph.py). Thread-local: this runs on the host's executor thread while

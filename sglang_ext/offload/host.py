@@ -331,18 +331,28 @@ class ExecutorService:
                 return 0
         return 1
 
+    def _answer(self, link: Link, failed: list[int]) -> None:
+        link.send_header([REPLY, len(failed)], self.timeout_s)
+        if failed:
+            link.send(torch.tensor(failed, dtype=torch.int64).to(self.wire), TAG_CTRL, self.timeout_s)
+
     def _step(self, link: Link, n: int) -> None:
         hp = torch.empty((2, n), dtype=torch.int64, device=self.wire)
         link.recv(hp, TAG_CTRL, self.timeout_s)
         handles, positions = ([int(x) for x in row] for row in hp.tolist())
         with self.lock:
-            if self.ipc is not None:  # plan and queue the gated program: the layers never come here
-                failed = self.ipc.program.step(handles, positions)
-            else:
-                failed = self.executor.plan(self.guest, handles, positions)
-        link.send_header([REPLY, len(failed)], self.timeout_s)
-        if failed:
-            link.send(torch.tensor(failed, dtype=torch.int64).to(self.wire), TAG_CTRL, self.timeout_s)
+            if self.ipc is not None:  # plan, answer, then queue the gated program (the layers never come here)
+                failed = self.ipc.program.plan(handles, positions)
+                # Answered before the program is queued: the sender launches its step and rings the
+                # doorbells whatever this process does next. Queued first, the program would wait on
+                # the GPU for a step that waits for our answer, and any CUDA call of ours that waits
+                # for the GPU to go idle (a kernel's first launch on the model's thread may) would
+                # never return -- the likeliest cause of an executor's host that hung on two H200s.
+                self._answer(link, failed)
+                self.ipc.program.queue()
+                return
+            failed = self.executor.plan(self.guest, handles, positions)
+        self._answer(link, failed)
         rows = n - len(failed)
         if not rows or self.ipc is not None:
             return

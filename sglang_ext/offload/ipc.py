@@ -240,6 +240,11 @@ class IpcRemote(GatedSenderSide, StagedRemote):
             logger.warning("executor %s: %s", self.executor_id, self.watchdog.lost)
         super()._check()
 
+    def results_forged(self) -> bool:
+        # `lost` is set before the first release (watchdog.fire): if it is still None once a step
+        # landed, every completion flag of that step came from the executor.
+        return self.watchdog is not None and self.watchdog.lost is not None
+
     def _lost(self, what: str, e: Exception) -> None:
         if self.watchdog is not None:
             self.watchdog.fire(f"{what}: {e}")  # a step may be queued behind its flags

@@ -64,6 +64,13 @@ class RemoteAttention(ABC):
         self.post(layer, q, k, v)
         return self.collect(layer)
 
+    def results_forged(self) -> bool:
+        """True once a step's remote rows may have completed without the executor's results: a
+        GPU-signalled transport whose watchdog raised the completion flags itself (the executor died
+        mid-step). Asked after a step landed: their tokens are then dropped and the requests
+        recomputed. Transports that raise ExecutorLost in the forward never forge."""
+        return False
+
     def end_step(self) -> None:  # noqa: B027 - optional hook
         pass
 

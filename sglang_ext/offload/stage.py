@@ -27,6 +27,8 @@ read). The host waits for the copy before it replies, so the sender may overwrit
 
 from __future__ import annotations
 
+import faulthandler
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Final
@@ -35,6 +37,8 @@ import torch
 
 from sglang_ext.offload.dist import REPLY, DistRemote, LinkError
 
+logger = logging.getLogger(__name__)
+SLOW_WAIT_S: Final = 3.0
 LOAD_STAGED: Final = 8  # a control message kind after ipc.py's IPC_HELLO (6); BYE (7) is the watch tag's
 LOAD_MORE: Final = 9
 STAGE_MAX_BYTES: Final = 1 << 30
@@ -55,12 +59,20 @@ def check_stage(nbytes: int, page_bytes: int) -> None:
                          f"{STAGE_MAX_BYTES}")
 
 
-def wait_event(event: Any, timeout_s: float, what: str) -> None:
-    """Poll a CUDA event until it completed, at most `timeout_s` (LinkError after that)."""
-    deadline = time.monotonic() + timeout_s
+def wait_event(event: Any, timeout_s: float, what: str, error: type[Exception] = LinkError) -> None:
+    """Poll a CUDA event until it completed, at most `timeout_s` (`error` after that). A wait that
+    lasts SLOW_WAIT_S logs every thread's stack once: these waits end in microseconds unless a GPU
+    wait chain is stuck, and the stacks say where."""
+    t0 = time.monotonic()
+    deadline, slow = t0 + timeout_s, t0 + SLOW_WAIT_S
     while not event.query():
-        if time.monotonic() > deadline:
-            raise LinkError(f"{what} did not finish in {timeout_s:g} s")
+        now = time.monotonic()
+        if now > deadline:
+            raise error(f"{what} did not finish in {timeout_s:g} s")
+        if now > slow:
+            slow = float("inf")
+            logger.warning("%s: still waiting after %.0f s; every thread's stack follows", what, now - t0)
+            faulthandler.dump_traceback(all_threads=True)
         time.sleep(1e-4)
 
 

@@ -47,7 +47,10 @@ wrote its extra KV row, and releasing the request when t lands frees that row wi
 executor's length is never compared again). A request the executor drops while planning t+1 (no
 room), or every remote request when the executor is lost, goes back to the waiting queue at once,
 but its step-t token is still in flight: it is kept when t lands (the device's penalty statistics
-already count it), the finish rules see it, and the request is recomputed with it.
+already count it), the finish rules see it, and the request is recomputed with it -- unless the
+executor died while t ran: a GPU-signalled transport's watchdog then let t's remote rows through
+without results (`RemoteAttention.results_forged`), so their tokens are dropped on landing and the
+requests recomputed without them (also in the plain loop, whose steps land at once).
 
 KV rotation (`preemption_mode=rotate`) keeps to the same rule: while any request is rotary, or a
 rotation or resume is to be decided, the in-flight step is drained first and the iteration runs as
@@ -62,7 +65,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_ext.engine.forward_batch import BatchRow, ForwardBatch, ForwardMode
-from sglang_ext.offload.remote import ExecutorLost
+from sglang_ext.offload.remote import ExecutorLost, RemoteAttention
 from sglang_ext.sampling.batch import SampleRow
 from sglang_ext.scheduler.batch_builder import Entry, build_batch
 from sglang_ext.scheduler.output import StepOutput, check_finish
@@ -76,6 +79,8 @@ class _Launched:
     tokens: torch.Tensor  # [N] int64 on the device: input ids of the follow-up step
     host: torch.Tensor  # [N] int64 on the host, valid once `done` has fired
     done: torch.cuda.Event | None
+    remote: list[Req]  # the rows that attended on the executor (checked for forged results on landing)
+    via: RemoteAttention | None  # that executor's transport
 
 
 @dataclass
@@ -160,13 +165,15 @@ class OverlapScheduler(Scheduler):
             with torch.inference_mode():  # masked in place: the runner's logits are inference tensors
                 rows = self.grammar_masks.constrain(logits, states, rows)
         tokens = self.sampler.sample(logits, self.sampler.batch(rows))
+        remote = [e.req for e in entries if e.req.remote is not None]
+        via = self.offload.remote if remote and self.offload is not None else None
         if tokens.is_cuda:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-            return _Launched(entries, tokens, host, done)
-        return _Launched(entries, tokens, tokens, None)
+            return _Launched(entries, tokens, host, done, remote, via)
+        return _Launched(entries, tokens, tokens, None, remote, via)
 
     def _launch_follow_up(self, prev: _Launched) -> _Launched | _Forwarded | None:
         """Decode step t+1 from step t's in-flight tokens: launched, or only forwarded when it has
@@ -241,8 +248,12 @@ class OverlapScheduler(Scheduler):
         tokens = launched.host.tolist()
         landed: list[Req] = []
         taken_back: list[Req] = []
+        forged = self._forged(launched.remote, launched.via)
         for e, t in zip(launched.entries, tokens, strict=True):
             r = e.req
+            if id(r) in forged:
+                self._drop_forged(r)  # recomputed without it (it is queued already)
+                continue
             if r.status is ReqStatus.WAITING:
                 # Taken back from its executor while this step was in flight (see the module
                 # docstring): the token stands, and the request is recomputed with it.

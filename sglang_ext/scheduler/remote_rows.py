@@ -11,7 +11,9 @@ import logging
 from collections.abc import Callable
 
 from sglang_ext.kvcache.allocator import PageAllocator
+from sglang_ext.offload.remote import RemoteAttention
 from sglang_ext.offload.sender import Offloader
+from sglang_ext.sampling.sampler import Sampler
 from sglang_ext.scheduler.batch_builder import Entry
 from sglang_ext.scheduler.kv_manager import KVManager
 from sglang_ext.scheduler.request import Req, ReqStatus
@@ -27,6 +29,7 @@ class RemoteRows:
     waiting: list[Req]
     num_preemptions: int
     clock: Callable[[], float]
+    sampler: Sampler
 
     def _plan_remote(self, entries: list[Entry], ahead: int = 0) -> list[Entry]:
         """Tell the executor this step's remote rows (at kv_len + ahead); rows it cannot grow are
@@ -47,6 +50,24 @@ class RemoteRows:
         assert self.offload is not None
         for r in self.offload.lose_executor(why):
             self._requeue(r)
+
+    def _forged(self, remote: list[Req], via: RemoteAttention | None) -> set[int]:
+        """After a step landed: the ids of its `remote` rows' requests when those rows may hold no
+        executor results (the executor died mid-step and the sender's watchdog let the step through:
+        `results_forged`). Their tokens must be dropped and the requests recomputed; the executor is
+        given up first if it is still the one in force. Empty when the results are the executor's."""
+        if via is None or not remote or not via.results_forged():
+            return set()
+        if self.offload is not None and self.offload.remote is via and self.offload.active:
+            self._lose_executor(f"executor {via.executor_id} died mid-step")
+        return {id(r) for r in remote}
+
+    def _drop_forged(self, r: Req) -> None:
+        """A request whose landed token was forged: the device's penalty statistics counted it, so
+        its slot is rebuilt from its real tokens when it samples again."""
+        if r.penalty_slot >= 0:
+            self.sampler.penalties.release(r.penalty_slot)
+            r.penalty_slot = -1
 
     def set_offload(self, offload: Offloader | None) -> None:
         """Another executor, or none (a router's directive, between steps): requests still on the

@@ -114,6 +114,7 @@ class Scheduler(Admission, RotaryRows, RemoteRows, Handoff):
         self._pending: list[StepOutput] = []  # outputs produced outside a forward (aborts)
         self._sent: dict[str, tuple[int, int, int]] = {}  # rid -> (tokens, in-logprobs, out-logprobs) sent
         self.num_preemptions = 0
+        self.prefill_tokens = 0  # prompt tokens forwarded in chunks of more than one (a step profile's)
         self.sampler = Sampler(vocab_size, runner.device, args.random_seed)
         self.grammar_masks = GrammarMasks(vocab_size, runner.device)  # imports xgrammar only when used
         self.offload = offload
@@ -358,6 +359,7 @@ class Scheduler(Admission, RotaryRows, RemoteRows, Handoff):
                 row += n_in
             r.kv_len += e.extend
             if e.extend > 1:
+                self.prefill_tokens += e.extend
                 # Publish finished prompt pages now so concurrent requests can share them.
                 self._cache_prefix(r)
             if e.sample:
@@ -370,6 +372,17 @@ class Scheduler(Admission, RotaryRows, RemoteRows, Handoff):
             if any(r.grammar is not None for r in sample_reqs):
                 rows = self.grammar_masks.constrain(rows_logits, [r.grammar for r in sample_reqs], rows)
             tokens = self.sampler.sample(rows_logits, self.sampler.batch(rows)).tolist()
+            # (landed) remote rows let through by a watchdog carry no attention results: drop them
+            forged = self._forged([r for r in sample_reqs if r.remote is not None],
+                                  self.offload.remote if self.offload is not None else None)
+            if forged:
+                for r in sample_reqs:
+                    if id(r) in forged:
+                        self._drop_forged(r)
+                keep = [i for i, r in enumerate(sample_reqs) if id(r) not in forged]
+                sample_reqs, tokens = [sample_reqs[i] for i in keep], [tokens[i] for i in keep]
+                rows_logits = rows_logits[keep]
+                entries = [e for e in entries if id(e.req) not in forged]
             want_lp = [i for i, r in enumerate(sample_reqs) if r.return_logprob]
             if want_lp:
                 top_n = max(sample_reqs[i].top_logprobs_num for i in want_lp)

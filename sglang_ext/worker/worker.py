@@ -53,6 +53,7 @@ from sglang_ext.server_args import ServerArgs
 from sglang_ext.worker.disagg import PairGone, WorkerDisagg
 from sglang_ext.worker.offload import WorkerOffload
 from sglang_ext.worker.stats import TpotWindow
+from sglang_ext.worker.step_log import StepLog, interval_from_env
 from sglang_ext.worker.tokenizer import IncrementalDetokenizer, StartupError, Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -121,6 +122,8 @@ class Worker:
                                            any_whitespace=not args.constrained_json_disable_any_whitespace)
         self.live: dict[str, _Live] = {}
         self.last_step_ms = 0.0
+        every = interval_from_env()
+        self.step_log = StepLog(every, self.worker_id) if every else None
         self.tpot = TpotWindow()
         self.stopped = False
         logging.getLogger("sglang_ext.startup").info("worker %s ready in %s", worker_id, timer.summary())
@@ -310,8 +313,12 @@ class Worker:
             out.extend(self.handle(msg))
         out.extend(self._disagg_events())
         t0 = time.perf_counter()
+        pre = self.scheduler.prefill_tokens
         results = self.scheduler.step()  # raises on a fatal error (see the module docstring)
         self.offload.after_step(self.scheduler)
+        if self.step_log is not None and (results or self.scheduler.has_work()):
+            self.step_log.record(self.scheduler, time.perf_counter() - t0,
+                                 sum(len(r.new_token_ids) for r in results), self.scheduler.prefill_tokens - pre)
         if results:
             self.last_step_ms = (time.perf_counter() - t0) * 1e3
             outs = []

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One device session for issue 11's end-to-end runs on kind nvidia-h200-x2 (carry .whl and .traces):
+#   bash bench/gpu_issue11.sh [served] [weaver] [ramp] [pd] [disagg_tests]
+# served: the served offload tests on two GPUs (staged KV loads on); weaver: bench/weaver_e2e.sh with
+# WEAVER_RUNS; ramp: fixed vs adaptive under a ServeGen rate ramp; pd: bench/pd_e2e.sh with PD_RUNS;
+# disagg_tests: the served PD and Adrenaline tests on two GPUs. Everything lands in $OUT/r.tgz (the device
+# tool returns one archive; names with '=' or many files do not come back). Each step's own env (RATE, N,
+# ...) passes through; see the scripts' headers.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+R=/tmp/r; mkdir -p $R
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=$R bash bench/gpu_session.sh none > "$R/setup.log" 2>&1
+export PYTHONPATH=$PWD:/tmp/site:/tmp/fi TRACES=${TRACES:-.traces}
+t0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+for s in ${*:-served weaver}; do
+  stamp "$s"
+  case $s in
+    served) SGLANG_EXT_IPC_STAGED_LOADS=1 SGLANG_EXT_TEST_DEVICE=cuda timeout -s KILL 200 python3 -m pytest -q -rfs -x \
+              -p no:cacheprovider -o faulthandler_timeout=150 tests/test_offload_served.py 2>&1 | tail -25 > "$R/served.log"
+            tail -3 "$R/served.log" ;;
+    weaver) OUT=$R bash bench/weaver_e2e.sh ${WEAVER_RUNS:-fixed dedicated adaptive} 2>&1 \
+              | grep -E "^==|model hot|model cold|Output token|Successful|Failed|TPOT \(|TTFT \(|<=" ;;
+    ramp) OUT=$R/ramp ARRIVAL=ramp RAMP_ARGS=${RAMP_ARGS:---ramp-windows 144 --ramp-window-s 1} \
+            bash bench/weaver_e2e.sh ${RAMP_RUNS:-fixed adaptive} 2>&1 | grep -E "^==|model |Output token|Failed|<=" ;;
+    pd) OUT=$R bash bench/pd_e2e.sh ${PD_RUNS:-pd fixed adrenaline} 2>&1 \
+          | grep -E "^==|Output token|Successful|Failed|TPOT \(|TTFT \(|<=" ;;
+    disagg_tests) SGLANG_EXT_TEST_DEVICE=cuda timeout -s KILL 240 python3 -m pytest -q -rfs -x -p no:cacheprovider \
+                    -o faulthandler_timeout=150 tests/test_disagg_served.py tests/test_adrenaline_served.py 2>&1 \
+                    | tail -25 > "$R/disagg_tests.log"; tail -3 "$R/disagg_tests.log" ;;
+  esac
+done
+stamp done
+tar czf "$OUT/r.tgz" -C "$R" .
