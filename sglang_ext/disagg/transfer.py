@@ -9,9 +9,9 @@
                                                                      executor under `handle`
     [CLOSE]                                                       <──  the prefill side closes the pair
 
-Headers always go over gloo (CPU tensors). The KV pages go over gloo too when an end is a CPU (the
-CI's multi-process path), and over a second, NCCL pair when both ends are GPUs. Not the headers over
-NCCL: an idle decode worker would keep a receive kernel spinning on its GPU until the next request,
+Headers always go over gloo (CPU tensors; `Link`'s control channel). The KV pages go over gloo too
+when an end is a CPU (the CI's multi-process path), and over NCCL when both ends are GPUs. Not the
+headers over NCCL: an idle decode worker would keep a receive kernel spinning on its GPU until the next request,
 and anything that waits for that GPU to go idle -- a kernel's first launch loading its module, a
 cudaFree -- would hang the worker until then (its first request did, on two H200s). Both
 ends run on threads of their own, so the prefill worker's next forward overlaps a send, and the
@@ -28,10 +28,9 @@ import threading
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 import torch
-from torch.distributed import PrefixStore
 
 from sglang_ext.kvcache.pool import KVGeometry, KVPool
 from sglang_ext.offload.dist import (
@@ -52,14 +51,14 @@ _HEADER: Final = 8
 
 
 def _send_header(link: Link, vals: list[int], timeout_s: float) -> None:
-    h = torch.zeros(_HEADER, dtype=torch.int64)  # a CPU tensor: headers go over gloo
+    h = torch.zeros(_HEADER, dtype=torch.int64)  # on the link's control channel: gloo (see Link)
     h[: len(vals)] = torch.tensor(vals, dtype=torch.int64)
-    link.send(h, TAG_CTRL, timeout_s)
+    link.send_ctrl(h, timeout_s)
 
 
 def _recv_header(link: Link, timeout_s: float) -> list[int]:
     h = torch.empty(_HEADER, dtype=torch.int64)
-    link.recv(h, TAG_CTRL, timeout_s)
+    link.recv_ctrl(h, timeout_s)
     return [int(x) for x in h.tolist()]
 
 
@@ -83,33 +82,6 @@ class SendJob:
     n_tokens: int
     first_token: int
     handle: int = 0  # Adrenaline placement: no pages go, only the header saying where the KV is
-
-
-@dataclass
-class _Pair:
-    """A pair's two links: headers on `ctrl` (gloo), pages on `data` (`ctrl` itself, or NCCL)."""
-
-    ctrl: Link
-    data: Link
-
-    @classmethod
-    def connect(cls, store: Any, rank: int, backend: str, wire: torch.device, host: str,
-                timeout_s: float) -> _Pair:
-        if backend == "gloo":
-            link = Link(store, rank, "gloo", torch.device("cpu"), host, timeout_s)
-            return cls(link, link)
-        ctrl = Link(PrefixStore("ctrl/", store), rank, "gloo", torch.device("cpu"), host, timeout_s)
-        try:
-            data = Link(PrefixStore("data/", store), rank, backend, wire, host, timeout_s)
-        except LinkError:
-            ctrl.close()
-            raise
-        return cls(ctrl, data)
-
-    def close(self) -> None:
-        self.ctrl.close()
-        if self.data is not self.ctrl:
-            self.data.close()
 
 
 class KVSender:
@@ -139,13 +111,13 @@ class KVSender:
         self.jobs.put(None)
 
     def _run(self) -> None:
-        link: _Pair | None = None
+        link: Link | None = None
         try:
             if self.wire.type == "cuda":
                 torch.cuda.set_device(self.wire)
             store = connect_store(self.store_address, self.timeout_s)
             host = local_address_toward(self.store_address.rpartition(":")[0])
-            link = _Pair.connect(store, SENDER_RANK, self.backend, self.wire, host, self.timeout_s)
+            link = Link(store, SENDER_RANK, self.backend, self.wire, host, self.timeout_s)
         except (RuntimeError, ValueError) as e:  # LinkError is a RuntimeError
             self.broken = f"cannot connect to decode worker {self.peer}: {e}"
         while (job := self.jobs.get()) is not None:
@@ -164,18 +136,18 @@ class KVSender:
         if link is not None:
             if not self.broken:
                 with suppress(LinkError):
-                    _send_header(link.ctrl, [CLOSE], min(self.timeout_s, 1.0))
+                    _send_header(link, [CLOSE], min(self.timeout_s, 1.0))
             link.close()
 
-    def _send(self, link: _Pair, job: SendJob) -> None:
+    def _send(self, link: Link, job: SendJob) -> None:
         if job.handle:
-            _send_header(link.ctrl, [PLACED, job.room, job.n_tokens, job.handle, job.first_token], self.timeout_s)
+            _send_header(link, [PLACED, job.room, job.n_tokens, job.handle, job.first_token], self.timeout_s)
             return
         # Gathered here, off the forward thread: the pages stay the request's until on_done.
         idx = torch.tensor(job.pages, dtype=torch.int64, device=self.pool.device)
         kv = self.pool.data.index_select(0, idx).to(self.wire)
-        _send_header(link.ctrl, [KV, job.room, job.n_tokens, len(job.pages), job.first_token], self.timeout_s)
-        link.data.send(kv, TAG_CTRL, self.timeout_s)
+        _send_header(link, [KV, job.room, job.n_tokens, len(job.pages), job.first_token], self.timeout_s)
+        link.send(kv, TAG_CTRL, self.timeout_s)
         self.bytes_sent += kv.numel() * kv.element_size()
 
 
@@ -197,7 +169,7 @@ class KVReceiver:
         self.timeout_s = timeout_s
         self.on_kv = on_kv
         self.on_end = on_end
-        self.link: _Pair | None = None
+        self.link: Link | None = None
         self.thread = threading.Thread(target=self._run, name=f"kv-recv-{peer}", daemon=True)
         self.thread.start()
 
@@ -211,7 +183,8 @@ class KVReceiver:
         try:
             if self.wire.type == "cuda":
                 torch.cuda.set_device(self.wire)
-            self.link = _Pair.connect(self.store, HOST_RANK, self.backend, self.wire, self.local_host, self.timeout_s)
+            self.link = Link(self.store, HOST_RANK, self.backend, self.wire, self.local_host,  # type: ignore[arg-type]
+                             self.timeout_s)
             self._serve(self.link)
         except LinkError as e:
             why = f"prefill worker {self.peer} lost: {e}"
@@ -224,10 +197,10 @@ class KVReceiver:
             self.listener.close()
             self.on_end(self.pairing, why)
 
-    def _serve(self, link: _Pair) -> None:
+    def _serve(self, link: Link) -> None:
         g = self.geometry
         while True:
-            h = _recv_header(link.ctrl, IDLE_TIMEOUT_S)
+            h = _recv_header(link, IDLE_TIMEOUT_S)
             kind, room, n_tokens, n_pages, first = h[:5]
             if kind == CLOSE:
                 return
@@ -238,5 +211,5 @@ class KVReceiver:
                 raise LinkError(f"unexpected header {h}")
             kv = torch.empty((n_pages, g.num_layers, 2, g.page_size, g.num_kv_heads, g.head_dim), dtype=g.dtype,
                              device=self.wire)
-            link.data.recv(kv, TAG_CTRL, self.timeout_s)
+            link.recv(kv, TAG_CTRL, self.timeout_s)
             self.on_kv(KVArrival(self.pairing, room, n_tokens, first, kv))

@@ -6,7 +6,8 @@ since a worker may host several guests while it sends to an executor of its own.
     TCPStore(master, a free port) ── HOST:PORT via the router ──> TCPStore(client)
     ProcessGroupGloo | NCCL(store, 0, 2)  <──── connect ────  ProcessGroupGloo | NCCL(store, 1, 2)
 
-Gloo carries CPU tensors (the CI's real multi-process path); NCCL is used when both ends are GPUs.
+Gloo carries CPU tensors (the CI's real multi-process path); NCCL carries the payloads when both
+ends are GPUs, and then the headers go over a gloo group of their own (`Link.ctrl`: see there why).
 Messages are an int64 header [kind, a, b, c] on TAG_CTRL, then payload tensors:
 
     load     [LOAD, handle, length, n]  + KV pages [n, L, 2, P, Hkv, D]          -> [REPLY, 1 ok | 0 full]
@@ -32,7 +33,7 @@ from datetime import timedelta
 from typing import Any, Final
 
 import torch
-from torch.distributed import ProcessGroupGloo, TCPStore
+from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 from sglang_ext.offload.executor import GuestSpec
 from sglang_ext.offload.remote import ExecutorLost, RemoteAttention
@@ -88,21 +89,32 @@ class Link:
                  connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         self.backend = backend
         self.device = device
-        self.store = store  # kept: the group rendezvoused through it
+        self.store = store  # kept: the groups rendezvoused through it
+
+        def gloo(on: Any) -> Any:
+            opts = ProcessGroupGloo._Options()
+            opts._timeout = timedelta(seconds=connect_timeout_s)
+            opts._devices = [ProcessGroupGloo.create_device(hostname=local_host)]
+            opts._threads = 1
+            return ProcessGroupGloo(on, rank, 2, opts)
+
+        self.ctrl: Any = None  # headers (CPU tensors, gloo): the group itself, or one of its own beside NCCL
         try:
             if backend == "gloo":
-                opts = ProcessGroupGloo._Options()
-                opts._timeout = timedelta(seconds=connect_timeout_s)
-                opts._devices = [ProcessGroupGloo.create_device(hostname=local_host)]
-                opts._threads = 1
-                self.pg: Any = ProcessGroupGloo(store, rank, 2, opts)
+                self.pg: Any = gloo(store)
+                self.ctrl = self.pg
             else:
                 from torch.distributed import ProcessGroupNCCL
 
+                # Headers never go over NCCL: a receive posted while the peer is idle would keep a
+                # kernel spinning on this GPU until its next message, and anything in this process
+                # that waits for the GPU to go idle (a kernel's first launch, a cudaFree) would hang
+                # until then; a dead peer would not be noticed either. Gloo sees a closed socket at once.
+                self.ctrl = gloo(PrefixStore("ctrl/", store))
                 nopts = ProcessGroupNCCL.Options()
                 # Our own waits time out first; NCCL's watchdog would take the whole process down.
                 nopts._timeout = timedelta(hours=1)
-                self.pg = ProcessGroupNCCL(store, rank, 2, nopts)
+                self.pg = ProcessGroupNCCL(PrefixStore("data/", store), rank, 2, nopts)
         except RuntimeError as e:
             raise LinkError(f"cannot connect the pair: {_short(e)}") from None
         self.peer = 1 - rank
@@ -119,14 +131,19 @@ class Link:
         except RuntimeError as e:
             raise LinkError(_short(e)) from None
 
+    def _open_ctrl(self) -> Any:
+        if self.ctrl is None:
+            raise LinkError("the pair is closed")
+        return self.ctrl
+
     def _open(self) -> Any:
         if self.pg is None:
             raise LinkError("the pair is closed")
         return self.pg
 
-    def wait(self, work: Any, timeout_s: float) -> None:
+    def wait(self, work: Any, timeout_s: float, gloo: bool = False) -> None:
         try:
-            if self.backend == "gloo":
+            if self.backend == "gloo" or gloo:
                 work.wait(timedelta(seconds=timeout_s))
                 return
             deadline = time.monotonic() + timeout_s  # NCCL: poll, so a dead peer cannot block us
@@ -146,14 +163,30 @@ class Link:
     def recv(self, t: torch.Tensor, tag: int, timeout_s: float) -> None:
         self.wait(self.irecv(t, tag), timeout_s)
 
+    def send_ctrl(self, t: torch.Tensor, timeout_s: float) -> None:
+        """Send a small CPU tensor on the control channel (TAG_CTRL): gloo, whatever carries data."""
+        try:
+            work = self._open_ctrl().send([t], self.peer, TAG_CTRL)
+        except RuntimeError as e:
+            raise LinkError(_short(e)) from None
+        self.wait(work, timeout_s, gloo=True)
+
+    def recv_ctrl(self, t: torch.Tensor, timeout_s: float) -> None:
+        """Receive into a small CPU tensor from the control channel (see send_ctrl)."""
+        try:
+            work = self._open_ctrl().recv([t], self.peer, TAG_CTRL)
+        except RuntimeError as e:
+            raise LinkError(_short(e)) from None
+        self.wait(work, timeout_s, gloo=True)
+
     def send_header(self, vals: list[int], timeout_s: float) -> None:
         h = torch.zeros(_HEADER, dtype=torch.int64)
         h[: len(vals)] = torch.tensor(vals, dtype=torch.int64)
-        self.send(h.to(self.device), TAG_CTRL, timeout_s)
+        self.send_ctrl(h, timeout_s)
 
     def recv_header(self, timeout_s: float) -> list[int]:
-        h = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        self.recv(h, TAG_CTRL, timeout_s)
+        h = torch.empty(_HEADER, dtype=torch.int64)
+        self.recv_ctrl(h, timeout_s)
         return [int(x) for x in h.tolist()]
 
     def close(self) -> None:
@@ -161,7 +194,7 @@ class Link:
         if self.backend == "nccl" and self.pg is not None:
             with suppress(RuntimeError):
                 self.pg.abort()
-        self.pg = None
+        self.pg = self.ctrl = None
 
 
 def connect_store(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> TCPStore:
