@@ -178,3 +178,14 @@ def test_bfloat16_runs_and_batches_consistently(test_device: str) -> None:
 def test_mem_fraction_sizes_the_pool(test_device: str) -> None:
     small = make_scheduler(test_device, mem_fraction_static=0.01 if test_device == "cpu" else 0.5)
     assert small.allocator.capacity > 0
+
+
+def test_the_kv_budget_leaves_room_for_hosted_executors() -> None:
+    """Sized from free GPU memory, the pool keeps (1 - fraction) of the GPU free, and a worker that
+    hosts executors also sets their partition aside (allocated after the pool)."""
+    from sglang_ext.engine.model_runner import kv_budget_bytes
+
+    gib = 1 << 30
+    assert kv_budget_bytes(100 * gib, 140 * gib, 0.85) == 79 * gib  # 100 - 21
+    assert kv_budget_bytes(100 * gib, 140 * gib, 0.85, hosted=32 * gib) == 47 * gib
+    assert kv_budget_bytes(40 * gib, 140 * gib, 0.85, hosted=32 * gib) < 0  # the worker then says so

@@ -83,6 +83,13 @@ def context_length(args: ServerArgs, cfg: ModelConfig) -> int:
     return n
 
 
+def kv_budget_bytes(free: int, total: int, fraction: float, hosted: int = 0) -> int:
+    """GPU bytes for the KV pool when it is sized from free memory: what is free beyond the
+    (1 - fraction) of the GPU kept for activations and graphs, less `hosted` bytes set aside for the
+    partition of executors this worker hosts (allocated after the pool; stages come on top of it)."""
+    return int(free - total * (1.0 - fraction) - hosted)
+
+
 class ModelRunner:
     split: SplitAttention | None = None
 
@@ -145,11 +152,15 @@ class ModelRunner:
             torch.cuda.empty_cache()  # memory this process cached but no longer uses counts as free
             free, total = torch.cuda.mem_get_info(self.device)
             frac = a.mem_fraction_static or 0.85
-            budget = free - total * (1.0 - frac)
+            # A worker that hosts executors allocates their partition after the pool: leave it room.
+            hosted = int(a.executor_mem_gb * 2**30) if a.executor_mem_gb > 0 and a.offload_executor is None else 0
+            budget = kv_budget_bytes(free, total, frac, hosted)
             if budget <= geom.page_bytes * 2:
                 raise RuntimeError(
                     f"no GPU memory left for the KV cache: free {free / 2**30:.1f} GiB of {total / 2**30:.1f} GiB "
-                    f"at mem_fraction_static={frac}; lower it or pass --max-total-tokens"
+                    f"at mem_fraction_static={frac}"
+                    + (f" with executor_mem_gb={a.executor_mem_gb:g} set aside" if hosted else "")
+                    + "; lower it or pass --max-total-tokens"
                 )
             return int(budget // geom.page_bytes)
         tokens = _CPU_DEFAULT_TOKENS
