@@ -10,6 +10,10 @@ decode worker, stay within the pairing's share (its policy's ratio in force). Bo
 `Disagg.executor_pairing` and a `handle` unique on the router (above the range a sender's own
 offloader numbers its requests in). Everything else follows the plain PD path, and a prefill worker
 whose executor is full sends the KV as usual.
+
+Under the `adrenaline` policy the request must also meet the paper's C1/C2 (conditions.py) under the
+policy's OB, with the loads the router sees: KV tokens (prompt + tokens streamed so far) and counts of
+the decode worker's in-flight requests, split into those placed on the executor and the others.
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ import itertools
 from typing import TYPE_CHECKING, Final, NamedTuple
 
 from router.registry import WorkerState
+from sglang_ext.offload.conditions import Loads, should_offload
 
 if TYPE_CHECKING:
     from router.offload import OffloadPlanner
+    from router.tracker import RequestState
 
 HANDLE_BASE: Final = 1 << 40  # an Offloader numbers the requests it moves itself from 1
 
@@ -46,5 +52,23 @@ class AdrenalinePlacer:
         there.intersection_update(decode.inflight)  # finished, failed or retried ones left
         if len(there) + 1 > ratio * len(decode.inflight) + 1e-9:
             return None
+        decision = getattr(p, "decision", None)
+        if decision is not None and decision.ob is not None and not _meets_c1_c2(rid, there, decode, decision.ob):
+            return None
         there.add(rid)
         return Placed(p.pairing_id, HANDLE_BASE + next(self._handles))
+
+
+def _kv_tokens(st: RequestState) -> int:
+    return (st.prompt_tokens or st.est_prompt_tokens) + st.completion_tokens
+
+
+def _meets_c1_c2(rid: str, placed: set[str], decode: WorkerState, ob: float) -> bool:
+    """Seed 003's C1/C2 for request `rid` on `decode` (placed: those already on the executor)."""
+    new = decode.inflight.get(rid)
+    if new is None:
+        return False
+    remote = [st for r, st in decode.inflight.items() if r in placed]
+    local = [st for r, st in decode.inflight.items() if r not in placed and r != rid]
+    loads = Loads(sum(map(_kv_tokens, remote)), len(remote), sum(map(_kv_tokens, local)), len(local))
+    return should_offload(loads, new.est_prompt_tokens + new.max_new_tokens, new.est_prompt_tokens, ob)

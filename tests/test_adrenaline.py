@@ -260,3 +260,32 @@ def test_the_placer_keeps_placed_kv_or_falls_back_to_sending_it() -> None:
     assert not placer.sent("r1", ok=True)  # a plain hand-off
     host.room = False  # the executor is full: sent as in plain PD
     assert not placer.place("r4", d, [1], 3) and "r4" not in placer.placed
+
+
+def test_under_the_adrenaline_policy_placement_applies_c1_c2() -> None:
+    """With OB from the `adrenaline` policy, a request is placed only if C1 or C2 holds for the loads
+    the router sees (hand-computed below), on top of the share."""
+    ap, pairing = placer(ratio=1.0)
+    pairing.decision = SimpleNamespace(ob=0.5)
+    p, d = SimpleNamespace(worker_id="P"), SimpleNamespace(worker_id="D", inflight={})
+
+    def arrive(rid: str, prompt: int, max_new: int = 100, done: int = 0) -> Any:
+        d.inflight[rid] = SimpleNamespace(prompt_tokens=None, est_prompt_tokens=prompt, completion_tokens=done,
+                                          max_new_tokens=max_new)
+        return ap.choose(rid, p, d)  # type: ignore[arg-type]
+
+    # nothing local yet: C1 (0 + 600 < 0) and C2 (0 + 500 < 0) fail
+    assert arrive("a", 500) is None
+    # local: a = 500 tokens, 1 request. C1: 0 + 1100 < 250 no; C2: 0 + 1000 < 250 no
+    assert arrive("b", 1000) is None
+    # local: a, b = 1500 tokens, 2 requests (b has streamed 500 more: 2000). C1: 0 + 300 < 1000 yes
+    d.inflight["b"].completion_tokens = 500
+    assert arrive("c", 200) is not None
+    # placed: c = 200 (1 request); local 2000 in 2. C1: 200 + 900 < 1000 no;
+    # C2: 200 + 800 < 1000 no (not strictly)
+    assert arrive("d", 800) is None
+    # local now 2800 in 3 (d stayed). C1: 200 + 700 < 1400 yes
+    assert arrive("e", 600) is not None
+    # without OB (the other policies) only the share decides
+    pairing.decision = SimpleNamespace(ob=None)
+    assert arrive("f", 5000) is not None
