@@ -34,6 +34,7 @@ RETRY_S: Final = 2.0
 OPEN_TIMEOUT_S: Final = 10.0
 TRANSFER_TIMEOUT_S: Final = 30.0  # one request's KV on the wire longer than this: the pair is broken
 ROLES: Final = ("prefill", "decode")
+PAIRED_SLACK_TOKENS: Final = 2048  # how far behind a decode worker paired with the prefill worker may be
 
 
 @dataclass
@@ -107,9 +108,29 @@ class DisaggPlanner:
         if not partners:
             return None
         prefill = balancer.pick([self.router.registry.workers[w] for w in partners], prefix_key)
-        decode = self._decode_balancer.pick([dw for dw, _ in partners[prefill.worker_id]])
+        decode = self._pick_decode(prefill, [dw for dw, _ in partners[prefill.worker_id]])
         pairing = next(pid for dw, pid in partners[prefill.worker_id] if dw is decode)
         return Placement(prefill, decode, pairing)
+
+    def _pick_decode(self, prefill: WorkerState, candidates: list[WorkerState]) -> WorkerState:
+        """The least loaded decode worker -- or, with Adrenaline placement, one whose executor is
+        `prefill` (only then can the request keep its KV there) unless it is more than
+        PAIRED_SLACK_TOKENS behind. With several prefill workers each decode worker's executor is
+        one of them; without this, most placements would miss their pairing."""
+        best = self._decode_balancer.pick(candidates)
+        paired = [dw for dw in candidates if self._executor_of(dw.worker_id) == prefill.worker_id]
+        if not paired or best in paired:
+            return best
+        near = self._decode_balancer.pick(paired)
+        return near if near.outstanding_tokens <= best.outstanding_tokens + PAIRED_SLACK_TOKENS else best
+
+    def _executor_of(self, decode_id: str) -> str | None:
+        """The prefill worker hosting `decode_id`'s active Adrenaline pairing (None: none)."""
+        off = getattr(self.router, "offload", None)
+        p = off.pairings.get(decode_id) if off is not None else None
+        if p is None or p.rule.from_ != p.rule.to or p.state != "active":
+            return None
+        return str(p.executor)
 
     def broken(self, pairing: str, why: str) -> None:
         """A request found the pair unusable: take it out of placement until it is opened again."""

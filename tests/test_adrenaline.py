@@ -289,3 +289,27 @@ def test_under_the_adrenaline_policy_placement_applies_c1_c2() -> None:
     # without OB (the other policies) only the share decides
     pairing.decision = SimpleNamespace(ob=None)
     assert arrive("f", 5000) is not None
+
+
+def test_with_several_prefill_workers_the_decode_choice_prefers_the_paired_one() -> None:
+    """Decode D2's Adrenaline executor is prefill worker P: a request prefilled on P goes to D2 (where
+    it can keep its KV on P) unless D2 is more than PAIRED_SLACK_TOKENS behind the least loaded."""
+    from router.disagg import PAIRED_SLACK_TOKENS, DisaggPlanner
+
+    def worker(wid: str, outstanding: int) -> Any:
+        return SimpleNamespace(worker_id=wid, outstanding_tokens=outstanding, inflight={}, load=None, num_served=0)
+
+    adr = SimpleNamespace(rule=OffloadSpec(from_="m", to="m", ratio=0.5), state="active", executor="P")
+    weaver = SimpleNamespace(rule=OffloadSpec(from_="m", to="cold", ratio=0.5), state="active", executor="P")
+    router = SimpleNamespace(offload=SimpleNamespace(pairings={"D2": adr, "D3": weaver}))
+    planner = DisaggPlanner(router)  # type: ignore[arg-type]
+    p, p2 = worker("P", 0), worker("P2", 0)
+    d1, d2, d3 = worker("D1", 100), worker("D2", 100 + PAIRED_SLACK_TOKENS), worker("D3", 0)
+    assert planner._pick_decode(p, [d1, d2]) is d2  # within the slack
+    assert planner._pick_decode(p2, [d1, d2]) is d1  # D2's executor is not P2: least loaded
+    d2.outstanding_tokens += 1
+    assert planner._pick_decode(p, [d1, d2]) is d1  # too far behind
+    assert planner._pick_decode(p, [d1, d3]) is d3  # a WEAVER pairing is not a placement: least loaded
+    adr.state = "lost"
+    d2.outstanding_tokens = 150
+    assert planner._pick_decode(p, [d1, d2]) is d1
