@@ -237,8 +237,9 @@ class FakeHost:
         self.adopted: list[tuple[str, int, int, int]] = []
         self.released: list[tuple[str, int]] = []
 
-    def adopt(self, pairing: str, handle: int, kv: torch.Tensor, length: int) -> bool:
+    def adopt(self, pairing: str, handle: int, kv: torch.Tensor, length: int, reserve_tokens: int = 0) -> bool:
         self.adopted.append((pairing, handle, kv.shape[0], length))
+        self.reserved = reserve_tokens
         return self.room
 
     def release_placed(self, pairing: str, handle: int) -> None:
@@ -253,7 +254,8 @@ def test_the_placer_keeps_placed_kv_or_falls_back_to_sending_it() -> None:
     assert not placer.place("r0", d, [1, 2], 7)  # no executor on this worker: the KV is sent
     host = placer.host = FakeHost(room=True)  # type: ignore[assignment]
     assert not placer.place("r1", plain, [1, 2], 7) and not host.adopted  # not chosen by the router
-    assert placer.place("r2", d, [1, 2], 7) and host.adopted == [("pair1", HANDLE_BASE + 5, 2, 7)]
+    assert placer.place("r2", d, [1, 2], 7, 30) and host.adopted == [("pair1", HANDLE_BASE + 5, 2, 7)]
+    assert host.reserved == 30  # pages for the request's longest are set aside on the executor
     assert placer.sent("r2", ok=True) and not host.released
     assert placer.place("r3", d, [3], 2)
     assert placer.sent("r3", ok=False) and host.released == [("pair1", HANDLE_BASE + 5)]  # the header never went

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from sglang_ext.kvcache.pool import KVGeometry
-from sglang_ext.offload import ipc_host, stage, transport
+from sglang_ext.offload import dist, ipc_host, stage, transport
 from sglang_ext.offload.dist import (
     BEGIN,
     CLOSE,
@@ -48,6 +48,7 @@ from sglang_ext.offload.ipc import (
     wait_for_goodbye,
 )
 from sglang_ext.offload.partition import ForeignKVPartition
+from sglang_ext.offload.remote import ExecutorLost
 from sglang_ext.offload.transport import Choice, Placement, choose_transport
 from sglang_ext.offload.watchdog import ARMED, RELEASING, STOPPED, Watchdog
 
@@ -229,7 +230,7 @@ def test_goodbye_over_gloo_while_control_messages_flow() -> None:
 
     def answer() -> None:  # the host's thread (a gloo send completes once the peer receives)
         for _ in range(5):
-            _, i, _, _ = host.recv_header(5)
+            i = host.recv_header(5)[1]
             host.send_header([REPLY, i], 5)
 
     h = threading.Thread(target=answer)
@@ -498,3 +499,44 @@ def test_a_lone_load_more_ends_the_pairing(monkeypatch: pytest.MonkeyPatch) -> N
     remote.link.send_header([stage.LOAD_MORE, 7, 0, 1], 5)
     assert svc.ended.wait(5) and not svc.executor.guests
     remote.link.close()
+
+
+# ---- BEGIN without waiting for the answer (dist.PipelinedBegin, what IpcRemote does) ---------------
+class Piped(dist.PipelinedBegin, stage.StagedRemote):
+    """IpcRemote's control half without its GPU end: loads over gloo (no stage), pipelined BEGINs."""
+
+
+def test_begin_does_not_wait_and_loads_reserve_the_longest(monkeypatch: pytest.MonkeyPatch) -> None:
+    svc, end, link = serve_ipc(monkeypatch, drains=True)
+    remote = Piped(link, F32, "cold-0", 5.0)
+    ps = F32.geometry.page_size
+    assert remote.load(7, torch.randn(1, 2, 2, ps, 2, 16), 10, reserve_tokens=4 * ps)
+    assert len(svc.executor.guests["hot-0/p1"].seqs[7].pages) == 4  # pages for its longest, set aside now
+    assert remote.begin_step([7], [10]) == [] and remote._pending  # sent; the answer is read later
+    assert remote.begin_step([7], [11]) == [] and remote._pending == 2  # the first answer was read on the way
+    # step 1 lands (under overlap, after step 2 was planned): step 2's answer is not waited for
+    assert not remote.results_forged(upto=1) and remote._pending == 2
+    assert not remote.results_forged(upto=2) and not remote._pending and remote.alive
+    assert remote.load(8, torch.randn(1, 2, 2, ps, 2, 16), 5)  # answers stay in step
+    assert end.program.steps == [[7], [7]]
+    used = svc.executor.partition.used_pages("hot-0/p1")
+    assert remote.begin_step([7, 8], [12, 5]) == [] and svc.executor.partition.used_pages("hot-0/p1") == used
+    assert not remote.results_forged()
+    remote.close()
+    assert svc.ended.wait(5)
+
+
+def test_a_row_dropped_after_the_step_was_launched_ends_the_pairing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host that drops a row the sender already posted (no room, and no pages set aside): that
+    step's remote results are misaligned, so they count as forged and the pairing ends."""
+    svc, _, link = serve_ipc(monkeypatch, drains=True)
+    remote = Piped(link, F32, "cold-0", 5.0)
+    ps = F32.geometry.page_size
+    assert remote.load(7, torch.randn(1, 2, 2, ps, 2, 16), ps)  # full page, nothing set aside
+    monkeypatch.setattr(svc.executor.partition, "alloc", lambda guest, n: None)  # no room to grow
+    assert remote.begin_step([7], [ps]) == []
+    assert remote.results_forged() and not remote.alive
+    with pytest.raises(ExecutorLost):
+        remote.begin_step([7], [ps])
+    assert not remote.load(9, torch.randn(1, 2, 2, ps, 2, 16), 3)  # gone: stays local, never raises
+    assert svc.ended.wait(5)

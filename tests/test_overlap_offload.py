@@ -14,6 +14,7 @@ import torch
 from _offload_util import force_drop
 from _tiny import VOCAB, greedy, make_scheduler, prompts, run_all
 
+from sglang_ext.offload import sender
 from sglang_ext.offload.remote import ExecutorLost
 from sglang_ext.sampling.params import SamplingParams
 from sglang_ext.scheduler.overlap import OverlapScheduler
@@ -156,14 +157,26 @@ def test_abort_of_remote_requests_in_flight(reference: dict[str, list[int]], aft
     assert s.allocator.num_free == s.allocator.capacity
 
 
-def test_a_full_executor_drops_rows_while_a_step_is_in_flight() -> None:
-    """An executor with room for ~40 pages: requests that cannot grow there while the next step is
-    planned are taken back with their in-flight token and recomputed. Outputs do not change."""
+def test_a_full_executor_drops_rows_while_a_step_is_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An executor with room for ~40 pages, taking requests without setting pages aside for their
+    longest (as for a sender that does not ask): requests that cannot grow there while the next step
+    is planned are taken back with their in-flight token and recomputed. Outputs do not change."""
+    monkeypatch.setattr(sender, "reserve_tokens", lambda r: 0)
     want = run_all(_plain(offload=False), _reqs(max_new=40))
     s = _overlap(offload_ratio=1.0, executor_mem_gb=40 * 4096 / 2**30)
     spy = PlanSpy(s)
     assert run_all(s, _reqs(max_new=40)) == want
     assert spy.dropped_ahead > 0 and s.num_preemptions > 0
+
+
+def test_a_full_executor_refuses_loads_instead_when_they_reserve() -> None:
+    """The sender asks the executor to set pages aside for each request's longest: a small executor
+    then refuses loads (the requests stay local) and never drops a planned row. Outputs do not change."""
+    want = run_all(_plain(offload=False), _reqs(max_new=40))
+    s = _overlap(offload_ratio=1.0, executor_mem_gb=40 * 4096 / 2**30)
+    spy = PlanSpy(s)
+    assert run_all(s, _reqs(max_new=40)) == want
+    assert spy.dropped_ahead == 0 and spy.ahead  # remote rows ran, planned ahead, none dropped
 
 
 @pytest.mark.parametrize("case", ["stops_in_flight", "continues", "every_remote_row"])
@@ -261,7 +274,7 @@ def test_steps_let_through_without_the_executor_are_dropped(loop: str, after_ste
         if step == after_steps:
             assert s.offload is not None and s.offload.num_remote > 0
             remote.plans_left = 1  # the step planned now runs without results, then the loss shows
-            remote.begin_step, remote.collect, remote.results_forged = forged_plan, garbage, lambda: True
+            remote.begin_step, remote.collect, remote.results_forged = forged_plan, garbage, lambda upto=None: True
 
     assert _drive(s, _reqs(params), die) == want
     assert s.offload is not None and not s.offload.active and s.num_preemptions > 0

@@ -8,9 +8,10 @@ since a worker may host several guests while it sends to an executor of its own.
 
 Gloo carries CPU tensors (the CI's real multi-process path); NCCL carries the payloads when both
 ends are GPUs, and then the headers go over a gloo group of their own (`Link.ctrl`: see there why).
-Messages are an int64 header [kind, a, b, c] on TAG_CTRL, then payload tensors:
+Messages are an int64 header [kind, a, b, c, d, 0, 0, 0] on TAG_CTRL, then payload tensors:
 
-    load     [LOAD, handle, length, n]  + KV pages [n, L, 2, P, Hkv, D]          -> [REPLY, 1 ok | 0 full]
+    load     [LOAD, handle, length, n, reserve] + KV pages [n, L, 2, P, Hkv, D]  -> [REPLY, 1 ok | 0 full]
+             (reserve: tokens to hold pages for, the request's longest; 0: just its KV)
     release  [RELEASE, handle]
     begin    [BEGIN, n] + int64 [2, n] (handles; positions)                      -> [REPLY, f] + int64 [f] dropped
       then per layer, if rows remain:  q|k|v [R, (Hq + 2 Hkv) D] on TAG_QKV   ->   o [R, Hq D] on TAG_OUT
@@ -44,7 +45,7 @@ HOST_RANK: Final = 0
 SENDER_RANK: Final = 1
 TAG_CTRL, TAG_QKV, TAG_OUT = 0, 1, 2
 LOAD, RELEASE, BEGIN, CLOSE, REPLY = 1, 2, 3, 4, 5
-_HEADER: Final = 4
+_HEADER: Final = 8  # int64 [kind, a, b, c, d, ...]: unused fields are 0
 CONNECT_TIMEOUT_S: Final = 30.0  # the sender applies its directive between two of its steps
 # A sender with nothing offloaded sends nothing for as long as it likes. (A gloo wait that times out
 # breaks the pair, so the host cannot poll; a dead sender closes its sockets and ends the wait.)
@@ -279,12 +280,12 @@ class DistRemote(RemoteAttention):
 
     # load and release never raise: the scheduler calls them outside a forward, where a gone
     # executor must only mean "stays local"; the next step's begin_step reports the loss.
-    def load(self, handle: int, kv: torch.Tensor, length: int) -> bool:
+    def load(self, handle: int, kv: torch.Tensor, length: int, reserve_tokens: int = 0) -> bool:
         if not self.alive:
             return False
         t0 = time.perf_counter()
         try:
-            self.link.send_header([LOAD, handle, length, kv.shape[0]], self.timeout_s)
+            self.link.send_header([LOAD, handle, length, kv.shape[0], reserve_tokens], self.timeout_s)
             self.link.send(kv.to(self.link.device).contiguous(), TAG_CTRL, self.timeout_s)
             ok = self.link.recv_header(self.timeout_s)[1]
         except LinkError as e:
@@ -355,3 +356,64 @@ class DistRemote(RemoteAttention):
                 self.link.send_header([CLOSE], min(self.timeout_s, 1.0))
         self.alive = False
         self.link.close()
+
+
+class PipelinedBegin(DistRemote):
+    """A DistRemote whose `begin_step` does not wait for the host's answer: it is read later (before
+    the next control message, or when the step lands), by which time it has long arrived -- the host
+    answers as soon as it has planned. For transports whose per-layer exchange does not go through
+    the link (cuda_ipc), this takes a control round trip and the host's planning off every step.
+
+    The answer only ever matters if the host dropped rows (no room to grow them). Loads set pages
+    aside for a request's longest (`reserve_tokens`), so that does not happen; if it does (a host
+    that could not), the step already runs with rows the host left out, so its remote results are
+    wrong: the pairing ends and `results_forged` says so, and the scheduler recomputes those requests."""
+
+    _pending = 0  # the number (`begins`) of the BEGIN whose answer is unread; 0: none
+    _late_drop = False  # the host dropped rows of a step that had already been launched
+
+    def begin_step(self, handles: list[int], positions: list[int]) -> list[int]:
+        self._settle()
+        with self._exchange("begin_step"):
+            hp = torch.tensor([handles, positions], dtype=torch.int64).to(self.link.device)
+            self.link.send_header([BEGIN, len(handles)], self.timeout_s)
+            self.link.send(hp, TAG_CTRL, self.timeout_s)
+        self.begins += 1
+        self._pending = self.begins
+        return []
+
+    def _settle(self) -> None:
+        """Read the last BEGIN's answer; ExecutorLost if it dropped rows or the link broke."""
+        if not self._pending:
+            return
+        self._pending = 0
+        with self._exchange("begin_step"):
+            n_failed = self.link.recv_header(self.timeout_s)[1]
+            if n_failed:
+                buf = torch.empty(n_failed, dtype=torch.int64, device=self.link.device)
+                self.link.recv(buf, TAG_CTRL, self.timeout_s)
+                self._late_drop = True
+                raise LinkError(f"it dropped {n_failed} row(s) of a step already launched")
+
+    def _settled(self) -> bool:
+        """`_settle` for calls that must not raise: False when the executor is gone."""
+        try:
+            self._settle()
+        except ExecutorLost:
+            return False
+        return True
+
+    def results_forged(self, upto: int | None = None) -> bool:
+        # The answer of a step planned later than the one asked about is left for later: under
+        # overlap, step t lands after t+1 was planned, and t+1's answer may not be in yet.
+        if self._pending and self.alive and (upto is None or self._pending <= upto):
+            self._settled()
+        return self._late_drop or super().results_forged(upto)
+
+    def load(self, handle: int, kv: torch.Tensor, length: int, reserve_tokens: int = 0) -> bool:
+        return self._settled() and super().load(handle, kv, length, reserve_tokens)
+
+    def close(self) -> None:
+        if self.alive:
+            self._settled()
+        super().close()

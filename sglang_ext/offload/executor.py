@@ -82,15 +82,17 @@ class AttentionExecutor:
         return self.partition.used_pages(guest) * self.guests[guest].spec.geometry.page_size
 
     # ---- requests -------------------------------------------------------------------------------
-    def load(self, guest: str, handle: int, kv: torch.Tensor, length: int, num_pages: int = 0) -> None:
+    def load(self, guest: str, handle: int, kv: torch.Tensor, length: int, num_pages: int = 0,
+             reserve_tokens: int = 0) -> None:
         """Take a request's prefilled KV: `kv` is its pages in block-first layout
         [n, layers, 2, page_size, kv_heads, head_dim] covering `length` tokens. Raises ExecutorFull.
         `num_pages` > n: a load in parts, `kv` being its first n pages; `write` brings the rest (before
-        the request is planned)."""
+        the request is planned). `reserve_tokens`: take pages for that many tokens now (the request's
+        longest), so that planning its steps never needs a page and never drops it."""
         g = self.guests[guest]
         if handle in g.seqs:
             raise ValueError(f"guest {guest!r} already has request {handle}")
-        n = max(num_pages, kv.shape[0])
+        n = max(num_pages, kv.shape[0], -(-reserve_tokens // g.spec.geometry.page_size))
         pages = self.partition.alloc(guest, n)
         if pages is None:
             raise ExecutorFull(f"no room for {n} pages of guest {guest!r}")

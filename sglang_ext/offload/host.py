@@ -93,7 +93,7 @@ class ExecutorHost:
         svc.start()
         return {"store": f"{self.address}:{store.port}", "backend": backend, "transport": transport}
 
-    def adopt(self, pairing: str, handle: int, kv: torch.Tensor, length: int) -> bool:
+    def adopt(self, pairing: str, handle: int, kv: torch.Tensor, length: int, reserve_tokens: int = 0) -> bool:
         """Adrenaline placement, on this (prefill) worker's forward thread: take a request's prompt KV
         from this worker's own pool (`kv`, on this device: a device-local copy) into the executor under
         the live pairing `pairing`, as its guest's request `handle`. False when that pairing is not
@@ -107,7 +107,7 @@ class ExecutorHost:
             if svc.ipc is not None:
                 svc.ipc.program.before_load()
             try:
-                self.executor.load(svc.guest, handle, kv, length)
+                self.executor.load(svc.guest, handle, kv, length, reserve_tokens=reserve_tokens)
             except (ExecutorFull, ValueError):
                 return False
         return True
@@ -250,13 +250,13 @@ class ExecutorService:
 
     def _serve(self, link: Link) -> None:
         while True:
-            kind, a, b, c = link.recv_header(self.idle_timeout_s)
+            kind, a, b, c, d = link.recv_header(self.idle_timeout_s)[:5]
             if self._filling is not None and kind != LOAD_MORE:
                 raise LinkError(f"message kind {kind} before the staged load of request {self._filling[0]} ended")
             if kind == LOAD:
-                self._load(link, a, b, c)
+                self._load(link, a, b, c, d)
             elif kind == LOAD_STAGED and self.ipc is not None and self.ipc.stage is not None:
-                self._load_staged(link, a, b, c)
+                self._load_staged(link, a, b, c, d)
             elif kind == LOAD_MORE and self._filling is not None:
                 self._load_more(link, a, b, c)
             elif kind == RELEASE:
@@ -276,19 +276,19 @@ class ExecutorService:
         g = self.spec.geometry
         return (n, g.num_layers, 2, g.page_size, g.num_kv_heads, g.head_dim)
 
-    def _load(self, link: Link, handle: int, length: int, n: int) -> None:
+    def _load(self, link: Link, handle: int, length: int, n: int, reserve: int = 0) -> None:
         kv = torch.empty(self._kv_shape(n), dtype=self.spec.geometry.dtype, device=self.wire)
         link.recv(kv, TAG_CTRL, self.timeout_s)
-        link.send_header([REPLY, self._take(handle, kv, length)], self.timeout_s)
+        link.send_header([REPLY, self._take(handle, kv, length, reserve=reserve)], self.timeout_s)
 
-    def _load_staged(self, link: Link, handle: int, length: int, n: int) -> None:
+    def _load_staged(self, link: Link, handle: int, length: int, n: int, reserve: int = 0) -> None:
         """cuda_ipc: the sender pushed the KV (its first pages, when it is larger than the stage) into
         our stage (stage.py) before this message. The copy into the partition runs on this thread's
         stream; we wait for it before the reply, after which the sender may overwrite the stage. The
         program that reads the pages is queued on a later BEGIN, on a stream that first waits for
         this one."""
         kv = self._staged(min(n, self._stage_pages()))
-        ok = self._take(handle, kv, length, n)
+        ok = self._take(handle, kv, length, n, reserve)
         if ok and len(kv) < n:  # the rest comes in chunks (LOAD_MORE); the pages are all taken now
             self._filling = [handle, n, len(kv)]
         copied(self.executor.device, self.timeout_s)
@@ -319,14 +319,14 @@ class ExecutorService:
         except ValueError as e:
             raise LinkError(f"staged load: {e}") from None
 
-    def _take(self, handle: int, kv: torch.Tensor, length: int, num_pages: int = 0) -> int:
-        """Load a request's KV (or its first `len(kv)` of `num_pages` pages) into the partition: 1, or
-        0 when it is full."""
+    def _take(self, handle: int, kv: torch.Tensor, length: int, num_pages: int = 0, reserve: int = 0) -> int:
+        """Load a request's KV (or its first `len(kv)` of `num_pages` pages) into the partition, with
+        pages for `reserve` tokens in all: 1, or 0 when it is full."""
         with self.lock:
             if self.ipc is not None:
                 self.ipc.program.before_load()
             try:
-                self.executor.load(self.guest, handle, kv, length, num_pages)
+                self.executor.load(self.guest, handle, kv, length, num_pages, reserve)
             except ExecutorFull:
                 return 0
         return 1

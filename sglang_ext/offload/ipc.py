@@ -44,6 +44,7 @@ from sglang_ext.offload.dist import (
     TAG_CTRL,
     Link,
     LinkError,
+    PipelinedBegin,
     _short,
     connect_store,
     local_address_toward,
@@ -130,7 +131,7 @@ def send_blob(link: Link, kind: int, data: bytes, timeout_s: float) -> None:
 
 
 def recv_blob(link: Link, kind: int, timeout_s: float) -> bytes:
-    got, n, _, _ = link.recv_header(timeout_s)
+    got, n = link.recv_header(timeout_s)[:2]
     if got != kind or not 0 < n <= MAX_BLOB:
         raise LinkError(f"expected message kind {kind} of at most {MAX_BLOB} bytes, got kind {got} of {n}")
     buf = torch.empty(n, dtype=torch.uint8)
@@ -165,7 +166,7 @@ def device_idle(device: torch.device, timeout_s: float) -> bool:
     return not t.is_alive()
 
 
-class IpcRemote(GatedSenderSide, StagedRemote):
+class IpcRemote(GatedSenderSide, PipelinedBegin, StagedRemote):
     """DistRemote's control messages (load, release, begin, close) with gated.py's GPU-signalled
     per-layer exchange over CUDA IPC mappings, KV loads through the host's stage (StagedRemote), and
     a watchdog for waits on a dead executor."""
@@ -240,10 +241,12 @@ class IpcRemote(GatedSenderSide, StagedRemote):
             logger.warning("executor %s: %s", self.executor_id, self.watchdog.lost)
         super()._check()
 
-    def results_forged(self) -> bool:
-        # `lost` is set before the first release (watchdog.fire): if it is still None once a step
-        # landed, every completion flag of that step came from the executor.
-        return self.watchdog is not None and self.watchdog.lost is not None
+    def results_forged(self, upto: int | None = None) -> bool:
+        # First the pending BEGIN answer (a late drop ends the pairing). Then the watchdog: `lost` is
+        # set before its first release (watchdog.fire), so if it is still None once a step landed,
+        # every completion flag of that step came from the executor.
+        forged = super().results_forged(upto)
+        return forged or (self.watchdog is not None and self.watchdog.lost is not None)
 
     def _lost(self, what: str, e: Exception) -> None:
         if self.watchdog is not None:
@@ -258,7 +261,7 @@ class IpcRemote(GatedSenderSide, StagedRemote):
     def begin_step(self, handles: list[int], positions: list[int]) -> list[int]:
         if len(handles) > self.shape.max_rows:
             raise ValueError(f"{len(handles)} remote rows; the exchange buffers hold {self.shape.max_rows}")
-        failed = super().begin_step(handles, positions)
+        failed = super().begin_step(handles, positions)  # [] : the answer is read later (PipelinedBegin)
         self._planned(len(handles) - len(failed))
         return failed
 

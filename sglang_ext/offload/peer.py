@@ -43,9 +43,9 @@ class PeerRemote(GatedSenderSide, LocalRemote):
         self.sender.attach(self.program.exec_in.data_ptr(), self.program.doorbell)
         self.rows = 0  # the step's remote rows (wait_s stays 0: the waiting happens on the GPU)
 
-    def load(self, handle: int, kv: torch.Tensor, length: int) -> bool:
+    def load(self, handle: int, kv: torch.Tensor, length: int, reserve_tokens: int = 0) -> bool:
         self.program.before_load()
-        return super().load(handle, kv, length)
+        return super().load(handle, kv, length, reserve_tokens)
 
     def begin_step(self, handles: list[int], positions: list[int]) -> list[int]:
         self._check()

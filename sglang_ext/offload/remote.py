@@ -38,12 +38,14 @@ class RemoteAttention(ABC):
         self.bytes_out = 0  # q, k, v and KV loads sent
         self.bytes_in = 0  # attention outputs received
         self.staged_loads = 0  # KV loads that went GPU to GPU through the host's stage (cuda_ipc)
+        self.begins = 0  # begin_step calls so far (a step's number, for results_forged)
         self.alive = True
 
     @abstractmethod
-    def load(self, handle: int, kv: torch.Tensor, length: int) -> bool:
+    def load(self, handle: int, kv: torch.Tensor, length: int, reserve_tokens: int = 0) -> bool:
         """Move a request's KV ([n_pages, layers, 2, P, H, D] covering `length` tokens) to the
-        executor. False when it has no room (the request stays local)."""
+        executor, which also sets pages aside for `reserve_tokens` tokens in all (its longest). False
+        when it has no room (the request stays local)."""
 
     @abstractmethod
     def release(self, handle: int) -> None: ...
@@ -64,11 +66,12 @@ class RemoteAttention(ABC):
         self.post(layer, q, k, v)
         return self.collect(layer)
 
-    def results_forged(self) -> bool:
+    def results_forged(self, upto: int | None = None) -> bool:
         """True once a step's remote rows may have completed without the executor's results: a
         GPU-signalled transport whose watchdog raised the completion flags itself (the executor died
-        mid-step). Asked after a step landed: their tokens are then dropped and the requests
-        recomputed. Transports that raise ExecutorLost in the forward never forge."""
+        mid-step), or a host that left out rows of a step already launched. Asked after a step
+        landed, with `upto` = `begins` when that step was planned: their tokens are then dropped and
+        the requests recomputed. Transports that raise ExecutorLost in the forward never forge."""
         return False
 
     def end_step(self) -> None:  # noqa: B027 - optional hook
@@ -94,10 +97,10 @@ class LocalRemote(RemoteAttention):
         self.executor_id = executor_id
         executor.attach(guest, spec)
 
-    def load(self, handle: int, kv: torch.Tensor, length: int) -> bool:
+    def load(self, handle: int, kv: torch.Tensor, length: int, reserve_tokens: int = 0) -> bool:
         self._check()
         try:
-            self.executor.load(self.guest, handle, kv, length)
+            self.executor.load(self.guest, handle, kv, length, reserve_tokens=reserve_tokens)
         except ExecutorFull:
             return False
         self.bytes_out += kv.numel() * kv.element_size()

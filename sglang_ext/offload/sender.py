@@ -34,6 +34,13 @@ from sglang_ext.scheduler.request import Req
 logger = logging.getLogger(__name__)
 
 
+def reserve_tokens(r: Req) -> int:
+    """KV tokens an executor sets pages aside for when it takes `r`: its longest (prompt and every
+    new token, one more for a row planned past a stop under overlap), so that planning its steps
+    never needs a page -- a step is then never short of a row the sender already posted."""
+    return len(r.input_ids) + r.sampling.max_new_tokens + 1
+
+
 class Offloader:
     def __init__(self, remote: RemoteAttention, ratio: float, pool: KVPool, ob: float | None = None,
                  placed_only: bool = False) -> None:
@@ -82,7 +89,7 @@ class Offloader:
         idx = torch.tensor(r.pages[:n], dtype=torch.long).to(self.pool.device, non_blocking=True)
         kv = self.pool.data.index_select(0, idx)
         handle = next(self._handles)
-        if not self.remote.load(handle, kv, r.kv_len):
+        if not self.remote.load(handle, kv, r.kv_len, reserve_tokens(r)):
             return False  # the executor is full: the request stays local
         r.remote = handle
         r.attention_executor = self.remote.executor_id

@@ -5,7 +5,7 @@ exports at the handshake, instead of through the gloo control channel (GPU -> CP
     kv = pages gathered on a ([n, L, 2, P, Hkv, D])
     push kv -> stage (cuMemcpyDtoDAsync on a side
       stream), wait for it
-    [LOAD_STAGED, handle, length, n] ─────────────────────>  kv = stage[:bytes] viewed as the first pages;
+    [LOAD_STAGED, handle, length, n, reserve] ────────────>  kv = stage[:bytes] viewed as the first pages;
                                                              under the lock: allocate all n pages,
                                                              index-copy on this thread's stream (after
                                                              the guest's last program), wait for the copy
@@ -108,11 +108,11 @@ class StagedRemote(DistRemote):
 
     stage: KVStage | None = None
 
-    def load(self, handle: int, kv: torch.Tensor, length: int) -> bool:
+    def load(self, handle: int, kv: torch.Tensor, length: int, reserve_tokens: int = 0) -> bool:
         st = self.stage
         per = st.pages(kv) if st is not None else 0
         if st is None or not per or not self.alive:
-            return super().load(handle, kv, length)  # gloo, as torch_dist does
+            return super().load(handle, kv, length, reserve_tokens)  # gloo, as torch_dist does
         kv = kv.contiguous()
         n = kv.shape[0]
         t0 = time.perf_counter()
@@ -121,9 +121,10 @@ class StagedRemote(DistRemote):
             for first in range(0, n, per):
                 chunk = kv[first : first + per]
                 push_kv(st, chunk, self.timeout_s)
-                head = [LOAD_STAGED, handle, length, n] if first == 0 else [LOAD_MORE, handle, first, len(chunk)]
+                head = ([LOAD_STAGED, handle, length, n, reserve_tokens] if first == 0
+                        else [LOAD_MORE, handle, first, len(chunk)])
                 self.link.send_header(head, self.timeout_s)
-                got, ok, _, _ = self.link.recv_header(self.timeout_s)
+                got, ok = self.link.recv_header(self.timeout_s)[:2]
                 if got != REPLY:
                     raise LinkError(f"expected a reply to a staged load, got message kind {got}")
                 if not ok:

@@ -81,6 +81,7 @@ class _Launched:
     done: torch.cuda.Event | None
     remote: list[Req]  # the rows that attended on the executor (checked for forged results on landing)
     via: RemoteAttention | None  # that executor's transport
+    planned: int = 0  # its `begins` when this step was planned
 
 
 @dataclass
@@ -172,8 +173,8 @@ class OverlapScheduler(Scheduler):
             host.copy_(tokens, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-            return _Launched(entries, tokens, host, done, remote, via)
-        return _Launched(entries, tokens, tokens, None, remote, via)
+            return _Launched(entries, tokens, host, done, remote, via, via.begins if via else 0)
+        return _Launched(entries, tokens, tokens, None, remote, via, via.begins if via else 0)
 
     def _launch_follow_up(self, prev: _Launched) -> _Launched | _Forwarded | None:
         """Decode step t+1 from step t's in-flight tokens: launched, or only forwarded when it has
@@ -248,7 +249,7 @@ class OverlapScheduler(Scheduler):
         tokens = launched.host.tolist()
         landed: list[Req] = []
         taken_back: list[Req] = []
-        forged = self._forged(launched.remote, launched.via)
+        forged = self._forged(launched.remote, launched.via, launched.planned)
         for e, t in zip(launched.entries, tokens, strict=True):
             r = e.req
             if id(r) in forged:

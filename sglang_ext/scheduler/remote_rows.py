@@ -51,12 +51,13 @@ class RemoteRows:
         for r in self.offload.lose_executor(why):
             self._requeue(r)
 
-    def _forged(self, remote: list[Req], via: RemoteAttention | None) -> set[int]:
+    def _forged(self, remote: list[Req], via: RemoteAttention | None, upto: int | None = None) -> set[int]:
         """After a step landed: the ids of its `remote` rows' requests when those rows may hold no
         executor results (the executor died mid-step and the sender's watchdog let the step through:
         `results_forged`). Their tokens must be dropped and the requests recomputed; the executor is
-        given up first if it is still the one in force. Empty when the results are the executor's."""
-        if via is None or not remote or not via.results_forged():
+        given up first if it is still the one in force. Empty when the results are the executor's.
+        `upto`: the transport's `begins` when the step was planned."""
+        if via is None or not remote or not via.results_forged(upto):
             return set()
         if self.offload is not None and self.offload.remote is via and self.offload.active:
             self._lose_executor(f"executor {via.executor_id} died mid-step")

@@ -39,13 +39,15 @@ class Placer:
         self.host: ExecutorHost | None = None  # set when this worker offers executor memory
         self.placed: dict[str, tuple[str, int]] = {}  # rid -> (offload pairing, handle), until its header went
 
-    def place(self, rid: str, d: Disagg, pages: list[int], n_tokens: int) -> bool:
+    def place(self, rid: str, d: Disagg, pages: list[int], n_tokens: int, reserve: int = 0) -> bool:
         """On the forward thread, at hand-off: True if the prompt's KV (`pages`, `n_tokens`) is now in
-        the executor under the decode worker's pairing; False: it is sent as usual."""
+        the executor under the decode worker's pairing, with pages for `reserve` tokens in all; False:
+        it is sent as usual."""
         if not d.handle or self.host is None:
             return False
         idx = torch.tensor(pages, dtype=torch.int64, device=self.pool.device)
-        if not self.host.adopt(d.executor_pairing, d.handle, self.pool.data.index_select(0, idx), n_tokens):
+        if not self.host.adopt(d.executor_pairing, d.handle, self.pool.data.index_select(0, idx), n_tokens,
+                               reserve):
             logger.info("request %s: the executor cannot keep its KV (pairing %s full or gone); it is sent", rid,
                         d.executor_pairing)
             return False

@@ -32,6 +32,7 @@ from sglang_ext.disagg.transfer import KVArrival, KVReceiver, KVSender, SendJob
 from sglang_ext.engine.model_runner import ModelRunner
 from sglang_ext.messages import Disagg, ErrorOut, KVPairConnect, KVPairOpen, ReplyOut
 from sglang_ext.offload.dist import open_store, pair_backend
+from sglang_ext.offload.sender import reserve_tokens
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
 from sglang_ext.worker.adrenaline import Placer, drop_placed
@@ -153,7 +154,8 @@ class WorkerDisagg:
         assert req is not None
         n = len(req.input_ids)
         pages = req.pages[: -(-n // scheduler.page_size)]
-        if self.placer.place(rid, d, pages, n):  # kept here, in the executor: only the header goes
+        # kept here, in the executor (with pages for its longest): only the header goes
+        if self.placer.place(rid, d, pages, n, reserve_tokens(req)):
             self.sending[rid] = (sender.peer, 0)
             sender.submit(SendJob(rid, d.room, [], n, first_token, handle=d.handle))
             return None
