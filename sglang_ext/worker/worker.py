@@ -52,6 +52,7 @@ from sglang_ext.scheduler.scheduler import Scheduler
 from sglang_ext.server_args import ServerArgs
 from sglang_ext.worker.disagg import PairGone, WorkerDisagg
 from sglang_ext.worker.offload import WorkerOffload
+from sglang_ext.worker.profile import StepProfiler, window_from_env
 from sglang_ext.worker.stats import TpotWindow
 from sglang_ext.worker.step_log import StepLog, interval_from_env
 from sglang_ext.worker.tokenizer import IncrementalDetokenizer, StartupError, Tokenizer, load_tokenizer
@@ -124,6 +125,9 @@ class Worker:
         self.last_step_ms = 0.0
         every = interval_from_env()
         self.step_log = StepLog(every, self.worker_id) if every else None
+        window = window_from_env()
+        self.profiler = (StepProfiler(*window, name=worker_id, cuda=self.runner.device.type == "cuda")
+                         if window is not None else None)
         self.tpot = TpotWindow()
         self.stopped = False
         logging.getLogger("sglang_ext.startup").info("worker %s ready in %s", worker_id, timer.summary())
@@ -314,8 +318,13 @@ class Worker:
         out.extend(self._disagg_events())
         t0 = time.perf_counter()
         pre = self.scheduler.prefill_tokens
+        busy = self.profiler is not None and self.scheduler.has_work()
+        if busy:
+            self.profiler.before_step()  # type: ignore[union-attr]
         results = self.scheduler.step()  # raises on a fatal error (see the module docstring)
         self.offload.after_step(self.scheduler)
+        if busy:
+            self.profiler.after_step()  # type: ignore[union-attr]
         if self.step_log is not None and (results or self.scheduler.has_work()):
             self.step_log.record(self.scheduler, time.perf_counter() - t0,
                                  sum(len(r.new_token_ids) for r in results), self.scheduler.prefill_tokens - pre)
