@@ -517,11 +517,12 @@ def test_begin_does_not_wait_and_loads_reserve_the_longest(monkeypatch: pytest.M
     # step 1 lands (under overlap, after step 2 was planned): step 2's answer is not waited for
     assert not remote.results_forged(upto=1) and remote._pending == 2
     assert not remote.results_forged(upto=2) and not remote._pending and remote.alive
-    assert remote.load(8, torch.randn(1, 2, 2, ps, 2, 16), 5)  # answers stay in step
+    assert remote.load(8, torch.randn(1, 2, 2, ps, 2, 16), 5, reserve_tokens=2 * ps)  # answers stay in step
     assert end.program.steps == [[7], [7]]
     used = svc.executor.partition.used_pages("hot-0/p1")
-    assert remote.begin_step([7, 8], [12, 5]) == [] and svc.executor.partition.used_pages("hot-0/p1") == used
-    assert not remote.results_forged()
+    assert remote.begin_step([7, 8], [12, 5]) == []
+    assert not remote.results_forged()  # the answer read: the host has planned
+    assert svc.executor.partition.used_pages("hot-0/p1") == used  # no page needed: all set aside at load
     remote.close()
     assert svc.ended.wait(5)
 

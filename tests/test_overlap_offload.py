@@ -161,7 +161,7 @@ def test_a_full_executor_drops_rows_while_a_step_is_in_flight(monkeypatch: pytes
     """An executor with room for ~40 pages, taking requests without setting pages aside for their
     longest (as for a sender that does not ask): requests that cannot grow there while the next step
     is planned are taken back with their in-flight token and recomputed. Outputs do not change."""
-    monkeypatch.setattr(sender, "reserve_tokens", lambda r: 0)
+    monkeypatch.setattr(sender, "reserve_tokens", lambda r, context_len=None: 0)
     want = run_all(_plain(offload=False), _reqs(max_new=40))
     s = _overlap(offload_ratio=1.0, executor_mem_gb=40 * 4096 / 2**30)
     spy = PlanSpy(s)
@@ -288,3 +288,10 @@ def test_a_transport_that_cannot_overlap_drains() -> None:
     spy = PlanSpy(s)
     assert run_all(s, _reqs()) == want
     assert not spy.ahead and s.overlapped_steps == 0
+
+
+def test_a_reservation_is_the_requests_longest_capped_by_the_context() -> None:
+    s = _overlap()
+    assert s.offload is not None and s.offload.context_len == s.runner.context_len
+    r = Req("r", [1] * 10, greedy(20))
+    assert sender.reserve_tokens(r) == 31 and sender.reserve_tokens(r, context_len=16) == 17

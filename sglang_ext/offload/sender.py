@@ -34,11 +34,13 @@ from sglang_ext.scheduler.request import Req
 logger = logging.getLogger(__name__)
 
 
-def reserve_tokens(r: Req) -> int:
+def reserve_tokens(r: Req, context_len: int | None = None) -> int:
     """KV tokens an executor sets pages aside for when it takes `r`: its longest (prompt and every
-    new token, one more for a row planned past a stop under overlap), so that planning its steps
-    never needs a page -- a step is then never short of a row the sender already posted."""
-    return len(r.input_ids) + r.sampling.max_new_tokens + 1
+    new token, one more for a row planned past a stop under overlap; the context length caps it),
+    so that planning its steps never needs a page -- a step is then never short of a row the sender
+    already posted."""
+    n = len(r.input_ids) + r.sampling.max_new_tokens + 1
+    return n if context_len is None else min(n, context_len + 1)
 
 
 class Offloader:
@@ -52,6 +54,7 @@ class Offloader:
         self.active = True
         self._handles = itertools.count(1)
         self.reqs: dict[int, Req] = {}  # handle -> request, while offloaded
+        self.context_len: int | None = None  # the sender's (the scheduler sets it): caps reservations
 
     @property
     def num_remote(self) -> int:
@@ -89,7 +92,7 @@ class Offloader:
         idx = torch.tensor(r.pages[:n], dtype=torch.long).to(self.pool.device, non_blocking=True)
         kv = self.pool.data.index_select(0, idx)
         handle = next(self._handles)
-        if not self.remote.load(handle, kv, r.kv_len, reserve_tokens(r)):
+        if not self.remote.load(handle, kv, r.kv_len, reserve_tokens(r, self.context_len)):
             return False  # the executor is full: the request stays local
         r.remote = handle
         r.attention_executor = self.remote.executor_id

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from sglang_ext.engine.model_runner import ModelRunner
 from sglang_ext.kvcache.allocator import PageAllocator
 from sglang_ext.offload.remote import RemoteAttention
 from sglang_ext.offload.sender import Offloader
@@ -30,6 +31,7 @@ class RemoteRows:
     num_preemptions: int
     clock: Callable[[], float]
     sampler: Sampler
+    runner: ModelRunner
 
     def _plan_remote(self, entries: list[Entry], ahead: int = 0) -> list[Entry]:
         """Tell the executor this step's remote rows (at kv_len + ahead); rows it cannot grow are
@@ -74,6 +76,8 @@ class RemoteRows:
         """Another executor, or none (a router's directive, between steps): requests still on the
         current one are released there and recomputed here."""
         old, self.offload = self.offload, offload
+        if offload is not None:
+            offload.context_len = self.runner.context_len
         if old is None or old is offload:
             return
         for r in list(old.reqs.values()):

@@ -118,6 +118,8 @@ class Scheduler(Admission, RotaryRows, RemoteRows, Handoff):
         self.sampler = Sampler(vocab_size, runner.device, args.random_seed)
         self.grammar_masks = GrammarMasks(vocab_size, runner.device)  # imports xgrammar only when used
         self.offload = offload
+        if offload is not None:
+            offload.context_len = runner.context_len
 
     # ---- requests in and out ------------------------------------------------------------------
     @property

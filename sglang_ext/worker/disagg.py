@@ -155,7 +155,7 @@ class WorkerDisagg:
         n = len(req.input_ids)
         pages = req.pages[: -(-n // scheduler.page_size)]
         # kept here, in the executor (with pages for its longest): only the header goes
-        if self.placer.place(rid, d, pages, n, reserve_tokens(req)):
+        if self.placer.place(rid, d, pages, n, reserve_tokens(req, self.runner.context_len)):
             self.sending[rid] = (sender.peer, 0)
             sender.submit(SendJob(rid, d.room, [], n, first_token, handle=d.handle))
             return None
