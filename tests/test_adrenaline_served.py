@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 from _router_util import Server, free_port, serve, sse_events, wait_for
-from test_disagg_served import ARGS, LONG, PROMPTS, generate, pair_state
+from test_disagg_served import ARGS, DECODE_DEVICE, LONG, PROMPTS, generate, pair_state
 
 
 def cluster(tmp: Any, port: int, entry: dict[str, Any] | None = None) -> str:
@@ -29,7 +29,7 @@ def cluster(tmp: Any, port: int, entry: dict[str, Any] | None = None) -> str:
                # on a GPU under MPS this bounds the prefill worker's SMs; on the CPU it only shows in its environment
                {"id": "pd-prefill", "role": "prefill", "args": {"executor_mem_gb": 0.05},
                 "env": {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "60"}},
-               {"id": "pd-decode", "role": "decode"}]},
+               {"id": "pd-decode", "role": "decode", "device": DECODE_DEVICE}]},
                {"name": "ref", "args": ARGS}],
            "offload": [{"from": "default", "to": "default", **(entry or {"policy": "fixed", "ratio": 0.5})}]}
     path = tmp / "cluster.yaml"

@@ -10,6 +10,7 @@ request and no page behind on either worker; SGLang frontend programs run unchan
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,7 +21,12 @@ import pytest
 import yaml
 from _router_util import ROOT, Server, free_port, serve, sse_events, start_worker, wait_for
 
-ARGS = {"max_total_tokens": 8192, "dtype": "float32", "device": "cpu", "log_level": "warning"}
+# `SGLANG_EXT_TEST_DEVICE=cuda` (two GPUs): the prefill worker and `ref` on cuda:0, the decode worker on
+# cuda:1, so the KV goes GPU to GPU over NCCL (the torch backend keeps float32 outputs comparable).
+TWO_GPUS = os.environ.get("SGLANG_EXT_TEST_DEVICE", "cpu") == "cuda"
+ARGS = {"max_total_tokens": 8192, "dtype": "float32", "device": "cuda:0" if TWO_GPUS else "cpu", "log_level": "warning",
+        **({"attention_backend": "torch", "disable_cuda_graph": True} if TWO_GPUS else {})}
+DECODE_DEVICE = "cuda:1" if TWO_GPUS else "cpu"
 LONG = "A list of fruits: apples, pears, plums, cherries, grapes, bananas, oranges, lemons, limes, figs"
 PROMPTS = ["The weather today is", "The weather today is sunny and the", "Once upon a time,", "Hi", LONG,
            LONG + ", dates and"]  # the last two share more than a page (16 tokens)
@@ -29,7 +35,7 @@ PROMPTS = ["The weather today is", "The weather today is sunny and the", "Once u
 def cluster(tmp: Any, port: int, prefill_args: dict[str, Any] | None = None) -> str:
     cfg = {"router": {"port": port, "log_level": "info"},
            "models": [{"args": ARGS, "workers": [{"id": "pd-prefill", "role": "prefill", "args": prefill_args or {}},
-                                                 {"id": "pd-decode", "role": "decode"}]},
+                                                 {"id": "pd-decode", "role": "decode", "device": DECODE_DEVICE}]},
                       {"name": "ref", "args": ARGS}]}
     path = tmp / "cluster.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -166,7 +172,9 @@ def test_a_worker_that_joins_by_itself_says_its_role(server: Server, tmp_path: A
     """`launch worker --router ... --disaggregation-mode decode`: its hello makes it a decode worker, the
     router pairs it with the prefill worker, and the least loaded decode worker (the new, idle one)
     takes requests."""
-    proc = start_worker(tmp_path, server.worker_addr, "pd-decode-2", ["--disaggregation-mode", "decode"])
+    gpu = ["--device", DECODE_DEVICE, "--attention-backend", "torch", "--disable-cuda-graph"] if TWO_GPUS else []
+    proc = start_worker(tmp_path, server.worker_addr, "pd-decode-2",
+                        ["--disaggregation-mode", "decode", "--dtype", "float32", *gpu])
     try:
         wait_for(lambda: server.worker("pd-decode-2")["up"], 120, "pd-decode-2 joined")
         assert server.worker("pd-decode-2")["role"] == "decode"
