@@ -129,3 +129,20 @@ def test_decode_keeps_overlapping_while_a_queue_waits_for_pages(test_device: str
     assert run_all(ov, reqs) == want
     assert launched_with_queue, "no decode step overlapped while requests waited"
     assert ov.allocator.num_free + ov.kv.cache.size_info().cached_pages == ov.allocator.capacity
+
+
+def test_a_standing_queue_that_cannot_be_admitted_keeps_the_loop_overlapped(test_device: str) -> None:
+    """A KV-bound pool with a queue whose head needs more pages than are spare: the loop keeps
+    overlapping decode steps (it used to drain whenever one page was spare), the queue is admitted as
+    pages come free, and outputs equal the plain loop's."""
+    lengths = [40, 38, 36, 34, 44, 42, 39, 41]
+    params = [greedy(24) for _ in lengths]
+    reqs = lambda: [Req(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts(lengths), params, strict=True))]  # noqa: E731
+    plain, ov = _pair(test_device, max_total_tokens=200, chunked_prefill_size=64)
+    want = run_all(plain, reqs())
+    assert run_all(ov, reqs()) == want
+    _, old = _pair(test_device, max_total_tokens=200, chunked_prefill_size=64)
+    old._admission_blocked = lambda: (len(old.running) >= old.max_running  # type: ignore[method-assign]
+                                      or old.kv.available_pages - old._decode_reserve() < 1)
+    assert run_all(old, reqs()) == want
+    assert ov.overlapped_steps > old.overlapped_steps
