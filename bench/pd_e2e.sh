@@ -13,7 +13,8 @@
 #      MAXDUR (s, 120), MODEL (preset:llama-3-8b; empty: the embedded model), PREFILL_DEV (cuda:0),
 #      DECODE_DEV (cuda:1), DTYPE (bfloat16), MAX_IN (2048), MAX_OUT (256), TRACES, OUT, PORT (31200),
 #      PREFILL_SM (empty; e.g. 60: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE for the prefill worker when both share a
-#      GPU under MPS).
+#      GPU under MPS), BW_SHARE (0.5) and B_MAX (256): the adrenaline policy's bandwidth_share and b_max
+#      (a prefill worker's GPU is compute-bound, so most of its HBM bandwidth is idle: try 0.8-1.0).
 # On the two-GPU kind keep NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 set.
 set -uo pipefail
 source "$(dirname "$0")/cluster_run.sh"
@@ -38,7 +39,7 @@ for run in $runs; do
     echo "      - {id: decode-0, device: ${DECODE_DEV:-cuda:1}, role: decode, max_total_tokens: ${DECODE_TOKENS:-32768}}"
     case $run in
       fixed) echo "offload: [{from: m, to: m, policy: fixed, ratio: ${RATIO:-0.5}}]" ;;
-      adrenaline) echo "offload: [{from: m, to: m, policy: adrenaline}]" ;;
+      adrenaline) echo "offload: [{from: m, to: m, policy: adrenaline, adrenaline: {bandwidth_share: ${BW_SHARE:-0.5}, b_max: ${B_MAX:-256}}}]" ;;
       adaptive) echo "offload: [{from: m, to: m, policy: adaptive, ratio: ${RATIO:-0.5}}]" ;;
     esac
   } > "$cfg"
