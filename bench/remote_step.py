@@ -1,6 +1,7 @@
 """Sender decode step time with a share of the rows' attention on an idle peer GPU (issue 9).
 
     python bench/remote_step.py --out remote_step.json      # needs two GPUs (kind nvidia-h200-x2)
+    python bench/remote_step.py --transport cuda_ipc --executor-load decode ...   # the executor's GPU busy
 
 Llama-3-8B geometry with dummy weights on cuda:0; an in-process attention executor (the engine's
 `offload_executor="cuda:1"` path, FlashInfer on cuda:1) holds the remote rows' KV; `--transport` picks
@@ -45,6 +46,10 @@ def main() -> None:
     p.add_argument("--transport", default="local", choices=["local", "cuda_ipc"],
                    help="local: torch cross-device copies; cuda_ipc: GPU-signalled peer exchange")
     p.add_argument("--modes", default="graph,eager", help="graph (decode CUDA graphs), eager, or both")
+    p.add_argument("--executor-load", default="off", choices=["off", "decode"],
+                   help="decode: while timing, a thread keeps cuda:1 busy replaying a decode-like CUDA graph (32 "
+                        "layers of small-batch GEMMs over 8B-sized weights), as a served cold model does to the "
+                        "GPU that hosts the executor")
     p.add_argument("--out", default="remote_step.json")
     a = p.parse_args()
     if torch.cuda.device_count() < 2:
@@ -62,6 +67,10 @@ def main() -> None:
                       skip_tokenizer_init=True)
     runner = ModelRunner(args, model_dir, cfg)
     runner.pool.data.normal_()
+    # Made before the executor's partition takes what is left of cuda:1.
+    load = None
+    if a.executor_load == "decode":
+        load = ExecutorGpuLoad(torch.device("cuda:1"), cfg.hidden_size, cfg.num_layers)
     free1 = torch.cuda.mem_get_info(1)[0]
     executor = AttentionExecutor(ForeignKVPartition(int(free1 - 8 * 2**30), "cuda:1"), "flashinfer")
     remote: Any
@@ -73,10 +82,12 @@ def main() -> None:
         remote = PeerRemote(executor, "bench", guest_spec(runner), runner.device, cfg.num_heads, max_rows=256)
     runner.set_remote(remote)
     layout = Layout(runner.num_pages)
+    if load is not None:
+        load.start()
     res: dict[str, Any] = {"env": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                                    "gpus": [torch.cuda.get_device_name(i) for i in range(2)],
                                    "torch": torch.__version__, "model": a.model_path,
-                                   "transport": a.transport}, "rows": []}
+                                   "transport": a.transport, "executor_load": a.executor_load}, "rows": []}
     for bs, ctx in points:
         for share in shares:
             n_remote = round(bs * share)
@@ -102,6 +113,62 @@ def main() -> None:
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
             Path(a.out).write_text(json.dumps(res, indent=1))
+    if load is not None:
+        res["env"]["executor_load_steps"] = load.stop()
+        Path(a.out).write_text(json.dumps(res, indent=1))
+
+
+class ExecutorGpuLoad:
+    """A cold model's decode steps on the executor's GPU, without a model: one CUDA graph of `layers`
+    x (qkv, o, gate|up, down) GEMMs at batch 4 over dummy bf16 weights about an 8B model's shapes
+    (~15.6 GB streamed per step), replayed back to back by a thread on a stream of its own."""
+
+    def __init__(self, device: torch.device, hidden: int, layers: int, batch: int = 4) -> None:
+        import threading
+
+        self.device = device
+        shapes = [(hidden, 3 * hidden), (hidden, hidden), (hidden, 7 * hidden), (7 * hidden // 2, hidden)]
+        with torch.cuda.device(device):
+            self.stream = torch.cuda.Stream(device)
+            ws = [[torch.randn(k, n, dtype=torch.bfloat16, device=device) * 0.01 for k, n in shapes]
+                  for _ in range(layers)]
+            x = torch.randn(batch, hidden, dtype=torch.bfloat16, device=device)
+            with torch.cuda.stream(self.stream):
+                self._step(x, ws)  # cuBLAS handles and workspaces before the capture
+                self.stream.synchronize()
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph, stream=self.stream):
+                    self._step(x, ws)
+        self._ws, self._x = ws, x  # the graph reads them
+        self.steps = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="executor-gpu-load", daemon=True)
+
+    @staticmethod
+    def _step(x: torch.Tensor, ws: list[list[torch.Tensor]]) -> None:
+        for qkv, o, up, down in ws:
+            h = torch.mm(x, qkv)[:, : x.shape[1]]
+            h = torch.mm(h, o)
+            g = torch.mm(h, up)[:, : down.shape[0]]
+            x.add_(torch.mm(g, down), alpha=1e-3)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        torch.cuda.set_device(self.device)
+        with torch.cuda.stream(self.stream):
+            while not self._stop.is_set():
+                self.graph.replay()
+                self.steps += 1
+                if self.steps % 4 == 0:
+                    self.stream.synchronize()  # keep a few steps queued, not thousands
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        self.stream.synchronize()
+        return self.steps
 
 
 if __name__ == "__main__":
