@@ -315,3 +315,32 @@ def test_with_several_prefill_workers_the_decode_choice_prefers_the_paired_one()
     adr.state = "lost"
     d2.outstanding_tokens = 150
     assert planner._pick_decode(p, [d1, d2]) is d1
+
+
+def test_a_pd_decode_queue_that_cannot_be_admitted_keeps_the_loop_overlapped() -> None:
+    """Plain PD on a KV-bound decode worker: requests wait with their staged KV, the head cannot fit
+    beside the decode reserve, and the overlap loop keeps running ahead (it drained whenever one page
+    was spare). Outputs are a plain run's."""
+    lengths = [40, 38, 36, 34, 44, 42, 39, 41]
+
+    def rs() -> list[Req]:
+        return [Req(f"r{i}", p, greedy(MAX_NEW)) for i, p in enumerate(prompts(lengths))]
+
+    want = run_all(make_scheduler(), rs())
+
+    def run(old_rule: bool) -> int:
+        base = make_scheduler(max_total_tokens=200)
+        s = OverlapScheduler(base.args, base.runner, base.page_size, base.eos_ids, vocab_size=VOCAB)
+        if old_rule:
+            s._admission_blocked = lambda: (len(s.running) >= s.max_running  # type: ignore[method-assign]
+                                            or s.kv.available_pages - s._decode_reserve() < 1)
+        out: dict[str, list[int]] = {}
+        for r in rs():
+            first, kv = prefill(r)
+            r.output_ids, out[r.rid] = [first], [first]
+            s.add_prefilled(r, kv)
+        drive(s, out)
+        assert out == want
+        return s.overlapped_steps
+
+    assert run(old_rule=False) > run(old_rule=True)

@@ -150,11 +150,14 @@ class OverlapScheduler(Scheduler):
         if available - reserve < 1:
             return True
         head = next(iter(self.policy.candidates(self.waiting, self.rotary, self.kv.cache)), None)
-        if head is None or head.admitted or head.staged_kv is not None or head.remote is not None:
-            return False  # KV handed over or held elsewhere: its own admission rules
+        if head is None or head.admitted or head.remote is not None:
+            return False  # adopted (its KV on an executor): admitted without pages
         match = self.kv.cache.match_prefix(head.fill_ids[: self.kv.match_limit(head)])
-        first = min(head.fill_len - match.num_tokens, self.chunk)
-        need = self.kv.pages_for(match.num_tokens + max(first, 1)) - len(match.pages)
+        if head.staged_kv is not None:  # its prompt's KV came from a prefill worker (_admit_staged)
+            need = self.kv.pages_for(len(head.input_ids) + 1) - len(match.pages)
+        else:
+            first = min(head.fill_len - match.num_tokens, self.chunk)
+            need = self.kv.pages_for(match.num_tokens + max(first, 1)) - len(match.pages)
         return need + reserve > available
 
     # ---- launching ----------------------------------------------------------------------------
