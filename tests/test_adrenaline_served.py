@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 from _router_util import Server, free_port, serve, sse_events, wait_for
-from test_disagg_served import ARGS, DECODE_DEVICE, LONG, PROMPTS, generate, pair_state
+from test_disagg_served import ARGS, DECODE_DEVICE, LONG, PROMPTS, generate, pair_state, pd_idle
 
 
 def cluster(tmp: Any, port: int, entry: dict[str, Any] | None = None) -> str:
@@ -89,16 +89,8 @@ def test_greedy_outputs_equal_a_plain_worker(server: Server) -> None:
     # Every request done: the executor holds nothing, and neither worker holds a page.
 
     def idle() -> bool:
-        if server.info()["num_inflight_requests"]:
-            return False
-        pre = server.worker("pd-prefill")["load"]
-        if sum(pre["executor_kv_pairing_tokens"].values()):
-            return False
-        for wid in ("pd-prefill", "pd-decode"):
-            load = server.worker(wid)["load"]
-            if load["num_running"] or load["num_waiting"] or load["kv_used_tokens"] != load["kv_cached_tokens"]:
-                return False
-        return True
+        held = sum(server.worker("pd-prefill")["load"]["executor_kv_pairing_tokens"].values())
+        return not held and pd_idle(server)
 
     wait_for(idle, 20, "no executor KV and no page held")
     with server.client() as c:

@@ -42,6 +42,17 @@ def cluster(tmp: Any, port: int, prefill_args: dict[str, Any] | None = None) -> 
     return str(path)
 
 
+def pd_idle(srv: Server) -> bool:
+    """Nothing in flight, and neither worker runs, queues or holds a page outside its prefix cache."""
+    if srv.info()["num_inflight_requests"]:
+        return False
+    for wid in ("pd-prefill", "pd-decode"):
+        load = srv.worker(wid)["load"]
+        if load["num_running"] or load["num_waiting"] or load["kv_used_tokens"] != load["kv_cached_tokens"]:
+            return False
+    return True
+
+
 def pair_state(srv: Server) -> str:
     (p,) = srv.info()["disaggregation"]
     assert (p["prefill"], p["decode"]) == ("pd-prefill", "pd-decode")
@@ -128,17 +139,7 @@ def test_abort_mid_stream_frees_both_workers(server: Server) -> None:
             next(events)
     # the client is gone: nothing runs on either worker, and every page is back (or in the prefix cache)
 
-    def idle() -> bool:
-        info = server.info()
-        if info["num_inflight_requests"]:
-            return False
-        for wid in ("pd-prefill", "pd-decode"):
-            load = server.worker(wid)["load"]
-            if load["num_running"] or load["num_waiting"] or load["kv_used_tokens"] != load["kv_cached_tokens"]:
-                return False
-        return True
-
-    wait_for(idle, 20, "both workers idle with no page held")
+    wait_for(lambda: pd_idle(server), 20, "both workers idle with no page held")
     assert generate(server, "default", PROMPTS[3])["meta_info"]["decode_worker"] == "pd-decode"
 
 

@@ -117,9 +117,8 @@ class Scheduler(Admission, RotaryRows, RemoteRows, Handoff):
         self.prefill_tokens = 0  # prompt tokens forwarded in chunks of more than one (a step profile's)
         self.sampler = Sampler(vocab_size, runner.device, args.random_seed)
         self.grammar_masks = GrammarMasks(vocab_size, runner.device)  # imports xgrammar only when used
-        self.offload = offload
-        if offload is not None:
-            offload.context_len = runner.context_len
+        self.offload = None
+        self.set_offload(offload)
 
     # ---- requests in and out ------------------------------------------------------------------
     @property

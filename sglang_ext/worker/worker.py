@@ -318,13 +318,13 @@ class Worker:
         out.extend(self._disagg_events())
         t0 = time.perf_counter()
         pre = self.scheduler.prefill_tokens
-        busy = self.profiler is not None and self.scheduler.has_work()
-        if busy:
-            self.profiler.before_step()  # type: ignore[union-attr]
+        prof = self.profiler if self.profiler is not None and self.scheduler.has_work() else None
+        if prof is not None:
+            prof.before_step()
         results = self.scheduler.step()  # raises on a fatal error (see the module docstring)
         self.offload.after_step(self.scheduler)
-        if busy:
-            self.profiler.after_step()  # type: ignore[union-attr]
+        if prof is not None:
+            prof.after_step()
         if self.step_log is not None and (results or self.scheduler.has_work()):
             self.step_log.record(self.scheduler, time.perf_counter() - t0,
                                  sum(len(r.new_token_ids) for r in results), self.scheduler.prefill_tokens - pre)
