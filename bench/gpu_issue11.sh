@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device session for issue 11's end-to-end runs on kind nvidia-h200-x2 (carry .whl and .traces):
-#   bash bench/gpu_issue11.sh [served] [weaver] [ramp] [pd] [disagg_tests]
+#   bash bench/gpu_issue11.sh [contention] [served] [weaver] [ramp] [pd] [disagg_tests]
+# contention: bench/remote_step.py (cuda_ipc, graphs) with the executor's GPU idle, busy with a cold model's
+# decode-like load, and busy with that load kept off EXEC_SMS SMs (carveout, green context); CONTENTION_POINTS.
 # served: the served offload tests on two GPUs (staged KV loads on); weaver: bench/weaver_e2e.sh with
 # WEAVER_RUNS; ramp: fixed vs adaptive under a ServeGen rate ramp; pd: bench/pd_e2e.sh with PD_RUNS;
 # disagg_tests: the served PD and Adrenaline tests on two GPUs. Everything lands in $OUT/r.tgz (the device
@@ -21,6 +23,16 @@ stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 for s in ${*:-served weaver}; do
   stamp "$s"
   case $s in
+    contention)
+      for v in off decode decode:carveout decode:green; do
+        load=${v%%:*}; confine=${v#*:}; [ "$confine" = "$v" ] && confine=none
+        stamp "contention $v"
+        timeout -s KILL 150 python3 bench/remote_step.py --transport cuda_ipc --modes graph --steps 20 \
+          --points "${CONTENTION_POINTS:-48:1024,96:1024}" --shares 0,0.5 --executor-load "$load" \
+          --load-confine "$confine" --load-free-sms "${EXEC_SMS:-16}" --out "$R/contention_${load}_$confine.json" \
+          > "$R/contention_${load}_$confine.log" 2>&1
+        grep -E '^\{' "$R/contention_${load}_$confine.log" || tail -5 "$R/contention_${load}_$confine.log"
+      done ;;
     served) SGLANG_EXT_IPC_STAGED_LOADS=1 SGLANG_EXT_TEST_DEVICE=cuda timeout -s KILL 200 python3 -m pytest -q -rfs -x \
               -p no:cacheprovider -o faulthandler_timeout=150 tests/test_offload_served.py 2>&1 | tail -25 > "$R/served.log"
             tail -3 "$R/served.log" ;;
@@ -34,6 +46,7 @@ for s in ${*:-served weaver}; do
                     -o faulthandler_timeout=150 tests/test_disagg_served.py tests/test_adrenaline_served.py 2>&1 \
                     | tail -25 > "$R/disagg_tests.log"; tail -3 "$R/disagg_tests.log" ;;
   esac
+  tar czf "$OUT/r.tgz" -C "$R" .  # after every step: a later step that runs past the limit loses nothing
 done
 stamp done
 tar czf "$OUT/r.tgz" -C "$R" .

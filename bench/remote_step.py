@@ -2,6 +2,8 @@
 
     python bench/remote_step.py --out remote_step.json      # needs two GPUs (kind nvidia-h200-x2)
     python bench/remote_step.py --transport cuda_ipc --executor-load decode ...   # the executor's GPU busy
+    python bench/remote_step.py ... --executor-load decode --load-confine green --load-free-sms 16
+        # the busy GPU's load kept off 16 SMs (a green context; `carveout`: cuBLAS's SM count target)
 
 Llama-3-8B geometry with dummy weights on cuda:0; an in-process attention executor (the engine's
 `offload_executor="cuda:1"` path, FlashInfer on cuda:1) holds the remote rows' KV; `--transport` picks
@@ -50,6 +52,10 @@ def main() -> None:
                    help="decode: while timing, a thread keeps cuda:1 busy replaying a decode-like CUDA graph (32 "
                         "layers of small-batch GEMMs over 8B-sized weights), as a served cold model does to the "
                         "GPU that hosts the executor")
+    p.add_argument("--load-confine", default="none", choices=["none", "carveout", "green"],
+                   help="keep the load off --load-free-sms SMs: carveout (cuBLAS SM count target, what "
+                        "--executor-sms does in a worker) or green (a CUDA green context with the other SMs)")
+    p.add_argument("--load-free-sms", type=int, default=16)
     p.add_argument("--out", default="remote_step.json")
     a = p.parse_args()
     if torch.cuda.device_count() < 2:
@@ -70,7 +76,8 @@ def main() -> None:
     # Made before the executor's partition takes what is left of cuda:1.
     load = None
     if a.executor_load == "decode":
-        load = ExecutorGpuLoad(torch.device("cuda:1"), cfg.hidden_size, cfg.num_layers)
+        load = ExecutorGpuLoad(torch.device("cuda:1"), cfg.hidden_size, cfg.num_layers,
+                               confine=a.load_confine, free_sms=a.load_free_sms)
     free1 = torch.cuda.mem_get_info(1)[0]
     executor = AttentionExecutor(ForeignKVPartition(int(free1 - 8 * 2**30), "cuda:1"), "flashinfer")
     remote: Any
@@ -87,7 +94,10 @@ def main() -> None:
     res: dict[str, Any] = {"env": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                                    "gpus": [torch.cuda.get_device_name(i) for i in range(2)],
                                    "torch": torch.__version__, "model": a.model_path,
-                                   "transport": a.transport, "executor_load": a.executor_load}, "rows": []}
+                                   "transport": a.transport, "executor_load": a.executor_load,
+                                   "load_confine": a.load_confine if load else "none",
+                                   "load_free_sms": a.load_free_sms if load and a.load_confine != "none" else 0},
+           "rows": []}
     for bs, ctx in points:
         for share in shares:
             n_remote = round(bs * share)
@@ -114,35 +124,45 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             Path(a.out).write_text(json.dumps(res, indent=1))
     if load is not None:
-        res["env"]["executor_load_steps"] = load.stop()
+        steps, secs = load.stop()
+        res["env"]["executor_load_steps"] = steps
+        res["env"]["executor_load_step_ms"] = round(1e3 * secs / max(steps, 1), 3)
+        print(json.dumps({"executor_load_step_ms": res["env"]["executor_load_step_ms"]}), flush=True)
         Path(a.out).write_text(json.dumps(res, indent=1))
 
 
 class ExecutorGpuLoad:
     """A cold model's decode steps on the executor's GPU, without a model: one CUDA graph of `layers`
     x (qkv, o, gate|up, down) GEMMs at batch 4 over dummy bf16 weights about an 8B model's shapes
-    (~15.6 GB streamed per step), replayed back to back by a thread on a stream of its own."""
+    (~15.6 GB streamed per step), replayed back to back by a thread on a stream of its own.
 
-    def __init__(self, device: torch.device, hidden: int, layers: int, batch: int = 4) -> None:
+    `confine` keeps the load off `free_sms` SMs, so that the executor's kernels find SMs free at once
+    instead of waiting for the load's blocks to retire: `carveout` captures the GEMMs with cuBLASLt's SM
+    count target lowered (a hint the kernel choice follows), `green` captures and replays them in a
+    CUDA green context that holds only the other SMs (a hard partition)."""
+
+    def __init__(self, device: torch.device, hidden: int, layers: int, batch: int = 4,
+                 confine: str = "none", free_sms: int = 16) -> None:
         import threading
 
-        self.device = device
+        self.device, self.confine, self.free_sms = device, confine, free_sms
         shapes = [(hidden, 3 * hidden), (hidden, hidden), (hidden, 7 * hidden), (7 * hidden // 2, hidden)]
         with torch.cuda.device(device):
-            self.stream = torch.cuda.Stream(device)
-            ws = [[torch.randn(k, n, dtype=torch.bfloat16, device=device) * 0.01 for k, n in shapes]
-                  for _ in range(layers)]
-            x = torch.randn(batch, hidden, dtype=torch.bfloat16, device=device)
-            with torch.cuda.stream(self.stream):
-                self._step(x, ws)  # cuBLAS handles and workspaces before the capture
-                self.stream.synchronize()
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph, stream=self.stream):
-                    self._step(x, ws)
-        self._ws, self._x = ws, x  # the graph reads them
+            self._ws = [[torch.randn(k, n, dtype=torch.bfloat16, device=device) * 0.01 for k, n in shapes]
+                        for _ in range(layers)]
+            self._x = torch.randn(batch, hidden, dtype=torch.bfloat16, device=device)
         self.steps = 0
+        self.error: str | None = None
+        self._ready = threading.Event()
         self._stop = threading.Event()
+        self._go = threading.Event()
+        self._span = (0.0, 0.0)
+        # Captured and replayed by the thread: a green context is current per thread.
         self._thread = threading.Thread(target=self._run, name="executor-gpu-load", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self.error:
+            raise RuntimeError(f"executor load ({confine}): {self.error}")
 
     @staticmethod
     def _step(x: torch.Tensor, ws: list[list[torch.Tensor]]) -> None:
@@ -152,23 +172,67 @@ class ExecutorGpuLoad:
             g = torch.mm(h, up)[:, : down.shape[0]]
             x.add_(torch.mm(g, down), alpha=1e-3)
 
-    def start(self) -> None:
-        self._thread.start()
+    def _capture(self) -> tuple[torch.cuda.CUDAGraph, torch.cuda.Stream]:
+        torch.cuda.set_device(self.device)
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        if self.confine == "green":
+            from torch.cuda import green_contexts
+
+            gc = green_contexts.GreenContext.create(num_sms=sms - self.free_sms, device_id=self.device.index)
+            gc.set_context()
+            # The green context's own stream (torch >= 2.12 has GreenContext.Stream); the current stream
+            # after set_context was the default stream on torch 2.11 (capture then fails), so a stream
+            # made while the green context is current is the fallback (not verified on a GPU yet).
+            stream = gc.Stream() if hasattr(gc, "Stream") else torch.cuda.Stream(self.device)
+        else:
+            stream = torch.cuda.Stream(self.device)
+        lib = torch.backends.cuda.preferred_blas_library()
+        if self.confine == "carveout":  # honoured by the cuBLASLt path; set only while this graph is captured
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+            torch._C._set_sm_carveout_experimental(self.free_sms)
+        try:
+            with torch.cuda.stream(stream):
+                self._step(self._x, self._ws)  # cuBLAS handles and workspaces before the capture
+                stream.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=stream):
+                    self._step(self._x, self._ws)
+        finally:
+            if self.confine == "carveout":
+                torch._C._set_sm_carveout_experimental(None)
+                torch.backends.cuda.preferred_blas_library(lib)
+        return graph, stream
 
     def _run(self) -> None:
-        torch.cuda.set_device(self.device)
-        with torch.cuda.stream(self.stream):
+        import time
+
+        try:
+            graph, stream = self._capture()
+        except Exception as e:  # reported by the constructor
+            self.error = f"{type(e).__name__}: {e}"
+            self._ready.set()
+            return
+        self._ready.set()
+        self._go.wait()
+        t0 = time.perf_counter()
+        with torch.cuda.stream(stream):
             while not self._stop.is_set():
-                self.graph.replay()
+                graph.replay()
                 self.steps += 1
                 if self.steps % 4 == 0:
-                    self.stream.synchronize()  # keep a few steps queued, not thousands
+                    stream.synchronize()  # keep a few steps queued, not thousands
+            stream.synchronize()
+        self._span = (t0, time.perf_counter())
 
-    def stop(self) -> int:
+    def start(self) -> None:
+        self._go.set()
+
+    def stop(self) -> tuple[int, float]:
+        """Steps replayed and the seconds they took."""
         self._stop.set()
+        self._go.set()
         self._thread.join()
-        self.stream.synchronize()
-        return self.steps
+        return self.steps, self._span[1] - self._span[0]
 
 
 if __name__ == "__main__":

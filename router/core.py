@@ -521,6 +521,11 @@ class Router:
         if slo.tpot_ms is not None and st.first_token is not None and st.completion_tokens > 1:
             tpot = (now - st.first_token) / (st.completion_tokens - 1)
             self.metrics.slo_result(st.model, "tpot", tpot * 1e3 <= slo.tpot_ms)
+            if tpot * 1e3 > slo.tpot_ms:
+                # The SLO as it is defined (a request's mean time per output token): what the adaptive
+                # offload controller steers by. A single gap over it ("tbt", above) is only a warning --
+                # a prefill step of the worker's own makes one, offload or not.
+                self._slo_miss(st, "tpot", tpot, slo.tpot_ms / 1e3)
 
     def _slo_miss(self, st: RequestState, kind: str, value: float, slo: float) -> None:
         self.metrics.slo_miss.labels(st.model, kind).inc()

@@ -66,7 +66,7 @@ class SloMissed(Event):
     rid: str
     model: str
     worker_id: str
-    kind: str  # "ttft" | "tbt"
+    kind: str  # "ttft" | "tbt" (one token gap over the TPOT SLO) | "tpot" (a finished request's mean)
     value_s: float
     slo_s: float
 

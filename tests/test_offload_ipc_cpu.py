@@ -322,14 +322,14 @@ class FakeEnd:
 
 
 def serve_ipc(monkeypatch: pytest.MonkeyPatch, drains: bool,
-              stage_bytes: int = 0) -> tuple[ExecutorService, FakeEnd, Link]:
+              stage_bytes: int = 0, timeout_s: float = 5.0) -> tuple[ExecutorService, FakeEnd, Link]:
     executor = AttentionExecutor(ForeignKVPartition(1 << 22, "cpu", slab_bytes=1 << 15))
     executor.attach("hot-0/p1", F32)
     end = FakeEnd(FakeProgram(executor, "hot-0/p1"), drains, stage_bytes)
     monkeypatch.setattr(ipc_host.IpcHostEnd, "handshake", staticmethod(lambda *a, **k: end))
     store, listener = open_store("127.0.0.1")
     svc = ExecutorService(executor, threading.Lock(), "hot-0/p1", F32, store, "gloo", torch.device("cpu"),
-                          "127.0.0.1", 5.0, listener=listener, transport="cuda_ipc")
+                          "127.0.0.1", timeout_s, listener=listener, transport="cuda_ipc")
     svc.start()
     from sglang_ext.offload.dist import connect_store
 
@@ -523,6 +523,24 @@ def test_begin_does_not_wait_and_loads_reserve_the_longest(monkeypatch: pytest.M
     assert remote.begin_step([7, 8], [12, 5]) == []
     assert not remote.results_forged()  # the answer read: the host has planned
     assert svc.executor.partition.used_pages("hot-0/p1") == used  # no page needed: all set aside at load
+    remote.close()
+    assert svc.ended.wait(5)
+
+
+def test_an_answer_left_unread_does_not_block_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sender whose last remote step's answer stays unread (its remote requests finished before
+    that step landed, and no remote step came after) for longer than the host's send timeout: the
+    host's answer must not wait on the sender (a gloo send completes only once the peer receives), or
+    the host ends the pairing -- what the first Adrenaline run on two H200s did, 6 s in."""
+    svc, end, link = serve_ipc(monkeypatch, drains=True, timeout_s=0.5)
+    remote = Piped(link, F32, "cold-0", 5.0)
+    ps = F32.geometry.page_size
+    assert remote.load(7, torch.randn(1, 2, 2, ps, 2, 16), 10, reserve_tokens=4 * ps)
+    assert remote.begin_step([7], [10]) == [] and remote._pending
+    time.sleep(1.5)  # three host timeouts, the answer unread
+    assert not svc.ended.is_set() and remote.alive
+    assert remote.begin_step([7], [11]) == []
+    assert not remote.results_forged() and remote.alive and end.program.steps == [[7], [7]]
     remote.close()
     assert svc.ended.wait(5)
 

@@ -76,7 +76,7 @@ async def test_request_lifecycle_and_events(router: Router, ctx: zmq.asyncio.Con
         await until(lambda: any(isinstance(e, LoadReported) for e in events))
         kinds = {type(e) for e in events}
         assert {WorkerUp, RequestArrived, FirstToken, RequestFinished, SloMissed, LoadReported} <= kinds
-        assert {e.kind for e in events if isinstance(e, SloMissed)} == {"ttft", "tbt"}
+        assert {e.kind for e in events if isinstance(e, SloMissed)} == {"ttft", "tbt", "tpot"}
     finally:
         sub.close()
         w.close()

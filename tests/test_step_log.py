@@ -21,13 +21,14 @@ def test_interval_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_line_per_interval_with_the_means(caplog: pytest.LogCaptureFixture) -> None:
     remote = SimpleNamespace(wait_s=0.0, staged_loads=0)
-    sched = SimpleNamespace(running=[1, 2, 3, 4], waiting=[1, 2], overlapped_steps=0,
+    sched = SimpleNamespace(running=[1, 2, 3, 4], waiting=[1, 2], overlapped_steps=0, forward_rows=0,
                             offload=SimpleNamespace(num_remote=2, remote=remote))
     log = StepLog(interval_s=0.0, name="w0")  # every step closes an interval
     with caplog.at_level(logging.INFO, logger="sglang_ext.worker.step_log"):
         log.record(sched, 0.010, tokens_out=4, prefill_tokens=0)  # the baseline for the counters
-        sched.overlapped_steps, remote.staged_loads = 1, 3
+        sched.overlapped_steps, remote.staged_loads, sched.forward_rows = 1, 3, 3  # one request sat out
         log.record(sched, 0.020, tokens_out=4, prefill_tokens=512)
     line = caplog.messages[-1]
     assert line.startswith("w0: steps 1 (") and "20.0 ms mean" in line and "100 % with a prefill" in line
-    assert "100 % overlapped" in line and "running 4.0 (remote 2.0) waiting 2.0" in line and "(loads 3)" in line
+    assert "100 % overlapped" in line and "running 4.0 (remote 2.0) waiting 2.0 | rows 3.0" in line
+    assert "(loads 3)" in line

@@ -3,7 +3,7 @@
 It keeps the receiving worker's (the executor host's) P99 TPOT within its model's SLO while the
 sender's batch grows. At most once per `interval_s` (a change needs time to show in the latency):
 
-    missed   an SLO miss of the host's requests since the last look (the router's TBT check), its
+    missed   a request of the host's that finished over its TPOT SLO since the last look, its
              executor memory ran low, or its P99 TPOT is above the SLO   -> lower by step_down
     slack    no miss and P99 TPOT below slack x SLO (or no samples: nothing to protect), and the
              sender has requests to send                              -> raise by step_up

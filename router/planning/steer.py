@@ -7,7 +7,9 @@ to the sender as an OffloadRatio (the pairing stays; new requests follow it).
                                    under the entry's executor_low_mem share), then decide
     RequestArrived / FirstToken /  the sender's batch changed: decide (adrenaline's dense bound
     RequestFinished of a sender    moves with it)
-    SloMissed on a host (tbt)      the controller counts a miss; decide
+    SloMissed on a host (tpot)     a finished request of the host's model over its TPOT SLO: the
+                                   controller counts a miss; decide (single token gaps, "tbt", are
+                                   not misses of the SLO: a prefill step of the host's own makes one)
     ExecutorMemoryLow              decide
 
 Every decision is built from the registry (`PairView`), never from a tally of past events, so a
@@ -63,9 +65,9 @@ class Steering:
             if p is not None:
                 self.plan(p)
         elif isinstance(ev, SloMissed):
-            if ev.kind == "tbt":
+            if ev.kind == "tpot":
                 for p in self._hosted_by(ev.worker_id):
-                    p.policy.note_miss("tbt")
+                    p.policy.note_miss("tpot")
                     self.plan(p)
         elif isinstance(ev, ExecutorMemoryLow):
             p = self.pairings.get(ev.sender)

@@ -190,6 +190,21 @@ class Link:
         self.recv_ctrl(h, timeout_s)
         return [int(x) for x in h.tolist()]
 
+    def post_header_recv(self) -> tuple[Any, torch.Tensor]:
+        """Post the receive of the next header now and wait for it later (`header_of`): a gloo send
+        completes only once its peer has posted the matching receive, so a peer that answers before
+        we are ready to read must find the receive already posted, or it waits on us."""
+        h = torch.empty(_HEADER, dtype=torch.int64)
+        try:
+            return self._open_ctrl().recv([h], self.peer, TAG_CTRL), h
+        except RuntimeError as e:
+            raise LinkError(_short(e)) from None
+
+    def header_of(self, posted: tuple[Any, torch.Tensor], timeout_s: float) -> list[int]:
+        work, h = posted
+        self.wait(work, timeout_s, gloo=True)
+        return [int(x) for x in h.tolist()]
+
     def close(self) -> None:
         """Drop the group: its sockets close, so a peer waiting on it fails at once."""
         if self.backend == "nccl" and self.pg is not None:
@@ -370,6 +385,7 @@ class PipelinedBegin(DistRemote):
     wrong: the pairing ends and `results_forged` says so, and the scheduler recomputes those requests."""
 
     _pending = 0  # the number (`begins`) of the BEGIN whose answer is unread; 0: none
+    _answer: tuple[Any, torch.Tensor] | None = None  # its receive, posted with the BEGIN
     _late_drop = False  # the host dropped rows of a step that had already been launched
 
     def begin_step(self, handles: list[int], positions: list[int]) -> list[int]:
@@ -378,6 +394,9 @@ class PipelinedBegin(DistRemote):
             hp = torch.tensor([handles, positions], dtype=torch.int64).to(self.link.device)
             self.link.send_header([BEGIN, len(handles)], self.timeout_s)
             self.link.send(hp, TAG_CTRL, self.timeout_s)
+            # Posted now: the host answers at once, and its send would otherwise wait for us to read
+            # (which may be seconds away when no remote step follows) and time out.
+            self._answer = self.link.post_header_recv()
         self.begins += 1
         self._pending = self.begins
         return []
@@ -387,8 +406,10 @@ class PipelinedBegin(DistRemote):
         if not self._pending:
             return
         self._pending = 0
+        answer, self._answer = self._answer, None
+        assert answer is not None
         with self._exchange("begin_step"):
-            n_failed = self.link.recv_header(self.timeout_s)[1]
+            n_failed = self.link.header_of(answer, self.timeout_s)[1]
             if n_failed:
                 buf = torch.empty(n_failed, dtype=torch.int64, device=self.link.device)
                 self.link.recv(buf, TAG_CTRL, self.timeout_s)

@@ -109,7 +109,12 @@ class AttentionExecutor:
 
     def _copy_in(self, g: _GuestState, pages: list[int], kv: torch.Tensor) -> None:
         with self._on_device():
-            idx = torch.tensor(pages, dtype=torch.long, device=self.device)
+            # Through pinned memory, asynchronously: a blocking upload would sync the current stream,
+            # which may wait on the GPU for a guest's queued program (before_load) -- and so for the
+            # guest's next step -- while this thread holds the executor's lock.
+            idx = torch.tensor(pages, dtype=torch.long)
+            if self.device.type == "cuda":
+                idx = idx.pin_memory().to(self.device, non_blocking=True)
             g.backend.pool.data.index_copy_(0, idx, kv.to(self.device, non_blocking=True))
 
     def release(self, guest: str, handle: int) -> None:

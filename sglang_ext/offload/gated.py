@@ -87,6 +87,7 @@ class GatedProgram:
         self.rows = 0  # the step's rows the executor computes
         self._warm: set[int] = set()  # row counts whose kernels ran once ungated
         self.program_done: torch.cuda.Event | None = None  # end of the last queued program
+        self._loads: list[torch.cuda.Event] = []  # copies on other streams the next program waits for
         # None: wait as long as it takes (in one process, the sender is this process). A host serving
         # another process sets a bound: a program that never finishes then fails the step, not the thread.
         self.wait_timeout_s: float | None = None
@@ -111,6 +112,18 @@ class GatedProgram:
         on the GPU (no host wait)."""
         if self.program_done is not None:
             torch.cuda.current_stream(self.dev).wait_event(self.program_done)
+
+    def after_load(self, stream: torch.cuda.Stream) -> None:
+        """A load ran on `stream`, not on the thread that queues programs (an Adrenaline adoption, on
+        a side stream of the prefill worker's forward thread): the next program waits for it."""
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        self._loads.append(ev)
+
+    def _after_loads(self, s: torch.cuda.Stream) -> None:
+        for ev in self._loads:
+            s.wait_event(ev)
+        self._loads.clear()
 
     def step(self, handles: list[int], positions: list[int]) -> list[int]:
         """Plan a step and queue its program; returns the handles the executor dropped."""
@@ -188,6 +201,7 @@ class GatedProgram:
         assert g.batch is not None
         s = self.stream
         s.wait_stream(torch.cuda.current_stream(self.dev))  # plans and KV loads ran on the current stream
+        self._after_loads(s)
         with torch.cuda.device(self.dev), torch.cuda.stream(s):
             self._program(g.backend, self.rows, g.batch, gated=True)
             self.program_done = torch.cuda.Event()
@@ -205,6 +219,7 @@ class GatedProgram:
             lane.loc[:n].copy_(batch.out_cache_loc, non_blocking=True)
             lane.loc[n:rp].zero_()
             s.wait_stream(torch.cuda.current_stream(self.dev))
+            self._after_loads(s)
             graph = lane.graphs.get(rp)
             if graph is None:
                 graph = self._capture(lane, rp, dataclasses.replace(batch, out_cache_loc=lane.loc[:rp]))

@@ -66,6 +66,7 @@ class ExecutorHost:
         self.lock = threading.Lock()
         self.services: dict[str, ExecutorService] = {}
         self.guest_models: dict[str, str] = {}  # guest key -> the guest's model name
+        self._side: torch.cuda.Stream | None = None  # adopted requests' copies (see _adopt_stream)
 
     def open(self, msg: ExecutorOpen) -> dict[str, str]:
         """Start serving a new pairing; returns the rendezvous address and backend for the sender.
@@ -104,13 +105,34 @@ class ExecutorHost:
         with self.lock:
             if svc.guest not in self.executor.guests:
                 return False
-            if svc.ipc is not None:
-                svc.ipc.program.before_load()
+            side = self._adopt_stream(kv) if svc.ipc is not None else None
             try:
-                self.executor.load(svc.guest, handle, kv, length, reserve_tokens=reserve_tokens)
+                with torch.cuda.stream(side) if side is not None else nullcontext():
+                    if svc.ipc is not None:
+                        svc.ipc.program.before_load()
+                    self.executor.load(svc.guest, handle, kv, length, reserve_tokens=reserve_tokens)
+                    if svc.ipc is not None and side is not None:
+                        svc.ipc.program.after_load(side)  # its next program reads these pages after the copy
             except (ExecutorFull, ValueError):
                 return False
         return True
+
+    def _adopt_stream(self, kv: torch.Tensor) -> torch.cuda.Stream | None:
+        """The stream an adopted request's copy into the executor runs on (cuda): not the forward
+        thread's. The copy must wait for the guest's last queued gated program (`before_load`), which
+        waits on the GPU for the decode worker's doorbells; on the forward stream, every later
+        prefill -- and the KV sends of plain hand-offs behind them, which the decode worker's step
+        may wait for -- would queue behind that program too: a cycle across the two GPUs that only
+        a timeout breaks (the pairing was lost 6 s into two Adrenaline runs on two H200s). The
+        side stream first waits for the forward stream (the gather that made `kv`), and `kv` is
+        kept alive until the copy has read it."""
+        if kv.device.type != "cuda":
+            return None
+        if self._side is None:
+            self._side = torch.cuda.Stream(kv.device)
+        self._side.wait_stream(torch.cuda.current_stream(kv.device))
+        kv.record_stream(self._side)
+        return self._side
 
     def release_placed(self, pairing: str, handle: int) -> None:
         """Give back KV that `adopt` took for a request whose decode worker will never use it."""

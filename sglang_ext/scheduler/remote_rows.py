@@ -29,6 +29,7 @@ class RemoteRows:
     running: list[Req]
     waiting: list[Req]
     num_preemptions: int
+    forward_rows: int
     clock: Callable[[], float]
     sampler: Sampler
     runner: ModelRunner
@@ -37,15 +38,16 @@ class RemoteRows:
         """Tell the executor this step's remote rows (at kv_len + ahead); rows it cannot grow are
         recomputed locally. Raises ExecutorLost."""
         remote = [e.req for e in entries if e.req.remote is not None]
-        if not remote:
-            return entries
-        assert self.offload is not None
-        dropped = self.offload.begin_step(remote, ahead)
-        for r in dropped:
-            logger.info("executor full: %s is recomputed locally", r.rid)
-            self._requeue(r)
-        gone = {id(r) for r in dropped}
-        return [e for e in entries if id(e.req) not in gone]
+        if remote:
+            assert self.offload is not None
+            dropped = self.offload.begin_step(remote, ahead)
+            for r in dropped:
+                logger.info("executor full: %s is recomputed locally", r.rid)
+                self._requeue(r)
+            gone = {id(r) for r in dropped}
+            entries = [e for e in entries if id(e.req) not in gone]
+        self.forward_rows += len(entries)  # every forward's rows pass here (the step profile's "rows")
+        return entries
 
     def _lose_executor(self, why: str) -> None:
         """The executor is gone: every request there is recomputed locally."""

@@ -2,7 +2,10 @@
 one INFO line every S seconds; unset: off, and nothing is measured).
 
     steps 412 (82.4/s, 11.6 ms mean, 41 % with a prefill, 37 % overlapped) | running 43.1 (remote 21.5)
-    waiting 88.0 | tokens out 3560/s, prefill 9120/s | executor wait 6.3 % (loads 31, 2.1 ms each)
+    waiting 88.0 | rows 40.2 | tokens out 3560/s, prefill 9120/s | executor wait 6.3 % (loads 31)
+
+"rows" is the mean number of requests in a forward (running ones may sit a step out: no page to grow,
+a swap-in on the way, or a prompt chunk that did not fit the step's token budget).
 
 Means are over the steps of the interval; "executor wait" is the sender's time blocked on its
 executor (plans, loads, exchanges that the host waits for) as a share of the interval.
@@ -49,7 +52,7 @@ class StepLog:
         self.name = name
         self._w = _Window()
         self._t0 = time.monotonic()
-        self._base: tuple[int, float, int] | None = None  # overlapped steps, executor wait, staged loads
+        self._base: tuple[int, float, int, int] | None = None  # overlapped steps, executor wait, loads, rows
 
     def record(self, scheduler: Scheduler, wall_s: float, tokens_out: int, prefill_tokens: int) -> None:
         w = self._w
@@ -66,9 +69,10 @@ class StepLog:
             self._emit(scheduler, now - self._t0)
             self._t0, self._w = now, _Window()
 
-    def _counters(self, scheduler: Scheduler) -> tuple[int, float, int]:
+    def _counters(self, scheduler: Scheduler) -> tuple[int, float, int, int]:
         r = scheduler.offload.remote if scheduler.offload is not None else None
-        return (getattr(scheduler, "overlapped_steps", 0), r.wait_s if r else 0.0, r.staged_loads if r else 0)
+        return (getattr(scheduler, "overlapped_steps", 0), r.wait_s if r else 0.0, r.staged_loads if r else 0,
+                scheduler.forward_rows)
 
     def _emit(self, scheduler: Scheduler, span: float) -> None:
         w, now = self._w, self._counters(scheduler)
@@ -76,8 +80,10 @@ class StepLog:
         self._base = now
         n = max(w.steps, 1)
         overlapped, waited, loads = now[0] - base[0], max(now[1] - base[1], 0.0), now[2] - base[2]
+        rows = now[3] - base[3]
         logger.info("%s: steps %d (%.1f/s, %.1f ms mean, %.0f %% with a prefill, %.0f %% overlapped) | running %.1f "
-                    "(remote %.1f) waiting %.1f | tokens out %.0f/s, prefill %.0f/s | executor wait %.1f %% (loads %d)",
+                    "(remote %.1f) waiting %.1f | rows %.1f | tokens out %.0f/s, prefill %.0f/s | executor wait "
+                    "%.1f %% (loads %d)",
                     self.name, w.steps, w.steps / span, 1e3 * w.wall_s / n, 100 * w.with_prefill / n,
-                    100 * overlapped / n, w.running / n, w.remote / n, w.waiting / n, w.tokens_out / span,
+                    100 * overlapped / n, w.running / n, w.remote / n, w.waiting / n, rows / n, w.tokens_out / span,
                     w.prefill_tokens / span, 100 * waited / span, loads)
