@@ -2,7 +2,7 @@
 # One device session for issue 11's end-to-end runs on kind nvidia-h200-x2 (carry .whl and .traces):
 #   bash bench/gpu_issue11.sh [contention] [served] [weaver] [ramp] [pd] [disagg_tests]
 # contention: bench/remote_step.py (cuda_ipc, graphs) with the executor's GPU idle, busy with a cold model's
-# decode-like load, and busy with that load kept off EXEC_SMS SMs (carveout, green context); CONTENTION_POINTS.
+# decode-like load, and busy with that load kept off FREE_SMS SMs (16) (carveout, green context); CONTENTION_POINTS.
 # served: the served offload tests on two GPUs (staged KV loads on); weaver: bench/weaver_e2e.sh with
 # WEAVER_RUNS; ramp: fixed vs adaptive under a ServeGen rate ramp; pd: bench/pd_e2e.sh with PD_RUNS;
 # disagg_tests: the served PD and Adrenaline tests on two GPUs. Everything lands in $OUT/r.tgz (the device
@@ -29,7 +29,7 @@ for s in ${*:-served weaver}; do
         stamp "contention $v"
         timeout -s KILL 150 python3 bench/remote_step.py --transport cuda_ipc --modes graph --steps 20 \
           --points "${CONTENTION_POINTS:-48:1024,96:1024}" --shares 0,0.5 --executor-load "$load" \
-          --load-confine "$confine" --load-free-sms "${EXEC_SMS:-16}" --out "$R/contention_${load}_$confine.json" \
+          --load-confine "$confine" --load-free-sms "${FREE_SMS:-16}" --out "$R/contention_${load}_$confine.json" \
           > "$R/contention_${load}_$confine.log" 2>&1
         grep -E '^\{' "$R/contention_${load}_$confine.log" || tail -5 "$R/contention_${load}_$confine.log"
       done ;;

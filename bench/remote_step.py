@@ -53,8 +53,8 @@ def main() -> None:
                         "layers of small-batch GEMMs over 8B-sized weights), as a served cold model does to the "
                         "GPU that hosts the executor")
     p.add_argument("--load-confine", default="none", choices=["none", "carveout", "green"],
-                   help="keep the load off --load-free-sms SMs: carveout (cuBLAS SM count target, what "
-                        "--executor-sms does in a worker) or green (a CUDA green context with the other SMs)")
+                   help="keep the load off --load-free-sms SMs: carveout (torch's cuBLASLt SM count target) "
+                        "or green (a CUDA green context with the other SMs)")
     p.add_argument("--load-free-sms", type=int, default=16)
     p.add_argument("--out", default="remote_step.json")
     a = p.parse_args()

@@ -18,7 +18,6 @@ from sglang_ext.engine.forward_batch import ForwardBatch
 from sglang_ext.kvcache.pool import KVGeometry, KVPool
 from sglang_ext.models.config import ModelConfig
 from sglang_ext.models.loader import load_model
-from sglang_ext.offload.sm_share import reserve_sms
 from sglang_ext.server_args import ServerArgs
 
 if TYPE_CHECKING:
@@ -99,8 +98,6 @@ class ModelRunner:
         self.cfg = cfg
         self.device = torch.device(args.resolved_device)
         bind_device(args.resolved_device)  # loading and graph capture run on this thread (the Engine's too)
-        if args.executor_sms and (args.executor_mem_gb > 0 or args.offload_executor is not None):
-            reserve_sms(args.executor_sms, self.device)  # before any graph captures a matmul
         self.dtype = resolve_dtype(args, cfg, args.resolved_device)
         self.context_len = context_length(args, cfg)
         self.timer = timer or StartupTimer()
