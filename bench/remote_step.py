@@ -179,11 +179,18 @@ class ExecutorGpuLoad:
             from torch.cuda import green_contexts
 
             gc = green_contexts.GreenContext.create(num_sms=sms - self.free_sms, device_id=self.device.index)
-            gc.set_context()
-            # The green context's own stream (torch >= 2.12 has GreenContext.Stream); the current stream
-            # after set_context was the default stream on torch 2.11 (capture then fails), so a stream
-            # made while the green context is current is the fallback (not verified on a GPU yet).
-            stream = gc.Stream() if hasattr(gc, "Stream") else torch.cuda.Stream(self.device)
+            gc.set_context()  # this thread's current stream becomes the green context's NULL stream
+            # A graph cannot be captured on a NULL stream: a side stream of the green context. torch's
+            # pooled streams belong to the primary context (their kernels would use every SM), so
+            # without GreenContext.Stream (newer torch) one is created with the green context current.
+            if hasattr(gc, "Stream"):
+                stream = gc.Stream()
+            else:
+                from sglang_ext.offload import cuda_signal as cs
+
+                drv = cs.driver()
+                raw = cs._check(drv.cuStreamCreate(1), "cuStreamCreate", drv)  # CU_STREAM_NON_BLOCKING
+                stream = torch.cuda.ExternalStream(int(raw), device=self.device)
         else:
             stream = torch.cuda.Stream(self.device)
         lib = torch.backends.cuda.preferred_blas_library()
