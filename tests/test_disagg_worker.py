@@ -148,6 +148,10 @@ def test_greedy_outputs_equal_a_plain_worker(workers: tuple[Worker, Worker, Work
     assert sent["kv_transfers_out"] == got["kv_transfers_in"] == len(reqs)
     assert sent["kv_transfer_bytes_out"] == got["kv_transfer_bytes_in"] > 0
     assert p.load_report().kv_transfers_out == len(reqs)
+    # Latency for the planners: first tokens are the prefill worker's (TTFT), the rest the decode worker's.
+    rp, rd = p.load_report(), d.load_report()
+    assert rp.ttft_samples == len(reqs) and rp.ttft_p99_ms > 0 and rp.tpot_samples == 0
+    assert rd.ttft_samples == 0 and rd.tpot_samples == len(reqs) and rd.tpot_p99_ms > 0
     # The prefill worker's prefix cache holds the prompts now: a repeat hits it, outputs unchanged.
     again, _ = _run_pd(p, d, reqs[:2], 200)
     assert [again[r.rid]["ids"] for r in reqs[:2]] == [want[r.rid]["ids"] for r in reqs[:2]]

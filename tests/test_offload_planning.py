@@ -71,6 +71,25 @@ def test_the_controller_lowers_the_ratio_after_slo_misses() -> None:
     assert c.decide(view(10.0, 90.0)).ratio == 0.0 and c.why.startswith("at 0")  # clamped
 
 
+def test_with_a_prefill_host_the_controller_keeps_its_ttft() -> None:
+    """Adrenaline placement: the executor's host is a prefill worker, which decodes nothing (no TPOT);
+    the controller keeps its P99 TTFT within the model's TTFT SLO instead."""
+    c = controller(ratio=0.3)
+
+    def pv(now: float, ttft: float | None, tpot: float | None = None) -> PairView:
+        return PairView(now=now, sender_batch=4, sender_kv_tokens=8192, host_prefill=True,
+                        host_tpot_p99_ms=tpot or 0.0, host_tpot_samples=0 if tpot is None else 20,
+                        host_slo_tpot_ms=50.0, host_ttft_p99_ms=ttft or 0.0,
+                        host_ttft_samples=0 if ttft is None else 20, host_slo_ttft_ms=1000.0)
+
+    assert c.decide(pv(0.0, 1500.0)).ratio == pytest.approx(0.2)  # TTFT 1.5 s > SLO 1 s: lowered
+    assert "P99 TTFT 1500.0 ms > SLO 1000 ms" in c.why
+    assert c.decide(pv(2.0, 900.0, tpot=10.0)).ratio == pytest.approx(0.2)  # within [0.8, 1] x SLO: held
+    assert c.why.startswith("held: P99 TTFT 900.0 ms")  # the host's TPOT (were there any) plays no part
+    assert c.decide(pv(4.0, 300.0, tpot=90.0)).ratio == pytest.approx(0.25)  # slack: raised
+    assert "P99 TTFT 300.0 ms < 0.8 x SLO 1000 ms" in c.why
+
+
 def test_the_controller_raises_the_ratio_with_slack_and_holds_in_between() -> None:
     c = controller(ratio=0.1)
     assert c.decide(view(0.0, 30.0)).ratio == pytest.approx(0.15)  # 30 < 0.8 x 50
@@ -93,7 +112,8 @@ def test_the_controller_follows_its_settings() -> None:
 
 # ---- the planner on events, with fake workers ------------------------------------------------------------
 def planned(rule: OffloadSpec) -> Callable[[], Router]:
-    return lambda: Router(RouterConfig(heartbeat_timeout_s=2.0), slo={"cold": SloSpec(tpot_ms=50)}, offload=[rule])
+    return lambda: Router(RouterConfig(heartbeat_timeout_s=2.0), slo={"cold": SloSpec(ttft_ms=1000, tpot_ms=50)},
+                          offload=[rule])
 
 
 @pytest.fixture
@@ -172,6 +192,11 @@ async def test_adaptive_lowers_on_slo_misses_and_raises_with_slack(make_router: 
         router.bus.publish(SloMissed("r-x", "cold", "cold-0", "tpot", 0.2, 0.05))
         assert [m.ratio for m in await ratios(s, 3)] == pytest.approx([0.3, 0.35, 0.4])
         assert "1 tpot miss(es)" in decided[-3].why
+        # a prefill worker hosting the executor (Adrenaline placement): its first tokens' TTFT is kept
+        router.registry.workers["cold-0"].role = "prefill"
+        reports(h, tpot_p99_ms=20.0, tpot_samples=20, ttft_p99_ms=1500.0, ttft_samples=20)
+        assert (await next_of(s, OffloadRatio)).ratio == pytest.approx(0.3)
+        assert "P99 TTFT 1500.0 ms > SLO 1000 ms" in decided[-1].why
     finally:
         for w in fleet.workers:
             w.close()

@@ -11,7 +11,7 @@ from test_offload_worker import PROMPTS, make, open_for, run
 
 from sglang_ext.messages import OffloadDirective, OffloadRatio, decode_to_worker, encode
 from sglang_ext.offload.conditions import Loads, c1, c2, should_offload
-from sglang_ext.worker.stats import TpotWindow
+from sglang_ext.worker.stats import LatencyWindow
 
 
 # ---- C1 / C2 ----------------------------------------------------------------------------------------
@@ -120,7 +120,7 @@ def test_the_ratio_message_decodes_strictly() -> None:
 
 # ---- the TPOT window -----------------------------------------------------------------------------------
 def test_tpot_p99_over_a_recent_window() -> None:
-    w = TpotWindow(window_s=10.0)
+    w = LatencyWindow(window_s=10.0)
     assert w.p99_ms(now=0.0) == 0.0 and w.count(now=0.0) == 0
     for i in range(100):
         w.add((i + 1) / 1000, now=float(i) / 100)  # 1 ms ... 100 ms, all within the first second

@@ -10,6 +10,10 @@ sender's batch grows. At most once per `interval_s` (a change needs time to show
     between  hold (hysteresis: the band [slack x SLO, SLO] keeps the share still)
 
 The share stays in [0, max_ratio]; at 0 the pairing stays up and nothing new goes out.
+
+A prefill worker hosting the executor (Adrenaline placement) decodes nothing of its own, so it has no
+TPOT: there the latency kept within the SLO is the P99 TTFT of the first tokens it computes, against
+the model's `slo: ttft_ms` (Adrenaline bounds the executor so that prefill keeps its TTFT).
 """
 
 from __future__ import annotations
@@ -42,20 +46,24 @@ class Adaptive(Policy):
         return Decision(self.ratio, cap, None, self.why)
 
     def _look(self, v: PairView, cap: float) -> None:
-        slo = v.host_slo_tpot_ms or math.inf
-        p99 = v.host_tpot_p99_ms if v.host_tpot_samples else None
+        if v.host_prefill:
+            what, slo = "TTFT", v.host_slo_ttft_ms or math.inf
+            p99 = v.host_ttft_p99_ms if v.host_ttft_samples else None
+        else:
+            what, slo = "TPOT", v.host_slo_tpot_ms or math.inf
+            p99 = v.host_tpot_p99_ms if v.host_tpot_samples else None
         missed = [f"{n} {kind} miss(es)" for kind, n in sorted(self.misses.items())]
         if v.exec_low:
             missed.append("executor memory low")
         if p99 is not None and p99 > slo:
-            missed.append(f"P99 TPOT {p99:.1f} ms > SLO {slo:g} ms")
+            missed.append(f"P99 {what} {p99:.1f} ms > SLO {slo:g} ms")
         self.misses = {}
         old = self.ratio
         if missed:
             self.ratio = max(0.0, round(old - self.spec.step_down, 6))
             self.why = f"lowered: {', '.join(missed)}" if self.ratio < old else f"at 0: {', '.join(missed)}"
         elif p99 is None or p99 < self.spec.slack * slo:
-            have = f"P99 TPOT {p99:.1f} ms < {self.spec.slack:g} x SLO {slo:g} ms" if p99 is not None else "no samples"
+            have = "no samples" if p99 is None else f"P99 {what} {p99:.1f} ms < {self.spec.slack:g} x SLO {slo:g} ms"
             if v.sender_batch <= 0:
                 self.why = f"slack ({have}), the sender has nothing to send"
             elif old < cap:
@@ -65,4 +73,4 @@ class Adaptive(Policy):
                 self.why = f"at max_ratio: slack ({have})"
         else:
             assert p99 is not None
-            self.why = f"held: P99 TPOT {p99:.1f} ms within [{self.spec.slack:g} x SLO, SLO {slo:g} ms]"
+            self.why = f"held: P99 {what} {p99:.1f} ms within [{self.spec.slack:g} x SLO, SLO {slo:g} ms]"

@@ -23,6 +23,11 @@ class PairView:
     host_tpot_p99_ms: float = 0.0  # the receiving worker's own requests, over a recent window
     host_tpot_samples: int = 0
     host_slo_tpot_ms: float | None = None  # the receiving model's `slo: tpot_ms`
+    # A prefill worker hosting the executor (Adrenaline placement) decodes nothing: its latency is TTFT.
+    host_prefill: bool = False
+    host_ttft_p99_ms: float = 0.0  # first tokens it computed, over the same window
+    host_ttft_samples: int = 0
+    host_slo_ttft_ms: float | None = None  # the receiving model's `slo: ttft_ms`
 
 
 class Decision(NamedTuple):

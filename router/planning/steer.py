@@ -106,7 +106,10 @@ class Steering:
             exec_used=hl.executor_kv_pairing_tokens.get(p.pairing_id, 0) if hl else 0,
             exec_free=hl.executor_kv_free_tokens.get(p.pairing_id, 0) if hl else 0, exec_low=p.exec_low,
             host_tpot_p99_ms=hl.tpot_p99_ms if hl else 0.0, host_tpot_samples=hl.tpot_samples if hl else 0,
-            host_slo_tpot_ms=slo.tpot_ms if slo is not None else None)
+            host_slo_tpot_ms=slo.tpot_ms if slo is not None else None,
+            host_prefill=host is not None and host.role == "prefill",
+            host_ttft_p99_ms=hl.ttft_p99_ms if hl else 0.0, host_ttft_samples=hl.ttft_samples if hl else 0,
+            host_slo_ttft_ms=slo.ttft_ms if slo is not None else None)
 
     def opening(self, p: Pairing) -> tuple[float, float]:
         """The (ratio, bound) a new pairing's directive carries: the policy's decision now."""

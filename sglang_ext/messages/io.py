@@ -170,6 +170,10 @@ class LoadReport(msgspec.Struct, tag="load", kw_only=True):
     # (0 with no samples) and how many requests it covers.
     tpot_p99_ms: float = 0.0
     tpot_samples: int = 0
+    # ... and of the first tokens it computed (from the request's arrival here), the same window: what
+    # the planner steers by when this worker is a prefill worker hosting an executor (Adrenaline).
+    ttft_p99_ms: float = 0.0
+    ttft_samples: int = 0
     # KV rotation (preemption_mode=rotate): rotary requests and host-pool bytes now; cumulative
     # rotations, bytes and unhidden-transfer iterations over this process's life
     rotary_reqs: int = 0

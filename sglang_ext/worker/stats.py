@@ -1,4 +1,4 @@
-"""Latency figures a worker reports for the router's planners (LoadReport.tpot_p99_ms)."""
+"""Latency figures a worker reports for the router's planners (LoadReport.tpot_p99_ms / ttft_p99_ms)."""
 
 from __future__ import annotations
 
@@ -12,18 +12,19 @@ WINDOW_S: Final = 10.0
 MAX_SAMPLES: Final = 1024
 
 
-class TpotWindow:
-    """Finished requests' TPOT (seconds per output token after the first) over the last `window_s`.
-    Added on the forward thread, read by the load report's thread: guarded by a lock."""
+class LatencyWindow:
+    """One latency of requests over the last `window_s` (seconds): finished requests' TPOT (per output
+    token after the first), or first tokens' TTFT. Added on the forward thread, read by the load
+    report's thread: guarded by a lock."""
 
     def __init__(self, window_s: float = WINDOW_S, max_samples: int = MAX_SAMPLES) -> None:
         self.window_s = window_s
         self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)
         self._lock = threading.Lock()
 
-    def add(self, tpot_s: float, now: float | None = None) -> None:
+    def add(self, value_s: float, now: float | None = None) -> None:
         with self._lock:
-            self._samples.append((time.monotonic() if now is None else now, tpot_s))
+            self._samples.append((time.monotonic() if now is None else now, value_s))
 
     def _recent(self, now: float | None) -> list[float]:
         cut = (time.monotonic() if now is None else now) - self.window_s

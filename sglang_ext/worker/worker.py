@@ -53,7 +53,7 @@ from sglang_ext.server_args import ServerArgs
 from sglang_ext.worker.disagg import PairGone, WorkerDisagg
 from sglang_ext.worker.offload import WorkerOffload
 from sglang_ext.worker.profile import StepProfiler, window_from_env
-from sglang_ext.worker.stats import TpotWindow
+from sglang_ext.worker.stats import LatencyWindow
 from sglang_ext.worker.step_log import StepLog, interval_from_env
 from sglang_ext.worker.tokenizer import IncrementalDetokenizer, StartupError, Tokenizer, load_tokenizer
 
@@ -128,7 +128,8 @@ class Worker:
         window = window_from_env()
         self.profiler = (StepProfiler(*window, name=worker_id, cuda=self.runner.device.type == "cuda")
                          if window is not None else None)
-        self.tpot = TpotWindow()
+        self.tpot = LatencyWindow()
+        self.ttft = LatencyWindow()  # first tokens computed here (a decode worker's come from prefill)
         self.stopped = False
         logging.getLogger("sglang_ext.startup").info("worker %s ready in %s", worker_id, timer.summary())
 
@@ -158,7 +159,8 @@ class Worker:
             kv_rotations_out=s.rotations_out, kv_rotations_in=s.rotations_in,
             kv_rotation_bytes_out=s.rotation_bytes_out, kv_rotation_bytes_in=s.rotation_bytes_in,
             kv_rotation_unhidden_iterations=s.unhidden_iterations,
-            tpot_p99_ms=self.tpot.p99_ms(), tpot_samples=self.tpot.count(), **self.disagg.counts,
+            tpot_p99_ms=self.tpot.p99_ms(), tpot_samples=self.tpot.count(), ttft_p99_ms=self.ttft.p99_ms(),
+            ttft_samples=self.ttft.count(), **self.disagg.counts,
         )
 
     def has_work(self) -> bool:
@@ -378,6 +380,7 @@ class Worker:
         now = time.monotonic()
         if r.new_token_ids and live.first_token_time is None:
             live.first_token_time = now
+            self.ttft.add(now - live.start, now)
         text = ""
         if live.detok is not None:
             reason = r.finish_reason or {}
