@@ -5,7 +5,7 @@
 # attention for the decode worker).
 #   bash bench/pd_e2e.sh [runs...]        (default: pd fixed adrenaline)
 # Runs: pd (no offload: entry), fixed (Adrenaline placement at RATIO), adrenaline (the adrenaline policy's
-# bound), adaptive (steered by the model's P99 TPOT against TBT).
+# bound), adaptive (steered by the prefill worker's P99 TTFT against TTFT).
 # Each run writes pd_<run>.json / .log, pd_metrics_<run>.txt, pd_info_<run>.json, pd_router_<run>.log and
 # pd_cluster_<run>.yaml to OUT.
 # Env: RATE (req/s, 16), N (600), DECODE_TOKENS (decode worker's KV pool, 32768), PREFILL_TOKENS (65536),
