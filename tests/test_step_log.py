@@ -31,4 +31,17 @@ def test_a_line_per_interval_with_the_means(caplog: pytest.LogCaptureFixture) ->
     line = caplog.messages[-1]
     assert line.startswith("w0: steps 1 (") and "20.0 ms mean" in line and "100 % with a prefill" in line
     assert "100 % overlapped" in line and "running 4.0 (remote 2.0) waiting 2.0 | rows 3.0" in line
-    assert "(loads 3)" in line
+    assert "(loads 3)" in line and "with remote rows" not in line  # no remote rows were planned
+
+
+def test_steps_with_remote_rows_are_timed_apart(caplog: pytest.LogCaptureFixture) -> None:
+    remote = SimpleNamespace(wait_s=0.0, staged_loads=0)
+    sched = SimpleNamespace(running=[1, 2], waiting=[], overlapped_steps=0, forward_rows=0, remote_forward_rows=0,
+                            offload=SimpleNamespace(num_remote=1, remote=remote))
+    log = StepLog(interval_s=3600.0, name="w0")
+    with caplog.at_level(logging.INFO, logger="sglang_ext.worker.step_log"):
+        for wall, remote_rows in ((0.010, 1), (0.012, 1), (0.004, 0), (0.014, 2)):
+            sched.remote_forward_rows += remote_rows
+            log.record(sched, wall, tokens_out=2, prefill_tokens=0)
+        log._emit(sched, 1.0)  # type: ignore[arg-type]  # a stand-in scheduler, as record() gets
+    assert caplog.messages[-1].endswith("| with remote rows 3 x 12.0 ms, without 1 x 4.0 ms")

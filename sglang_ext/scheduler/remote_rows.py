@@ -30,6 +30,7 @@ class RemoteRows:
     waiting: list[Req]
     num_preemptions: int
     forward_rows: int
+    remote_forward_rows: int
     clock: Callable[[], float]
     sampler: Sampler
     runner: ModelRunner
@@ -46,6 +47,7 @@ class RemoteRows:
                 self._requeue(r)
             gone = {id(r) for r in dropped}
             entries = [e for e in entries if id(e.req) not in gone]
+            self.remote_forward_rows += len(remote) - len(gone)
         self.forward_rows += len(entries)  # every forward's rows pass here (the step profile's "rows")
         return entries
 

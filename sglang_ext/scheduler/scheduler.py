@@ -116,6 +116,7 @@ class Scheduler(Admission, RotaryRows, RemoteRows, Handoff):
         self.num_preemptions = 0
         self.prefill_tokens = 0  # prompt tokens forwarded in chunks of more than one (a step profile's)
         self.forward_rows = 0  # requests in the forwards launched so far (a step profile's)
+        self.remote_forward_rows = 0  # ... of which remote rows
         self.sampler = Sampler(vocab_size, runner.device, args.random_seed)
         self.grammar_masks = GrammarMasks(vocab_size, runner.device)  # imports xgrammar only when used
         self.offload = None
