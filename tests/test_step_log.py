@@ -43,5 +43,5 @@ def test_steps_with_remote_rows_are_timed_apart(caplog: pytest.LogCaptureFixture
         for wall, remote_rows in ((0.010, 1), (0.012, 1), (0.004, 0), (0.014, 2)):
             sched.remote_forward_rows += remote_rows
             log.record(sched, wall, tokens_out=2, prefill_tokens=0)
-        log._emit(sched, 1.0)  # type: ignore[arg-type]  # a stand-in scheduler, as record() gets
+        log._emit(sched, 1.0)  # type: ignore[arg-type]
     assert caplog.messages[-1].endswith("| with remote rows 3 x 12.0 ms, without 1 x 4.0 ms")
