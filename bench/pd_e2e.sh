@@ -14,7 +14,8 @@
 #      DECODE_DEV (cuda:1), DTYPE (bfloat16), MAX_IN (2048), MAX_OUT (256), TRACES, OUT, PORT (31200),
 #      PREFILL_SM (empty; e.g. 60: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE for the prefill worker when both share a
 #      GPU under MPS), BW_SHARE (0.5) and B_MAX (256): the adrenaline policy's bandwidth_share and b_max
-#      (a prefill worker's GPU is compute-bound, so most of its HBM bandwidth is idle: try 0.8-1.0).
+#      (a prefill worker's GPU is compute-bound, so most of its HBM bandwidth is idle: try 0.8-1.0),
+#      RESERVED_SMS (the prefill worker's executor_reserved_sms in the offloading runs; empty: none).
 # On the two-GPU kind keep NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 set.
 set -uo pipefail
 source "$(dirname "$0")/cluster_run.sh"
@@ -26,6 +27,7 @@ ms() { python3 -c "print(int($1*1000))"; }
 for run in $runs; do
   cfg="$OUT/pd_cluster_$run.yaml"
   fmt=""; [ -n "$MODEL" ] && fmt="load_format: dummy, dtype: ${DTYPE:-bfloat16}, "
+  part=""; [ -n "${RESERVED_SMS:-}" ] && [ "$run" != pd ] && part=", executor_reserved_sms: $RESERVED_SMS"
   env=""; [ -n "${PREFILL_SM:-}" ] && env=", env: {CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: \"$PREFILL_SM\"}"
   {
     echo "router: {host: 127.0.0.1, port: $PORT, log_level: warning}"
@@ -35,7 +37,7 @@ for run in $runs; do
     echo "    args: {${fmt%, }}"
     echo "    slo: {ttft_ms: $(ms "$TTFT"), tpot_ms: $(ms "$TBT")}"
     echo "    workers:"
-    echo "      - {id: prefill-0, device: ${PREFILL_DEV:-cuda:0}, role: prefill, max_total_tokens: ${PREFILL_TOKENS:-65536}, args: {executor_mem_gb: ${EXEC_GB:-32}}$env}"
+    echo "      - {id: prefill-0, device: ${PREFILL_DEV:-cuda:0}, role: prefill, max_total_tokens: ${PREFILL_TOKENS:-65536}, args: {executor_mem_gb: ${EXEC_GB:-32}$part}$env}"
     echo "      - {id: decode-0, device: ${DECODE_DEV:-cuda:1}, role: decode, max_total_tokens: ${DECODE_TOKENS:-32768}}"
     case $run in
       fixed) echo "offload: [{from: m, to: m, policy: fixed, ratio: ${RATIO:-0.5}}]" ;;

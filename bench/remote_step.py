@@ -3,7 +3,8 @@
     python bench/remote_step.py --out remote_step.json      # needs two GPUs (kind nvidia-h200-x2)
     python bench/remote_step.py --transport cuda_ipc --executor-load decode ...   # the executor's GPU busy
     python bench/remote_step.py ... --executor-load decode --load-confine green --load-free-sms 16
-        # the busy GPU's load kept off 16 SMs (a green context; `carveout`: cuBLAS's SM count target)
+        # the busy GPU's load kept off 16 SMs (a green context, as --executor-reserved-sms partitions a
+        # worker; `carveout`: cuBLASLt's SM count target)
 
 Llama-3-8B geometry with dummy weights on cuda:0; an in-process attention executor (the engine's
 `offload_executor="cuda:1"` path, FlashInfer on cuda:1) holds the remote rows' KV; `--transport` picks
@@ -54,7 +55,8 @@ def main() -> None:
                         "GPU that hosts the executor")
     p.add_argument("--load-confine", default="none", choices=["none", "carveout", "green"],
                    help="keep the load off --load-free-sms SMs: carveout (torch's cuBLASLt SM count target) "
-                        "or green (a CUDA green context with the other SMs)")
+                        "or green (a stream of a CUDA green context with the other SMs: the partition "
+                        "a worker makes with --executor-reserved-sms)")
     p.add_argument("--load-free-sms", type=int, default=16)
     p.add_argument("--out", default="remote_step.json")
     a = p.parse_args()
@@ -157,7 +159,7 @@ class ExecutorGpuLoad:
         self._stop = threading.Event()
         self._go = threading.Event()
         self._span = (0.0, 0.0)
-        # Captured and replayed by the thread: a green context is current per thread.
+        # Captured and replayed by the thread, which owns the load's stream.
         self._thread = threading.Thread(target=self._run, name="executor-gpu-load", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -174,23 +176,12 @@ class ExecutorGpuLoad:
 
     def _capture(self) -> tuple[torch.cuda.CUDAGraph, torch.cuda.Stream]:
         torch.cuda.set_device(self.device)
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         if self.confine == "green":
-            from torch.cuda import green_contexts
+            # The worker's partition (sglang_ext/engine/sm_partition.py): a stream of a green context that
+            # holds all SMs but free_sms; the executor's streams stay in the primary context.
+            from sglang_ext.engine import sm_partition
 
-            gc = green_contexts.GreenContext.create(num_sms=sms - self.free_sms, device_id=self.device.index)
-            gc.set_context()  # this thread's current stream becomes the green context's NULL stream
-            # A graph cannot be captured on a NULL stream: a side stream of the green context. torch's
-            # pooled streams belong to the primary context (their kernels would use every SM), so
-            # without GreenContext.Stream (newer torch) one is created with the green context current.
-            if hasattr(gc, "Stream"):
-                stream = gc.Stream()
-            else:
-                from sglang_ext.offload import cuda_signal as cs
-
-                drv = cs.driver()
-                raw = cs._check(drv.cuStreamCreate(1), "cuStreamCreate", drv)  # CU_STREAM_NON_BLOCKING
-                stream = torch.cuda.ExternalStream(int(raw), device=self.device)
+            stream = sm_partition.make(self.device, self.free_sms)
         else:
             stream = torch.cuda.Stream(self.device)
         lib = torch.backends.cuda.preferred_blas_library()

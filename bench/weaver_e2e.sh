@@ -13,7 +13,8 @@
 #      MAX_RATIO (0.6), TTFT (s, 2), TBT (s, 0.1), MAXDUR (s, 120), MODEL (preset:llama-3-8b; empty: the
 #      embedded model), HOT_DEV (cuda:0), COLD_DEV (cuda:1), DTYPE (bfloat16), TRACES, OUT, PORT (31100),
 #      ARRIVAL (poisson | ramp: RATE is then the peak of a ServeGen rate series, shaped by RAMP_ARGS, e.g.
-#      "--ramp-windows 144 --ramp-window-s 1": a day in 144 s). Plot the runs' SLO attainment over time with
+#      "--ramp-windows 144 --ramp-window-s 1": a day in 144 s), RESERVED_SMS (the cold worker's
+#      executor_reserved_sms in the offloading runs: its model runs on the other SMs; empty: none). Plot the runs' SLO attainment over time with
 #      python bench/plot_slo_timeline.py fixed=OUT/weaver_fixed.json adaptive=OUT/weaver_adaptive.json
 # On the two-GPU kind keep NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 set.
 set -uo pipefail
@@ -39,7 +40,8 @@ for run in $runs; do
     echo "    workers: [{id: hot-0, device: ${HOT_DEV:-cuda:0}, role: hot}]"
     echo "  - name: cold"
     [ -n "$path" ] && echo "$path"
-    echo "    args: {${fmt}max_total_tokens: ${COLD_TOKENS:-65536}, executor_mem_gb: ${EXEC_GB:-32}}"
+    part=""; [ -n "${RESERVED_SMS:-}" ] && [ "$run" != dedicated ] && part=", executor_reserved_sms: $RESERVED_SMS"
+    echo "    args: {${fmt}max_total_tokens: ${COLD_TOKENS:-65536}, executor_mem_gb: ${EXEC_GB:-32}$part}"
     echo "    slo: {ttft_ms: $(ms "$TTFT"), tpot_ms: $(ms "$TBT")}"
     echo "    workers: [{id: cold-0, device: ${COLD_DEV:-cuda:1}, role: cold}]"
     case $run in

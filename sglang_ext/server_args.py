@@ -125,6 +125,10 @@ class ServerArgs:
     executor_mem_gb: float = field(default=0.0, metadata=_help(
         "memory this worker offers other models' offloaded KV (GiB; 0: hosts nothing). For "
         "--offload-executor, the executor's size (0: as large as this worker's own KV pool)"))
+    executor_reserved_sms: int = field(default=0, metadata=_help(
+        "SMs of this worker's GPU kept for the attention executor it hosts: its own model runs in a CUDA "
+        "green context of the other SMs (Adrenaline's partition; needs executor_mem_gb or "
+        "offload_executor, a GPU and FlashInfer; 0: no partition). Not yet measured in serving"))
     offload_transport: OffloadTransport | None = field(default=None, metadata=_help(
         "data plane to the executor: local, torch_dist (gloo on CPU, NCCL on GPU) or cuda_ipc",
         "chosen from the placement"))
@@ -159,6 +163,8 @@ class ServerArgs:
             raise ValueError(f"offload_ratio must be in [0, 1], got {self.offload_ratio}")
         if self.executor_mem_gb < 0:
             raise ValueError(f"executor_mem_gb must be >= 0, got {self.executor_mem_gb}")
+        if self.executor_reserved_sms < 0:
+            raise ValueError(f"executor_reserved_sms must be >= 0, got {self.executor_reserved_sms}")
         if self.offload_executor is not None and not (
                 self.offload_executor in ("local", "cpu") or self.offload_executor.startswith("cuda")):
             raise ValueError(f"offload_executor must be 'local' or a device such as cuda:1, got "

@@ -61,3 +61,28 @@ def test_offload_keeps_greedy_tokens(where: str, transport: str) -> None:
           f"{(off.remote.bytes_out - reqs_before) / 2**20:.1f} MiB sent, wait {off.remote.wait_s * 1e3:.1f} ms")
     assert off.remote.bytes_out > reqs_before
     assert agree >= 0.9
+
+
+def test_offload_with_the_model_in_an_sm_partition_keeps_greedy_tokens() -> None:
+    """`executor_reserved_sms`: the model runs (and its graphs are captured) on a stream of a green
+    context holding all SMs but 16, the in-process executor on the primary context's streams; the
+    greedy tokens stay those of a plain run."""
+    from sglang_ext.engine import sm_partition
+    from sglang_ext.engine.model_runner import bind_device
+
+    plain = _runner("flashinfer")
+    want = _serve(OverlapScheduler(plain.args, plain, 16, frozenset([EOS]), vocab_size=VOCAB), GREEDY)
+    try:
+        stream = sm_partition.make(torch.device("cuda:0"), 16)
+        bind_device("cuda:0")
+        assert torch.cuda.current_stream() == stream
+        r = _runner("flashinfer")  # its decode graphs are captured on the partition's stream
+        args = dataclasses.replace(r.args, offload_ratio=0.5, offload_executor="local", executor_reserved_sms=16)
+        off = local_offloader(args, r, "gpu")
+        assert off is not None
+        got = _serve(Scheduler(args, r, 16, frozenset([EOS]), vocab_size=VOCAB, offload=off), GREEDY)
+        assert torch.cuda.current_stream() == stream
+    finally:
+        sm_partition._streams.clear()
+        torch.cuda.set_stream(torch.cuda.default_stream())
+    assert _agreement(want, got) >= 0.9

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Final
 
 import torch
 
+from sglang_ext.engine import sm_partition
 from sglang_ext.engine.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
@@ -82,7 +83,8 @@ class CudaGraphRunner:
     def capture(self) -> None:
         t0 = time.perf_counter()
         self.pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
+        # In an SM partition the graphs are captured on the model's stream there, so that they replay in it.
+        stream = sm_partition.stream_for(self.device) or torch.cuda.Stream(self.device)
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its pool memory
             batch = self._static_batch(bs)
             self.attn.prepare_for_capture(batch)

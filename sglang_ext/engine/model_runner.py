@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Final
 import torch
 
 from sglang_ext.attention import get_backend_class
+from sglang_ext.engine import sm_partition
 from sglang_ext.engine.cuda_graph import DEFAULT_MAX_BS, CudaGraphRunner
 from sglang_ext.engine.forward_batch import ForwardBatch
 from sglang_ext.kvcache.pool import KVGeometry, KVPool
@@ -63,9 +64,11 @@ class StartupTimer:
 def bind_device(device: str) -> None:
     """Make `device` the calling thread's current CUDA device (nothing for a CPU device or a bare "cuda").
     The current device is per thread, and Triton launches on it: tensors of cuda:1 handed to a kernel
-    while cuda:0 is current fail with "cannot be accessed from Triton"."""
+    while cuda:0 is current fail with "cannot be accessed from Triton". With an SM partition
+    (`executor_reserved_sms`), the model's stream in it becomes the thread's current stream too."""
     if device.startswith("cuda:"):
         torch.cuda.set_device(torch.device(device))
+        sm_partition.enter(torch.device(device))
 
 
 def resolve_dtype(args: ServerArgs, cfg: ModelConfig, device: str) -> torch.dtype:
@@ -97,6 +100,9 @@ class ModelRunner:
         self.args = args
         self.cfg = cfg
         self.device = torch.device(args.resolved_device)
+        if args.executor_reserved_sms and self.device.type == "cuda" and (
+                args.executor_mem_gb > 0 or args.offload_executor is not None):
+            sm_partition.make(self.device, args.executor_reserved_sms)  # before anything runs on the model's stream
         bind_device(args.resolved_device)  # loading and graph capture run on this thread (the Engine's too)
         self.dtype = resolve_dtype(args, cfg, args.resolved_device)
         self.context_len = context_length(args, cfg)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Final
 
 import torch
 
+from sglang_ext.engine import sm_partition
 from sglang_ext.engine.cuda_graph import padded_size
 from sglang_ext.engine.forward_batch import ForwardBatch, ForwardMode, SplitPlan
 
@@ -89,7 +90,7 @@ class SplitGraphs:
         which fails (CUBLAS_STATUS_NOT_INITIALIZED, seen on two H200s). A tiny matmul does it first."""
         if self._capture_stream is None:
             dev = self.r.device
-            self._capture_stream = torch.cuda.Stream(dev)
+            self._capture_stream = sm_partition.stream_for(dev) or torch.cuda.Stream(dev)
             with torch.cuda.stream(self._capture_stream):
                 a = torch.zeros(8, 8, dtype=next(self.r.model.parameters()).dtype, device=dev)
                 torch.mm(a, a)
