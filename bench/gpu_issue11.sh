@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device session for issue 11's end-to-end runs on kind nvidia-h200-x2 (carry .whl and .traces):
-#   bash bench/gpu_issue11.sh [contention] [served] [weaver] [ramp] [pd] [disagg_tests]
+#   bash bench/gpu_issue11.sh [contention] [gpu_tests] [served] [weaver] [ramp] [pd] [disagg_tests]
+# gpu_tests: tests/test_gpu_offload.py (remote attention in-process, and with the model in an SM partition,
+# executor_reserved_sms).
 # contention: bench/remote_step.py (cuda_ipc, graphs) with the executor's GPU idle, busy with a cold model's
 # decode-like load, and busy with that load kept off FREE_SMS SMs (16) (carveout, green context); CONTENTION_POINTS.
 # served: the served offload tests on two GPUs (staged KV loads on); weaver: bench/weaver_e2e.sh with
@@ -33,6 +35,8 @@ for s in ${*:-served weaver}; do
           > "$R/contention_${load}_$confine.log" 2>&1
         grep -E '^\{' "$R/contention_${load}_$confine.log" || tail -5 "$R/contention_${load}_$confine.log"
       done ;;
+    gpu_tests) timeout -s KILL 300 python3 -m pytest -q -rfs -p no:cacheprovider -o faulthandler_timeout=240 \
+                 tests/test_gpu_offload.py 2>&1 | tail -25 > "$R/gpu_tests.log"; tail -3 "$R/gpu_tests.log" ;;
     served) SGLANG_EXT_IPC_STAGED_LOADS=1 SGLANG_EXT_TEST_DEVICE=cuda timeout -s KILL 200 python3 -m pytest -q -rfs -x \
               -p no:cacheprovider -o faulthandler_timeout=150 tests/test_offload_served.py 2>&1 | tail -25 > "$R/served.log"
             tail -3 "$R/served.log" ;;
