@@ -28,7 +28,6 @@ import threading
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Final
 
 import torch
 
@@ -47,19 +46,6 @@ from sglang_ext.offload.dist import (
 logger = logging.getLogger(__name__)
 
 KV, CLOSE, PLACED = 1, 2, 3
-_HEADER: Final = 8
-
-
-def _send_header(link: Link, vals: list[int], timeout_s: float) -> None:
-    h = torch.zeros(_HEADER, dtype=torch.int64)  # on the link's control channel: gloo (see Link)
-    h[: len(vals)] = torch.tensor(vals, dtype=torch.int64)
-    link.send_ctrl(h, timeout_s)
-
-
-def _recv_header(link: Link, timeout_s: float) -> list[int]:
-    h = torch.empty(_HEADER, dtype=torch.int64)
-    link.recv_ctrl(h, timeout_s)
-    return [int(x) for x in h.tolist()]
 
 
 @dataclass
@@ -136,17 +122,17 @@ class KVSender:
         if link is not None:
             if not self.broken:
                 with suppress(LinkError):
-                    _send_header(link, [CLOSE], min(self.timeout_s, 1.0))
+                    link.send_header([CLOSE], min(self.timeout_s, 1.0))
             link.close()
 
     def _send(self, link: Link, job: SendJob) -> None:
         if job.handle:
-            _send_header(link, [PLACED, job.room, job.n_tokens, job.handle, job.first_token], self.timeout_s)
+            link.send_header([PLACED, job.room, job.n_tokens, job.handle, job.first_token], self.timeout_s)
             return
         # Gathered here, off the forward thread: the pages stay the request's until on_done.
         idx = torch.tensor(job.pages, dtype=torch.int64, device=self.pool.device)
         kv = self.pool.data.index_select(0, idx).to(self.wire)
-        _send_header(link, [KV, job.room, job.n_tokens, len(job.pages), job.first_token], self.timeout_s)
+        link.send_header([KV, job.room, job.n_tokens, len(job.pages), job.first_token], self.timeout_s)
         link.send(kv, TAG_CTRL, self.timeout_s)
         self.bytes_sent += kv.numel() * kv.element_size()
 
@@ -200,7 +186,7 @@ class KVReceiver:
     def _serve(self, link: Link) -> None:
         g = self.geometry
         while True:
-            h = _recv_header(link, IDLE_TIMEOUT_S)
+            h = link.recv_header(IDLE_TIMEOUT_S)
             kind, room, n_tokens, n_pages, first = h[:5]
             if kind == CLOSE:
                 return

@@ -164,41 +164,28 @@ class Link:
     def recv(self, t: torch.Tensor, tag: int, timeout_s: float) -> None:
         self.wait(self.irecv(t, tag), timeout_s)
 
-    def send_ctrl(self, t: torch.Tensor, timeout_s: float) -> None:
-        """Send a small CPU tensor on the control channel (TAG_CTRL): gloo, whatever carries data."""
+    def _post_ctrl(self, op: str, t: torch.Tensor) -> Any:
+        """Post a send or receive of a small CPU tensor on the control channel (TAG_CTRL): gloo, whatever
+        carries data. Returns the work to wait on."""
         try:
-            work = self._open_ctrl().send([t], self.peer, TAG_CTRL)
+            return getattr(self._open_ctrl(), op)([t], self.peer, TAG_CTRL)
         except RuntimeError as e:
             raise LinkError(_short(e)) from None
-        self.wait(work, timeout_s, gloo=True)
-
-    def recv_ctrl(self, t: torch.Tensor, timeout_s: float) -> None:
-        """Receive into a small CPU tensor from the control channel (see send_ctrl)."""
-        try:
-            work = self._open_ctrl().recv([t], self.peer, TAG_CTRL)
-        except RuntimeError as e:
-            raise LinkError(_short(e)) from None
-        self.wait(work, timeout_s, gloo=True)
 
     def send_header(self, vals: list[int], timeout_s: float) -> None:
         h = torch.zeros(_HEADER, dtype=torch.int64)
         h[: len(vals)] = torch.tensor(vals, dtype=torch.int64)
-        self.send_ctrl(h, timeout_s)
+        self.wait(self._post_ctrl("send", h), timeout_s, gloo=True)
 
     def recv_header(self, timeout_s: float) -> list[int]:
-        h = torch.empty(_HEADER, dtype=torch.int64)
-        self.recv_ctrl(h, timeout_s)
-        return [int(x) for x in h.tolist()]
+        return self.header_of(self.post_header_recv(), timeout_s)
 
     def post_header_recv(self) -> tuple[Any, torch.Tensor]:
         """Post the receive of the next header now and wait for it later (`header_of`): a gloo send
         completes only once its peer has posted the matching receive, so a peer that answers before
         we are ready to read must find the receive already posted, or it waits on us."""
         h = torch.empty(_HEADER, dtype=torch.int64)
-        try:
-            return self._open_ctrl().recv([h], self.peer, TAG_CTRL), h
-        except RuntimeError as e:
-            raise LinkError(_short(e)) from None
+        return self._post_ctrl("recv", h), h
 
     def header_of(self, posted: tuple[Any, torch.Tensor], timeout_s: float) -> list[int]:
         work, h = posted

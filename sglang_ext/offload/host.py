@@ -105,14 +105,15 @@ class ExecutorHost:
         with self.lock:
             if svc.guest not in self.executor.guests:
                 return False
-            side = self._adopt_stream(kv) if svc.ipc is not None else None
+            program = svc.ipc.program if svc.ipc is not None else None
+            side = self._adopt_stream(kv) if program is not None else None
             try:
                 with torch.cuda.stream(side) if side is not None else nullcontext():
-                    if svc.ipc is not None:
-                        svc.ipc.program.before_load()
+                    if program is not None:
+                        program.before_load()
                     self.executor.load(svc.guest, handle, kv, length, reserve_tokens=reserve_tokens)
-                    if svc.ipc is not None and side is not None:
-                        svc.ipc.program.after_load(side)  # its next program reads these pages after the copy
+                    if program is not None and side is not None:
+                        program.after_load(side)  # its next program reads these pages after the copy
             except (ExecutorFull, ValueError):
                 return False
         return True

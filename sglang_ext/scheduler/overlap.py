@@ -185,13 +185,14 @@ class OverlapScheduler(Scheduler):
         tokens = self.sampler.sample(logits, self.sampler.batch(rows))
         remote = [e.req for e in entries if e.req.remote is not None]
         via = self.offload.remote if remote and self.offload is not None else None
+        planned = via.begins if via is not None else 0
         if tokens.is_cuda:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-            return _Launched(entries, tokens, host, done, remote, via, via.begins if via else 0)
-        return _Launched(entries, tokens, tokens, None, remote, via, via.begins if via else 0)
+            return _Launched(entries, tokens, host, done, remote, via, planned)
+        return _Launched(entries, tokens, tokens, None, remote, via, planned)
 
     def _launch_follow_up(self, prev: _Launched) -> _Launched | _Forwarded | None:
         """Decode step t+1 from step t's in-flight tokens: launched, or only forwarded when it has
