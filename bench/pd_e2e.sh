@@ -9,7 +9,8 @@
 # Each run writes pd_<run>.json / .log, pd_metrics_<run>.txt, pd_info_<run>.json, pd_router_<run>.log and
 # pd_cluster_<run>.yaml to OUT.
 # Env: RATE (req/s, 16), N (600), DECODE_TOKENS (decode worker's KV pool, 32768), PREFILL_TOKENS (65536),
-#      EXEC_GB (executor memory the prefill worker offers, 32), RATIO (0.5), TTFT (s, 2), TBT (s, 0.1),
+#      EXEC_GB (executor memory the prefill worker offers, 32), RATIO (0.5; adaptive: the start), MAX_RATIO
+#      (adaptive's max_ratio, 1.0), TTFT (s, 2), TBT (s, 0.1),
 #      MAXDUR (s, 120), MODEL (preset:llama-3-8b; empty: the embedded model), PREFILL_DEV (cuda:0),
 #      DECODE_DEV (cuda:1), DTYPE (bfloat16), MAX_IN (2048), MAX_OUT (256), TRACES, OUT, PORT (31200),
 #      PREFILL_SM (empty; e.g. 60: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE for the prefill worker when both share a
@@ -42,7 +43,7 @@ for run in $runs; do
     case $run in
       fixed) echo "offload: [{from: m, to: m, policy: fixed, ratio: ${RATIO:-0.5}}]" ;;
       adrenaline) echo "offload: [{from: m, to: m, policy: adrenaline, adrenaline: {bandwidth_share: ${BW_SHARE:-0.5}, b_max: ${B_MAX:-256}}}]" ;;
-      adaptive) echo "offload: [{from: m, to: m, policy: adaptive, ratio: ${RATIO:-0.5}}]" ;;
+      adaptive) echo "offload: [{from: m, to: m, policy: adaptive, ratio: ${RATIO:-0.5}, max_ratio: ${MAX_RATIO:-1.0}}]" ;;
     esac
   } > "$cfg"
   cluster_up "$cfg" "$OUT/pd_router_$run.log" "$PORT"

@@ -152,6 +152,9 @@ def test_greedy_outputs_equal_a_plain_worker(workers: tuple[Worker, Worker, Work
     rp, rd = p.load_report(), d.load_report()
     assert rp.ttft_samples == len(reqs) and rp.ttft_p99_ms > 0 and rp.tpot_samples == 0
     assert rd.ttft_samples == 0 and rd.tpot_samples == len(reqs) and rd.tpot_p99_ms > 0
+    # ... and the decode steps (what adaptive keeps a sender's steps within) are the decode worker's only
+    assert rp.decode_steps == 0 and rp.decode_step_ms == 0.0
+    assert rd.decode_steps > 0 and rd.decode_step_ms > 0
     # The prefill worker's prefix cache holds the prompts now: a repeat hits it, outputs unchanged.
     again, _ = _run_pd(p, d, reqs[:2], 200)
     assert [again[r.rid]["ids"] for r in reqs[:2]] == [want[r.rid]["ids"] for r in reqs[:2]]

@@ -90,6 +90,24 @@ def test_with_a_prefill_host_the_controller_keeps_its_ttft() -> None:
     assert "P99 TTFT 300.0 ms < 0.8 x SLO 1000 ms" in c.why
 
 
+def test_the_controller_keeps_the_senders_own_tpot_within_its_slo() -> None:
+    """A larger share grows the sender's batch and its steps: the sender's mean decode step over the
+    sending model's TPOT SLO lowers the share, within [slack x SLO, SLO] holds it, below raises it."""
+    c = controller(ratio=0.5)
+
+    def own(now: float, p99: float | None, slo: float | None = 25.0) -> PairView:
+        return view(now, 10.0, sender_step_ms=p99 or 0.0, sender_steps=0 if p99 is None else 200,
+                    sender_slo_tpot_ms=slo)
+
+    assert c.decide(own(0.0, 40.0)).ratio == pytest.approx(0.4)  # the host has slack, the sender not
+    assert "the sender's decode step 40.0 ms > its TPOT SLO 25 ms" in c.why
+    assert c.decide(own(2.0, 22.0)).ratio == pytest.approx(0.4)  # 20 <= 22 <= 25: held
+    assert c.why.startswith("held: the sender's decode step 22.0 ms")
+    assert c.decide(own(4.0, 15.0)).ratio == pytest.approx(0.45)  # slack on both sides: raised
+    assert c.decide(own(6.0, None)).ratio == pytest.approx(0.5)  # no samples of the sender's: raised
+    assert c.decide(own(8.0, 90.0, slo=None)).ratio == pytest.approx(0.55)  # the sender has no SLO
+
+
 def test_the_controller_raises_the_ratio_with_slack_and_holds_in_between() -> None:
     c = controller(ratio=0.1)
     assert c.decide(view(0.0, 30.0)).ratio == pytest.approx(0.15)  # 30 < 0.8 x 50
@@ -112,7 +130,8 @@ def test_the_controller_follows_its_settings() -> None:
 
 # ---- the planner on events, with fake workers ------------------------------------------------------------
 def planned(rule: OffloadSpec) -> Callable[[], Router]:
-    return lambda: Router(RouterConfig(heartbeat_timeout_s=2.0), slo={"cold": SloSpec(ttft_ms=1000, tpot_ms=50)},
+    return lambda: Router(RouterConfig(heartbeat_timeout_s=2.0), slo={"cold": SloSpec(ttft_ms=1000, tpot_ms=50),
+                                                                      "hot": SloSpec(tpot_ms=30)},
                           offload=[rule])
 
 
@@ -192,6 +211,14 @@ async def test_adaptive_lowers_on_slo_misses_and_raises_with_slack(make_router: 
         router.bus.publish(SloMissed("r-x", "cold", "cold-0", "tpot", 0.2, 0.05))
         assert [m.ratio for m in await ratios(s, 3)] == pytest.approx([0.3, 0.35, 0.4])
         assert "1 tpot miss(es)" in decided[-3].why
+        # the sender's own decode steps over its model's TPOT SLO (30 ms): lowered; its requests' TPOT
+        # (which also holds their time waiting, overload's, not the share's) plays no part
+        reports(s, decode_step_ms=45.0, decode_steps=300, tpot_p99_ms=10.0, tpot_samples=20)
+        assert (await next_of(s, OffloadRatio)).ratio == pytest.approx(0.3)
+        assert "the sender's decode step 45.0 ms > its TPOT SLO 30 ms" in decided[-1].why
+        reports(s, decode_step_ms=10.0, decode_steps=300, tpot_p99_ms=900.0, tpot_samples=20)
+        assert (await next_of(s, OffloadRatio)).ratio == pytest.approx(0.35)
+        await ratios(s, 1)  # back at max_ratio 0.4
         # a prefill worker hosting the executor (Adrenaline placement): its first tokens' TTFT is kept
         router.registry.workers["cold-0"].role = "prefill"
         reports(h, tpot_p99_ms=20.0, tpot_samples=20, ttft_p99_ms=1500.0, ttft_samples=20)

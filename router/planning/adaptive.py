@@ -1,11 +1,21 @@
 """Beyond both papers: a controller that moves the share with measured load.
 
 It keeps the receiving worker's (the executor host's) P99 TPOT within its model's SLO while the
-sender's batch grows. At most once per `interval_s` (a change needs time to show in the latency):
+sender's batch grows, and the sender's own decode steps within the sender's TPOT SLO: every request the
+share sends out makes the sender's batch, and so each of its steps, larger, so past some share its
+running requests get their tokens slower than its SLO allows (measured on two H200s: a share of 0.9 took
+the hot model's steps from 15-18 ms to 18-33 ms and its P99 TPOT to 40 ms against an SLO of 25 ms).
+The sender is judged by its mean decode step over the last seconds (LoadReport.decode_step_ms), not by
+its requests' TPOT: an overloaded sender's TPOT also holds the time its requests waited to be admitted
+or resumed, which a lower share would lengthen, not shorten (measured: steering by the sender's P99
+TPOT took an overloaded decode worker's share to 0). At most once per `interval_s` (a change needs
+time to show in the latency):
 
     missed   a request of the host's that finished over its TPOT SLO since the last look, its
-             executor memory ran low, or its P99 TPOT is above the SLO   -> lower by step_down
-    slack    no miss and P99 TPOT below slack x SLO (or no samples: nothing to protect), and the
+             executor memory ran low, its P99 TPOT is above the SLO, or the sender's mean decode
+             step is above the sender's TPOT SLO                      -> lower by step_down
+    slack    no miss, the host's P99 TPOT below slack x SLO (or no samples: nothing to protect),
+             the sender's decode step below slack x its SLO (or no steps, or no SLO), and the
              sender has requests to send                              -> raise by step_up
     between  hold (hysteresis: the band [slack x SLO, SLO] keeps the share still)
 
@@ -57,12 +67,17 @@ class Adaptive(Policy):
             missed.append("executor memory low")
         if p99 is not None and p99 > slo:
             missed.append(f"P99 {what} {p99:.1f} ms > SLO {slo:g} ms")
+        own, own_slo = (v.sender_step_ms if v.sender_steps else None), v.sender_slo_tpot_ms or math.inf
+        if own is not None and own > own_slo:
+            missed.append(f"the sender's decode step {own:.1f} ms > its TPOT SLO {own_slo:g} ms")
         self.misses = {}
         old = self.ratio
+        host_slack = p99 is None or p99 < self.spec.slack * slo
+        own_slack = own is None or own < self.spec.slack * own_slo
         if missed:
             self.ratio = max(0.0, round(old - self.spec.step_down, 6))
             self.why = f"lowered: {', '.join(missed)}" if self.ratio < old else f"at 0: {', '.join(missed)}"
-        elif p99 is None or p99 < self.spec.slack * slo:
+        elif host_slack and own_slack:
             have = "no samples" if p99 is None else f"P99 {what} {p99:.1f} ms < {self.spec.slack:g} x SLO {slo:g} ms"
             if v.sender_batch <= 0:
                 self.why = f"slack ({have}), the sender has nothing to send"
@@ -71,6 +86,10 @@ class Adaptive(Policy):
                 self.why = f"raised: slack ({have})"
             else:
                 self.why = f"at max_ratio: slack ({have})"
-        else:
+        elif not host_slack:
             assert p99 is not None
             self.why = f"held: P99 {what} {p99:.1f} ms within [{self.spec.slack:g} x SLO, SLO {slo:g} ms]"
+        else:
+            assert own is not None
+            self.why = (f"held: the sender's decode step {own:.1f} ms within [{self.spec.slack:g} x its TPOT SLO, "
+                        f"SLO {own_slo:g} ms]")

@@ -28,6 +28,10 @@ class PairView:
     host_ttft_p99_ms: float = 0.0  # first tokens it computed, over the same window
     host_ttft_samples: int = 0
     host_slo_ttft_ms: float | None = None  # the receiving model's `slo: ttft_ms`
+    # The sender's own decode steps (mean, recent window): a larger share grows its batch and its steps.
+    sender_step_ms: float = 0.0
+    sender_steps: int = 0
+    sender_slo_tpot_ms: float | None = None  # the sending model's `slo: tpot_ms`
 
 
 class Decision(NamedTuple):

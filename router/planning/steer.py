@@ -99,7 +99,7 @@ class Steering:
         hl = host.load if host is not None else None
         offloaded = sl.offloaded_reqs if sl is not None else 0
         kv = sl.kv_total_tokens if sl is not None else (sender.info.max_total_tokens if sender and sender.info else 0)
-        slo = self.router.slo.get(p.rule.to)
+        slo, sender_slo = self.router.slo.get(p.rule.to), self.router.slo.get(p.rule.from_)
         return PairView(
             now=time.monotonic(), sender_batch=max(len(sender.inflight) - offloaded, 0) if sender else 0,
             sender_kv_tokens=kv, sender_offloaded=offloaded,
@@ -109,7 +109,9 @@ class Steering:
             host_slo_tpot_ms=slo.tpot_ms if slo is not None else None,
             host_prefill=host is not None and host.role == "prefill",
             host_ttft_p99_ms=hl.ttft_p99_ms if hl else 0.0, host_ttft_samples=hl.ttft_samples if hl else 0,
-            host_slo_ttft_ms=slo.ttft_ms if slo is not None else None)
+            host_slo_ttft_ms=slo.ttft_ms if slo is not None else None,
+            sender_step_ms=sl.decode_step_ms if sl else 0.0, sender_steps=sl.decode_steps if sl else 0,
+            sender_slo_tpot_ms=sender_slo.tpot_ms if sender_slo is not None else None)
 
     def opening(self, p: Pairing) -> tuple[float, float]:
         """The (ratio, bound) a new pairing's directive carries: the policy's decision now."""

@@ -15,8 +15,10 @@ runner is built, the forward thread through `bind_device`), and its CUDA graphs 
 that their replays run in the partition. The green context and its stream come from FlashInfer's
 `green_ctx` helpers (cuda-python's driver API), imported on first use.
 
-Not yet run on a GPU (2026-11-30): `bench/remote_step.py --load-confine green` measures whether a
-partition helps before this is used in serving.
+Measured on two H200s (2026-11-30, docs/benchmarks.md): against a prefill worker's compute-bound GEMMs,
+24 reserved SMs took a decode worker's steps with remote rows from 8.5-9.9 ms to 7.0-7.4 ms; against a
+memory-bound decode load (`bench/remote_step.py --load-confine green`) it helps little, as there the
+executor waits for bandwidth, not SMs.
 """
 
 from __future__ import annotations

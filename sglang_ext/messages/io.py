@@ -174,6 +174,11 @@ class LoadReport(msgspec.Struct, tag="load", kw_only=True):
     # the planner steers by when this worker is a prefill worker hosting an executor (Adrenaline).
     ttft_p99_ms: float = 0.0
     ttft_samples: int = 0
+    # Mean wall time of its steps that decoded a running request's next token, over the last few
+    # seconds, and how many: the token interval its running requests see, which a larger offload share
+    # (a larger batch) lengthens; what the adaptive planner keeps within the sender's TPOT SLO.
+    decode_step_ms: float = 0.0
+    decode_steps: int = 0
     # KV rotation (preemption_mode=rotate): rotary requests and host-pool bytes now; cumulative
     # rotations, bytes and unhidden-transfer iterations over this process's life
     rotary_reqs: int = 0

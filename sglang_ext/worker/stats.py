@@ -1,4 +1,5 @@
-"""Latency figures a worker reports for the router's planners (LoadReport.tpot_p99_ms / ttft_p99_ms)."""
+"""Latency figures a worker reports for the router's planners (LoadReport.tpot_p99_ms / ttft_p99_ms /
+decode_step_ms)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Final
 
 WINDOW_S: Final = 10.0
 MAX_SAMPLES: Final = 1024
+DECODE_STEP_WINDOW_S: Final = 3.0  # decode step times: shorter, a step-time change shows at once
 
 
 class LatencyWindow:
@@ -42,3 +44,8 @@ class LatencyWindow:
         if not values:
             return 0.0
         return values[max(math.ceil(0.99 * len(values)) - 1, 0)] * 1e3
+
+    def mean_ms(self, now: float | None = None) -> float:
+        """The mean in milliseconds; 0 with no samples."""
+        values = self._recent(now)
+        return 1e3 * sum(values) / len(values) if values else 0.0

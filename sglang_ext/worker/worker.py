@@ -53,7 +53,7 @@ from sglang_ext.server_args import ServerArgs
 from sglang_ext.worker.disagg import PairGone, WorkerDisagg
 from sglang_ext.worker.offload import WorkerOffload
 from sglang_ext.worker.profile import StepProfiler, window_from_env
-from sglang_ext.worker.stats import LatencyWindow
+from sglang_ext.worker.stats import DECODE_STEP_WINDOW_S, LatencyWindow
 from sglang_ext.worker.step_log import StepLog, interval_from_env
 from sglang_ext.worker.tokenizer import IncrementalDetokenizer, StartupError, Tokenizer, load_tokenizer
 
@@ -130,6 +130,8 @@ class Worker:
                          if window is not None else None)
         self.tpot = LatencyWindow()
         self.ttft = LatencyWindow()  # first tokens computed here (a decode worker's come from prefill)
+        # steps that decoded a running request: a short window, the planner looks every few seconds
+        self.decode_steps = LatencyWindow(window_s=DECODE_STEP_WINDOW_S, max_samples=4096)
         self.stopped = False
         logging.getLogger("sglang_ext.startup").info("worker %s ready in %s", worker_id, timer.summary())
 
@@ -160,7 +162,8 @@ class Worker:
             kv_rotation_bytes_out=s.rotation_bytes_out, kv_rotation_bytes_in=s.rotation_bytes_in,
             kv_rotation_unhidden_iterations=s.unhidden_iterations,
             tpot_p99_ms=self.tpot.p99_ms(), tpot_samples=self.tpot.count(), ttft_p99_ms=self.ttft.p99_ms(),
-            ttft_samples=self.ttft.count(), **self.disagg.counts,
+            ttft_samples=self.ttft.count(), decode_step_ms=self.decode_steps.mean_ms(),
+            decode_steps=self.decode_steps.count(), **self.disagg.counts,
         )
 
     def has_work(self) -> bool:
@@ -332,6 +335,9 @@ class Worker:
                                  sum(len(r.new_token_ids) for r in results), self.scheduler.prefill_tokens - pre)
         if results:
             self.last_step_ms = (time.perf_counter() - t0) * 1e3
+            if any(r.new_token_ids and (lv := self.live.get(r.rid)) is not None and lv.first_token_time is not None
+                   for r in results):
+                self.decode_steps.add(self.last_step_ms / 1e3)
             outs = []
             for r in results:
                 handed = False
