@@ -43,11 +43,13 @@ class KVPair:
     decode: str
     pairing: str = ""
     state: str = "opening"  # opening | active | down | failed: ...
+    backend: str = ""  # how the pages go: gloo | nccl | cuda_ipc (the decode worker's choice)
     last_try: float = -RETRY_S
     task: asyncio.Task[None] | None = None
 
     def describe(self) -> dict[str, Any]:
-        return {"prefill": self.prefill, "decode": self.decode, "pairing": self.pairing or None, "state": self.state}
+        return {"prefill": self.prefill, "decode": self.decode, "pairing": self.pairing or None, "state": self.state,
+                "backend": self.backend or None}
 
 
 @dataclass(frozen=True)
@@ -203,7 +205,8 @@ class DisaggPlanner:
         self._set(p, "opening")
         peer_device = pw.info.device
         reply = await self.router.request_reply(dw, lambda rid: KVPairOpen(
-            rid=rid, pairing=pid, peer=p.prefill, peer_device=peer_device, timeout_s=TRANSFER_TIMEOUT_S),
+            rid=rid, pairing=pid, peer=p.prefill, peer_device=peer_device, timeout_s=TRANSFER_TIMEOUT_S,
+            peer_host=pw.info.hostname, peer_gpu=pw.info.gpu_uuid, peer_pid=pw.info.pid),
             OPEN_TIMEOUT_S)
         if p.pairing != pid:
             return  # superseded meanwhile
@@ -211,7 +214,8 @@ class DisaggPlanner:
             why = reply.data.get("error", "refused") if reply is not None else f"no answer in {OPEN_TIMEOUT_S:g} s"
             self._set(p, f"failed: {p.decode}: {why}")
             return
+        p.backend = str(reply.data.get("backend", "gloo"))
         self.router.send(p.prefill, KVPairConnect(pairing=pid, peer=p.decode, store=str(reply.data["store"]),
-                                                  backend=str(reply.data.get("backend", "gloo")),
+                                                  backend=p.backend,
                                                   timeout_s=TRANSFER_TIMEOUT_S))
         self._set(p, "active")

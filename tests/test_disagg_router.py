@@ -44,17 +44,21 @@ async def recv(w: FakeWorker, typ: type) -> Any:
 
 
 async def paired(router: Router, ctx: zmq.asyncio.Context) -> tuple[FakeWorker, FakeWorker]:
-    p = FakeWorker(ctx, router.worker_addr, "p", disaggregation_mode="prefill")
+    p = FakeWorker(ctx, router.worker_addr, "p", disaggregation_mode="prefill", hostname="node-a", gpu_uuid="GPU-p",
+                   pid=4242)
     d = FakeWorker(ctx, router.worker_addr, "d", disaggregation_mode="decode")
     for w in (p, d):
         await w.hello()
         w.start_heartbeat()
     opened = await recv(d, KVPairOpen)
     assert opened.peer == "p" and opened.peer_device == "cpu"
+    # what the decode worker needs to choose cuda_ipc (GPUs of one node, two processes)
+    assert (opened.peer_host, opened.peer_gpu, opened.peer_pid) == ("node-a", "GPU-p", 4242)
     await d.send(ReplyOut(rid=opened.rid, ok=True, data={"store": "127.0.0.1:1234", "backend": "gloo"}))
     conn = await recv(p, KVPairConnect)
-    assert (conn.peer, conn.store, conn.pairing) == ("d", "127.0.0.1:1234", opened.pairing)
+    assert (conn.peer, conn.store, conn.pairing, conn.backend) == ("d", "127.0.0.1:1234", opened.pairing, "gloo")
     await until(lambda: router.disagg.describe() and router.disagg.describe()[0]["state"] == "active")
+    assert router.disagg.describe()[0]["backend"] == "gloo"
     assert router.registry.workers["p"].role == "prefill" and router.registry.workers["d"].role == "decode"
     return p, d
 

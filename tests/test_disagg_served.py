@@ -22,11 +22,12 @@ import yaml
 from _router_util import ROOT, Server, free_port, serve, sse_events, start_worker, wait_for
 
 # `SGLANG_EXT_TEST_DEVICE=cuda` (two GPUs): the prefill worker and `ref` on cuda:0, the decode worker on
-# cuda:1, so the KV goes GPU to GPU over NCCL (the torch backend keeps float32 outputs comparable).
+# cuda:1 (or SGLANG_EXT_TEST_DECODE_DEVICE), so the KV goes GPU to GPU as CUDA IPC peer copies, two
+# processes of one node (the torch backend keeps float32 outputs comparable).
 TWO_GPUS = os.environ.get("SGLANG_EXT_TEST_DEVICE", "cpu") == "cuda"
 ARGS = {"max_total_tokens": 8192, "dtype": "float32", "device": "cuda:0" if TWO_GPUS else "cpu", "log_level": "warning",
         **({"attention_backend": "torch", "disable_cuda_graph": True} if TWO_GPUS else {})}
-DECODE_DEVICE = "cuda:1" if TWO_GPUS else "cpu"
+DECODE_DEVICE = os.environ.get("SGLANG_EXT_TEST_DECODE_DEVICE", "cuda:1") if TWO_GPUS else "cpu"
 LONG = "A list of fruits: apples, pears, plums, cherries, grapes, bananas, oranges, lemons, limes, figs"
 PROMPTS = ["The weather today is", "The weather today is sunny and the", "Once upon a time,", "Hi", LONG,
            LONG + ", dates and"]  # the last two share more than a page (16 tokens)
@@ -56,6 +57,8 @@ def pd_idle(srv: Server) -> bool:
 def pair_state(srv: Server) -> str:
     (p,) = srv.info()["disaggregation"]
     assert (p["prefill"], p["decode"]) == ("pd-prefill", "pd-decode")
+    if p["state"] == "active":
+        assert p["backend"] == ("cuda_ipc" if TWO_GPUS else "gloo"), p
     return str(p["state"])
 
 

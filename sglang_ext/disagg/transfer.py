@@ -10,7 +10,9 @@
     [CLOSE]                                                       <──  the prefill side closes the pair
 
 Headers always go over gloo (CPU tensors; `Link`'s control channel). The KV pages go over gloo too
-when an end is a CPU (the CI's multi-process path), and over NCCL when both ends are GPUs. Not the
+when an end is a CPU (the CI's multi-process path); between GPUs of one node as CUDA IPC peer copies
+through a stage on the decode GPU (backend `cuda_ipc`, staged.py); between GPUs of different nodes
+(or with SGLANG_EXT_PD_KV_IPC=0) over NCCL. Not the
 headers over NCCL: an idle decode worker would keep a receive kernel spinning on its GPU until the next request,
 and anything that waits for that GPU to go idle -- a kernel's first launch loading its module, a
 cudaFree -- would hang the worker until then (its first request did, on two H200s). Both
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_ext.disagg import staged
 from sglang_ext.kvcache.pool import KVGeometry, KVPool
 from sglang_ext.offload.dist import (
     HOST_RANK,
@@ -42,6 +45,7 @@ from sglang_ext.offload.dist import (
     connect_store,
     local_address_toward,
 )
+from sglang_ext.offload.stage import KVStage
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +88,8 @@ class KVSender:
         self.timeout_s = timeout_s
         self.on_done = on_done
         self.wire = pool.device if backend == "nccl" else torch.device("cpu")
+        self.stage: KVStage | None = None  # cuda_ipc: the decode worker's stage, mapped here
+        self._mapping: object = None
         self.jobs: queue.SimpleQueue[SendJob | None] = queue.SimpleQueue()
         self.broken = ""  # why the pair is unusable ("" while it works)
         self.bytes_sent = 0
@@ -99,12 +105,15 @@ class KVSender:
     def _run(self) -> None:
         link: Link | None = None
         try:
-            if self.wire.type == "cuda":
-                torch.cuda.set_device(self.wire)
+            if self.pool.device.type == "cuda":
+                torch.cuda.set_device(self.pool.device)
             store = connect_store(self.store_address, self.timeout_s)
             host = local_address_toward(self.store_address.rpartition(":")[0])
-            link = Link(store, SENDER_RANK, self.backend, self.wire, host, self.timeout_s)
-        except (RuntimeError, ValueError) as e:  # LinkError is a RuntimeError
+            ipc = self.backend == staged.BACKEND
+            link = Link(store, SENDER_RANK, "gloo" if ipc else self.backend, self.wire, host, self.timeout_s)
+            if ipc:
+                self.stage, self._mapping = staged.map_stage(link, self.pool.device, self.timeout_s)
+        except (RuntimeError, ValueError) as e:  # LinkError and CudaSignalError are RuntimeErrors
             self.broken = f"cannot connect to decode worker {self.peer}: {e}"
         while (job := self.jobs.get()) is not None:
             if link is None or self.broken:
@@ -124,6 +133,9 @@ class KVSender:
                 with suppress(LinkError):
                     link.send_header([CLOSE], min(self.timeout_s, 1.0))
             link.close()
+        if self._mapping is not None:  # every copy into the stage was waited for
+            with suppress(RuntimeError):
+                self._mapping.close()  # type: ignore[attr-defined]
 
     def _send(self, link: Link, job: SendJob) -> None:
         if job.handle:
@@ -131,6 +143,11 @@ class KVSender:
             return
         # Gathered here, off the forward thread: the pages stay the request's until on_done.
         idx = torch.tensor(job.pages, dtype=torch.int64, device=self.pool.device)
+        if self.stage is not None:
+            kv = self.pool.data.index_select(0, idx)
+            staged.send_staged(link, self.stage, kv, job.room, job.n_tokens, job.first_token, self.timeout_s)
+            self.bytes_sent += kv.numel() * kv.element_size()
+            return
         kv = self.pool.data.index_select(0, idx).to(self.wire)
         link.send_header([KV, job.room, job.n_tokens, len(job.pages), job.first_token], self.timeout_s)
         link.send(kv, TAG_CTRL, self.timeout_s)
@@ -143,7 +160,8 @@ class KVReceiver:
 
     def __init__(self, pairing: str, peer: str, geometry: KVGeometry, store: object, listener: socket.socket,
                  backend: str, wire: torch.device, local_host: str, timeout_s: float,
-                 on_kv: Callable[[KVArrival], None], on_end: Callable[[str, str], None]) -> None:
+                 on_kv: Callable[[KVArrival], None], on_end: Callable[[str, str], None],
+                 stage: tuple[torch.Tensor, bytes] | None = None) -> None:
         self.pairing = pairing
         self.peer = peer
         self.geometry = geometry
@@ -155,6 +173,7 @@ class KVReceiver:
         self.timeout_s = timeout_s
         self.on_kv = on_kv
         self.on_end = on_end
+        self.stage = stage  # cuda_ipc: (the stage on this GPU, its exported handle)
         self.link: Link | None = None
         self.thread = threading.Thread(target=self._run, name=f"kv-recv-{peer}", daemon=True)
         self.thread.start()
@@ -166,12 +185,18 @@ class KVReceiver:
 
     def _run(self) -> None:
         why = "closed by the prefill worker"
+        clean = False
         try:
-            if self.wire.type == "cuda":
-                torch.cuda.set_device(self.wire)
-            self.link = Link(self.store, HOST_RANK, self.backend, self.wire, self.local_host,  # type: ignore[arg-type]
+            own = self.stage[0].device if self.stage is not None else self.wire
+            if own.type == "cuda":
+                torch.cuda.set_device(own)
+            backend = "gloo" if self.stage is not None else self.backend
+            self.link = Link(self.store, HOST_RANK, backend, self.wire, self.local_host,  # type: ignore[arg-type]
                              self.timeout_s)
+            if self.stage is not None:
+                staged.offer_stage(self.link, self.stage[1], self.timeout_s)
             self._serve(self.link)
+            clean = True
         except LinkError as e:
             why = f"prefill worker {self.peer} lost: {e}"
         except Exception as e:  # a protocol bug: end this pair only, loudly
@@ -181,15 +206,25 @@ class KVReceiver:
             if self.link is not None:
                 self.link.close()
             self.listener.close()
+            if self.stage is not None:
+                staged.release_stage(self.stage[0], clean)
+                self.stage = None
             self.on_end(self.pairing, why)
 
     def _serve(self, link: Link) -> None:
         g = self.geometry
+        page = (g.num_layers, 2, g.page_size, g.num_kv_heads, g.head_dim)
+        chunks = staged.StagedIn(self.stage[0], page, g.dtype, self.timeout_s) if self.stage is not None else None
         while True:
             h = link.recv_header(IDLE_TIMEOUT_S)
             kind, room, n_tokens, n_pages, first = h[:5]
             if kind == CLOSE:
                 return
+            if kind == staged.KV_STAGED and chunks is not None:
+                kv = chunks.chunk(link, room, n_pages, h[5], h[6])
+                if kv is not None:
+                    self.on_kv(KVArrival(self.pairing, room, n_tokens, first, kv))
+                continue
             if kind == PLACED and n_pages > 0:  # n_pages is the executor handle here
                 self.on_kv(KVArrival(self.pairing, room, n_tokens, first, torch.empty(0), handle=n_pages))
                 continue

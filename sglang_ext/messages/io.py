@@ -264,6 +264,11 @@ class KVPairOpen(msgspec.Struct, tag="kv_pair_open", kw_only=True, forbid_unknow
     peer: str  # the prefill worker's id
     peer_device: str
     timeout_s: float = 30.0
+    # where the prefill worker runs (its hello's): the pair uses CUDA IPC peer copies when both are
+    # GPUs of one node in two processes
+    peer_host: str = ""
+    peer_gpu: str = ""
+    peer_pid: int = 0
 
 
 class KVPairConnect(msgspec.Struct, tag="kv_pair_connect", kw_only=True, forbid_unknown_fields=True):

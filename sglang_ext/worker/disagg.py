@@ -19,7 +19,9 @@ with `notify`; every scheduler call stays on the forward thread.
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +30,7 @@ from typing import Final
 
 import torch
 
+from sglang_ext.disagg import staged
 from sglang_ext.disagg.transfer import KVArrival, KVReceiver, KVSender, SendJob
 from sglang_ext.engine.model_runner import ModelRunner
 from sglang_ext.messages import Disagg, ErrorOut, KVPairConnect, KVPairOpen, ReplyOut
@@ -89,15 +92,31 @@ class WorkerDisagg:
         if msg.pairing in self.receivers:
             return ReplyOut(rid=msg.rid, ok=False, data={"error": f"pairing {msg.pairing} is open already"})
         backend, wire = pair_backend(self.runner.device, torch.device(msg.peer_device))
+        stage = self._stage(msg) if backend == "nccl" else None
+        if stage is not None:
+            backend, wire = staged.BACKEND, torch.device("cpu")  # headers on gloo, pages as peer copies
         try:
             store, listener = open_store(self.address)
         except (OSError, RuntimeError) as e:
             return ReplyOut(rid=msg.rid, ok=False, data={"error": f"cannot open a rendezvous on {self.address}: {e}"})
         self.receivers[msg.pairing] = KVReceiver(
             msg.pairing, msg.peer, self.runner.pool.geometry, store, listener, backend, wire, self.address,
-            msg.timeout_s, on_kv=lambda a: self._post("kv", a), on_end=lambda p, why: self._post("end", p, why))
+            msg.timeout_s, on_kv=lambda a: self._post("kv", a), on_end=lambda p, why: self._post("end", p, why),
+            stage=stage)
         logger.info("receiving KV from prefill worker %s (pairing %s, %s)", msg.peer, msg.pairing, backend)
         return ReplyOut(rid=msg.rid, ok=True, data={"store": f"{self.address}:{store.port}", "backend": backend})
+
+    def _stage(self, msg: KVPairOpen) -> tuple[torch.Tensor, bytes] | None:
+        """A CUDA IPC stage for a pair between GPUs of one node (None: the pages go over NCCL)."""
+        why = staged.ipc_unusable(self.runner.device, socket.gethostname(), os.getpid(), msg.peer_device,
+                                  msg.peer_host, msg.peer_gpu, msg.peer_pid)
+        if why is None:
+            try:
+                return staged.make_stage(self.runner.device, self.runner.pool.geometry.page_bytes)
+            except (RuntimeError, ValueError) as e:  # torch.OutOfMemoryError is a RuntimeError
+                why = f"no stage: {e}"
+        logger.info("KV from prefill worker %s goes over NCCL, not CUDA IPC: %s", msg.peer, why)
+        return None
 
     def connect(self, msg: KVPairConnect) -> None:
         """Prefill side: send to decode worker `msg.peer` over the pair at `msg.store`."""
