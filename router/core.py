@@ -174,8 +174,10 @@ class Router:
                     for st in list(w.inflight.values()):
                         if st.decode is not None and not st.handed:
                             self.disagg.broken(st.pairing, why)
-                            if self._retry(st, why, suspect=worker_id):
-                                continue
+                        # A request that sent the client nothing goes elsewhere, whole or not: the
+                        # router may pick a killed worker in the seconds before its heartbeat lapses.
+                        if (st.decode is None or not st.handed) and self._retry(st, why, suspect=worker_id):
+                            continue
                         self._fail(st, 503, why)
 
     # ---- requests -----------------------------------------------------------------------------
@@ -244,9 +246,8 @@ class Router:
         self.bus.publish(RequestArrived(st.rid, st.model, worker.worker_id, st.est_prompt_tokens, st.max_new_tokens))
 
     def _retry(self, st: RequestState, why: str, suspect: str = "") -> bool:
-        """Place a disaggregated request again from the start (under a new worker-level rid), if
-        nothing of it reached the client yet, away from `suspect` if it can; False if it cannot be
-        retried."""
+        """Place a request again from the start (under a new worker-level rid), if nothing of it
+        reached the client yet, away from `suspect` if it can; False if it cannot be retried."""
         if st.done or st.req is None or st.delivered or st.retries >= MAX_RETRIES:
             return False
         model = self.registry.models.get(st.model)
@@ -264,12 +265,14 @@ class Router:
                     self.send(w.worker_id, AbortReq(rid=old))
         self.requests.pop(old, None)
         st.worker.outstanding_tokens -= st.charged
+        was_pd = st.decode is not None
         st.charged, st.retries = 0, st.retries + 1
         st.rid = f"{st.req.rid}+retry{st.retries}"
         st.prefill = st.decode = None
         st.pairing, st.handed, st.early, st.pd_meta = "", False, [], {}
         self.requests[st.rid] = st
-        self.metrics.disagg.labels(st.model, "retried").inc()
+        if was_pd:
+            self.metrics.disagg.labels(st.model, "retried").inc()
         logger.warning("request %s: %s; retried from the start as %s on %s", old, why, st.rid,
                        "+".join(w.worker_id for w in (placement.worker, placement.decode) if w is not None))
         self._dispatch(st, placement)

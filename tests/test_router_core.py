@@ -122,6 +122,28 @@ async def test_silent_worker_is_marked_down_then_taken_back(router: Router, ctx:
         w.close()
 
 
+async def test_a_request_for_a_worker_gone_unnoticed_goes_to_another(router: Router,
+                                                                      ctx: zmq.asyncio.Context) -> None:
+    """A worker killed moments ago is still up until its heartbeat lapses; a request the router cannot
+    even send to it (nothing reached the client) is retried whole on another worker, not failed."""
+    a, b = FakeWorker(ctx, router.worker_addr, "w0"), FakeWorker(ctx, router.worker_addr, "w1")
+    try:
+        for w in (a, b):
+            await w.hello()
+        await until(lambda: "m" in router.registry.models and len(router.registry.models["m"].up_workers) == 2)
+        a.close()  # its connection is gone; the registry does not know yet
+        await asyncio.sleep(0.1)
+        r = req(router)
+        s = router.submit(router.registry.models["m"], [r], [3], worker=router.registry.workers["w0"])
+        g = await b.recv()
+        assert isinstance(g, GenerateReq) and g.rid == r.rid + "+retry1"
+        await b.token(g.rid, [7], finished=True)
+        _, out = await s.next(2)  # type: ignore[misc]
+        assert out.token_ids == [7] and s.finished and not router.requests  # type: ignore[union-attr]
+    finally:
+        b.close()
+
+
 async def test_restart_with_same_id_fails_lost_requests(router: Router, ctx: zmq.asyncio.Context) -> None:
     w = FakeWorker(ctx, router.worker_addr, "w0")
     try:
