@@ -176,7 +176,7 @@ class Router:
                             self.disagg.broken(st.pairing, why)
                         # A request that sent the client nothing goes elsewhere, whole or not: the
                         # router may pick a killed worker in the seconds before its heartbeat lapses.
-                        if (st.decode is None or not st.handed) and self._retry(st, why, suspect=worker_id):
+                        if not st.handed and self._retry(st, why, suspect=worker_id):
                             continue
                         self._fail(st, 503, why)
 

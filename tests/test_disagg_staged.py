@@ -21,6 +21,7 @@ import torch
 from sglang_ext.disagg import staged
 from sglang_ext.disagg.transfer import KVArrival, KVReceiver, KVSender, SendJob
 from sglang_ext.kvcache.pool import KVGeometry, KVPool
+from sglang_ext.offload import stage as offload_stage
 from sglang_ext.offload.dist import REPLY, LinkError, open_store
 from sglang_ext.offload.stage import KVStage
 
@@ -41,7 +42,7 @@ def _host_stage(monkeypatch: pytest.MonkeyPatch, stage: torch.Tensor) -> None:
         stage[: flat.numel()].copy_(flat)
 
     monkeypatch.setattr(staged, "map_stage", map_stage)
-    monkeypatch.setattr(staged, "push_kv", push_kv)
+    monkeypatch.setattr(offload_stage, "push_kv", push_kv)  # what pushed_chunks calls
 
 
 def test_kv_larger_than_the_stage_arrives_whole_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -29,7 +29,7 @@ from typing import Any, Final
 import torch
 
 from sglang_ext.offload.dist import REPLY, Link, LinkError
-from sglang_ext.offload.stage import KVStage, copied, push_kv, staged_kv
+from sglang_ext.offload.stage import KVStage, copied, pushed_chunks, staged_kv
 
 logger = logging.getLogger(__name__)
 
@@ -138,12 +138,8 @@ def send_staged(link: Link, stage: KVStage, kv: torch.Tensor, room: int, n_token
                 timeout_s: float) -> None:
     """Push `kv` ([n_pages, L, 2, P, Hkv, D] on this GPU) through the stage in chunks of its size."""
     kv = kv.contiguous()
-    per, n = stage.pages(kv), kv.shape[0]
-    if per < 1:
-        raise LinkError(f"the decode worker's stage ({stage.nbytes} bytes) holds no page")
-    for first in range(0, n, per):
-        chunk = kv[first : first + per]
-        push_kv(stage, chunk, timeout_s)
+    n = kv.shape[0]
+    for first, chunk in pushed_chunks(stage, kv, timeout_s):
         link.send_header([KV_STAGED, room, n_tokens, n, first_token, first, chunk.shape[0]], timeout_s)
         got, ok = link.recv_header(timeout_s)[:2]
         if got != REPLY or not ok:

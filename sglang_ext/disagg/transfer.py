@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -89,7 +90,7 @@ class KVSender:
         self.on_done = on_done
         self.wire = pool.device if backend == "nccl" else torch.device("cpu")
         self.stage: KVStage | None = None  # cuda_ipc: the decode worker's stage, mapped here
-        self._mapping: object = None
+        self._mapping: Any = None  # its IPC mapping (cuda_signal.IpcMapping), closed with the pair
         self.jobs: queue.SimpleQueue[SendJob | None] = queue.SimpleQueue()
         self.broken = ""  # why the pair is unusable ("" while it works)
         self.bytes_sent = 0
@@ -135,7 +136,7 @@ class KVSender:
             link.close()
         if self._mapping is not None:  # every copy into the stage was waited for
             with suppress(RuntimeError):
-                self._mapping.close()  # type: ignore[attr-defined]
+                self._mapping.close()
 
     def _send(self, link: Link, job: SendJob) -> None:
         if job.handle:
@@ -143,14 +144,12 @@ class KVSender:
             return
         # Gathered here, off the forward thread: the pages stay the request's until on_done.
         idx = torch.tensor(job.pages, dtype=torch.int64, device=self.pool.device)
+        kv = self.pool.data.index_select(0, idx)
         if self.stage is not None:
-            kv = self.pool.data.index_select(0, idx)
             staged.send_staged(link, self.stage, kv, job.room, job.n_tokens, job.first_token, self.timeout_s)
-            self.bytes_sent += kv.numel() * kv.element_size()
-            return
-        kv = self.pool.data.index_select(0, idx).to(self.wire)
-        link.send_header([KV, job.room, job.n_tokens, len(job.pages), job.first_token], self.timeout_s)
-        link.send(kv, TAG_CTRL, self.timeout_s)
+        else:
+            link.send_header([KV, job.room, job.n_tokens, len(job.pages), job.first_token], self.timeout_s)
+            link.send(kv.to(self.wire), TAG_CTRL, self.timeout_s)
         self.bytes_sent += kv.numel() * kv.element_size()
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import faulthandler
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -103,6 +104,19 @@ def push_kv(stage: KVStage, kv: torch.Tensor, timeout_s: float) -> None:
     wait_event(done, timeout_s, "the KV copy into the executor's stage")
 
 
+def pushed_chunks(stage: KVStage, kv: torch.Tensor, timeout_s: float) -> Iterator[tuple[int, torch.Tensor]]:
+    """Push `kv` (contiguous) through the stage a chunk of its size at a time: yields (first page, chunk)
+    once the chunk landed, for the caller to announce; the next chunk is pushed when the caller comes
+    back (after the peer said the stage is free). LinkError when the stage holds no page of it."""
+    per = stage.pages(kv)
+    if per < 1:
+        raise LinkError(f"the peer's stage ({stage.nbytes} bytes) holds no page")
+    for first in range(0, kv.shape[0], per):
+        chunk = kv[first : first + per]
+        push_kv(stage, chunk, timeout_s)
+        yield first, chunk
+
+
 class StagedRemote(DistRemote):
     """DistRemote whose loads go through the host's stage when it has one, in chunks of its size."""
 
@@ -118,9 +132,7 @@ class StagedRemote(DistRemote):
         t0 = time.perf_counter()
         try:
             ok = 1
-            for first in range(0, n, per):
-                chunk = kv[first : first + per]
-                push_kv(st, chunk, self.timeout_s)
+            for first, chunk in pushed_chunks(st, kv, self.timeout_s):
                 head = ([LOAD_STAGED, handle, length, n, reserve_tokens] if first == 0
                         else [LOAD_MORE, handle, first, len(chunk)])
                 self.link.send_header(head, self.timeout_s)

@@ -15,9 +15,9 @@ DECODE_STEP_WINDOW_S: Final = 3.0  # decode step times: shorter, a step-time cha
 
 
 class LatencyWindow:
-    """One latency of requests over the last `window_s` (seconds): finished requests' TPOT (per output
-    token after the first), or first tokens' TTFT. Added on the forward thread, read by the load
-    report's thread: guarded by a lock."""
+    """One latency over the last `window_s` (seconds): finished requests' TPOT (per output token after
+    the first), first tokens' TTFT, or decode steps' wall time. Added on the forward thread, read by the
+    load report's thread: guarded by a lock."""
 
     def __init__(self, window_s: float = WINDOW_S, max_samples: int = MAX_SAMPLES) -> None:
         self.window_s = window_s
