@@ -16,11 +16,12 @@ import zmq.asyncio
 from _router_util import FakeWorker, until
 from test_offload_router import Fleet, next_of, serve_open
 
-import router.planning.steer as steer
+import router.placement.steer as steer
 from router.config import AdaptiveSpec, AdrenalineSpec, OffloadSpec, RouterConfig, SloSpec
 from router.core import Router
 from router.events import ExecutorMemoryLow, OffloadDecided, SloMissed
-from router.planning import Adaptive, Adrenaline, PairView, offload_bound
+from router.placement.offload import OffloadPlacement
+from router.placement.planning import Adaptive, Adrenaline, PairView, offload_bound
 from sglang_ext.messages import GenerateReq, OffloadDirective, OffloadRatio
 
 
@@ -187,7 +188,7 @@ async def test_adaptive_lowers_on_slo_misses_and_raises_with_slack(make_router: 
         assert got == pytest.approx([0.2, 0.1, 0.0]) and all(m.pairing == d.pairing for m in await ratios(s, 0))
         with pytest.raises(TimeoutError):  # clamped at 0: nothing more to say
             await next_of(s, OffloadRatio, timeout=0.5)
-        (p,) = router.offload.describe()  # type: ignore[union-attr]
+        (p,) = router.strategy(OffloadPlacement).describe()  # type: ignore[union-attr]
         assert (p["ratio"], p["bound"], p["policy"]) == (0.0, 0.4, "adaptive") and "P99 TPOT 80.0 ms" in p["why"]
         # slack on the host, but the sender has nothing to send: held at 0
         reports(h, tpot_p99_ms=20.0, tpot_samples=20)
@@ -249,12 +250,12 @@ async def test_adrenaline_sends_its_bound_on_reports_and_arrivals(make_router: A
         submit(router, 3)  # batch 3: dense 4 / 3 - 1
         (m,) = await ratios(s, 1)
         assert m.bound == pytest.approx(1 / 3)
-        (p,) = router.offload.describe()  # type: ignore[union-attr]
+        (p,) = router.strategy(OffloadPlacement).describe()  # type: ignore[union-attr]
         assert p["ob"] == pytest.approx(1 / 3) and p["ratio"] == pytest.approx(0.25) and "dense 0.333" in p["why"]
         # the executor fills: memory low is published once per fall
         reports(h, executor_kv_pairing_tokens={o.pairing: 4000}, executor_kv_free_tokens={o.pairing: 96})
         await until(lambda: low)
-        await until(lambda: router.offload.describe()[0]["executor_memory_low"])  # type: ignore[union-attr]
+        await until(lambda: router.strategy(OffloadPlacement).describe()[0]["executor_memory_low"])  # type: ignore[union-attr]
         assert (low[0].sender, low[0].free_tokens, low[0].total_tokens) == ("hot-0", 96, 4096) and len(low) == 1
     finally:
         for w in fleet.workers:

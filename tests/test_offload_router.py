@@ -14,10 +14,11 @@ import zmq
 import zmq.asyncio
 from _router_util import FakeWorker, until
 
-import router.offload as planner
+import router.placement.offload as planner
 from router.config import ClusterSpec, ConfigError, OffloadSpec, RouterConfig, build_cluster
 from router.core import Router
 from router.metrics import OffloadTotals
+from router.placement.offload import OffloadPlacement
 from sglang_ext.messages import (
     ExecutorOpen,
     LoadReport,
@@ -207,8 +208,8 @@ async def serve_open(h: FakeWorker, ok: bool = True) -> ExecutorOpen:
 
 
 def states(router: Router) -> dict[str, str]:
-    assert router.offload is not None
-    return {p["from"]: p["state"] for p in router.offload.describe()}
+    assert router.strategy(OffloadPlacement) is not None
+    return {p["from"]: p["state"] for p in router.strategy(OffloadPlacement).describe()}
 
 
 async def test_pairing_on_events_and_detach_when_the_host_goes(router: Router, fleet: Fleet) -> None:
@@ -245,8 +246,8 @@ async def test_a_refusal_or_a_lost_executor_is_tried_again(router: Router, fleet
     s = await fleet.sender("hot-0")
     h = await fleet.host("cold-0")
     await serve_open(h, ok=False)
-    assert router.offload is not None
-    await until(lambda: router.offload.pairings["hot-0"].logged == "failed: cold-0: no room")  # type: ignore[union-attr]
+    assert router.strategy(OffloadPlacement) is not None
+    await until(lambda: router.strategy(OffloadPlacement).pairings["hot-0"].logged == "failed: cold-0: no room")  # type: ignore[union-attr]
     o = await serve_open(h)  # tried again on a later load report
     d = await next_of(s, OffloadDirective)
     await until(lambda: states(router)["hot-0"] == "active")

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Final
+from collections.abc import Mapping
+from typing import Final
 
 from router.events import (
     Event,
@@ -33,12 +34,10 @@ from router.events import (
     RequestFinished,
     SloMissed,
 )
-from router.planning.base import PairView
+from router.placement.base import RouterHandle
+from router.placement.pairing import Pairing
+from router.placement.planning.base import PairView
 from sglang_ext.messages import LoadReport, OffloadRatio
-
-if TYPE_CHECKING:
-    from router.core import Router
-    from router.offload import Pairing
 
 logger = logging.getLogger(__name__)
 SEND_EVERY_S: Final = 0.2
@@ -48,7 +47,7 @@ EVENTS: Final = (LoadReported, RequestArrived, FirstToken, RequestFinished, SloM
 
 
 class Steering:
-    def __init__(self, router: Router, pairings: dict[str, Pairing], hosts_of: set[str]) -> None:
+    def __init__(self, router: RouterHandle, pairings: Mapping[str, Pairing], hosts_of: set[str]) -> None:
         self.router = router
         self.pairings = pairings
         self.hosts_of = hosts_of

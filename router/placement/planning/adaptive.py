@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 
 from router.config import AdaptiveSpec, OffloadSpec
-from router.planning.base import Decision, PairView, Policy
+from router.placement.planning.base import Decision, PairView, Policy
 
 
 class Adaptive(Policy):
