@@ -28,6 +28,7 @@ from sglang_ext.messages import (
     decode_to_worker,
     encode,
 )
+from sglang_ext.messages.io import Latency, OffloadSender
 
 GEOMETRY = {"num_layers": 4, "num_kv_heads": 4, "head_dim": 64, "num_q_heads": 8, "attn_scale": 0.125,
             "kv_dtype": "float32"}
@@ -130,7 +131,7 @@ def test_new_messages_decode_strictly() -> None:
     old = {"type": "load", "worker_id": "w", "num_running": 0, "num_waiting": 0, "kv_used_tokens": 0,
            "kv_total_tokens": 1, "kv_cached_tokens": 0, "num_preemptions": 0, "step_time_ms": 0.0, "timestamp": 0.0}
     rep = decode_from_worker(msgspec.msgpack.encode(old))
-    assert isinstance(rep, LoadReport) and rep.offloaded_reqs == 0 and rep.executor_kv_used_tokens == {}
+    assert isinstance(rep, LoadReport) and rep.offload is None and rep.executor is None and rep.latency == Latency()
 
 
 # ---- counters ------------------------------------------------------------------------------------------
@@ -140,14 +141,19 @@ def report(**kw: Any) -> LoadReport:
     return LoadReport(**{**base, **kw})
 
 
+def offloading(**kw: Any) -> LoadReport:
+    """A sender's report with these figures of its offload part."""
+    return report(offload=OffloadSender(**kw))
+
+
 def test_counters_stay_monotonic_across_worker_restarts() -> None:
     t = OffloadTotals()
-    t.observe("w", report(offload_bytes_out=100, offload_wait_s=1.5))
-    t.observe("w", report(offload_bytes_out=300, offload_wait_s=2.0))
+    t.observe("w", offloading(bytes_out=100, wait_s=1.5))
+    t.observe("w", offloading(bytes_out=300, wait_s=2.0))
     t.restarted("w")  # its hello: a new process counts from zero
-    t.observe("w", report(offload_bytes_out=50, offload_wait_s=0.5))
+    t.observe("w", offloading(bytes_out=50, wait_s=0.5))
     assert t.total("w", "offload_bytes_out") == 350 and t.total("w", "offload_wait_s") == 2.5
-    t.observe("w", report(offload_bytes_out=20))  # a restart without a hello seen: the figure went down
+    t.observe("w", offloading(bytes_out=20))  # a restart without a hello seen: the figure went down
     assert t.total("w", "offload_bytes_out") == 370
     assert t.total("other", "offload_bytes_in") == 0
 
@@ -252,7 +258,7 @@ async def test_a_refusal_or_a_lost_executor_is_tried_again(router: Router, fleet
     d = await next_of(s, OffloadDirective)
     await until(lambda: states(router)["hot-0"] == "active")
     # the sender reports that it lost that executor: paired again (on a later report)
-    await s.send(msgspec.structs.replace(s.load(), offload_pairing=d.pairing, offload_state="lost"))
+    await s.send(msgspec.structs.replace(s.load(), offload=OffloadSender(pairing=d.pairing, state="lost")))
     o2 = await serve_open(h)
     assert o2.pairing != o.pairing
     assert (await next_of(s, OffloadDirective)).pairing == o2.pairing

@@ -145,7 +145,7 @@ def server_info_dict(router: Router) -> dict[str, Any]:
             if w.info is not None:
                 d["info"] = msgspec.to_builtins(w.info)
             if w.load is not None:
-                d["load"] = msgspec.to_builtins(w.load)
+                d["load"] = w.load.flat()  # the flat names clients read
                 states.append({"model": name, **d["load"]})
             workers.append(d)
         info = m.info

@@ -114,9 +114,9 @@ class OffloadPlacement(PlacementStrategy):
     def on_load_report(self, ev: LoadReported) -> None:
         if ev.model in self.rules and self._is(ev.worker_id, self.rules[ev.model], "decode"):
             p = self._pairing(ev.worker_id, ev.model)
-            r = ev.report
-            if p.state == "active" and r.offload_pairing == p.pairing_id and r.offload_state not in ("active", ""):
-                self._set(p, "lost" if r.offload_state == "lost" else r.offload_state)
+            r = ev.report.offload
+            if p.state == "active" and r is not None and r.pairing == p.pairing_id and r.state not in ("active", ""):
+                self._set(p, r.state_text())
             if p.state not in _LIVE:
                 self._pair(p)
         self.steering.on_event(ev)
