@@ -97,10 +97,11 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class AdrenalineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Inputs of Adrenaline's bound OB(n, B_max) that no report carries (router/planning/adrenaline.py)."""
+    """Inputs of Adrenaline's bound OB(n, B_max) that no report carries
+    (router/placement/planning/adrenaline.py)."""
 
     # The decode batch at which the sender's dense kernels turn compute-bound. Llama-3-8B on an H200
-    # (docs/DESIGN figures): a layer's GEMMs take 130 / 182 / 195 / 348 us at batch 1 / 128 / 256 / 512,
+    # (measured): a layer's GEMMs take 130 / 182 / 195 / 348 us at batch 1 / 128 / 256 / 512,
     # flat up to 256, then time grows with the batch.
     b_max: Annotated[int, Meta(ge=1)] = 256
     # The executor's HBM bandwidth share over the sender's bandwidth (same GPUs: the share of its GPU
@@ -109,7 +110,7 @@ class AdrenalineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class AdaptiveSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The adaptive controller's steps and thresholds (router/planning/adaptive.py)."""
+    """The adaptive controller's steps and thresholds (router/placement/planning/adaptive.py)."""
 
     step_down: Annotated[float, Meta(gt=0, le=1)] = 0.1  # lower by this after an SLO miss
     step_up: Annotated[float, Meta(gt=0, le=1)] = 0.05  # raise by this with slack

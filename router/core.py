@@ -6,6 +6,8 @@
 
 Every message is a msgspec Struct, decoded strictly; a malformed one is dropped and logged.
 Nothing here runs per iteration: work happens when a message, a request or a timeout arrives.
+Placement over two workers (prefill/decode) and the links between workers it needs are the placement
+strategies' (router/placement/): the core calls them through `PlacementStrategy` only.
 """
 
 from __future__ import annotations
@@ -16,15 +18,14 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, TypeVar
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from router.config import OffloadSpec, RouterConfig, SloSpec
-from router.disagg import DisaggPlanner, Placement
 from router.events import (
     EventBus,
     FirstToken,
@@ -36,9 +37,10 @@ from router.events import (
     WorkerUp,
 )
 from router.metrics import RouterMetrics
-from router.offload import OffloadPlanner
-from router.registry import Balancer, ModelEntry, PrefixAware, Registry, WorkerState
-from router.tracker import Failure, Item, RequestState, Submission
+from router.placement.base import KeptKV, Placement, PlacementStrategy
+from router.placement.strategies import build_strategies
+from router.registry import Balancer, ModelEntry, PrefixAware, Registry
+from router.tracker import Failure, Item, RequestState, Submission, WorkerState
 from sglang_ext.messages import (
     AbortReq,
     BatchOut,
@@ -61,6 +63,7 @@ _MONITOR_PERIOD_S = 0.25
 _HELLO_REQ_PERIOD_S = 2.0
 _PREFIX_CHARS = 128
 MAX_RETRIES = 2  # a disaggregated request whose worker or pair failed before its first token
+S = TypeVar("S", bound=PlacementStrategy)
 
 
 def prefix_key(req: GenerateReq) -> str | None:
@@ -98,8 +101,9 @@ class Router:
         self.sock: zmq.asyncio.Socket | None = None
         self.worker_addr = ""
         self.started = time.time()
-        self.offload = OffloadPlanner(self, offload) if offload else None  # the cluster file's offload:
-        self.disagg = DisaggPlanner(self)  # KV pairs of models with prefill and decode workers
+        self.strategies = build_strategies(self, offload)  # offload: the cluster file's entries
+        self._unsubscribe: list[Callable[[], None]] = []
+        self._rooms = itertools.count(1)  # names a request's KV transfer on its pair's wire
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -117,9 +121,7 @@ class Router:
             port = sock.bind_to_random_port(f"tcp://{host}")
         self.worker_addr = f"tcp://{host}:{port}"
         self._tasks = [asyncio.create_task(t) for t in (self._recv_loop(), self._send_loop(), self._monitor())]
-        if self.offload is not None:
-            self.offload.start()
-        self.disagg.start()
+        self._unsubscribe = [self.bus.on(s.on_event, *s.events) for s in self.strategies]
 
     def fail_all(self, message: str, status: int = 503) -> None:
         for st in list(self.requests.values()):
@@ -129,9 +131,10 @@ class Router:
         """Fail what is running and close; workers in `shutdown` (the launcher's own) are told to
         exit. Workers that joined by themselves stay up, to rejoin the next router on this address."""
         self.fail_all("the server is shutting down")
-        if self.offload is not None:
-            self.offload.stop()
-        self.disagg.stop()
+        for unsubscribe, s in zip(self._unsubscribe, self.strategies, strict=False):
+            unsubscribe()
+            s.close()
+        self._unsubscribe = []
         for wid in shutdown:
             w = self.registry.workers.get(wid)
             if w is not None and w.up:
@@ -173,12 +176,32 @@ class Router:
                     why = f"worker {worker_id} of model {w.model} is not connected"
                     for st in list(w.inflight.values()):
                         if st.decode is not None and not st.handed:
-                            self.disagg.broken(st.pairing, why)
+                            self._pair_broken(st.pairing, why)
                         # A request that sent the client nothing goes elsewhere, whole or not: the
                         # router may pick a killed worker in the seconds before its heartbeat lapses.
                         if not st.handed and self._retry(st, why, suspect=worker_id):
                             continue
                         self._fail(st, 503, why)
+
+    # ---- placement strategies -----------------------------------------------------------------
+    def strategy(self, kind: type[S]) -> S | None:
+        """The running strategy of that class, if any."""
+        return next((s for s in self.strategies if isinstance(s, kind)), None)
+
+    def describe_placement(self) -> dict[str, list[dict[str, Any]]]:
+        """Each strategy's links, under its `info_key` (as /get_server_info shows them)."""
+        return {s.info_key: s.describe() for s in self.strategies}
+
+    def _keep_kv(self, rid: str, prefill: WorkerState, decode: WorkerState) -> KeptKV | None:
+        for s in self.strategies:
+            kept = s.keep_kv(rid, prefill, decode)
+            if kept is not None:
+                return kept
+        return None
+
+    def _pair_broken(self, pairing: str, why: str) -> None:
+        for s in self.strategies:
+            s.pair_broken(pairing, why)
 
     # ---- requests -----------------------------------------------------------------------------
     def new_rid(self) -> str:
@@ -195,8 +218,11 @@ class Router:
         """A prefill worker and a decode worker over an active KV pair of the model, or else one worker
         (whatever its role) for the whole request; workers in `avoid` (suspects of a failure) only as a
         last resort. Raises NoWorker."""
-        pd = self.disagg.place(model, self.balancer, prefix_key, avoid)
-        return pd if pd is not None else Placement(self.pick(model, prefix_key, avoid))
+        for s in self.strategies:
+            pd = s.place(model, self.balancer, prefix_key, avoid)
+            if pd is not None:
+                return pd
+        return Placement(self.pick(model, prefix_key, avoid))
 
     def submit(self, model: ModelEntry, reqs: list[GenerateReq], est_prompt_tokens: list[int],
                worker: WorkerState | Placement | None = None) -> Submission:
@@ -229,17 +255,16 @@ class Router:
             self.send(worker.worker_id, req)
         else:
             # Both at once: the decode worker tokenizes and waits while the prefill worker computes.
-            room = next(self.disagg.rooms)
+            room = next(self._rooms)
             st.prefill, st.decode, st.pairing = worker, d, placement.pairing
             d.inflight[st.rid] = st
             d.num_served += 1
-            # Adrenaline placement: its KV may stay on the prefill worker (router/adrenaline.py)
-            adr = self.offload.adrenaline.choose(st.rid, worker, d) if self.offload is not None else None
-            extra = {"executor_pairing": adr.pairing, "handle": adr.handle} if adr is not None else {}
-            self.send(d.worker_id, msgspec.structs.replace(
-                req, disagg=Disagg(role="decode", pairing=placement.pairing, room=room, **extra)))
-            self.send(worker.worker_id, msgspec.structs.replace(
-                req, disagg=Disagg(role="prefill", pairing=placement.pairing, room=room, **extra)))
+            # Adrenaline placement: its KV may stay on the prefill worker (router/placement/adrenaline.py)
+            adr = self._keep_kv(st.rid, worker, d)
+            for role, w in (("decode", d), ("prefill", worker)):
+                self.send(w.worker_id, msgspec.structs.replace(req, disagg=Disagg(
+                    role=role, pairing=placement.pairing, room=room, executor_pairing=adr.pairing if adr else "",
+                    handle=adr.handle if adr else 0)))
             self.metrics.disagg.labels(st.model, "placed").inc()
             if adr is not None:
                 self.metrics.disagg.labels(st.model, "on_executor").inc()
@@ -391,7 +416,7 @@ class Router:
                 return
             if st.decode is not None and not st.handed and msg.status >= 500:
                 # The pair or one of its workers failed before anything reached the client.
-                self.disagg.broken(st.pairing, msg.message)
+                self._pair_broken(st.pairing, msg.message)
                 # Each side reports what it saw of the other (a send that failed, KV that never came).
                 assert st.prefill is not None
                 other = st.decode.worker_id if ident == st.prefill.worker_id else st.prefill.worker_id

@@ -1,8 +1,9 @@
 """The router's event bus: what happened, published as it happens, for planners to react to.
 
-Offload planners (router/offload.py) subscribe here instead of polling: each subscriber gets its own
-bounded queue, so a slow planner loses its oldest events (counted in `dropped`) and never slows
-the request path. Publishing is synchronous and O(subscribers); it never awaits.
+Placement strategies (router/placement/) are called back from here (`on`) instead of polling; other
+listeners subscribe: each subscriber gets its own bounded queue, so a slow one loses its oldest events
+(counted in `dropped`) and never slows the request path. Publishing is synchronous and
+O(subscribers); it never awaits.
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from router.registry import WorkerState
+from router.tracker import WorkerState
 from sglang_ext.messages import LoadReport
+from sglang_ext.messages.io import KVTransferStats, OffloadSender, RotationStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0)
@@ -66,10 +67,24 @@ class WorkerGauges(Collector):
         yield from (inflight, up, restarts)
 
 
-_ROTATION_FIELDS = ("kv_rotations_out", "kv_rotations_in", "kv_rotation_bytes_out", "kv_rotation_bytes_in",
-                    "kv_rotation_unhidden_iterations")
+_NO_OFFLOAD, _NO_ROTATION, _NO_TRANSFERS = OffloadSender(), RotationStats(), KVTransferStats()
+# The cumulative figures of a report (a worker's totals over its process's life), by the name the
+# counters' totals are kept under; an absent part reads as zeros.
+_COUNTERS: dict[str, Callable[[LoadReport], float]] = {
+    "offload_bytes_out": lambda r: (r.offload or _NO_OFFLOAD).bytes_out,
+    "offload_bytes_in": lambda r: (r.offload or _NO_OFFLOAD).bytes_in,
+    "offload_wait_s": lambda r: (r.offload or _NO_OFFLOAD).wait_s,
+    "kv_rotations_out": lambda r: (r.rotation or _NO_ROTATION).rotations_out,
+    "kv_rotations_in": lambda r: (r.rotation or _NO_ROTATION).rotations_in,
+    "kv_rotation_bytes_out": lambda r: (r.rotation or _NO_ROTATION).bytes_out,
+    "kv_rotation_bytes_in": lambda r: (r.rotation or _NO_ROTATION).bytes_in,
+    "kv_rotation_unhidden_iterations": lambda r: (r.rotation or _NO_ROTATION).unhidden_iterations,
+    "kv_transfers_out": lambda r: (r.disagg or _NO_TRANSFERS).transfers_out,
+    "kv_transfers_in": lambda r: (r.disagg or _NO_TRANSFERS).transfers_in,
+    "kv_transfer_bytes_out": lambda r: (r.disagg or _NO_TRANSFERS).bytes_out,
+    "kv_transfer_bytes_in": lambda r: (r.disagg or _NO_TRANSFERS).bytes_in,
+}
 _DISAGG_FIELDS = ("kv_transfers_out", "kv_transfers_in", "kv_transfer_bytes_out", "kv_transfer_bytes_in")
-_OFFLOAD_FIELDS = ("offload_bytes_out", "offload_bytes_in", "offload_wait_s", *_ROTATION_FIELDS, *_DISAGG_FIELDS)
 
 
 class OffloadTotals:
@@ -79,15 +94,15 @@ class OffloadTotals:
         self._acc: dict[tuple[str, str], list[float]] = {}  # (worker, field) -> [earlier processes, latest]
 
     def observe(self, worker: str, report: LoadReport) -> None:
-        for f in _OFFLOAD_FIELDS:
+        for f, figure in _COUNTERS.items():
             acc = self._acc.setdefault((worker, f), [0.0, 0.0])
-            value = float(getattr(report, f))
+            value = float(figure(report))
             if value < acc[1]:  # a new process we did not see say hello
                 acc[0] += acc[1]
             acc[1] = value
 
     def restarted(self, worker: str) -> None:
-        for f in _OFFLOAD_FIELDS:
+        for f in _COUNTERS:
             acc = self._acc.get((worker, f))
             if acc is not None:
                 acc[0], acc[1] = acc[0] + acc[1], 0.0
@@ -118,11 +133,11 @@ class OffloadMetrics(Collector):
             if w.load is None:
                 continue
             labels = [w.model, w.worker_id]
-            reqs.add_metric(labels, w.load.offloaded_reqs)
+            reqs.add_metric(labels, (w.load.offload or _NO_OFFLOAD).reqs)
             nbytes.add_metric([*labels, "out"], self.totals.total(w.worker_id, "offload_bytes_out"))
             nbytes.add_metric([*labels, "in"], self.totals.total(w.worker_id, "offload_bytes_in"))
             wait.add_metric(labels, self.totals.total(w.worker_id, "offload_wait_s"))
-            for guest, tokens in sorted(w.load.executor_kv_used_tokens.items()):
+            for guest, tokens in sorted(w.load.executor.used_tokens.items() if w.load.executor else ()):
                 used.add_metric([w.worker_id, guest], tokens)
         yield from (reqs, nbytes, wait, used)
 
@@ -155,9 +170,10 @@ class RotationMetrics(Collector):
                 rotations.add_metric([*labels, direction], t(w.worker_id, f"kv_rotations_{direction}"))
                 nbytes.add_metric([*labels, direction], t(w.worker_id, f"kv_rotation_bytes_{direction}"))
             unhidden.add_metric(labels, t(w.worker_id, "kv_rotation_unhidden_iterations"))
-            rotary.add_metric(labels, w.load.rotary_reqs)
-            used.add_metric(labels, w.load.kv_host_used_bytes)
-            total.add_metric(labels, w.load.kv_host_total_bytes)
+            r = w.load.rotation or _NO_ROTATION
+            rotary.add_metric(labels, r.rotary_reqs)
+            used.add_metric(labels, r.host_used_bytes)
+            total.add_metric(labels, r.host_total_bytes)
         yield from (rotations, nbytes, unhidden, rotary, used, total)
 
 

@@ -19,7 +19,7 @@ import time
 
 from router.config import LocalWorker, RouterConfig
 from router.core import Router
-from router.registry import Supervision, WorkerState
+from router.tracker import Supervision, WorkerState
 from sglang_ext.entry.engine import spawn_worker
 from sglang_ext.worker.server import EXIT_STARTUP
 

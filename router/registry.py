@@ -2,78 +2,18 @@
 
 A worker is known by its ZeroMQ identity (its worker id). It is *up* from its hello until it stays
 silent for the heartbeat timeout; a later hello (a restart) or load report (it was only slow) takes
-it back. Requests are placed by a `Balancer` among the up workers of one model.
+it back. Requests are placed by a `Balancer` among the up workers of one model. A worker's own state
+(`WorkerState`) is in router/tracker.py, beside its requests'.
 """
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from sglang_ext.messages import LoadReport, WorkerInfo
-
-if TYPE_CHECKING:
-    from router.tracker import RequestState
-
-
-@dataclass
-class Supervision:
-    """A worker this launcher started, as a process (`procs.LocalWorkers` keeps it up to date)."""
-
-    state: str = "running"  # running | restarting | gave up
-    restarts: int = 0
-    fast_crashes: int = 0  # crashes in a row, each soon after its start
-    ever_up: bool = False
-    last_exit: str = ""  # how its last process ended: "exited with code -9", "could not be started (...)"
-    started_at: float = 0.0  # monotonic
-    restart_at: float = 0.0  # monotonic, while restarting
-    gave_up_detail: str = ""
-
-
-@dataclass(eq=False)
-class WorkerState:
-    worker_id: str
-    model: str
-    role: str = "serve"
-    info: WorkerInfo | None = None
-    up: bool = False
-    last_seen: float = 0.0
-    load: LoadReport | None = None
-    inflight: dict[str, RequestState] = field(default_factory=dict)
-    outstanding_tokens: int = 0  # prompt tokens not yet prefilled + output tokens not yet generated
-    num_served: int = 0  # requests placed here since the router started
-    supervision: Supervision | None = None  # only for workers the launcher started
-
-    def touch(self) -> None:
-        self.last_seen = time.monotonic()
-
-    @property
-    def state(self) -> str:
-        """up | starting | restarting | gave up | down | not connected."""
-        sup = self.supervision
-        if self.up:
-            return "up"
-        if sup is None:
-            return "down" if self.info is not None else "not connected"
-        if sup.state == "running":
-            # Heard from since this process started, but silent now (hung): down; else still starting.
-            return "down" if self.last_seen > sup.started_at else "starting"
-        return sup.state
-
-    def describe(self) -> str:
-        """The state in words, for /health and logs: what a person needs to know about this worker."""
-        state, sup = self.state, self.supervision
-        if sup is None or state in ("up", "down"):
-            return state
-        if state == "starting":
-            return f"starting (restart {sup.restarts})" if sup.restarts else "starting"
-        if state == "restarting":
-            wait = max(0.0, sup.restart_at - time.monotonic())
-            return f"restarting (restart {sup.restarts + 1} in {wait:.1f} s; it {sup.last_exit})"
-        return f"gave up: {sup.gave_up_detail}"
+from router.tracker import WorkerState
+from sglang_ext.messages import WorkerInfo
 
 
 @dataclass

@@ -6,6 +6,7 @@ when the executor is lost mid-generation.
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
@@ -14,8 +15,8 @@ import pytest
 import torch
 from _tiny import VOCAB, greedy, make_scheduler, prompts, run_all
 
-from router.adrenaline import HANDLE_BASE, AdrenalinePlacer
 from router.config import ClusterSpec, ConfigError, OffloadSpec, build_cluster
+from router.placement.adrenaline import HANDLE_BASE, AdrenalinePlacer
 from sglang_ext.messages import Disagg
 from sglang_ext.offload.executor import AttentionExecutor
 from sglang_ext.offload.host import ExecutorHost
@@ -62,7 +63,7 @@ def test_adrenaline_placement_needs_both_roles_and_executor_memory(workers: list
 def placer(state: str = "active", executor: str = "P", ratio: float = 0.5) -> tuple[AdrenalinePlacer, Any]:
     rule = OffloadSpec(from_="m", to="m", ratio=ratio)
     pairing = SimpleNamespace(rule=rule, state=state, executor=executor, pairing_id="pair1", sent=(ratio, 0.0))
-    return AdrenalinePlacer(SimpleNamespace(pairings={"D": pairing})), pairing  # type: ignore[arg-type]
+    return AdrenalinePlacer({"D": pairing}), pairing  # type: ignore[dict-item]
 
 
 def test_the_router_places_its_share_of_the_requests_in_flight() -> None:
@@ -296,15 +297,17 @@ def test_under_the_adrenaline_policy_placement_applies_c1_c2() -> None:
 def test_with_several_prefill_workers_the_decode_choice_prefers_the_paired_one() -> None:
     """Decode D2's Adrenaline executor is prefill worker P: a request prefilled on P goes to D2 (where
     it can keep its KV on P) unless D2 is more than PAIRED_SLACK_TOKENS behind the least loaded."""
-    from router.disagg import PAIRED_SLACK_TOKENS, DisaggPlanner
+    from router.placement.offload import OffloadPlacement
+    from router.placement.pd import PAIRED_SLACK_TOKENS, PDPlacement
 
     def worker(wid: str, outstanding: int) -> Any:
         return SimpleNamespace(worker_id=wid, outstanding_tokens=outstanding, inflight={}, load=None, num_served=0)
 
     adr = SimpleNamespace(rule=OffloadSpec(from_="m", to="m", ratio=0.5), state="active", executor="P")
     weaver = SimpleNamespace(rule=OffloadSpec(from_="m", to="cold", ratio=0.5), state="active", executor="P")
-    router = SimpleNamespace(offload=SimpleNamespace(pairings={"D2": adr, "D3": weaver}))
-    planner = DisaggPlanner(router)  # type: ignore[arg-type]
+    offload = SimpleNamespace(pairings={"D2": adr, "D3": weaver})
+    executor_of = partial(OffloadPlacement.adrenaline_executor, offload)  # the wiring of strategies.py
+    planner = PDPlacement(SimpleNamespace(), executor_of)  # type: ignore[arg-type]
     p, p2 = worker("P", 0), worker("P2", 0)
     d1, d2, d3 = worker("D1", 100), worker("D2", 100 + PAIRED_SLACK_TOKENS), worker("D3", 0)
     assert planner._pick_decode(p, [d1, d2]) is d2  # within the slack

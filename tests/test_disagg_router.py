@@ -43,6 +43,11 @@ async def recv(w: FakeWorker, typ: type) -> Any:
             return m
 
 
+def pairs(router: Router) -> list[dict[str, Any]]:
+    """The KV pairs as /get_server_info shows them."""
+    return router.describe_placement()["disaggregation"]
+
+
 async def paired(router: Router, ctx: zmq.asyncio.Context) -> tuple[FakeWorker, FakeWorker]:
     p = FakeWorker(ctx, router.worker_addr, "p", disaggregation_mode="prefill", hostname="node-a", gpu_uuid="GPU-p",
                    pid=4242)
@@ -57,8 +62,8 @@ async def paired(router: Router, ctx: zmq.asyncio.Context) -> tuple[FakeWorker, 
     await d.send(ReplyOut(rid=opened.rid, ok=True, data={"store": "127.0.0.1:1234", "backend": "gloo"}))
     conn = await recv(p, KVPairConnect)
     assert (conn.peer, conn.store, conn.pairing, conn.backend) == ("d", "127.0.0.1:1234", opened.pairing, "gloo")
-    await until(lambda: router.disagg.describe() and router.disagg.describe()[0]["state"] == "active")
-    assert router.disagg.describe()[0]["backend"] == "gloo"
+    await until(lambda: pairs(router) and pairs(router)[0]["state"] == "active")
+    assert pairs(router)[0]["backend"] == "gloo"
     assert router.registry.workers["p"].role == "prefill" and router.registry.workers["d"].role == "decode"
     return p, d
 
@@ -104,7 +109,7 @@ async def test_failures_before_the_first_token_are_retried(router: Router, ctx: 
         await recv(d, GenerateReq)
         await p.send(ErrorOut(rid=r.rid, message="cannot send KV over pairing x", status=503))
         assert (await recv(d, AbortReq)).rid == r.rid
-        assert router.disagg.describe()[0]["state"].startswith("failed: cannot send KV")
+        assert pairs(router)[0]["state"].startswith("failed: cannot send KV")
         retried = [router.requests[k] for k in router.requests]
         assert len(retried) == 1 and retried[0].rid == r.rid + "+retry1" and retried[0].decode is None
         g = await recv(p, GenerateReq)  # away from the suspect: the side the prefill worker could not reach
@@ -131,7 +136,7 @@ async def test_prefill_worker_down_before_its_first_token(router: Router, ctx: z
         await d.token(g.rid, [5], finished=True)
         _, out = await s.next(2)  # type: ignore[misc]
         assert out.token_ids == [5] and s.finished
-        assert router.disagg.describe()[0]["state"] == "down"
+        assert pairs(router)[0]["state"] == "down"
     finally:
         p.close()
         d.close()

@@ -147,9 +147,10 @@ def test_greedy_outputs_equal_a_plain_worker(workers: tuple[Worker, Worker, Work
     sent, got = p.disagg.counts, d.disagg.counts
     assert sent["kv_transfers_out"] == got["kv_transfers_in"] == len(reqs)
     assert sent["kv_transfer_bytes_out"] == got["kv_transfer_bytes_in"] > 0
-    assert p.load_report().kv_transfers_out == len(reqs)
+    rep = p.load_report().disagg
+    assert rep is not None and rep.transfers_out == len(reqs) and rep.bytes_out == sent["kv_transfer_bytes_out"]
     # Latency for the planners: first tokens are the prefill worker's (TTFT), the rest the decode worker's.
-    rp, rd = p.load_report(), d.load_report()
+    rp, rd = p.load_report().latency, d.load_report().latency
     assert rp.ttft_samples == len(reqs) and rp.ttft_p99_ms > 0 and rp.tpot_samples == 0
     assert rd.ttft_samples == 0 and rd.tpot_samples == len(reqs) and rd.tpot_p99_ms > 0
     # ... and the decode steps (what adaptive keeps a sender's steps within) are the decode worker's only

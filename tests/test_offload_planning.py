@@ -16,12 +16,14 @@ import zmq.asyncio
 from _router_util import FakeWorker, until
 from test_offload_router import Fleet, next_of, serve_open
 
-import router.planning.steer as steer
+import router.placement.steer as steer
 from router.config import AdaptiveSpec, AdrenalineSpec, OffloadSpec, RouterConfig, SloSpec
 from router.core import Router
 from router.events import ExecutorMemoryLow, OffloadDecided, SloMissed
-from router.planning import Adaptive, Adrenaline, PairView, offload_bound
+from router.placement.offload import OffloadPlacement
+from router.placement.planning import Adaptive, Adrenaline, PairView, offload_bound
 from sglang_ext.messages import GenerateReq, OffloadDirective, OffloadRatio
+from sglang_ext.messages.io import ExecutorKV, Latency, OffloadSender
 
 
 # ---- OB(n, B_max) ----------------------------------------------------------------------------------------
@@ -182,15 +184,15 @@ async def test_adaptive_lowers_on_slo_misses_and_raises_with_slack(make_router: 
         await serve_open(h)
         d = await next_of(s, OffloadDirective)
         assert (d.policy, d.ratio, d.bound) == ("adaptive", 0.3, 0.0)
-        reports(h, tpot_p99_ms=80.0, tpot_samples=20)  # the host misses its 50 ms SLO
+        reports(h, latency=Latency(tpot_p99_ms=80.0, tpot_samples=20))  # the host misses its 50 ms SLO
         got = [m.ratio for m in await ratios(s, 3)]
         assert got == pytest.approx([0.2, 0.1, 0.0]) and all(m.pairing == d.pairing for m in await ratios(s, 0))
         with pytest.raises(TimeoutError):  # clamped at 0: nothing more to say
             await next_of(s, OffloadRatio, timeout=0.5)
-        (p,) = router.offload.describe()  # type: ignore[union-attr]
+        (p,) = router.strategy(OffloadPlacement).describe()  # type: ignore[union-attr]
         assert (p["ratio"], p["bound"], p["policy"]) == (0.0, 0.4, "adaptive") and "P99 TPOT 80.0 ms" in p["why"]
         # slack on the host, but the sender has nothing to send: held at 0
-        reports(h, tpot_p99_ms=20.0, tpot_samples=20)
+        reports(h, latency=Latency(tpot_p99_ms=20.0, tpot_samples=20))
         with pytest.raises(TimeoutError):
             await next_of(s, OffloadRatio, timeout=0.5)
         submit(router, 2)  # the sender's batch grows: raised in steps up to max_ratio
@@ -213,15 +215,15 @@ async def test_adaptive_lowers_on_slo_misses_and_raises_with_slack(make_router: 
         assert "1 tpot miss(es)" in decided[-3].why
         # the sender's own decode steps over its model's TPOT SLO (30 ms): lowered; its requests' TPOT
         # (which also holds their time waiting, overload's, not the share's) plays no part
-        reports(s, decode_step_ms=45.0, decode_steps=300, tpot_p99_ms=10.0, tpot_samples=20)
+        reports(s, latency=Latency(decode_step_ms=45.0, decode_steps=300, tpot_p99_ms=10.0, tpot_samples=20))
         assert (await next_of(s, OffloadRatio)).ratio == pytest.approx(0.3)
         assert "the sender's decode step 45.0 ms > its TPOT SLO 30 ms" in decided[-1].why
-        reports(s, decode_step_ms=10.0, decode_steps=300, tpot_p99_ms=900.0, tpot_samples=20)
+        reports(s, latency=Latency(decode_step_ms=10.0, decode_steps=300, tpot_p99_ms=900.0, tpot_samples=20))
         assert (await next_of(s, OffloadRatio)).ratio == pytest.approx(0.35)
         await ratios(s, 1)  # back at max_ratio 0.4
         # a prefill worker hosting the executor (Adrenaline placement): its first tokens' TTFT is kept
         router.registry.workers["cold-0"].role = "prefill"
-        reports(h, tpot_p99_ms=20.0, tpot_samples=20, ttft_p99_ms=1500.0, ttft_samples=20)
+        reports(h, latency=Latency(tpot_p99_ms=20.0, tpot_samples=20, ttft_p99_ms=1500.0, ttft_samples=20))
         assert (await next_of(s, OffloadRatio)).ratio == pytest.approx(0.3)
         assert "P99 TTFT 1500.0 ms > SLO 1000 ms" in decided[-1].why
     finally:
@@ -243,18 +245,18 @@ async def test_adrenaline_sends_its_bound_on_reports_and_arrivals(make_router: A
         o = await serve_open(h)
         d = await next_of(s, OffloadDirective)
         assert (d.policy, d.ratio, d.bound) == ("adrenaline", 1.0, 0.0)  # no executor figures yet: OB 0
-        reports(h, executor_kv_pairing_tokens={o.pairing: 0}, executor_kv_free_tokens={o.pairing: 4096})
+        reports(h, executor=ExecutorKV(pairing_tokens={o.pairing: 0}, free_tokens={o.pairing: 4096}))
         (m,) = await ratios(s, 1)
         assert (m.ratio, m.bound) == (1.0, 0.5)  # memory 4096 / 8192
         submit(router, 3)  # batch 3: dense 4 / 3 - 1
         (m,) = await ratios(s, 1)
         assert m.bound == pytest.approx(1 / 3)
-        (p,) = router.offload.describe()  # type: ignore[union-attr]
+        (p,) = router.strategy(OffloadPlacement).describe()  # type: ignore[union-attr]
         assert p["ob"] == pytest.approx(1 / 3) and p["ratio"] == pytest.approx(0.25) and "dense 0.333" in p["why"]
         # the executor fills: memory low is published once per fall
-        reports(h, executor_kv_pairing_tokens={o.pairing: 4000}, executor_kv_free_tokens={o.pairing: 96})
+        reports(h, executor=ExecutorKV(pairing_tokens={o.pairing: 4000}, free_tokens={o.pairing: 96}))
         await until(lambda: low)
-        await until(lambda: router.offload.describe()[0]["executor_memory_low"])  # type: ignore[union-attr]
+        await until(lambda: router.strategy(OffloadPlacement).describe()[0]["executor_memory_low"])  # type: ignore[union-attr]
         assert (low[0].sender, low[0].free_tokens, low[0].total_tokens) == ("hot-0", 96, 4096) and len(low) == 1
     finally:
         for w in fleet.workers:
@@ -271,11 +273,11 @@ async def test_a_lost_update_is_sent_again(make_router: Any, ctx: zmq.asyncio.Co
         d = await next_of(s, OffloadDirective)
         assert d.ratio == 0.5
         # the sender applied it: nothing more is sent
-        reports(s, offload_pairing=d.pairing, offload_state="active", offload_ratio=0.5)
+        reports(s, offload=OffloadSender(pairing=d.pairing, state="active", ratio=0.5))
         with pytest.raises(TimeoutError):
             await next_of(s, OffloadRatio, timeout=0.6)
         # it says another ratio (a decision it never got): the planner's is sent again
-        reports(s, offload_pairing=d.pairing, offload_state="active", offload_ratio=0.2)
+        reports(s, offload=OffloadSender(pairing=d.pairing, state="active", ratio=0.2))
         (m,) = await ratios(s, 1)
         assert (m.pairing, m.ratio) == (d.pairing, 0.5)
     finally:

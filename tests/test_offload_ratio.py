@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from test_offload_worker import PROMPTS, make, open_for, run
+from test_offload_worker import PROMPTS, hosted, make, open_for, run, sent
 
 from sglang_ext.messages import OffloadDirective, OffloadRatio, decode_to_worker, encode
 from sglang_ext.offload.conditions import Loads, c1, c2, should_offload
@@ -52,19 +52,19 @@ def test_a_ratio_update_changes_which_new_requests_go_remote(reference: list[lis
     d = open_for(sender, host)
     # a planned policy may pair at ratio 0: the pairing is up, no new request goes out
     sender.handle(OffloadDirective(**{**_fields(d), "policy": "adaptive", "ratio": 0.0}))
-    assert sender.load_report().offload_ratio == 0.0
-    rep = host.load_report()
-    assert rep.executor_kv_free_tokens["p1"] > 0 and rep.executor_kv_pairing_tokens == {"p1": 0}
+    assert sent(sender.load_report()).ratio == 0.0
+    rep = hosted(host.load_report())
+    assert rep.free_tokens["p1"] > 0 and rep.pairing_tokens == {"p1": 0}
     outs, where = run(sender, "b")
     assert outs == reference and where == [None] * len(PROMPTS)
-    assert sender.load_report().offload_state == "active" and sender.load_report().offload_ratio == 0.0
+    assert sent(sender.load_report()).state == "active" and sent(sender.load_report()).ratio == 0.0
     # ratio 1: every new request goes out
     sender.handle(OffloadRatio(pairing="p1", ratio=1.0))
     held: list[tuple[int, int]] = []
     outs, where = run(sender, "c", each=lambda w: held.append(
-        (host.load_report().executor_kv_pairing_tokens["p1"], host.load_report().executor_kv_free_tokens["p1"])))
+        (hosted(host.load_report()).pairing_tokens["p1"], hosted(host.load_report()).free_tokens["p1"])))
     assert outs == reference and where == ["cold-0"] * len(PROMPTS)
-    assert max(u for u, _ in held) > 0 and min(f for _, f in held) < rep.executor_kv_free_tokens["p1"]
+    assert max(u for u, _ in held) > 0 and min(f for _, f in held) < rep.free_tokens["p1"]
     # an update for another pairing (a stale one) and a bad one are ignored
     sender.handle(OffloadRatio(pairing="p0", ratio=0.0))
     sender.handle(OffloadRatio(pairing="p1", ratio=1.5))
@@ -97,7 +97,7 @@ def test_adrenaline_conditions_pick_the_rows_on_a_worker(reference: list[list[in
     # 3 < 5 but 1 < 1 no; the third: C2 7 < 8 and 1 < 2: out; the fourth: C2 7 + 2 < 8 no; the
     # fifth: C1/C2 7 + 4 < 10 no. So only the third goes out.
     sender.handle(OffloadRatio(pairing="p1", ratio=1.0, bound=1.0))
-    assert sender.load_report().offload_bound == 1.0
+    assert sent(sender.load_report()).bound == 1.0
     outs, where = run(sender, "g")
     assert outs == reference and where == [None, None, "cold-1", None, None]
     sender.offload.close(sender.scheduler)

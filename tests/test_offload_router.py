@@ -14,10 +14,11 @@ import zmq
 import zmq.asyncio
 from _router_util import FakeWorker, until
 
-import router.offload as planner
+import router.placement.offload as planner
 from router.config import ClusterSpec, ConfigError, OffloadSpec, RouterConfig, build_cluster
 from router.core import Router
 from router.metrics import OffloadTotals
+from router.placement.offload import OffloadPlacement
 from sglang_ext.messages import (
     ExecutorOpen,
     LoadReport,
@@ -27,6 +28,7 @@ from sglang_ext.messages import (
     decode_to_worker,
     encode,
 )
+from sglang_ext.messages.io import Latency, OffloadSender
 
 GEOMETRY = {"num_layers": 4, "num_kv_heads": 4, "head_dim": 64, "num_q_heads": 8, "attn_scale": 0.125,
             "kv_dtype": "float32"}
@@ -129,7 +131,7 @@ def test_new_messages_decode_strictly() -> None:
     old = {"type": "load", "worker_id": "w", "num_running": 0, "num_waiting": 0, "kv_used_tokens": 0,
            "kv_total_tokens": 1, "kv_cached_tokens": 0, "num_preemptions": 0, "step_time_ms": 0.0, "timestamp": 0.0}
     rep = decode_from_worker(msgspec.msgpack.encode(old))
-    assert isinstance(rep, LoadReport) and rep.offloaded_reqs == 0 and rep.executor_kv_used_tokens == {}
+    assert isinstance(rep, LoadReport) and rep.offload is None and rep.executor is None and rep.latency == Latency()
 
 
 # ---- counters ------------------------------------------------------------------------------------------
@@ -139,14 +141,19 @@ def report(**kw: Any) -> LoadReport:
     return LoadReport(**{**base, **kw})
 
 
+def offloading(**kw: Any) -> LoadReport:
+    """A sender's report with these figures of its offload part."""
+    return report(offload=OffloadSender(**kw))
+
+
 def test_counters_stay_monotonic_across_worker_restarts() -> None:
     t = OffloadTotals()
-    t.observe("w", report(offload_bytes_out=100, offload_wait_s=1.5))
-    t.observe("w", report(offload_bytes_out=300, offload_wait_s=2.0))
+    t.observe("w", offloading(bytes_out=100, wait_s=1.5))
+    t.observe("w", offloading(bytes_out=300, wait_s=2.0))
     t.restarted("w")  # its hello: a new process counts from zero
-    t.observe("w", report(offload_bytes_out=50, offload_wait_s=0.5))
+    t.observe("w", offloading(bytes_out=50, wait_s=0.5))
     assert t.total("w", "offload_bytes_out") == 350 and t.total("w", "offload_wait_s") == 2.5
-    t.observe("w", report(offload_bytes_out=20))  # a restart without a hello seen: the figure went down
+    t.observe("w", offloading(bytes_out=20))  # a restart without a hello seen: the figure went down
     assert t.total("w", "offload_bytes_out") == 370
     assert t.total("other", "offload_bytes_in") == 0
 
@@ -207,8 +214,8 @@ async def serve_open(h: FakeWorker, ok: bool = True) -> ExecutorOpen:
 
 
 def states(router: Router) -> dict[str, str]:
-    assert router.offload is not None
-    return {p["from"]: p["state"] for p in router.offload.describe()}
+    assert router.strategy(OffloadPlacement) is not None
+    return {p["from"]: p["state"] for p in router.strategy(OffloadPlacement).describe()}
 
 
 async def test_pairing_on_events_and_detach_when_the_host_goes(router: Router, fleet: Fleet) -> None:
@@ -245,13 +252,13 @@ async def test_a_refusal_or_a_lost_executor_is_tried_again(router: Router, fleet
     s = await fleet.sender("hot-0")
     h = await fleet.host("cold-0")
     await serve_open(h, ok=False)
-    assert router.offload is not None
-    await until(lambda: router.offload.pairings["hot-0"].logged == "failed: cold-0: no room")  # type: ignore[union-attr]
+    assert router.strategy(OffloadPlacement) is not None
+    await until(lambda: router.strategy(OffloadPlacement).pairings["hot-0"].logged == "failed: cold-0: no room")  # type: ignore[union-attr]
     o = await serve_open(h)  # tried again on a later load report
     d = await next_of(s, OffloadDirective)
     await until(lambda: states(router)["hot-0"] == "active")
     # the sender reports that it lost that executor: paired again (on a later report)
-    await s.send(msgspec.structs.replace(s.load(), offload_pairing=d.pairing, offload_state="lost"))
+    await s.send(msgspec.structs.replace(s.load(), offload=OffloadSender(pairing=d.pairing, state="lost")))
     o2 = await serve_open(h)
     assert o2.pairing != o.pairing
     assert (await next_of(s, OffloadDirective)).pairing == o2.pairing

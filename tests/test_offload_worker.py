@@ -8,13 +8,24 @@ from typing import Any
 
 import pytest
 
-from sglang_ext.messages import BatchOut, ExecutorOpen, GenerateReq, OffloadDirective, ReplyOut
+from sglang_ext.messages import BatchOut, ExecutorOpen, GenerateReq, LoadReport, OffloadDirective, ReplyOut
+from sglang_ext.messages.io import ExecutorKV, OffloadSender
 from sglang_ext.sampling.params import SamplingParams
 from sglang_ext.server_args import ServerArgs
 from sglang_ext.worker.tokenizer import StartupError
 from sglang_ext.worker.worker import Worker
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19], [20, 21], [22, 23, 24, 25]]
+
+
+def sent(r: LoadReport) -> OffloadSender:
+    """The report's sender part (zeros where it has none)."""
+    return r.offload or OffloadSender()
+
+
+def hosted(r: LoadReport) -> ExecutorKV:
+    """The report's host part (empty where it has none)."""
+    return r.executor or ExecutorKV()
 
 
 def make(worker_id: str, **kw: Any) -> Worker:
@@ -68,27 +79,27 @@ def test_a_directive_pairs_a_sender_with_a_hosting_worker(reference: list[list[i
     outs, where = run(sender, "b", each=lambda w: seen.append((w.load_report(), host.load_report())))
     assert outs == reference
     assert "cold-0" in where and None in where
-    assert max(s.offloaded_reqs for s, _ in seen) > 0 and max(h.executor_kv_used_tokens.get("default", 0)
-                                                               for _, h in seen) > 0
-    last = sender.load_report()
-    assert last.offload_executor == "cold-0" and last.offload_state == "active" and last.offload_pairing == "p1"
-    assert last.offload_bytes_out > 0 and last.offload_bytes_in > 0 and last.offload_wait_s > 0
+    assert max(sent(s).reqs for s, _ in seen) > 0 and max(hosted(h).used_tokens.get("default", 0) for _, h in seen) > 0
+    last = sender.load_report().offload
+    assert last is not None and last.executor == "cold-0" and last.state == "active" and last.pairing == "p1"
+    assert last.bytes_out > 0 and last.bytes_in > 0 and last.wait_s > 0
     # detach: no new requests go out, the pair closes once those there are done
     sender.handle(OffloadDirective(pairing="p1", detach=True))
-    assert sender.scheduler.offload is None and sender.load_report().offload_state == ""
+    assert sender.scheduler.offload is None and sent(sender.load_report()).state == ""
     outs, where = run(sender, "c")
     assert outs == reference and where == [None] * len(PROMPTS)
-    assert sender.load_report().offload_bytes_out == last.offload_bytes_out  # totals kept after the close
+    assert sent(sender.load_report()).bytes_out == last.bytes_out  # totals kept after the close
     svc = list(host.offload.host.services.values())  # type: ignore[union-attr]
-    assert all(s.ended.wait(5) for s in svc) and host.load_report().executor_kv_used_tokens == {}
+    assert all(s.ended.wait(5) for s in svc) and hosted(host.load_report()).used_tokens == {}
     sender.offload.close(sender.scheduler)
 
 
 def test_a_directive_the_sender_cannot_follow_is_reported() -> None:
     w = make("hot-1")
     w.handle(OffloadDirective(pairing="p9", executor="cold-9", store="127.0.0.1:1", ratio=0.5, timeout_s=1.0))
-    r = w.load_report()
-    assert r.offload_pairing == "p9" and r.offload_state.startswith("failed: executor cold-9 at 127.0.0.1:1")
+    r = sent(w.load_report())
+    assert r.pairing == "p9" and r.state == "failed" and r.error.startswith("executor cold-9 at 127.0.0.1:1")
+    assert r.state_text().startswith("failed: executor cold-9 at 127.0.0.1:1")
     assert w.scheduler.offload is None
     host = make("cold-1")  # executor_mem_gb 0: no executor to open
     (reply,) = host.handle(ExecutorOpen(
@@ -102,9 +113,9 @@ def test_the_in_process_executor_reports_too(reference: list[list[int]]) -> None
     seen: list[Any] = []
     outs, _ = run(w, "d", each=lambda w: seen.append(w.load_report()))
     assert outs == reference
-    assert max(r.offloaded_reqs for r in seen) > 0 and max(r.executor_kv_used_tokens["default"] for r in seen) > 0
-    r = w.load_report()
-    assert r.offload_bytes_out > 0 and r.offload_state == "active" and r.offload_executor == "solo-0/local"
+    assert max(sent(r).reqs for r in seen) > 0 and max(hosted(r).used_tokens.get("default", 0) for r in seen) > 0
+    r = sent(w.load_report())
+    assert r.bytes_out > 0 and r.state == "active" and r.executor == "solo-0/local"
 
 
 def test_an_unavailable_transport_is_an_error_at_start() -> None:

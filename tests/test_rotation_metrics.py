@@ -8,6 +8,7 @@ from typing import Any
 
 from router.metrics import RouterMetrics
 from sglang_ext.messages import BatchOut, GenerateReq, LoadReport
+from sglang_ext.messages.io import RotationStats
 from sglang_ext.sampling.params import SamplingParams
 from sglang_ext.server_args import ServerArgs
 from sglang_ext.worker.worker import Worker
@@ -33,26 +34,28 @@ def test_worker_reports_rotations_in_meta_info_and_load() -> None:
             for t in out.outs:
                 meta[t.rid] = t.meta_info
         inbox = []
-        peak = max(peak, w.load_report().rotary_reqs)
+        rot = w.load_report().rotation
+        peak = max(peak, rot.rotary_reqs if rot else 0)
         if not w.has_work():
             break
     assert sorted(meta) == [f"r{i}" for i in range(5)]
     assert all(m["finish_reason"]["type"] == "length" for m in meta.values())
-    rep = w.load_report()
-    assert rep.kv_rotations_out == rep.kv_rotations_in == sum(m["rotations"] for m in meta.values()) > 0
-    assert rep.kv_rotation_bytes_out > 0 and rep.kv_rotation_bytes_in > 0 and peak > 0
-    assert rep.rotary_reqs == 0 and rep.kv_host_used_bytes == 0 and rep.kv_host_total_bytes >= 1 << 20
+    rep = w.load_report().rotation
+    assert rep is not None
+    assert rep.rotations_out == rep.rotations_in == sum(m["rotations"] for m in meta.values()) > 0
+    assert rep.bytes_out > 0 and rep.bytes_in > 0 and peak > 0
+    assert rep.rotary_reqs == 0 and rep.host_used_bytes == 0 and rep.host_total_bytes >= 1 << 20
 
 
 def test_rotation_metrics_render_and_stay_monotonic_across_restarts() -> None:
     w = SimpleNamespace(model="m", worker_id="w0", load=None, inflight={}, up=True, supervision=None)
     m = RouterMetrics(lambda: [w])  # type: ignore[arg-type, list-item]
-    w.load = _report(rotary_reqs=2, kv_host_used_bytes=4096, kv_host_total_bytes=1 << 20, kv_rotations_out=3,
-                     kv_rotations_in=1, kv_rotation_bytes_out=6144, kv_rotation_bytes_in=2048,
-                     kv_rotation_unhidden_iterations=1)
+    w.load = _report(rotation=RotationStats(rotary_reqs=2, host_used_bytes=4096, host_total_bytes=1 << 20,
+                                            rotations_out=3, rotations_in=1, bytes_out=6144, bytes_in=2048,
+                                            unhidden_iterations=1))
     m.offload.observe("w0", w.load)
     m.offload.restarted("w0")
-    w.load = _report(kv_rotations_out=1, kv_rotation_bytes_out=100)
+    w.load = _report(rotation=RotationStats(rotations_out=1, bytes_out=100))
     m.offload.observe("w0", w.load)
     text = m.render().decode()
     want = [

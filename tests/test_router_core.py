@@ -25,8 +25,8 @@ from router.events import (
     WorkerDown,
     WorkerUp,
 )
-from router.registry import LeastOutstandingTokens, WorkerState
-from router.tracker import Failure
+from router.registry import LeastOutstandingTokens
+from router.tracker import Failure, WorkerState
 from sglang_ext.messages import (
     AbortReq,
     ErrorOut,

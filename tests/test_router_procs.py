@@ -6,7 +6,7 @@ from __future__ import annotations
 from router.config import LocalWorker, RouterConfig
 from router.core import Router
 from router.procs import LocalWorkers
-from router.registry import Supervision
+from router.tracker import Supervision
 from sglang_ext.server_args import ServerArgs
 
 

@@ -145,7 +145,7 @@ def server_info_dict(router: Router) -> dict[str, Any]:
             if w.info is not None:
                 d["info"] = msgspec.to_builtins(w.info)
             if w.load is not None:
-                d["load"] = msgspec.to_builtins(w.load)
+                d["load"] = w.load.flat()  # the flat names clients read
                 states.append({"model": name, **d["load"]})
             workers.append(d)
         info = m.info
@@ -153,6 +153,7 @@ def server_info_dict(router: Router) -> dict[str, Any]:
                         "context_length": info.context_length if info else None, "workers": workers}
     default = reg.resolve(None)
     info = default.info if default else None
+    placement = router.describe_placement()
     return {
         "version": __version__,
         "model_path": info.model_path if info else None,
@@ -166,7 +167,7 @@ def server_info_dict(router: Router) -> dict[str, Any]:
         "models": models,
         "internal_states": states,
         "num_inflight_requests": len(router.requests),
-        "offload": router.offload.describe() if router.offload is not None else [],
-        "disaggregation": router.disagg.describe(),
+        "offload": placement.get("offload", []),
+        "disaggregation": placement.get("disaggregation", []),
         "uptime_s": round(time.time() - router.started, 3),
     }

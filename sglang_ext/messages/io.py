@@ -7,7 +7,7 @@ unknown tag, a missing field or a wrong type is rejected, never guessed.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -137,8 +137,84 @@ class WorkerHello(msgspec.Struct, tag="hello", kw_only=True):
     info: WorkerInfo
 
 
+OffloadState = Literal["", "active", "draining", "lost", "failed"]
+
+
+# The report's parts below take unknown fields, as LoadReport itself does: a newer worker may report more.
+class OffloadSender(msgspec.Struct, kw_only=True):
+    """Remote attention, as a sender: requests on the executor now; cumulative bytes and seconds waited
+    over this process's life (the router makes counters of them); the pairing in force."""
+
+    reqs: int = 0
+    bytes_out: int = 0
+    bytes_in: int = 0
+    wait_s: float = 0.0
+    staged_loads: int = 0  # KV loads sent GPU to GPU through the host's stage (cuda_ipc)
+    executor: str = ""  # the executor's worker id ("" while none)
+    pairing: str = ""  # the router's id of the directive in force
+    state: OffloadState = ""  # "": no pairing (or one drained)
+    error: str = ""  # why, in state failed
+    ratio: float = 0.0  # the share cap in force (OffloadDirective / OffloadRatio)
+    bound: float = 0.0  # Adrenaline's OB in force (policy adrenaline; 0 otherwise)
+
+    def state_text(self) -> str:
+        """The state in one string, the reason after a failure: `failed: why`."""
+        return f"{self.state}: {self.error}" if self.error else self.state
+
+
+class ExecutorKV(msgspec.Struct, kw_only=True):
+    """Remote attention, as a host: KV tokens held per guest model; per pairing id, tokens held and tokens
+    it could still get (free slabs are shared by every guest)."""
+
+    used_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+    pairing_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+    free_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+
+
+class RotationStats(msgspec.Struct, kw_only=True):
+    """KV rotation (preemption_mode=rotate): rotary requests and host-pool bytes now; cumulative rotations,
+    bytes and unhidden-transfer iterations over this process's life."""
+
+    rotary_reqs: int = 0
+    host_used_bytes: int = 0
+    host_total_bytes: int = 0
+    rotations_out: int = 0
+    rotations_in: int = 0
+    bytes_out: int = 0
+    bytes_in: int = 0
+    unhidden_iterations: int = 0
+
+
+class KVTransferStats(msgspec.Struct, kw_only=True):
+    """Prefill/decode disaggregation, cumulative: requests' KV sent (a prefill worker) and received (a
+    decode worker), and their bytes."""
+
+    transfers_out: int = 0
+    transfers_in: int = 0
+    bytes_out: int = 0
+    bytes_in: int = 0
+
+
+class Latency(msgspec.Struct, kw_only=True):
+    """The latency the router's planners steer by, over the last few seconds."""
+
+    # P99 of finished requests' TPOT (0 with no samples) and how many requests it covers
+    tpot_p99_ms: float = 0.0
+    tpot_samples: int = 0
+    # ... and of the first tokens it computed (from the request's arrival here): what the planner steers
+    # by when this worker is a prefill worker hosting an executor (Adrenaline)
+    ttft_p99_ms: float = 0.0
+    ttft_samples: int = 0
+    # Mean wall time of its steps that decoded a running request's next token, and how many: the token
+    # interval its running requests see, which a larger offload share (a larger batch) lengthens; what
+    # the adaptive planner keeps within the sender's TPOT SLO
+    decode_step_ms: float = 0.0
+    decode_steps: int = 0
+
+
 class LoadReport(msgspec.Struct, tag="load", kw_only=True):
-    """Periodic load report; doubles as the worker's heartbeat."""
+    """Periodic load report; doubles as the worker's heartbeat. One part per mechanism beside the base
+    figures: a part is None where the mechanism has nothing to report (every figure zero or empty)."""
 
     worker_id: str
     num_running: int
@@ -149,52 +225,38 @@ class LoadReport(msgspec.Struct, tag="load", kw_only=True):
     num_preemptions: int
     step_time_ms: float
     timestamp: float
-    # Remote attention, as a sender: requests on the executor now; cumulative bytes and seconds
-    # waited over this process's life (the router makes counters of them); the pairing in force.
-    offloaded_reqs: int = 0
-    offload_bytes_out: int = 0
-    offload_bytes_in: int = 0
-    offload_wait_s: float = 0.0
-    offload_staged_loads: int = 0  # KV loads sent GPU to GPU through the host's stage (cuda_ipc)
-    offload_executor: str = ""  # the executor's worker id ("" while none)
-    offload_pairing: str = ""  # the router's id of the directive in force
-    offload_state: str = ""  # "" | active | draining | lost | failed: why
-    offload_ratio: float = 0.0  # the share cap in force (OffloadDirective / OffloadRatio)
-    offload_bound: float = 0.0  # Adrenaline's OB in force (policy adrenaline; 0 otherwise)
-    # ... and as a host: KV tokens held per guest model; per pairing id, tokens held and tokens it
-    # could still get (free slabs are shared by every guest)
-    executor_kv_used_tokens: dict[str, int] = msgspec.field(default_factory=dict)
-    executor_kv_pairing_tokens: dict[str, int] = msgspec.field(default_factory=dict)
-    executor_kv_free_tokens: dict[str, int] = msgspec.field(default_factory=dict)
-    # Latency the planner steers by: P99 of finished requests' TPOT over the last few seconds
-    # (0 with no samples) and how many requests it covers.
-    tpot_p99_ms: float = 0.0
-    tpot_samples: int = 0
-    # ... and of the first tokens it computed (from the request's arrival here), the same window: what
-    # the planner steers by when this worker is a prefill worker hosting an executor (Adrenaline).
-    ttft_p99_ms: float = 0.0
-    ttft_samples: int = 0
-    # Mean wall time of its steps that decoded a running request's next token, over the last few
-    # seconds, and how many: the token interval its running requests see, which a larger offload share
-    # (a larger batch) lengthens; what the adaptive planner keeps within the sender's TPOT SLO.
-    decode_step_ms: float = 0.0
-    decode_steps: int = 0
-    # KV rotation (preemption_mode=rotate): rotary requests and host-pool bytes now; cumulative
-    # rotations, bytes and unhidden-transfer iterations over this process's life
-    rotary_reqs: int = 0
-    kv_host_used_bytes: int = 0
-    kv_host_total_bytes: int = 0
-    kv_rotations_out: int = 0
-    kv_rotations_in: int = 0
-    kv_rotation_bytes_out: int = 0
-    kv_rotation_bytes_in: int = 0
-    kv_rotation_unhidden_iterations: int = 0
-    # Prefill/decode disaggregation, cumulative: requests' KV sent (a prefill worker) and received (a
-    # decode worker), and their bytes
-    kv_transfers_out: int = 0
-    kv_transfers_in: int = 0
-    kv_transfer_bytes_out: int = 0
-    kv_transfer_bytes_in: int = 0
+    latency: Latency = msgspec.field(default_factory=Latency)
+    offload: OffloadSender | None = None
+    executor: ExecutorKV | None = None
+    rotation: RotationStats | None = None
+    disagg: KVTransferStats | None = None
+
+    def flat(self) -> dict[str, Any]:
+        """The report as one flat dict, under the names /get_server_info has always shown (a user
+        contract): each part's figures with their mechanism's prefix, defaults for an absent part."""
+        base = {k: v for k, v in msgspec.to_builtins(self).items() if k not in _PARTS}
+        o, x = self.offload or OffloadSender(), self.executor or ExecutorKV()
+        lat, r, d = self.latency, self.rotation or RotationStats(), self.disagg or KVTransferStats()
+        return {
+            **base,
+            "offloaded_reqs": o.reqs, "offload_bytes_out": o.bytes_out, "offload_bytes_in": o.bytes_in,
+            "offload_wait_s": o.wait_s, "offload_staged_loads": o.staged_loads, "offload_executor": o.executor,
+            "offload_pairing": o.pairing, "offload_state": o.state_text(), "offload_ratio": o.ratio,
+            "offload_bound": o.bound,
+            "executor_kv_used_tokens": dict(x.used_tokens), "executor_kv_pairing_tokens": dict(x.pairing_tokens),
+            "executor_kv_free_tokens": dict(x.free_tokens),
+            "tpot_p99_ms": lat.tpot_p99_ms, "tpot_samples": lat.tpot_samples, "ttft_p99_ms": lat.ttft_p99_ms,
+            "ttft_samples": lat.ttft_samples, "decode_step_ms": lat.decode_step_ms, "decode_steps": lat.decode_steps,
+            "rotary_reqs": r.rotary_reqs, "kv_host_used_bytes": r.host_used_bytes,
+            "kv_host_total_bytes": r.host_total_bytes, "kv_rotations_out": r.rotations_out,
+            "kv_rotations_in": r.rotations_in, "kv_rotation_bytes_out": r.bytes_out,
+            "kv_rotation_bytes_in": r.bytes_in, "kv_rotation_unhidden_iterations": r.unhidden_iterations,
+            "kv_transfers_out": d.transfers_out, "kv_transfers_in": d.transfers_in,
+            "kv_transfer_bytes_out": d.bytes_out, "kv_transfer_bytes_in": d.bytes_in,
+        }
+
+
+_PARTS = frozenset({"latency", "offload", "executor", "rotation", "disagg"})
 
 
 class ExecutorOpen(msgspec.Struct, tag="executor_open", kw_only=True, forbid_unknown_fields=True):

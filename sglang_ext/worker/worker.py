@@ -40,6 +40,7 @@ from sglang_ext.messages import (
     ToWorker,
     WorkerInfo,
 )
+from sglang_ext.messages.io import RotationStats
 from sglang_ext.models.config import ModelConfig
 from sglang_ext.models.resolve import PRESET_PREFIX, resolve_model_path
 from sglang_ext.offload.setup import local_offloader
@@ -53,7 +54,7 @@ from sglang_ext.server_args import ServerArgs
 from sglang_ext.worker.disagg import PairGone, WorkerDisagg
 from sglang_ext.worker.offload import WorkerOffload
 from sglang_ext.worker.profile import StepProfiler, window_from_env
-from sglang_ext.worker.stats import DECODE_STEP_WINDOW_S, LatencyWindow
+from sglang_ext.worker.stats import DECODE_STEP_WINDOW_S, LatencyWindow, latency, offload_parts, present, transfers
 from sglang_ext.worker.step_log import StepLog, interval_from_env
 from sglang_ext.worker.tokenizer import IncrementalDetokenizer, StartupError, Tokenizer, load_tokenizer
 
@@ -152,18 +153,18 @@ class Worker:
     def load_report(self) -> LoadReport:
         s = self.scheduler.stats()
         ps = self.args.resolved_page_size
+        offload, executor = offload_parts(self.offload.report(self.scheduler))
         return LoadReport(
             worker_id=self.worker_id, num_running=s.num_running, num_waiting=s.num_waiting,
             kv_used_tokens=s.kv_used_pages * ps, kv_total_tokens=s.kv_total_pages * ps,
             kv_cached_tokens=s.cached_pages * ps, num_preemptions=s.num_preemptions,
-            step_time_ms=self.last_step_ms, timestamp=time.time(), **self.offload.report(self.scheduler),
-            rotary_reqs=s.num_rotary, kv_host_used_bytes=s.host_used_bytes, kv_host_total_bytes=s.host_total_bytes,
-            kv_rotations_out=s.rotations_out, kv_rotations_in=s.rotations_in,
-            kv_rotation_bytes_out=s.rotation_bytes_out, kv_rotation_bytes_in=s.rotation_bytes_in,
-            kv_rotation_unhidden_iterations=s.unhidden_iterations,
-            tpot_p99_ms=self.tpot.p99_ms(), tpot_samples=self.tpot.count(), ttft_p99_ms=self.ttft.p99_ms(),
-            ttft_samples=self.ttft.count(), decode_step_ms=self.decode_steps.mean_ms(),
-            decode_steps=self.decode_steps.count(), **self.disagg.counts,
+            step_time_ms=self.last_step_ms, timestamp=time.time(),
+            latency=latency(self.tpot, self.ttft, self.decode_steps), offload=offload, executor=executor,
+            rotation=present(RotationStats(
+                rotary_reqs=s.num_rotary, host_used_bytes=s.host_used_bytes, host_total_bytes=s.host_total_bytes,
+                rotations_out=s.rotations_out, rotations_in=s.rotations_in, bytes_out=s.rotation_bytes_out,
+                bytes_in=s.rotation_bytes_in, unhidden_iterations=s.unhidden_iterations)),
+            disagg=transfers(self.disagg.counts),
         )
 
     def has_work(self) -> bool:

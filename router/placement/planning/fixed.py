@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.planning.base import Decision, PairView, Policy
+from router.placement.planning.base import Decision, PairView, Policy
 
 
 class Fixed(Policy):

@@ -9,16 +9,16 @@
 
 A policy is a small object per pairing that turns a `PairView` (built from the registry at each
 decision, so a lost event costs nothing but a late decision) into a `Decision`. The planner
-(router/offload.py) asks it on events and sends what changed to the sender (OffloadRatio).
+(router/placement/offload.py, through steer.py) asks it on events and sends what changed to the sender (OffloadRatio).
 """
 
 from __future__ import annotations
 
 from router.config import OffloadSpec
-from router.planning.adaptive import Adaptive
-from router.planning.adrenaline import Adrenaline, Bound, offload_bound
-from router.planning.base import Decision, PairView, Policy
-from router.planning.fixed import Fixed
+from router.placement.planning.adaptive import Adaptive
+from router.placement.planning.adrenaline import Adrenaline, Bound, offload_bound
+from router.placement.planning.base import Decision, PairView, Policy
+from router.placement.planning.fixed import Fixed
 
 __all__ = ["Adaptive", "Adrenaline", "Bound", "Decision", "Fixed", "PairView", "Policy", "make_policy",
            "offload_bound"]

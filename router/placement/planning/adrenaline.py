@@ -1,4 +1,4 @@
-"""Adrenaline's offload bound OB(n, B_max) (seed 003, section 3.4.1), computed by the router.
+"""Adrenaline's offload bound OB(n, B_max) (the Adrenaline paper, section 3.4.1), computed by the router.
 
 OB bounds offloaded decode-attention KV tokens over the sender's local ones. With n executors per
 decode (sender) worker, each giving it M_e KV tokens and a share beta of its GPU's HBM bandwidth
@@ -23,7 +23,7 @@ import math
 from typing import NamedTuple
 
 from router.config import AdrenalineSpec
-from router.planning.base import Decision, PairView, Policy
+from router.placement.planning.base import Decision, PairView, Policy
 
 
 class Bound(NamedTuple):

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Final
+from collections.abc import Mapping
+from typing import Final
 
 from router.events import (
     Event,
@@ -33,12 +34,11 @@ from router.events import (
     RequestFinished,
     SloMissed,
 )
-from router.planning.base import PairView
+from router.placement.base import RouterHandle
+from router.placement.pairing import Pairing
+from router.placement.planning.base import PairView
 from sglang_ext.messages import LoadReport, OffloadRatio
-
-if TYPE_CHECKING:
-    from router.core import Router
-    from router.offload import Pairing
+from sglang_ext.messages.io import Latency
 
 logger = logging.getLogger(__name__)
 SEND_EVERY_S: Final = 0.2
@@ -48,7 +48,7 @@ EVENTS: Final = (LoadReported, RequestArrived, FirstToken, RequestFinished, SloM
 
 
 class Steering:
-    def __init__(self, router: Router, pairings: dict[str, Pairing], hosts_of: set[str]) -> None:
+    def __init__(self, router: RouterHandle, pairings: Mapping[str, Pairing], hosts_of: set[str]) -> None:
         self.router = router
         self.pairings = pairings
         self.hosts_of = hosts_of
@@ -78,8 +78,10 @@ class Steering:
         return [p for p in self.pairings.values() if p.executor == host and p.state == "active"]
 
     def _host_report(self, host: str, r: LoadReport) -> None:
+        ex = r.executor
         for p in self._hosted_by(host):
-            used, free = r.executor_kv_pairing_tokens.get(p.pairing_id), r.executor_kv_free_tokens.get(p.pairing_id)
+            used = ex.pairing_tokens.get(p.pairing_id) if ex is not None else None
+            free = ex.free_tokens.get(p.pairing_id) if ex is not None else None
             if used is None or free is None:
                 continue
             total = used + free
@@ -97,20 +99,23 @@ class Steering:
         sender, host = reg.workers.get(p.sender), reg.workers.get(p.executor)
         sl = sender.load if sender is not None else None
         hl = host.load if host is not None else None
-        offloaded = sl.offloaded_reqs if sl is not None else 0
+        offloaded = sl.offload.reqs if sl is not None and sl.offload is not None else 0
         kv = sl.kv_total_tokens if sl is not None else (sender.info.max_total_tokens if sender and sender.info else 0)
+        hx = hl.executor if hl is not None else None
+        # no report yet: zero latency and no samples
+        own, hlat = (sl.latency if sl else Latency()), (hl.latency if hl else Latency())
         slo, sender_slo = self.router.slo.get(p.rule.to), self.router.slo.get(p.rule.from_)
         return PairView(
             now=time.monotonic(), sender_batch=max(len(sender.inflight) - offloaded, 0) if sender else 0,
             sender_kv_tokens=kv, sender_offloaded=offloaded,
-            exec_used=hl.executor_kv_pairing_tokens.get(p.pairing_id, 0) if hl else 0,
-            exec_free=hl.executor_kv_free_tokens.get(p.pairing_id, 0) if hl else 0, exec_low=p.exec_low,
-            host_tpot_p99_ms=hl.tpot_p99_ms if hl else 0.0, host_tpot_samples=hl.tpot_samples if hl else 0,
+            exec_used=hx.pairing_tokens.get(p.pairing_id, 0) if hx else 0,
+            exec_free=hx.free_tokens.get(p.pairing_id, 0) if hx else 0, exec_low=p.exec_low,
+            host_tpot_p99_ms=hlat.tpot_p99_ms, host_tpot_samples=hlat.tpot_samples,
             host_slo_tpot_ms=slo.tpot_ms if slo is not None else None,
             host_prefill=host is not None and host.role == "prefill",
-            host_ttft_p99_ms=hl.ttft_p99_ms if hl else 0.0, host_ttft_samples=hl.ttft_samples if hl else 0,
+            host_ttft_p99_ms=hlat.ttft_p99_ms, host_ttft_samples=hlat.ttft_samples,
             host_slo_ttft_ms=slo.ttft_ms if slo is not None else None,
-            sender_step_ms=sl.decode_step_ms if sl else 0.0, sender_steps=sl.decode_steps if sl else 0,
+            sender_step_ms=own.decode_step_ms, sender_steps=own.decode_steps,
             sender_slo_tpot_ms=sender_slo.tpot_ms if sender_slo is not None else None)
 
     def opening(self, p: Pairing) -> tuple[float, float]:
@@ -126,8 +131,9 @@ class Steering:
             return
         d = p.decision = p.policy.decide(self.view(p))
         wire, now = d.wire(p.rule.cap), time.monotonic()
-        lost = (report is not None and report.offload_pairing == p.pairing_id and report.offload_state == "active"
-                and (report.offload_ratio, report.offload_bound) != p.sent and now - p.sent_at >= RESEND_AFTER_S)
+        o = report.offload if report is not None else None
+        lost = (o is not None and o.pairing == p.pairing_id and o.state == "active" and (o.ratio, o.bound) != p.sent
+                and now - p.sent_at >= RESEND_AFTER_S)
         # Only a bound that moved is held back: a new share is rare (the controller's own interval spaces them).
         held = p.sent is not None and wire[0] == p.sent[0] and now - p.sent_at < SEND_EVERY_S
         if not lost and (not _differs(wire, p.sent) or held):

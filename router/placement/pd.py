@@ -1,5 +1,5 @@
-"""Prefill/decode disaggregation in the router: KV pairs between the prefill and decode workers of a
-model, opened on worker events, and the choice of a (prefill, decode) pair for a request.
+"""Prefill/decode placement: KV pairs between the prefill and decode workers of a model, opened on
+worker events, and the choice of a (prefill, decode) pair for a request.
 
     WorkerUp of a prefill or decode worker   open a pair with each up worker of the other role of its
                                              model: KVPairOpen to the decode worker -> its reply (the
@@ -18,16 +18,15 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
-from router.events import Event, LoadReported, WorkerDown, WorkerUp
-from router.registry import Balancer, LeastOutstandingTokens, ModelEntry, WorkerState
+from router.events import LoadReported, WorkerDown, WorkerUp
+from router.placement.base import Placement, PlacementStrategy, RouterHandle
+from router.registry import Balancer, LeastOutstandingTokens, ModelEntry
+from router.tracker import WorkerState
 from sglang_ext.messages import KVPairClose, KVPairConnect, KVPairOpen, WorkerInfo
-
-if TYPE_CHECKING:
-    from router.core import Router
 
 logger = logging.getLogger(__name__)
 RETRY_S: Final = 2.0
@@ -52,15 +51,6 @@ class KVPair:
                 "backend": self.backend or None}
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where a request goes: `worker` alone, or `worker` (prefill) then `decode` over `pairing`."""
-
-    worker: WorkerState
-    decode: WorkerState | None = None
-    pairing: str = ""
-
-
 def geometry_problem(a: WorkerInfo | None, b: WorkerInfo | None) -> str | None:
     """Why the KV of one worker cannot be used by the other (None: it can)."""
     if a is None or b is None:
@@ -70,21 +60,24 @@ def geometry_problem(a: WorkerInfo | None, b: WorkerInfo | None) -> str | None:
     return f"their KV differs ({', '.join(diff)})" if diff else None
 
 
-class DisaggPlanner:
-    def __init__(self, router: Router) -> None:
+def _no_executor(decode_id: str) -> str | None:
+    return None
+
+
+class PDPlacement(PlacementStrategy):
+    """`executor_of(decode id)`: the prefill worker hosting that decode worker's Adrenaline executor, if
+    any (the offload strategy's, router/placement/strategies.py wires it)."""
+
+    info_key = "disaggregation"
+
+    def __init__(self, router: RouterHandle, executor_of: Callable[[str], str | None] = _no_executor) -> None:
         self.router = router
+        self.executor_of = executor_of
         self.pairs: dict[tuple[str, str], KVPair] = {}  # (prefill id, decode id) -> its pair
-        self.rooms = itertools.count(1)
         self._ids = itertools.count(1)
         self._decode_balancer: Balancer = LeastOutstandingTokens()
-        self._unsubscribe: Any = None
 
-    def start(self) -> None:
-        self._unsubscribe = self.router.bus.on(self._on_event, WorkerUp, WorkerDown, LoadReported)
-
-    def stop(self) -> None:
-        if self._unsubscribe is not None:
-            self._unsubscribe()
+    def close(self) -> None:
         for p in self.pairs.values():
             if p.task is not None:
                 p.task.cancel()
@@ -94,7 +87,7 @@ class DisaggPlanner:
 
     # ---- placement ------------------------------------------------------------------------------
     def place(self, model: ModelEntry, balancer: Balancer, prefix_key: str | None,
-              avoid: Collection[str] = ()) -> Placement | None:
+              avoid: Collection[str]) -> Placement | None:
         """A (prefill, decode) placement over an active pair of `model` without a worker in `avoid`,
         or None (serve it whole)."""
         partners: dict[str, list[tuple[WorkerState, str]]] = {}
@@ -120,49 +113,42 @@ class DisaggPlanner:
         PAIRED_SLACK_TOKENS behind. With several prefill workers each decode worker's executor is
         one of them; without this, most placements would miss their pairing."""
         best = self._decode_balancer.pick(candidates)
-        paired = [dw for dw in candidates if self._executor_of(dw.worker_id) == prefill.worker_id]
+        paired = [dw for dw in candidates if self.executor_of(dw.worker_id) == prefill.worker_id]
         if not paired or best in paired:
             return best
         near = self._decode_balancer.pick(paired)
         return near if near.outstanding_tokens <= best.outstanding_tokens + PAIRED_SLACK_TOKENS else best
 
-    def _executor_of(self, decode_id: str) -> str | None:
-        """The prefill worker hosting `decode_id`'s active Adrenaline pairing (None: none)."""
-        off = getattr(self.router, "offload", None)
-        p = off.pairings.get(decode_id) if off is not None else None
-        if p is None or p.rule.from_ != p.rule.to or p.state != "active":
-            return None
-        return str(p.executor)
-
-    def broken(self, pairing: str, why: str) -> None:
+    def pair_broken(self, pairing: str, why: str) -> None:
         """A request found the pair unusable: take it out of placement until it is opened again."""
         for p in self.pairs.values():
             if p.pairing == pairing and p.state == "active":
                 self._set(p, f"failed: {why}")
 
     # ---- events ---------------------------------------------------------------------------------
-    def _on_event(self, ev: Event) -> None:
-        if isinstance(ev, WorkerUp):
-            w = self.router.registry.workers.get(ev.worker_id)
-            if w is None or w.role not in ROLES:
-                return
-            for p in self._pairs_of(w):
-                if ev.fresh or p.state != "active":
-                    self._open(p, now=True)
-        elif isinstance(ev, WorkerDown):
-            for p in self.pairs.values():
-                if ev.worker_id in (p.prefill, p.decode):
-                    if p.task is not None:
-                        p.task.cancel()
-                    if ev.worker_id == p.prefill and p.pairing and p.state in ("active", "opening"):
-                        # A hung prefill worker keeps its sockets open: the decode worker would wait
-                        # for its KV forever. (A dead one closes them; this is then a no-op there.)
-                        self.router.send(p.decode, KVPairClose(pairing=p.pairing))
-                    self._set(p, "down")
-        elif isinstance(ev, LoadReported):
-            for p in self.pairs.values():
-                if ev.worker_id in (p.prefill, p.decode) and p.state not in ("active", "opening"):
-                    self._open(p)
+    def on_worker_up(self, ev: WorkerUp) -> None:
+        w = self.router.registry.workers.get(ev.worker_id)
+        if w is None or w.role not in ROLES:
+            return
+        for p in self._pairs_of(w):
+            if ev.fresh or p.state != "active":
+                self._open(p, now=True)
+
+    def on_worker_down(self, ev: WorkerDown) -> None:
+        for p in self.pairs.values():
+            if ev.worker_id in (p.prefill, p.decode):
+                if p.task is not None:
+                    p.task.cancel()
+                if ev.worker_id == p.prefill and p.pairing and p.state in ("active", "opening"):
+                    # A hung prefill worker keeps its sockets open: the decode worker would wait
+                    # for its KV forever. (A dead one closes them; this is then a no-op there.)
+                    self.router.send(p.decode, KVPairClose(pairing=p.pairing))
+                self._set(p, "down")
+
+    def on_load_report(self, ev: LoadReported) -> None:
+        for p in self.pairs.values():
+            if ev.worker_id in (p.prefill, p.decode) and p.state not in ("active", "opening"):
+                self._open(p)
 
     def _pairs_of(self, w: WorkerState) -> list[KVPair]:
         """Every pair of `w` with an up worker of the other role of its model (created as needed)."""

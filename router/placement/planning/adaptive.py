@@ -5,7 +5,7 @@ sender's batch grows, and the sender's own decode steps within the sender's TPOT
 share sends out makes the sender's batch, and so each of its steps, larger, so past some share its
 running requests get their tokens slower than its SLO allows (measured on two H200s: a share of 0.9 took
 the hot model's steps from 15-18 ms to 18-33 ms and its P99 TPOT to 40 ms against an SLO of 25 ms).
-The sender is judged by its mean decode step over the last seconds (LoadReport.decode_step_ms), not by
+The sender is judged by its mean decode step over the last seconds (LoadReport.latency.decode_step_ms), not by
 its requests' TPOT: an overloaded sender's TPOT also holds the time its requests waited to be admitted
 or resumed, which a lower share would lengthen, not shorten (measured: steering by the sender's P99
 TPOT took an overloaded decode worker's share to 0). At most once per `interval_s` (a change needs
@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 
 from router.config import AdaptiveSpec, OffloadSpec
-from router.planning.base import Decision, PairView, Policy
+from router.placement.planning.base import Decision, PairView, Policy
 
 
 class Adaptive(Policy):

@@ -8,14 +8,14 @@
                              those it served before: their pairs died with it)
     Adrenaline placement     an entry with from == to (a model with prefill and decode workers):
                              its decode workers are the senders, its prefill workers the hosts;
-                             the router places requests there at prefill (router/adrenaline.py)
+                             the router places requests there at prefill (adrenaline.py here)
     WorkerDown of a host     its senders detach (their transport would time out anyway)
     LoadReported (sender)    a sender that lost its executor, or a pairing that failed or waits for a
                              host, is tried again (at most every RETRY_S)
 
-What share of a sender's requests go out is its entry's policy's (router/planning/): the directive
+What share of a sender's requests go out is its entry's policy's (planning/ here): the directive
 carries the policy's decision when the pairing opens; later decisions, taken on events by
-`Steering` (router/planning/steer.py), go to the sender as OffloadRatio updates of the live pairing.
+`Steering` (steer.py here), go to the sender as OffloadRatio updates of the live pairing.
 """
 
 from __future__ import annotations
@@ -25,79 +25,41 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
-from router.adrenaline import AdrenalinePlacer
 from router.config import OffloadSpec
 from router.events import Event, LoadReported, WorkerDown, WorkerUp
-from router.planning import Decision, Policy, make_policy
-from router.planning.metrics import PlanningMetrics
-from router.planning.steer import EVENTS, Steering
-from router.registry import WorkerState
+from router.placement.adrenaline import AdrenalinePlacer
+from router.placement.base import KeptKV, PlacementStrategy, RouterHandle
+from router.placement.metrics import PlanningMetrics
+from router.placement.pairing import RETRY_S, Pairing
+from router.placement.steer import EVENTS, Steering
+from router.tracker import WorkerState
 from sglang_ext.messages import ExecutorOpen, OffloadDirective, ReplyOut, WorkerInfo
 from sglang_ext.offload.transport import SERVED_DEFAULT, Choice, Placement, choose_transport
 
-if TYPE_CHECKING:
-    from router.core import Router
-
 logger = logging.getLogger(__name__)
-RETRY_S: Final = 2.0
 OPEN_TIMEOUT_S: Final = 10.0
 _LIVE: Final = ("opening", "active")
 
 
-@dataclass
-class Pairing:
-    sender: str
-    rule: OffloadSpec
-    executor: str = ""
-    pairing_id: str = ""
-    state: str = "waiting"  # waiting: ... | opening | active | detached: ... | lost | failed: ... | sender down
-    last_try: float = -RETRY_S
-    task: asyncio.Task[None] | None = None
-    logged: str = ""  # the last state logged (a retry that fails the same way is not logged again)
-    transport: str = ""  # the data plane the host serves (torch_dist | cuda_ipc)
-    # planning (router/planning/steer.py): the entry's policy, its latest decision, what was sent
-    policy: Policy = field(init=False)
-    decision: Decision | None = None
-    sent: tuple[float, float] | None = None  # (ratio, bound) in the directive or the latest OffloadRatio
-    sent_at: float = 0.0
-    updates: int = 0  # OffloadRatio messages sent
-    exec_low: bool = False
+class OffloadPlacement(PlacementStrategy):
+    """Remote attention: each sender of the cluster file's `offload:` entries paired with an executor."""
 
-    def __post_init__(self) -> None:
-        self.policy = make_policy(self.rule)
+    info_key = "offload"
+    events = (WorkerUp, WorkerDown, *EVENTS)
 
-    def describe(self) -> dict[str, Any]:
-        d = self.decision
-        return {"from": self.sender, "from_model": self.rule.from_, "executor": self.executor or None,
-                "to_model": self.rule.to, "policy": self.rule.policy,
-                "ratio": d.ratio if d else self.rule.start, "bound": d.bound if d else self.rule.cap,
-                "ob": d.ob if d else None, "why": d.why if d else None, "updates": self.updates,
-                "executor_memory_low": self.exec_low,
-                "state": self.state, "pairing": self.pairing_id or None, "transport": self.transport or None,
-                "placement": "prefill" if self.rule.from_ == self.rule.to else "weaver"}
-
-
-class OffloadPlanner:
-    def __init__(self, router: Router, rules: Sequence[OffloadSpec]) -> None:
+    def __init__(self, router: RouterHandle, rules: Sequence[OffloadSpec]) -> None:
         self.router = router
         self.rules = {r.from_: r for r in rules}
         self.hosts_of = {r.to for r in rules}
         self.pairings: dict[str, Pairing] = {}  # sender worker id -> its pairing
         self._ids = itertools.count(1)
-        self._unsubscribe: Any = None
         self.steering = Steering(router, self.pairings, self.hosts_of)
-        self.adrenaline = AdrenalinePlacer(self)  # from == to entries: requests placed at prefill
+        self.adrenaline = AdrenalinePlacer(self.pairings)  # from == to entries: requests placed at prefill
         router.metrics.registry.register(PlanningMetrics(self.pairings))
 
-    def start(self) -> None:
-        self._unsubscribe = self.router.bus.on(self._on_event, WorkerUp, WorkerDown, *EVENTS)
-
-    def stop(self) -> None:
-        if self._unsubscribe is not None:
-            self._unsubscribe()
+    def close(self) -> None:
         for p in self.pairings.values():
             if p.task is not None:
                 p.task.cancel()
@@ -111,38 +73,56 @@ class OffloadPlanner:
                     out.append(Pairing(wid, self.rules[model], state="sender not up").describe())
         return out
 
+    # ---- placement --------------------------------------------------------------------------------
+    def keep_kv(self, rid: str, prefill: WorkerState, decode: WorkerState) -> KeptKV | None:
+        return self.adrenaline.choose(rid, prefill, decode)
+
+    def adrenaline_executor(self, decode_id: str) -> str | None:
+        """The prefill worker hosting `decode_id`'s active Adrenaline pairing (None: none)."""
+        p = self.pairings.get(decode_id)
+        if p is None or p.rule.from_ != p.rule.to or p.state != "active":
+            return None
+        return str(p.executor)
+
     # ---- events -----------------------------------------------------------------------------------
-    def _on_event(self, ev: Event) -> None:
-        if isinstance(ev, WorkerUp):
-            if ev.model in self.rules and self._is(ev.worker_id, self.rules[ev.model], "decode"):
-                p = self._pairing(ev.worker_id, ev.model)
-                if ev.fresh or p.state not in _LIVE:
-                    self._pair(p, now=True)
-            if ev.model in self.hosts_of:
-                for p in self.pairings.values():
-                    if not self._is(ev.worker_id, p.rule, "prefill"):
-                        continue
-                    if p.rule.to == ev.model and (p.state not in _LIVE or (ev.fresh and p.executor == ev.worker_id)):
-                        self._pair(p, now=True)
-        elif isinstance(ev, WorkerDown):
-            p = self.pairings.get(ev.worker_id)
-            if p is not None:
-                self._cancel(p)
-                p.state = "sender down"
-            for p in self.pairings.values():
-                if p.executor == ev.worker_id and p.state in _LIVE:
-                    self._cancel(p)
-                    self.router.send(p.sender, OffloadDirective(pairing=p.pairing_id, detach=True))
-                    self._set(p, f"detached: executor {ev.worker_id} is down")
-        elif (isinstance(ev, LoadReported) and ev.model in self.rules
-              and self._is(ev.worker_id, self.rules[ev.model], "decode")):
+    # Each hook ends with the policies' decisions (Steering), for every event it listens to.
+    def on_worker_up(self, ev: WorkerUp) -> None:
+        if ev.model in self.rules and self._is(ev.worker_id, self.rules[ev.model], "decode"):
             p = self._pairing(ev.worker_id, ev.model)
-            r = ev.report
-            if p.state == "active" and r.offload_pairing == p.pairing_id and r.offload_state not in ("active", ""):
-                self._set(p, "lost" if r.offload_state == "lost" else r.offload_state)
+            if ev.fresh or p.state not in _LIVE:
+                self._pair(p, now=True)
+        if ev.model in self.hosts_of:
+            for p in self.pairings.values():
+                if not self._is(ev.worker_id, p.rule, "prefill"):
+                    continue
+                if p.rule.to == ev.model and (p.state not in _LIVE or (ev.fresh and p.executor == ev.worker_id)):
+                    self._pair(p, now=True)
+        self.steering.on_event(ev)
+
+    def on_worker_down(self, ev: WorkerDown) -> None:
+        p = self.pairings.get(ev.worker_id)
+        if p is not None:
+            self._cancel(p)
+            p.state = "sender down"
+        for p in self.pairings.values():
+            if p.executor == ev.worker_id and p.state in _LIVE:
+                self._cancel(p)
+                self.router.send(p.sender, OffloadDirective(pairing=p.pairing_id, detach=True))
+                self._set(p, f"detached: executor {ev.worker_id} is down")
+        self.steering.on_event(ev)
+
+    def on_load_report(self, ev: LoadReported) -> None:
+        if ev.model in self.rules and self._is(ev.worker_id, self.rules[ev.model], "decode"):
+            p = self._pairing(ev.worker_id, ev.model)
+            r = ev.report.offload
+            if p.state == "active" and r is not None and r.pairing == p.pairing_id and r.state not in ("active", ""):
+                self._set(p, r.state_text())
             if p.state not in _LIVE:
                 self._pair(p)
-        self.steering.on_event(ev)  # the policies' decisions, for every event it listens to
+        self.steering.on_event(ev)
+
+    def on_other(self, ev: Event) -> None:
+        self.steering.on_event(ev)
 
     def _is(self, worker_id: str, rule: OffloadSpec, role: str) -> bool:
         """Whether the worker takes that side of the entry: any worker of a WEAVER entry; under
