@@ -9,10 +9,11 @@
 # WEAVER_RUNS; ramp: fixed vs adaptive under a ServeGen rate ramp; pd: bench/pd_e2e.sh with PD_RUNS;
 # disagg_tests: the served PD and Adrenaline tests on two GPUs. Everything lands in $OUT/r.tgz (the device
 # tool returns one archive; names with '=' or many files do not come back). Each step's own env (RATE, N,
-# ...) passes through; see the scripts' headers. Diagnostics that pass through to the workers:
-# SGLANG_EXT_STEP_LOG=5 (a step profile line per worker every 5 s in the router logs),
-# SGLANG_EXT_PROFILE=START:STEPS:/tmp/r/prof (a torch.profiler window per worker, archived with the rest),
-# DUMP_STACKS=1 (every worker thread's stack into the log before each cluster stops).
+# ...) passes through; see the scripts' headers. Diagnostics for the workers of weaver, ramp and pd, as
+# server arguments in WORKER_ARGS: "step_log_interval_s: 5" (a step profile line per worker every 5 s in
+# the router logs), "profile_dir: /tmp/r/prof, profile_start_step: START, profile_num_steps: STEPS" (a
+# torch.profiler window per worker, archived with the rest); and DUMP_STACKS=1 (every worker thread's
+# stack into the log before each cluster stops).
 # Results collect in /tmp/r: on a machine kept warm between calls, clear it first (rm -rf /tmp/r).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -16,7 +16,8 @@
 #      PREFILL_SM (empty; e.g. 60: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE for the prefill worker when both share a
 #      GPU under MPS), BW_SHARE (0.5) and B_MAX (256): the adrenaline policy's bandwidth_share and b_max
 #      (a prefill worker's GPU is compute-bound, so most of its HBM bandwidth is idle: try 0.8-1.0),
-#      RESERVED_SMS (the prefill worker's executor_reserved_sms in the offloading runs; empty: none).
+#      RESERVED_SMS (the prefill worker's executor_reserved_sms in the offloading runs; empty: none),
+#      WORKER_ARGS (more server arguments for every worker, in YAML flow form, e.g. "step_log_interval_s: 5").
 # On the two-GPU kind keep NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 set.
 set -uo pipefail
 source "$(dirname "$0")/cluster_run.sh"
@@ -28,6 +29,7 @@ ms() { python3 -c "print(int($1*1000))"; }
 for run in $runs; do
   cfg="$OUT/pd_cluster_$run.yaml"
   fmt=""; [ -n "$MODEL" ] && fmt="load_format: dummy, dtype: ${DTYPE:-bfloat16}, "
+  [ -n "${WORKER_ARGS:-}" ] && fmt="$fmt$WORKER_ARGS, "
   part=""; [ -n "${RESERVED_SMS:-}" ] && [ "$run" != pd ] && part=", executor_reserved_sms: $RESERVED_SMS"
   env=""; [ -n "${PREFILL_SM:-}" ] && env=", env: {CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: \"$PREFILL_SM\"}"
   {

@@ -14,7 +14,9 @@
 #      embedded model), HOT_DEV (cuda:0), COLD_DEV (cuda:1), DTYPE (bfloat16), TRACES, OUT, PORT (31100),
 #      ARRIVAL (poisson | ramp: RATE is then the peak of a ServeGen rate series, shaped by RAMP_ARGS, e.g.
 #      "--ramp-windows 144 --ramp-window-s 1": a day in 144 s), RESERVED_SMS (the cold worker's
-#      executor_reserved_sms in the offloading runs: its model runs on the other SMs; empty: none). Plot the runs' SLO attainment over time with
+#      executor_reserved_sms in the offloading runs: its model runs on the other SMs; empty: none), WORKER_ARGS
+#      (more server arguments for every worker, in YAML flow form, e.g. "step_log_interval_s: 5"). Plot the
+#      runs' SLO attainment over time with
 #      python bench/plot_slo_timeline.py fixed=OUT/weaver_fixed.json adaptive=OUT/weaver_adaptive.json
 # On the two-GPU kind keep NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 set.
 set -uo pipefail
@@ -30,6 +32,7 @@ for run in $runs; do
   cfg="$OUT/weaver_cluster_$run.yaml"
   path=""; fmt=""
   if [ -n "$MODEL" ]; then path="    model_path: $MODEL"; fmt="load_format: dummy, dtype: ${DTYPE:-bfloat16}, "; fi
+  [ -n "${WORKER_ARGS:-}" ] && fmt="$fmt$WORKER_ARGS, "
   {
     echo "router: {host: 127.0.0.1, port: $PORT, log_level: warning}"
     echo "models:"

@@ -9,7 +9,6 @@ an error that names where it is, so a typo never silently falls back to a defaul
 from __future__ import annotations
 
 import argparse
-import os
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,11 +18,11 @@ from typing import Annotated, Any, Final, Literal, Union, get_args, get_origin
 import msgspec
 from msgspec import Meta
 
+from sglang_ext.env import API_KEY
 from sglang_ext.offload.transport import check_served
 from sglang_ext.server_args import DEFAULT_PORT, ServerArgs
 
 Role = Literal["serve", "hot", "cold", "prefill", "decode"]
-API_KEY_ENV: Final = "SGLANG_EXT_API_KEY"
 
 # Router settings the launcher's server flags already carry (`--host`, `--port`, `--api-key`, `--log-level`).
 SERVER_FLAG_FIELDS: Final = frozenset({"host", "port", "api_key", "log_level"})
@@ -44,7 +43,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     worker_port: Annotated[int, Meta(ge=0, le=65535, description="port of that socket (0: a free one, printed)")] = 0
     api_key: str | None = None  # Bearer key for everything but /health (`--api-key`)
     api_key_file: Annotated[str | None, Meta(
-        description=f"read the API key from this file (keeps it out of `ps`; also ${API_KEY_ENV})")] = None
+        description=f"read the API key from this file (keeps it out of `ps`; also ${API_KEY.name})")] = None
     heartbeat_timeout_s: Annotated[float, Meta(
         gt=0, description="seconds of worker silence before it is marked down")] = 3.0
     log_level: str = "info"  # (`--log-level`)
@@ -222,8 +221,9 @@ def router_flag_values(ns: argparse.Namespace) -> dict[str, Any]:
     return {f.name: getattr(ns, f.name) for f in msgspec.structs.fields(RouterConfig) if hasattr(ns, f.name)}
 
 
-def resolve_api_key(cfg: RouterConfig, env: Mapping[str, str] = os.environ) -> RouterConfig:
-    """The key from `api_key`, else from `api_key_file`, else from $SGLANG_EXT_API_KEY (else none)."""
+def resolve_api_key(cfg: RouterConfig, environ: Mapping[str, str] | None = None) -> RouterConfig:
+    """The key from `api_key`, else from `api_key_file`, else from $SGLANG_EXT_API_KEY in `environ`
+    (default: this process's environment), else none."""
     if cfg.api_key is not None and cfg.api_key_file is not None:
         raise ConfigError("give the API key once: api_key (--api-key) or api_key_file (--api-key-file), not both")
     key = cfg.api_key
@@ -235,7 +235,7 @@ def resolve_api_key(cfg: RouterConfig, env: Mapping[str, str] = os.environ) -> R
         if not key:
             raise ConfigError(f"the API key file {cfg.api_key_file} is empty")
     elif key is None:
-        key = env.get(API_KEY_ENV) or None
+        key = API_KEY.get(environ)
     if key is not None and not key.strip():
         raise ConfigError("the API key must not be empty")
     return msgspec.structs.replace(cfg, api_key=key)

@@ -17,10 +17,11 @@ from collections.abc import Awaitable, Callable, Generator
 import uvicorn
 
 from router.api.app import build_app
-from router.config import API_KEY_ENV, Cluster, RouterConfig
+from router.config import Cluster, RouterConfig
 from router.core import Router
 from router.http_guard import ConnLimits, GuardedH11Protocol, connection_cap, raise_fd_limit
 from router.procs import LocalWorkers
+from sglang_ext.env import API_KEY
 
 logger = logging.getLogger(__name__)
 _STARTUP_TIMEOUT_S = 900.0
@@ -65,10 +66,10 @@ def say(msg: str) -> None:
 
 def try_hint(cfg: RouterConfig, host: str, port: int) -> str:
     """A curl line that works as printed; the key is never printed: the line reads it from the environment."""
-    auth = f" -H \"Authorization: Bearer ${API_KEY_ENV}\"" if cfg.api_key else ""
+    auth = f" -H \"Authorization: Bearer ${API_KEY.name}\"" if cfg.api_key else ""
     hint = (f"try: curl http://{host}:{port}/generate{auth} "
             "-d '{\"text\": \"Hello\", \"sampling_params\": {\"max_new_tokens\": 8}}'")
-    return hint + (f" (with the API key in ${API_KEY_ENV})" if cfg.api_key else "")
+    return hint + (f" (with the API key in ${API_KEY.name})" if cfg.api_key else "")
 
 
 def uvicorn_config(router: Router, fd_limit: int) -> uvicorn.Config:

@@ -20,19 +20,21 @@ import sys
 import uuid
 from typing import TYPE_CHECKING
 
+from sglang_ext.env import API_KEY
 from sglang_ext.server_args import ServerArgs
 
 if TYPE_CHECKING:  # the router is imported only when serving, so `worker` stays light
     from router.config import Cluster
 
 
-_EPILOG = """subcommand:
+_EPILOG = f"""subcommand:
   worker --router tcp://HOST:PORT [--worker-id ID] [server flags]
                         start one worker that joins a running router
                         (`python -m sglang_ext.launch worker --help`)
 
-The API key can also come from a file (--api-key-file) or from $SGLANG_EXT_API_KEY; either keeps it
-out of the process list. Router settings: docs/launcher.md."""
+The API key can also come from a file (--api-key-file) or from ${API_KEY.name}; either keeps it
+out of the process list. Router settings: docs/launcher.md; every argument and environment
+variable: docs/configuration.md."""
 
 
 def _serve_parser() -> argparse.ArgumentParser:

@@ -29,6 +29,7 @@ PREEMPTION_MODES: Final = get_args(PreemptionMode)
 ROTATING_POLICIES: Final = ("lvf", "wf", "sf")  # they schedule the rotary queue: need preemption_mode=rotate
 DEFAULT_TTFT_SLO_MS: Final = 5000.0  # SuperInfer's SLOs, used by lvf's virtual lag time when none is given
 DEFAULT_TPOT_SLO_MS: Final = 100.0
+DEFAULT_PROFILE_STEPS: Final = 10
 
 
 def _help(text: str, shown: str | None = None) -> dict[str, str | None]:
@@ -137,6 +138,18 @@ class ServerArgs:
         "this worker's part in prefill/decode disaggregation behind a router: prefill (prompt and first "
         "token, then its KV goes to a decode worker) or decode (continues from a prefill worker's KV)",
         "null: serves whole requests"))
+    # diagnostics: a worker's step profile in its log, a torch.profiler window over its steps
+    step_log_interval_s: float = field(default=0.0, metadata=_help(
+        "seconds between a worker's step profile lines in its log: steps/s, mean step time, running, "
+        "remote and waiting requests, rows per forward, tokens/s, time blocked on the executor (0: off, "
+        "nothing is measured)"))
+    profile_dir: str | None = field(default=None, metadata=_help(
+        "run torch.profiler over a window of each worker's steps, then write <worker id>.txt (top ops by "
+        "self device and CPU time) and <worker id>.trace.json (a Chrome trace) into this directory", "off"))
+    profile_start_step: int = field(default=0, metadata=_help(
+        "with --profile-dir: the window's first step (steps with work, counted from the worker's start)"))
+    profile_num_steps: int = field(default=DEFAULT_PROFILE_STEPS, metadata=_help(
+        "with --profile-dir: the window's length in steps"))
     # serving
     host: str = field(default="127.0.0.1", metadata=_help("HTTP bind address"))
     port: int = field(default=DEFAULT_PORT, metadata=_help("HTTP port"))
@@ -170,6 +183,7 @@ class ServerArgs:
             raise ValueError(f"offload_executor must be 'local' or a device such as cuda:1, got "
                              f"{self.offload_executor!r}")
         self._check_rotation()
+        self._check_diagnostics()
         if self.disaggregation_mode is not None and self.disaggregation_mode not in get_args(DisaggregationMode):
             raise ValueError(f"disaggregation_mode must be null, 'prefill' or 'decode', "
                              f"got {self.disaggregation_mode!r}")
@@ -201,6 +215,21 @@ class ServerArgs:
             v = getattr(self, name)
             if not 0 <= v < float("inf"):
                 raise ValueError(f"{name} must be >= 0, got {v}")
+
+    def _check_diagnostics(self) -> None:
+        if not 0.0 <= self.step_log_interval_s < float("inf"):
+            raise ValueError(f"step_log_interval_s must be >= 0 seconds (0: off), got {self.step_log_interval_s}")
+        if self.profile_dir is None:
+            if (self.profile_start_step, self.profile_num_steps) != (0, DEFAULT_PROFILE_STEPS):
+                raise ValueError("profile_start_step / profile_num_steps are set but profile_dir is not: "
+                                 "give the directory to profile into")
+            return
+        if not self.profile_dir:
+            raise ValueError("profile_dir must name a directory")
+        if self.profile_start_step < 0:
+            raise ValueError(f"profile_start_step must be >= 0, got {self.profile_start_step}")
+        if self.profile_num_steps < 1:
+            raise ValueError(f"profile_num_steps must be >= 1, got {self.profile_num_steps}")
 
     # ---- derived values -------------------------------------------------------------------
     @property

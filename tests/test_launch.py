@@ -146,9 +146,12 @@ def test_help_lists_sglang_flags_and_the_worker_subcommand() -> None:
     out = _launch(["--help"]).stdout
     for flag in ("--model-path", "--port", "--mem-fraction-static", "--max-total-tokens", "--api-key",
                  "--chunked-prefill-size", "--page-size", "--config", "--dp-size", "--api-key-file",
-                 "--max-request-mb", "--max-connections", "--header-timeout", "--restart-backoff"):
+                 "--max-request-mb", "--max-connections", "--header-timeout", "--restart-backoff",
+                 "--step-log-interval-s", "--profile-dir", "--profile-start-step", "--profile-num-steps"):
         assert flag in out
     assert "worker --router tcp://HOST:PORT" in out and "SGLANG_EXT_API_KEY" in out
+    assert "step profile lines" in out and "torch.profiler" in out  # the diagnostics' help texts
+    assert "--profile-dir" in _launch(["worker", "--help"]).stdout  # a worker that joins by itself has them too
 
 
 def test_log_mentions_worker_address(tmp_path: Path) -> None:

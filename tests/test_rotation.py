@@ -6,6 +6,8 @@ never read or overwritten early."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from _rotation_util import PAGE, drive, reference, reqs, rotating
 from _tiny import VOCAB, greedy, prompts
@@ -191,11 +193,16 @@ def test_held_pages_are_parked_until_released() -> None:
     assert not a.parked and a.num_free == 5
 
 
-def test_host_pool_sized_from_available_memory_when_not_given(caplog: pytest.LogCaptureFixture) -> None:
+def test_host_pool_sized_from_available_memory_when_not_given(caplog: pytest.LogCaptureFixture,
+                                                              tmp_path: Path) -> None:
     with caplog.at_level("INFO", logger="sglang_ext.kvcache.rotation"):
         n = host_kv_bytes(None, device_pool_bytes=1 << 20)
     assert 0 < n <= 16 << 20 and "kv_host_size_gb not set" in caplog.text
     assert host_kv_bytes(0.5, 1) == 1 << 29
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:    8000 kB\nMemAvailable:    4000 kB\n")
+    assert host_kv_bytes(None, 1 << 30, meminfo) == 2000 * 1024  # half of what is available
+    assert host_kv_bytes(None, 1 << 10, meminfo) == 16 << 10  # at most 16 device pools
 
 
 def test_flush_cache_waits_for_copies_in_flight() -> None:

@@ -5,6 +5,7 @@ binding reads both cuda-python result shapes; host-pool sizing and NUMA placemen
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -169,14 +170,13 @@ def test_batch_copy_reads_both_result_shapes_and_wraps_pointers() -> None:
     assert calls[-1][0] == [("ptr", 1)] and calls[-1][1] == [("ptr", 2)]
 
 
-def test_default_host_pool_bytes_from_meminfo(tmp_path: Path) -> None:
+def test_available_memory_from_meminfo(tmp_path: Path) -> None:
     f = tmp_path / "meminfo"
     f.write_text("MemTotal:       1000 kB\nMemFree:        500 kB\nMemAvailable:   800 kB\n")
     assert host_memory.mem_available_bytes(f) == 800 * 1024
-    assert host_memory.default_host_pool_bytes(0.5, f) == 400 * 1024
-    assert host_memory.default_host_pool_bytes(0.5, tmp_path / "missing") == 0
-    with pytest.raises(ValueError):
-        host_memory.default_host_pool_bytes(0.0, f)
+    # unreadable: the free physical pages instead
+    assert host_memory.mem_available_bytes(tmp_path / "missing") == os.sysconf("SC_PAGE_SIZE") * os.sysconf(
+        "SC_AVPHYS_PAGES")
 
 
 def test_gpu_numa_node_from_sysfs(tmp_path: Path) -> None:

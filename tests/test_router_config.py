@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from router.config import API_KEY_ENV, ConfigError, RouterConfig, build_cluster, load_cluster, resolve_api_key
+from router.config import ConfigError, RouterConfig, build_cluster, load_cluster, resolve_api_key
+from sglang_ext.env import API_KEY
 from sglang_ext.launch import _cluster_from_flags, _serve_parser
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "launcher.md"
@@ -114,12 +115,12 @@ def test_api_key_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     p = _serve_parser()
     key_file = tmp_path / "key"
     key_file.write_text("from-a-file\n")
-    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    monkeypatch.delenv(API_KEY.name, raising=False)
     c = _cluster_from_flags(p.parse_args(["--api-key-file", str(key_file)]), p)
     assert c.router.api_key == "from-a-file"
     assert all(w.args.api_key is None for w in c.workers)
     assert _cluster_from_flags(p.parse_args([]), p).router.api_key is None
-    monkeypatch.setenv(API_KEY_ENV, "from-the-env")
+    monkeypatch.setenv(API_KEY.name, "from-the-env")
     assert _cluster_from_flags(p.parse_args([]), p).router.api_key == "from-the-env"
     c = _cluster_from_flags(p.parse_args(["--api-key", "from-a-flag"]), p)
     assert c.router.api_key == "from-a-flag" and all(w.args.api_key is None for w in c.workers)

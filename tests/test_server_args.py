@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
+import msgspec
 import pytest
 
+from router.config import ConfigError, load_cluster
 from sglang_ext.server_args import ServerArgs
 
 
@@ -114,3 +117,29 @@ def test_disaggregation_mode_flag() -> None:
     assert ServerArgs.from_cli(ns).disaggregation_mode == "prefill"
     with pytest.raises(SystemExit):
         _parser().parse_args(["--disaggregation-mode", "both"])
+
+
+def test_diagnostics_flags_parse_and_cross_to_workers_as_json() -> None:
+    ns = _parser().parse_args(["--step-log-interval-s", "5", "--profile-dir", "/tmp/prof",
+                               "--profile-start-step", "100", "--profile-num-steps", "20"])
+    a = ServerArgs.from_cli(ns)
+    assert a == ServerArgs(step_log_interval_s=5.0, profile_dir="/tmp/prof", profile_start_step=100,
+                           profile_num_steps=20)
+    # what a worker process receives (sglang_ext.worker's ARGS_JSON)
+    assert msgspec.json.decode(msgspec.json.encode(a), type=ServerArgs) == a
+    off = ServerArgs.from_cli(_parser().parse_args([]))
+    assert (off.step_log_interval_s, off.profile_dir) == (0.0, None)
+
+
+def test_diagnostics_in_a_cluster_file_reach_each_worker(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("models:\n"
+                   "  - name: a\n"
+                   "    args: {step_log_interval_s: 5}\n"
+                   "    workers: [{id: a-0}, {id: a-1, args: {profile_dir: /tmp/p, profile_start_step: 50}}]\n")
+    w0, w1 = load_cluster(cfg).workers
+    assert (w0.args.step_log_interval_s, w0.args.profile_dir) == (5.0, None)
+    assert (w1.args.step_log_interval_s, w1.args.profile_dir, w1.args.profile_start_step) == (5.0, "/tmp/p", 50)
+    cfg.write_text("models: [{name: a, args: {profile_num_steps: 5}}]\n")
+    with pytest.raises(ConfigError, match=r"models\[0\].workers\[0\]: profile_start_step / profile_num_steps"):
+        load_cluster(cfg)

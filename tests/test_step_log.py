@@ -1,4 +1,4 @@
-"""The worker's step profile (`SGLANG_EXT_STEP_LOG`): one line per interval with the interval's means."""
+"""The worker's step profile (`--step-log-interval-s`): one line per interval with the interval's means."""
 
 from __future__ import annotations
 
@@ -7,16 +7,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_ext.worker.step_log import StepLog, interval_from_env
+from sglang_ext.server_args import ServerArgs
+from sglang_ext.worker.step_log import StepLog, make_step_log
 
 
-def test_interval_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("SGLANG_EXT_STEP_LOG", raising=False)
-    assert interval_from_env() == 0.0
-    monkeypatch.setenv("SGLANG_EXT_STEP_LOG", "5")
-    assert interval_from_env() == 5.0
-    monkeypatch.setenv("SGLANG_EXT_STEP_LOG", "soon")
-    assert interval_from_env() == 0.0
+def test_the_interval_argument_turns_it_on() -> None:
+    assert make_step_log(ServerArgs(), "w0") is None  # off by default: nothing is measured
+    log = make_step_log(ServerArgs(step_log_interval_s=5.0), "w0")
+    assert log is not None and (log.interval_s, log.name) == (5.0, "w0")
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="step_log_interval_s"):
+            ServerArgs(step_log_interval_s=bad)
 
 
 def test_a_line_per_interval_with_the_means(caplog: pytest.LogCaptureFixture) -> None:

@@ -11,14 +11,14 @@ import tempfile
 from pathlib import Path
 from typing import Final
 
+from sglang_ext import env
+
 _PRESET_DIR: Final = Path(__file__).resolve().parent
-CACHE_ENV: Final = "SGLANG_EXT_CACHE"
 
 
 def cache_root() -> Path:
     """Where generated model directories live: `$SGLANG_EXT_CACHE`, else `~/.cache/sglang_ext`."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "sglang_ext"
+    return env.CACHE.get() or Path.home() / ".cache" / "sglang_ext"
 
 
 def preset_names() -> list[str]:

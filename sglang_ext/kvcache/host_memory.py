@@ -1,9 +1,6 @@
-"""Pinned host memory for the host KV pool: how much to take, and where to put it.
+"""Pinned host memory for the host KV pool: how much the host has available, and where to put the pool.
 
-Sizing. `default_host_pool_bytes()` takes a fraction of MemAvailable (/proc/meminfo): pinned pages cannot
-be swapped or reclaimed, so taking all of it starves the tokenizer, the page cache and other workers.
-On the lent multi-GPU Firecracker machines MemTotal/MemAvailable start low and grow as memory is used
-(KINDS.md), so there the figure is an underestimate: pass `kv_host_size_gb` explicitly.
+Available memory is MemAvailable (/proc/meminfo); `rotation.host_kv_bytes` sizes the pool from it.
 
 Placement (the Grace path). On a Grace–Hopper (GH200) node the CPU's LPDDR5X is reached over NVLink-C2C,
 and each GPU is close to one Grace's memory. The GPU's HBM is also onlined as a NUMA node of its own,
@@ -42,7 +39,6 @@ from sglang_ext.kvcache.pool import KVGeometry
 
 log = logging.getLogger(__name__)
 
-DEFAULT_HOST_FRACTION: Final = 0.5
 MPOL_PREFERRED: Final = 1
 _SYS_MBIND: Final = {"x86_64": 237, "aarch64": 235, "arm64": 235}
 _PROT_READ_WRITE: Final = 0x1 | 0x2
@@ -58,23 +54,16 @@ class HostAlloc(NamedTuple):
     reason: str  # why this path (for the log and the benchmark's record)
 
 
-# ---- sizing -----------------------------------------------------------------------------------------
-def mem_available_bytes(meminfo: str | Path = "/proc/meminfo") -> int | None:
+# ---- available memory --------------------------------------------------------------------------------
+def mem_available_bytes(meminfo: str | Path = "/proc/meminfo") -> int:
+    """MemAvailable; where /proc/meminfo cannot be read, the free physical pages (sysconf)."""
     try:
         for line in Path(meminfo).read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024  # reported in kB
     except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def default_host_pool_bytes(fraction: float = DEFAULT_HOST_FRACTION, meminfo: str | Path = "/proc/meminfo") -> int:
-    """`fraction` of MemAvailable, 0 when it cannot be read (the caller then keeps rotation off)."""
-    if not 0.0 < fraction <= 1.0:
-        raise ValueError(f"host pool fraction must be in (0, 1], got {fraction}")
-    avail = mem_available_bytes(meminfo)
-    return 0 if avail is None else int(avail * fraction)
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 # ---- placement --------------------------------------------------------------------------------------

@@ -18,16 +18,19 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
 
 import torch
 
+from sglang_ext.kvcache.host_memory import host_kv_tensor, mem_available_bytes
 from sglang_ext.kvcache.host_pool import HostKVPool
 from sglang_ext.kvcache.pool import KVGeometry, KVPool
 
 logger = logging.getLogger(__name__)
 
-HOST_MEM_SHARE = 0.5  # of MemAvailable, when kv_host_size_gb is not given
-HOST_MAX_POOLS = 16  # ... and at most this many times the device pool (a CPU "device" pool is host memory too)
+HOST_MEM_SHARE: Final = 0.5  # of MemAvailable, when kv_host_size_gb is not given
+HOST_MAX_POOLS: Final = 16  # ... and at most this many times the device pool (a CPU "device" pool is host memory too)
 
 
 @dataclass
@@ -91,11 +94,15 @@ def make_rotation_engine(pool: KVPool, host: HostKVPool) -> RotationEngine:
     return RotationEngine(pool, host)
 
 
-def host_kv_bytes(size_gb: float | None, device_pool_bytes: int) -> int:
-    """Bytes of the host KV pool: `kv_host_size_gb`, else a share of the host's available memory."""
+def host_kv_bytes(size_gb: float | None, device_pool_bytes: int, meminfo: str | Path = "/proc/meminfo") -> int:
+    """Bytes of the host KV pool: `kv_host_size_gb`, else a share of the host's available memory.
+
+    Not all of it: pinned pages cannot be swapped or reclaimed, and taking everything starves the
+    tokenizer, the page cache and other workers. Where available memory starts low and grows as memory
+    is used (the lent multi-GPU Firecracker machines), the share underestimates: give the size there."""
     if size_gb is not None:
         return int(size_gb * (1 << 30))
-    avail = _mem_available()
+    avail = mem_available_bytes(meminfo)
     chosen = min(int(avail * HOST_MEM_SHARE), HOST_MAX_POOLS * device_pool_bytes)
     logger.info("host KV pool: %.2f GiB (kv_host_size_gb not set: %.0f%% of %.2f GiB available, at most %dx "
                 "the device pool)", chosen / 2**30, HOST_MEM_SHARE * 100, avail / 2**30, HOST_MAX_POOLS)
@@ -111,20 +118,5 @@ def make_host_pool(geometry: KVGeometry, nbytes: int, device: torch.device) -> H
                          f"({geometry.page_bytes} bytes): raise kv_host_size_gb")
     if device.type != "cuda":
         return HostKVPool(geometry, pages, pin=False)
-    from sglang_ext.kvcache.host_memory import host_kv_tensor
-
     alloc = host_kv_tensor(geometry, pages, device)
     return HostKVPool(geometry, pages, pin=True, data=alloc.tensor)
-
-
-def _mem_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -1,40 +1,31 @@
-"""A torch.profiler window over a worker's steps, for one serving run (`SGLANG_EXT_PROFILE`).
+"""A torch.profiler window over a worker's steps, for one serving run.
 
-    SGLANG_EXT_PROFILE=START:STEPS:DIR     profile steps START .. START+STEPS-1 (steps with work, counted
-                                           from the worker's start), then write DIR/<worker id>.txt (the
-                                           ops by self device time, then by self CPU time) and
-                                           DIR/<worker id>.trace.json (a Chrome trace)
+    --profile-dir DIR [--profile-start-step START] [--profile-num-steps STEPS]
+        profile steps START .. START+STEPS-1 (steps with work, counted from the worker's start; defaults
+        0 and 10), then write DIR/<worker id>.txt (the ops by self device time, then by self CPU time)
+        and DIR/<worker id>.trace.json (a Chrome trace)
 
-Unset: off, and nothing is imported. The window is taken once; a malformed value is reported once and
-ignored (a profile must never stop a worker).
+No --profile-dir: off, and nothing is imported. The window is taken once.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    from sglang_ext.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
-ENV: Final = "SGLANG_EXT_PROFILE"
 TOP: Final = 40
 
 
-def window_from_env() -> tuple[int, int, Path] | None:
-    raw = os.environ.get(ENV, "")
-    if not raw:
+def make_profiler(args: ServerArgs, name: str, cuda: bool) -> StepProfiler | None:
+    """The worker's profiler window, None without `profile_dir`."""
+    if args.profile_dir is None:
         return None
-    try:
-        start, steps, out = raw.split(":", 2)
-        window = (int(start), int(steps), Path(out))
-    except ValueError:
-        logger.warning("%s=%r is not START:STEPS:DIR; not profiling", ENV, raw)
-        return None
-    if window[0] < 0 or window[1] < 1:
-        logger.warning("%s=%r: START must be >= 0 and STEPS >= 1; not profiling", ENV, raw)
-        return None
-    return window
+    return StepProfiler(args.profile_start_step, args.profile_num_steps, Path(args.profile_dir), name, cuda)
 
 
 class StepProfiler:

@@ -1,5 +1,5 @@
-"""A worker's step profile in its log, for finding where serving time goes (`SGLANG_EXT_STEP_LOG=S`:
-one INFO line every S seconds; unset: off, and nothing is measured).
+"""A worker's step profile in its log, for finding where serving time goes (`--step-log-interval-s S`:
+one INFO line every S seconds; 0, the default: off, and nothing is measured).
 
     steps 412 (82.4/s, 11.6 ms mean, 41 % with a prefill, 37 % overlapped) | running 43.1 (remote 21.5)
     waiting 88.0 | rows 40.2 | tokens out 3560/s, prefill 9120/s | executor wait 6.3 % (loads 31)
@@ -16,24 +16,20 @@ executor (plans, loads, exchanges that the host waits for) as a share of the int
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sglang_ext.scheduler.scheduler import Scheduler
+    from sglang_ext.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
-ENV: Final = "SGLANG_EXT_STEP_LOG"
 
 
-def interval_from_env() -> float:
-    """Seconds between lines (0: off)."""
-    try:
-        return max(0.0, float(os.environ.get(ENV, "0") or 0))
-    except ValueError:
-        return 0.0
+def make_step_log(args: ServerArgs, name: str) -> StepLog | None:
+    """The worker's step log, None when `step_log_interval_s` is 0."""
+    return StepLog(args.step_log_interval_s, name) if args.step_log_interval_s > 0 else None
 
 
 @dataclass

@@ -53,9 +53,9 @@ from sglang_ext.scheduler.scheduler import Scheduler
 from sglang_ext.server_args import ServerArgs
 from sglang_ext.worker.disagg import PairGone, WorkerDisagg
 from sglang_ext.worker.offload import WorkerOffload
-from sglang_ext.worker.profile import StepProfiler, window_from_env
+from sglang_ext.worker.profile import make_profiler
 from sglang_ext.worker.stats import DECODE_STEP_WINDOW_S, LatencyWindow, latency, offload_parts, present, transfers
-from sglang_ext.worker.step_log import StepLog, interval_from_env
+from sglang_ext.worker.step_log import make_step_log
 from sglang_ext.worker.tokenizer import IncrementalDetokenizer, StartupError, Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -124,11 +124,8 @@ class Worker:
                                            any_whitespace=not args.constrained_json_disable_any_whitespace)
         self.live: dict[str, _Live] = {}
         self.last_step_ms = 0.0
-        every = interval_from_env()
-        self.step_log = StepLog(every, self.worker_id) if every else None
-        window = window_from_env()
-        self.profiler = (StepProfiler(*window, name=worker_id, cuda=self.runner.device.type == "cuda")
-                         if window is not None else None)
+        self.step_log = make_step_log(args, worker_id)
+        self.profiler = make_profiler(args, worker_id, cuda=self.runner.device.type == "cuda")
         self.tpot = LatencyWindow()
         self.ttft = LatencyWindow()  # first tokens computed here (a decode worker's come from prefill)
         # steps that decoded a running request: a short window, the planner looks every few seconds

@@ -1,0 +1,46 @@
+"""The environment variables sglang_ext reads, each typed and documented in one place.
+
+What a server does is set by its server arguments and the cluster file; the environment says only
+where things live and carries secrets that must stay out of the process list. A variable is read
+when asked (not at import), so a test or a launcher can set it first; unset and empty are the same.
+docs/configuration.md lists every variable of `ALL`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    """One variable: its name, what it means (and what applies when it is unset), and its parser."""
+
+    name: str
+    help: str
+    parse: Callable[[str], T]
+
+    def get(self, environ: Mapping[str, str] | None = None) -> T | None:
+        """The parsed value from `environ` (default: this process's environment); None when unset or empty."""
+        raw = (os.environ if environ is None else environ).get(self.name, "")
+        return self.parse(raw) if raw else None
+
+
+CACHE: Final = EnvVar(
+    "SGLANG_EXT_CACHE",
+    "directory where the embedded default model and preset directories are built (unset: ~/.cache/sglang_ext)",
+    lambda s: Path(s).expanduser())
+API_KEY: Final = EnvVar(
+    "SGLANG_EXT_API_KEY",
+    "the launcher's API key when neither --api-key nor --api-key-file (router api_key / api_key_file) gives "
+    "one; keeps the key out of the process list (unset: no key)",
+    str)
+
+ALL: Final[tuple[EnvVar[Any], ...]] = (CACHE, API_KEY)
+
+__all__ = ["ALL", "API_KEY", "CACHE", "EnvVar"]
