@@ -36,7 +36,7 @@ from router.planning.metrics import PlanningMetrics
 from router.planning.steer import EVENTS, Steering
 from router.registry import WorkerState
 from sglang_ext.messages import ExecutorOpen, OffloadDirective, ReplyOut, WorkerInfo
-from sglang_ext.offload.transport import SERVED_DEFAULT, Choice, Placement, choose_transport
+from sglang_ext.transport.choice import SERVED_DEFAULT, Choice, Placement, choose_transport
 
 if TYPE_CHECKING:
     from router.core import Router

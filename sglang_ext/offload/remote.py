@@ -74,9 +74,6 @@ class RemoteAttention(ABC):
         the requests recomputed. Transports that raise ExecutorLost in the forward never forge."""
         return False
 
-    def end_step(self) -> None:  # noqa: B027 - optional hook
-        pass
-
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
 
