@@ -26,10 +26,9 @@ logger = logging.getLogger(__name__)
 class DistRemote(RemoteAttention):
     """The sender's end: RemoteAttention over a Link to an executor in another process."""
 
-    # `collect` waits on the host, so when a forward returns every exchange of its step is done and
-    # the host's thread is back at its next header: BEGIN of t+1 and RELEASE follow step t there, in
-    # the order sent.
-    overlap_safe = True
+    # Overlap: `collect` waits on the host, so when a forward returns every exchange of its step is
+    # done and the host's thread is back at its next header: Begin of t+1 and Release follow step t
+    # there, in the order sent.
 
     def __init__(self, link: Link, spec: GuestSpec, executor_id: str, timeout_s: float) -> None:
         super().__init__()

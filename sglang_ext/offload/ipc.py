@@ -113,10 +113,9 @@ class IpcRemote(GatedSenderSide, PipelinedBegin, StagedRemote):
     a watchdog for waits on a dead executor."""
 
     graph_capturable = True  # post/collect are stream operations only
-    # As PeerRemote: step t+1 is planned in the host's other plan lane while t's program may still be
-    # queued, and all programs run in order on one stream there; BEGIN and RELEASE are handled by the
-    # host's thread in the order sent.
-    overlap_safe = True
+    # Overlap, as PeerRemote: step t+1 is planned in the host's other plan lane while t's program may
+    # still be queued, and all programs run in order on one stream there; Begin and Release are
+    # handled by the host's thread in the order sent.
 
     def __init__(self, link: Link, spec: GuestSpec, executor_id: str, timeout_s: float, device: torch.device,
                  max_rows: int) -> None:

@@ -28,7 +28,6 @@ class PeerRemote(GatedSenderSide, LocalRemote):
     # programs run in order on one stream, so pages released meanwhile and allocated again by a later
     # plan are written only after the programs that read them, and a load (on another stream) waits
     # on the GPU for the last queued program.
-    overlap_safe = True
 
     def __init__(self, executor: AttentionExecutor, guest: str, spec: GuestSpec, sender_device: torch.device,
                  num_q_heads: int, max_rows: int = 1024, executor_id: str = "peer") -> None:
