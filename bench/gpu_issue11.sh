@@ -38,7 +38,7 @@ for s in ${*:-served weaver}; do
       done ;;
     gpu_tests) timeout -s KILL 300 python3 -m pytest -q -rfs -p no:cacheprovider -o faulthandler_timeout=240 \
                  tests/test_gpu_offload.py 2>&1 | tail -25 > "$R/gpu_tests.log"; tail -3 "$R/gpu_tests.log" ;;
-    served) SGLANG_EXT_IPC_STAGED_LOADS=1 SGLANG_EXT_TEST_DEVICE=cuda timeout -s KILL 200 python3 -m pytest -q -rfs -x \
+    served) SGLANG_EXT_TEST_DEVICE=cuda timeout -s KILL 200 python3 -m pytest -q -rfs -x \
               -p no:cacheprovider -o faulthandler_timeout=150 tests/test_offload_served.py 2>&1 | tail -25 > "$R/served.log"
             tail -3 "$R/served.log" ;;
     weaver) OUT=$R bash bench/weaver_e2e.sh ${WEAVER_RUNS:-fixed dedicated adaptive} 2>&1 \

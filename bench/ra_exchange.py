@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_ext.offload.cuda_signal import FlagArray, IpcHandle, IpcMapping, export_tensor, peer_copy
+from sglang_ext.transport.cuda_signal import FlagArray, IpcMapping, export_tensor, peer_copy
+from sglang_ext.transport.protocol import IpcHandle
 
 BF16 = 2  # bytes per element
 

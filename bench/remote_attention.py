@@ -60,7 +60,7 @@ from bench.ra_exchange import (
     unblock,
     wait_events,
 )
-from sglang_ext.offload import cuda_signal
+from sglang_ext.transport import cuda_signal
 
 TARGET_ADDED_US = 15.0
 TARGET_SPEEDUP = 4.0

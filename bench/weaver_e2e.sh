@@ -22,7 +22,7 @@
 set -uo pipefail
 source "$(dirname "$0")/cluster_run.sh"
 # cuda_ipc pairings load KV GPU to GPU through the host's stage (the default; set
-# SGLANG_EXT_IPC_STAGED_LOADS=0 for the gloo loads of the first runs).
+# --disable-ipc-staged-loads on the executor host for the gloo loads of the first runs).
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 RATE=${RATE:-16}; N=${N:-600}; HOT_SHARE=${HOT_SHARE:-0.9}; TTFT=${TTFT:-2}; TBT=${TBT:-0.1}
 MODEL=${MODEL-preset:llama-3-8b}; PORT=${PORT:-31100}

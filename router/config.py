@@ -19,8 +19,8 @@ import msgspec
 from msgspec import Meta
 
 from sglang_ext.env import API_KEY
-from sglang_ext.offload.transport import check_served
 from sglang_ext.server_args import DEFAULT_PORT, ServerArgs
+from sglang_ext.transport.choice import check_served
 
 Role = Literal["serve", "hot", "cold", "prefill", "decode"]
 

@@ -131,13 +131,21 @@ class ServerArgs:
         "green context of the other SMs (Adrenaline's partition; needs executor_mem_gb or "
         "offload_executor, a GPU and FlashInfer; 0: no partition). Not yet measured in serving"))
     offload_transport: OffloadTransport | None = field(default=None, metadata=_help(
-        "data plane to the executor: local, torch_dist (gloo on CPU, NCCL on GPU) or cuda_ipc",
+        "data plane to the executor: local, torch_dist (gloo on CPU, NCCL on GPU) or cuda_ipc. Unset, a "
+        "served pairing between GPUs of one node uses cuda_ipc (torch_dist where the executor's host finds no "
+        "peer path); torch_dist turns that automatic choice off",
         "chosen from the placement"))
+    disable_ipc_staged_loads: bool = field(default=False, metadata=_help(
+        "the executors this worker hosts offer cuda_ipc senders no KV stage: offloaded requests' KV then "
+        "goes over the pairing's gloo channel (through host memory) instead of GPU to GPU"))
     # prefill/decode disaggregation (docs/architecture.md#prefilldecode-disaggregation)
     disaggregation_mode: DisaggregationMode | None = field(default=None, metadata=_help(
         "this worker's part in prefill/decode disaggregation behind a router: prefill (prompt and first "
         "token, then its KV goes to a decode worker) or decode (continues from a prefill worker's KV)",
         "null: serves whole requests"))
+    disable_pd_kv_ipc: bool = field(default=False, metadata=_help(
+        "a decode worker takes KV from a prefill worker on a GPU of the same node over NCCL instead of "
+        "CUDA IPC peer copies through a stage on its GPU"))
     # diagnostics: a worker's step profile in its log, a torch.profiler window over its steps
     step_log_interval_s: float = field(default=0.0, metadata=_help(
         "seconds between a worker's step profile lines in its log: steps/s, mean step time, running, "

@@ -13,7 +13,8 @@ import sys
 
 import torch
 
-from sglang_ext.offload.cuda_signal import IpcHandle, IpcMapping, peer_copy
+from sglang_ext.transport.cuda_signal import IpcMapping, peer_copy
+from sglang_ext.transport.protocol import IpcHandle
 
 SLEEP_CYCLES = 200_000_000  # ~0.1 s on an H200: longer than the parent needs to queue its read
 

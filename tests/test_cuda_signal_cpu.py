@@ -15,7 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.ra_exchange import Geometry
 from bench.ra_ipc import Link
-from sglang_ext.offload import cuda_signal as cs
+from sglang_ext.transport import cuda_signal as cs
+from sglang_ext.transport.protocol import IpcHandle
 
 
 def test_missing_cuda_python_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -27,12 +28,12 @@ def test_missing_cuda_python_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_ipc_handle_bytes_round_trip_and_validation() -> None:
-    h = cs.IpcHandle(bytes(range(64)), offset=4096, nbytes=3 << 20)
+    h = IpcHandle(bytes(range(64)), offset=4096, nbytes=3 << 20)
     data = h.to_bytes()
     assert len(data) == 80
-    assert cs.IpcHandle.from_bytes(data) == h
+    assert IpcHandle.from_bytes(data) == h
     with pytest.raises(ValueError, match="80 bytes"):
-        cs.IpcHandle.from_bytes(data + b"x")
+        IpcHandle.from_bytes(data + b"x")
 
 
 def test_flag_index_is_bounded() -> None:

@@ -21,9 +21,10 @@ import torch
 from sglang_ext.disagg import staged
 from sglang_ext.disagg.transfer import KVArrival, KVReceiver, KVSender, SendJob
 from sglang_ext.kvcache.pool import KVGeometry, KVPool
-from sglang_ext.offload import stage as offload_stage
-from sglang_ext.offload.dist import REPLY, LinkError, open_store
-from sglang_ext.offload.stage import KVStage
+from sglang_ext.transport import stage as transport_stage
+from sglang_ext.transport.link import open_store, recv_blob
+from sglang_ext.transport.protocol import LinkError, Reply, Stage
+from sglang_ext.transport.stage import KVStage
 
 GEOM = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, page_size=4, dtype=torch.float32)
 
@@ -32,9 +33,7 @@ def _host_stage(monkeypatch: pytest.MonkeyPatch, stage: torch.Tensor) -> None:
     """map_stage / push_kv for one process on CPU: the stage is the receiver's tensor itself."""
 
     def map_stage(link: Any, device: torch.device, timeout_s: float) -> tuple[KVStage, Any]:
-        from sglang_ext.offload.ipc import recv_blob
-
-        assert recv_blob(link, staged.STAGE, timeout_s) == b"h" * 80
+        assert recv_blob(link, Stage, timeout_s) == b"h" * 80
         return KVStage(stage.data_ptr(), stage.numel()), None
 
     def push_kv(st: KVStage, kv: torch.Tensor, timeout_s: float) -> None:
@@ -42,7 +41,7 @@ def _host_stage(monkeypatch: pytest.MonkeyPatch, stage: torch.Tensor) -> None:
         stage[: flat.numel()].copy_(flat)
 
     monkeypatch.setattr(staged, "map_stage", map_stage)
-    monkeypatch.setattr(offload_stage, "push_kv", push_kv)  # what pushed_chunks calls
+    monkeypatch.setattr(transport_stage, "push_kv", push_kv)  # what pushed_chunks calls
 
 
 def test_kv_larger_than_the_stage_arrives_whole_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -79,10 +78,10 @@ def test_kv_larger_than_the_stage_arrives_whole_in_chunks(monkeypatch: pytest.Mo
 
 class _Link:
     def __init__(self) -> None:
-        self.headers: list[list[int]] = []
+        self.headers: list[Any] = []
 
-    def send_header(self, vals: list[int], timeout_s: float) -> None:
-        self.headers.append(vals)
+    def send_header(self, h: Any, timeout_s: float) -> None:
+        self.headers.append(h)
 
 
 def test_a_chunk_without_its_first_ends_the_pair() -> None:
@@ -98,10 +97,10 @@ def test_a_chunk_without_its_first_ends_the_pair() -> None:
         inbox.chunk(link, 1, 4, 2, 3)  # type: ignore[arg-type]  # past its pages
     with pytest.raises(LinkError, match="stage holds"):
         inbox.chunk(link, 1, 4, 0, 4)  # type: ignore[arg-type]  # more than the stage
-    assert link.headers == [[REPLY, 1]]
+    assert link.headers == [Reply(1)]
 
 
-def test_the_pair_says_why_it_is_not_cuda_ipc(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_pair_says_why_it_is_not_cuda_ipc() -> None:
     gpu, host, pid = torch.device("cuda", 0), socket.gethostname(), os.getpid()
 
     def why(**kw: Any) -> str | None:
@@ -115,8 +114,7 @@ def test_the_pair_says_why_it_is_not_cuda_ipc(monkeypatch: pytest.MonkeyPatch) -
     assert "another node (node-b)" in str(why(peer_host="node-b"))
     assert "did not say which GPU" in str(why(peer_gpu=""))
     assert "one process" in str(why(peer_pid=pid))
-    monkeypatch.setenv(staged.PD_IPC_ENV, "0")
-    assert why() == f"{staged.PD_IPC_ENV}=0"
+    assert why(disabled=True) == "--disable-pd-kv-ipc"
 
 
 def test_the_stage_is_whole_pages_and_at_least_one() -> None:

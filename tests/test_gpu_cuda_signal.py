@@ -18,7 +18,8 @@ import pytest
 import torch
 from _cuda_ipc_child import pattern
 
-from sglang_ext.offload import cuda_signal as cs
+from sglang_ext.transport import cuda_signal as cs
+from sglang_ext.transport.protocol import IPC_HANDLE_BYTES, IpcHandle
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
@@ -139,10 +140,10 @@ def test_peer_copy_moves_bytes_between_gpus(issuer: str) -> None:
 def test_ipc_handle_bytes_round_trip() -> None:
     t = torch.zeros(1000, dtype=torch.uint8, device="cuda:0")
     h = cs.export_tensor(t[8:])
-    assert len(h.handle) == cs.IPC_HANDLE_BYTES and h.nbytes == 992
-    assert cs.IpcHandle.from_bytes(h.to_bytes()) == h
+    assert len(h.handle) == IPC_HANDLE_BYTES and h.nbytes == 992
+    assert IpcHandle.from_bytes(h.to_bytes()) == h
     with pytest.raises(ValueError, match="80 bytes"):
-        cs.IpcHandle.from_bytes(h.to_bytes()[:-1])
+        IpcHandle.from_bytes(h.to_bytes()[:-1])
 
 
 @pytest.mark.parametrize("child_device", [0, 1])

@@ -22,7 +22,7 @@ from _tiny import VOCAB, greedy, make_scheduler, prompts
 
 from sglang_ext.kvcache.pool import KVGeometry
 from sglang_ext.messages import ExecutorOpen
-from sglang_ext.offload.dist import HOST_RANK, DistRemote, Link, open_store
+from sglang_ext.offload.dist import DistRemote
 from sglang_ext.offload.executor import AttentionExecutor, GuestSpec
 from sglang_ext.offload.host import ExecutorHost
 from sglang_ext.offload.partition import ForeignKVPartition
@@ -32,6 +32,7 @@ from sglang_ext.offload.setup import guest_spec
 from sglang_ext.scheduler.overlap import OverlapScheduler
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
+from sglang_ext.transport.link import HOST_RANK, Link, open_store
 
 LENGTHS = [5, 17, 33, 9, 40, 3, 21, 12]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,7 +1,7 @@
 """The cuda_ipc transport across processes, what of it runs without a GPU: the choice of a served
 pairing's transport, the handshake's messages and their checks, the sender's watchdog (a state
 machine with a fake flag array, and over a real gloo pair whose host process dies or says
-goodbye), and the host's end of the control protocol (plans on BEGIN and never waits for layers;
+goodbye), and the host's end of the control protocol (plans on Begin and never waits for layers;
 drains its queued programs before it releases the guest's KV, and keeps the KV if they will not
 drain), and KV loads through the host's stage (stage.py: a CPU tensor as the stage, a raw memmove
 as the sender's peer copy). The GPU half is tests/test_offload_served.py with
@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -23,34 +24,38 @@ import pytest
 import torch
 
 from sglang_ext.kvcache.pool import KVGeometry
-from sglang_ext.offload import dist, ipc_host, stage, transport
-from sglang_ext.offload.dist import (
-    BEGIN,
-    CLOSE,
-    HOST_RANK,
-    LOAD,
-    REPLY,
-    SENDER_RANK,
-    TAG_CTRL,
-    DistRemote,
-    Link,
-    open_store,
-)
+from sglang_ext.offload import dist, ipc_host
+from sglang_ext.offload.dist import DistRemote
 from sglang_ext.offload.executor import AttentionExecutor, GuestSpec
 from sglang_ext.offload.host import ExecutorHost, ExecutorService
-from sglang_ext.offload.ipc import (
-    IpcHello,
-    IpcWelcome,
-    check_hello,
-    check_welcome,
-    exchange_shape,
+from sglang_ext.offload.ipc import StagedRemote, exchange_shape
+from sglang_ext.offload.partition import ForeignKVPartition
+from sglang_ext.offload.remote import ExecutorLost
+from sglang_ext.transport import stage
+from sglang_ext.transport.choice import Choice, Placement, choose_transport
+from sglang_ext.transport.ipc import check_hello, check_welcome
+from sglang_ext.transport.link import (
+    HOST_RANK,
+    SENDER_RANK,
+    Link,
+    connect_store,
+    open_store,
     say_goodbye,
     wait_for_goodbye,
 )
-from sglang_ext.offload.partition import ForeignKVPartition
-from sglang_ext.offload.remote import ExecutorLost
-from sglang_ext.offload.transport import Choice, Placement, choose_transport
-from sglang_ext.offload.watchdog import ARMED, RELEASING, STOPPED, Watchdog
+from sglang_ext.transport.protocol import (
+    Begin,
+    Close,
+    Header,
+    IpcHello,
+    IpcWelcome,
+    Load,
+    LoadMore,
+    LoadStaged,
+    Reply,
+    Tag,
+)
+from sglang_ext.transport.watchdog import ARMED, RELEASING, STOPPED, Watchdog
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEC = GuestSpec(KVGeometry(2, 2, 16, 4, torch.bfloat16), 4, 16, 0.25)
@@ -74,10 +79,9 @@ def test_the_transport_follows_the_placement(asked: str | None, sender: Placemen
     assert choose_transport(asked, sender, host) == want
 
 
-def test_without_the_automatic_rule_an_unset_transport_is_torch_dist(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(transport, "AUTO_CUDA_IPC", False)
-    assert choose_transport(None, GPU_A, GPU_B) == Choice("torch_dist", "")
-    assert choose_transport("cuda_ipc", GPU_A, GPU_B) == Choice("cuda_ipc", "")
+def test_a_sender_that_asks_for_torch_dist_turns_the_automatic_cuda_ipc_off() -> None:
+    assert choose_transport(None, GPU_A, GPU_B) == Choice("cuda_ipc", "torch_dist")
+    assert choose_transport("torch_dist", GPU_A, GPU_B) == Choice("torch_dist", "")
 
 
 @pytest.mark.parametrize(("sender", "host", "needle"), [
@@ -115,17 +119,18 @@ def handle(nbytes: int) -> bytes:
 def test_hello_and_welcome_round_trip_and_are_checked() -> None:
     shape = exchange_shape(SPEC, 8)
     assert (shape.width_in, shape.width_out) == ((4 + 2 * 2) * 16, 4 * 16)
+    shape_of = partial(exchange_shape, SPEC)
     hello = IpcHello(8, handle(8 * 64 * 2), handle(2 * 4), gpu="GPU-1234")
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(hello), type=IpcHello)
-    assert back == hello and check_hello(back, SPEC) == shape
+    assert back == hello and check_hello(back, shape_of) == shape
     with pytest.raises(ValueError, match="recv buffer is not 8 x 64"):
-        check_hello(IpcHello(8, handle(8 * 64 * 4), handle(8)), SPEC)  # float32-sized: not the guest's dtype
+        check_hello(IpcHello(8, handle(8 * 64 * 4), handle(8)), shape_of)  # float32-sized: not the guest's dtype
     with pytest.raises(ValueError, match="done flags are not 2 int32"):
-        check_hello(IpcHello(8, handle(8 * 64 * 2), handle(4)), SPEC)
+        check_hello(IpcHello(8, handle(8 * 64 * 2), handle(4)), shape_of)
     with pytest.raises(ValueError, match="max_rows 0 is not in"):
-        check_hello(IpcHello(0, handle(0), handle(8)), SPEC)
+        check_hello(IpcHello(0, handle(0), handle(8)), shape_of)
     with pytest.raises(ValueError, match="recv: an IPC handle is 80 bytes, got 3"):
-        check_hello(IpcHello(8, b"abc", handle(8)), SPEC)
+        check_hello(IpcHello(8, b"abc", handle(8)), shape_of)
     with pytest.raises(msgspec.ValidationError):  # strict: unknown fields are refused
         msgspec.msgpack.decode(msgspec.msgpack.encode({**msgspec.structs.asdict(hello), "x": 1}), type=IpcHello)
     page = SPEC.geometry.page_bytes
@@ -213,8 +218,6 @@ def linked_pair() -> tuple[Link, Link]:
     host: list[Link] = []
     t = threading.Thread(target=lambda: host.append(Link(store, HOST_RANK, "gloo", torch.device("cpu"), "127.0.0.1")))
     t.start()
-    from sglang_ext.offload.dist import connect_store
-
     sender = Link(connect_store(f"127.0.0.1:{store.port}"), SENDER_RANK, "gloo", torch.device("cpu"), "127.0.0.1")
     t.join()
     _stores.append((store, listener))  # the store uses the listener's descriptor while it lives
@@ -230,14 +233,15 @@ def test_goodbye_over_gloo_while_control_messages_flow() -> None:
 
     def answer() -> None:  # the host's thread (a gloo send completes once the peer receives)
         for _ in range(5):
-            i = host.recv_header(5)[1]
-            host.send_header([REPLY, i], 5)
+            i = host.recv_header(5)
+            assert isinstance(i, Begin)
+            host.send_header(Reply(i.n_rows), 5)
 
     h = threading.Thread(target=answer)
     h.start()
     for i in range(5):
-        sender.send_header([BEGIN, i], 5)
-        assert sender.recv_header(5)[:2] == [REPLY, i]
+        sender.send_header(Begin(i), 5)
+        assert sender.recv_header(5) == Reply(i)
     h.join(5)
     assert t.is_alive()
     say_goodbye(host, 5)
@@ -250,7 +254,7 @@ def test_goodbye_over_gloo_while_control_messages_flow() -> None:
 _DYING_HOST = """
 import sys, time, torch
 sys.path[:0] = [{root!r}]
-from sglang_ext.offload.dist import HOST_RANK, Link, connect_store
+from sglang_ext.transport.link import HOST_RANK, Link, connect_store
 link = Link(connect_store({address!r}), HOST_RANK, "gloo", torch.device("cpu"), "127.0.0.1")
 print("up", flush=True)
 time.sleep(600)
@@ -331,20 +335,18 @@ def serve_ipc(monkeypatch: pytest.MonkeyPatch, drains: bool,
     svc = ExecutorService(executor, threading.Lock(), "hot-0/p1", F32, store, "gloo", torch.device("cpu"),
                           "127.0.0.1", timeout_s, listener=listener, transport="cuda_ipc")
     svc.start()
-    from sglang_ext.offload.dist import connect_store
-
     link = Link(connect_store(f"127.0.0.1:{store.port}"), SENDER_RANK, "gloo", torch.device("cpu"), "127.0.0.1")
     return svc, end, link
 
 
 def load_and_step(link: Link) -> None:
-    link.send_header([LOAD, 7, 10, 3], 5)
-    link.send(torch.randn(3, 2, 2, 4, 2, 16), TAG_CTRL, 5)
-    assert link.recv_header(5)[:2] == [REPLY, 1]
+    link.send_header(Load(7, 10, 3), 5)
+    link.send(torch.randn(3, 2, 2, 4, 2, 16), Tag.CTRL, 5)
+    assert link.recv_header(5) == Reply(1)
     for pos in (10, 11):  # two steps back to back: the host never waits for a layer's q|k|v
-        link.send_header([BEGIN, 1], 5)
-        link.send(torch.tensor([[7], [pos]], dtype=torch.int64), TAG_CTRL, 5)
-        assert link.recv_header(5)[:2] == [REPLY, 0]
+        link.send_header(Begin(1), 5)
+        link.send(torch.tensor([[7], [pos]], dtype=torch.int64), Tag.CTRL, 5)
+        assert link.recv_header(5) == Reply(0)
 
 
 def test_host_plans_on_begin_and_drains_before_its_goodbye(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -355,7 +357,7 @@ def test_host_plans_on_begin_and_drains_before_its_goodbye(monkeypatch: pytest.M
     load_and_step(link)
     assert end.program.steps == [[7], [7]] and end.program.loads == 1
     assert svc.executor.used_tokens("hot-0/p1") == 12
-    link.send_header([CLOSE], 5)
+    link.send_header(Close(), 5)
     t.join(5)
     assert bye == [None] and end.drained >= 1  # drained, then the goodbye
     assert svc.ended.wait(5) and end.closed and not svc.executor.guests
@@ -394,7 +396,7 @@ def staged_pair(monkeypatch: pytest.MonkeyPatch, stage_pages: int) -> tuple[Exec
     svc, end, link = serve_ipc(monkeypatch, drains=True, stage_bytes=stage_pages * PAGE)
     monkeypatch.setattr(stage, "push_kv", fake_push)
     pushed.clear()
-    remote = stage.StagedRemote(link, F32, "cold-0", 5.0)
+    remote = StagedRemote(link, F32, "cold-0", 5.0)
     welcome = IpcWelcome(handle(8 * 128 * 4), handle(8), stage=handle(stage_pages * PAGE) if stage_pages else b"")
     nbytes = check_welcome(welcome, exchange_shape(F32, 8), PAGE)
     if nbytes:
@@ -413,7 +415,7 @@ def test_a_staged_load_lands_the_same_kv_as_the_gloo_path(monkeypatch: pytest.Mo
     kv = torch.randn(3, 2, 2, 4, 2, 16)
     assert remote.load(7, kv, 10)  # staged: fits the stage
     assert remote.staged_loads == 1 and remote.bytes_out == kv.numel() * 4 and remote.wait_s > 0
-    assert DistRemote.load(remote, 8, kv, 10)  # the same KV over gloo (LOAD)
+    assert DistRemote.load(remote, 8, kv, 10)  # the same KV over gloo (Load)
     assert remote.staged_loads == 1
     assert torch.equal(held(svc, 7), kv) and torch.equal(held(svc, 8), held(svc, 7))
     big = torch.randn(9, 2, 2, 4, 2, 16)  # larger than the stage: in chunks of the stage's 4 pages
@@ -478,17 +480,17 @@ def test_the_stage_is_checked_and_sized(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 @pytest.mark.parametrize("after", [
-    [stage.LOAD_MORE, 7, 0, 4],  # the first chunk again
-    [stage.LOAD_MORE, 7, 4, 4],  # more than is left (1 page)
-    [stage.LOAD_MORE, 8, 4, 1],  # another request
-    [BEGIN, 1],  # anything else before the load ended
+    LoadMore(7, 0, 4),  # the first chunk again
+    LoadMore(7, 4, 4),  # more than is left (1 page)
+    LoadMore(8, 4, 1),  # another request
+    Begin(1),  # anything else before the load ended
 ])
-def test_a_staged_load_out_of_order_ends_the_pairing(monkeypatch: pytest.MonkeyPatch, after: list[int]) -> None:
+def test_a_staged_load_out_of_order_ends_the_pairing(monkeypatch: pytest.MonkeyPatch, after: Header) -> None:
     """A sender that breaks the chunk protocol is a protocol error, not a crash or a hang: the pairing
     ends and the guest's KV is released."""
     svc, _, remote = staged_pair(monkeypatch, stage_pages=4)
-    remote.link.send_header([stage.LOAD_STAGED, 7, 20, 5], 5)  # 5 pages: 4 now, 1 to come
-    assert remote.link.recv_header(5)[:2] == [REPLY, 1]
+    remote.link.send_header(LoadStaged(7, 20, 5), 5)  # 5 pages: 4 now, 1 to come
+    assert remote.link.recv_header(5) == Reply(1)
     remote.link.send_header(after, 5)
     assert svc.ended.wait(5) and not svc.executor.guests
     remote.link.close()
@@ -496,13 +498,13 @@ def test_a_staged_load_out_of_order_ends_the_pairing(monkeypatch: pytest.MonkeyP
 
 def test_a_lone_load_more_ends_the_pairing(monkeypatch: pytest.MonkeyPatch) -> None:
     svc, _, remote = staged_pair(monkeypatch, stage_pages=4)
-    remote.link.send_header([stage.LOAD_MORE, 7, 0, 1], 5)
+    remote.link.send_header(LoadMore(7, 0, 1), 5)
     assert svc.ended.wait(5) and not svc.executor.guests
     remote.link.close()
 
 
 # ---- BEGIN without waiting for the answer (dist.PipelinedBegin, what IpcRemote does) ---------------
-class Piped(dist.PipelinedBegin, stage.StagedRemote):
+class Piped(dist.PipelinedBegin, StagedRemote):
     """IpcRemote's control half without its GPU end: loads over gloo (no stage), pipelined BEGINs."""
 
 

@@ -22,7 +22,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,6 @@ import yaml
 from _router_util import ROOT, Server, free_port, serve, wait_for
 
 from sglang_ext.models.default_model import ensure_default_model
-from sglang_ext.offload.ipc_host import STAGED_LOADS_ENV
 
 # `SGLANG_EXT_TEST_DEVICE=cuda` with two GPUs: hot and ref on cuda:0, the executor on cuda:1, so the
 # pairing runs over NCCL (the torch backend keeps float32 outputs comparable).
@@ -83,25 +81,11 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     }
     path = tmp / "cluster.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    # Staged (GPU to GPU) KV loads are the default; set explicitly, so this test checks them whatever
-    # the environment says.
-    with _env(STAGED_LOADS_ENV, "1"), serve(tmp, ["--config", str(path)], workers=3, port=port) as srv:
+    # Staged (GPU to GPU) KV loads are the default (cold has no --disable-ipc-staged-loads).
+    with serve(tmp, ["--config", str(path)], workers=3, port=port) as srv:
         wait_for(lambda: pairing(srv)["state"] == "active", 60, "hot-0 paired with cold-0")
         assert pairing(srv)["transport"] == (transport or "torch_dist")
         yield srv
-
-
-@contextmanager
-def _env(name: str, value: str) -> Iterator[None]:
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 def pairing(srv: Server) -> dict[str, Any]:

@@ -280,16 +280,6 @@ def test_steps_let_through_without_the_executor_are_dropped(loop: str, after_ste
     assert s.offload is not None and not s.offload.active and s.num_preemptions > 0
 
 
-def test_a_transport_that_cannot_overlap_drains() -> None:
-    want = run_all(_plain(offload=False), _reqs())
-    s = _overlap(offload_ratio=1.0)
-    assert s.offload is not None
-    s.offload.remote.overlap_safe = False  # type: ignore[misc]
-    spy = PlanSpy(s)
-    assert run_all(s, _reqs()) == want
-    assert not spy.ahead and s.overlapped_steps == 0
-
-
 def test_a_reservation_is_the_requests_longest_capped_by_the_context() -> None:
     s = _overlap()
     assert s.offload is not None and s.offload.context_len == s.runner.context_len

@@ -1,7 +1,7 @@
 """The cluster file's `offload:` entries at run time: senders paired with executors, on events.
 
     WorkerUp of a sender     pick an up worker of `to` that offers executor memory (fewest senders
-                             first), and the transport from where both run (offload/transport.py)
+                             first), and the transport from where both run (transport/choice.py)
                              -> ExecutorOpen to it -> its reply (the pair's rendezvous)
                              -> OffloadDirective to the sender
     WorkerUp of a host       pair the senders that have no executor (and, if it is a new process,
@@ -36,7 +36,7 @@ from router.placement.pairing import RETRY_S, Pairing
 from router.placement.steer import EVENTS, Steering
 from router.tracker import WorkerState
 from sglang_ext.messages import ExecutorOpen, OffloadDirective, ReplyOut, WorkerInfo
-from sglang_ext.offload.transport import SERVED_DEFAULT, Choice, Placement, choose_transport
+from sglang_ext.transport.choice import SERVED_DEFAULT, Choice, Placement, choose_transport
 
 logger = logging.getLogger(__name__)
 OPEN_TIMEOUT_S: Final = 10.0

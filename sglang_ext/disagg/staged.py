@@ -1,14 +1,14 @@
 """Prefill -> decode KV over CUDA IPC peer copies, for a pair whose two GPUs are on one node (backend
-`cuda_ipc`): the remote-attention transport's staged loads (offload/stage.py), used for hand-offs.
+`cuda_ipc`): the staged copies of transport/stage.py, used for hand-offs.
 
     decode worker (receiver)                                  prefill worker (sender)
     allocates a stage on its GPU when the pair opens
-    [STAGE n] + the stage's IpcHandle ── gloo ───────────────> maps it (cuIpcOpenMemHandle)
+    Stage(n) + the stage's IpcHandle ── gloo ────────────────> maps it (cuIpcOpenMemHandle)
                                                                per request: pages gathered on its GPU;
                                                                per chunk of at most the stage's size:
                                                                peer copy -> stage, waited for
-    copy stage -> the request's KV, wait  <── [KV_STAGED room n_tokens n_pages first_token first count]
-    [REPLY 1] ──────────────────────────────────────────────> (the stage is free again)
+    copy stage -> the request's KV, wait  <── KVStaged(room, n_tokens, n_pages, first_token, first, count)
+    Reply(1) ───────────────────────────────────────────────> (the stage is free again)
 
 Headers stay on the pair's gloo channel (transfer.py says why not NCCL); no NCCL communicator is made
 for the pair at all. The pages move GPU to GPU over NVLink (or PCIe) without a host hop, and the
@@ -16,32 +16,26 @@ prefill worker's copy runs on a side stream of its own, off its forward stream.
 
 The stage is min(PD_STAGE_MAX_BYTES, ...) in whole pages, at least one page, allocated beside the KV
 pool (not out of it). Its memory is freed only after a clean close: a peer that broke mid-copy may
-still have a mapping, so then it is kept (rare, and safe). SGLANG_EXT_PD_KV_IPC=0 turns the backend
-off (NCCL between GPUs, as before).
+still have a mapping, so then it is kept (rare, and safe). The decode worker's --disable-pd-kv-ipc
+turns the backend off (NCCL between GPUs).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Final
 
 import torch
 
-from sglang_ext.offload.dist import REPLY, Link, LinkError
-from sglang_ext.offload.stage import KVStage, copied, pushed_chunks, staged_kv
+from sglang_ext.transport.link import Link, recv_blob, send_blob
+from sglang_ext.transport.protocol import IpcHandle, KVStaged, ProtocolError, Reply, Stage, expect
+from sglang_ext.transport.stage import KVStage, copied, pushed_chunks, staged_kv
 
 logger = logging.getLogger(__name__)
 
 BACKEND: Final = "cuda_ipc"
-PD_IPC_ENV: Final = "SGLANG_EXT_PD_KV_IPC"
 PD_STAGE_MAX_BYTES: Final = 256 << 20
-STAGE, KV_STAGED = 4, 5  # message kinds after transfer.py's KV (1), CLOSE (2), PLACED (3)
 _kept: list[torch.Tensor] = []  # stages a broken peer may still have mapped (never freed)
-
-
-def enabled() -> bool:
-    return os.environ.get(PD_IPC_ENV, "1") != "0"
 
 
 def stage_bytes(page_bytes: int, max_bytes: int = PD_STAGE_MAX_BYTES) -> int:
@@ -50,10 +44,11 @@ def stage_bytes(page_bytes: int, max_bytes: int = PD_STAGE_MAX_BYTES) -> int:
 
 
 def ipc_unusable(own: torch.device, own_host: str, own_pid: int, peer_device: str, peer_host: str, peer_gpu: str,
-                 peer_pid: int) -> str | None:
-    """Why the pair cannot use cuda_ipc (None: it can, as far as can be told before the handshake)."""
-    if not enabled():
-        return f"{PD_IPC_ENV}=0"
+                 peer_pid: int, disabled: bool = False) -> str | None:
+    """Why the pair cannot use cuda_ipc (None: it can, as far as can be told before the handshake);
+    `disabled`: the decode worker's --disable-pd-kv-ipc."""
+    if disabled:
+        return "--disable-pd-kv-ipc"
     if own.type != "cuda" or not peer_device.startswith("cuda"):
         return "an end is not a GPU"
     if not peer_host or peer_host != own_host:
@@ -62,7 +57,7 @@ def ipc_unusable(own: torch.device, own_host: str, own_pid: int, peer_device: st
         return "the prefill worker did not say which GPU it runs on"
     if peer_pid == own_pid:
         return "both ends are in one process (CUDA IPC maps another process's memory only)"
-    from sglang_ext.offload.ipc_host import ipc_problem
+    from sglang_ext.transport.ipc import ipc_problem
 
     return ipc_problem(own, peer_device, peer_gpu)
 
@@ -70,7 +65,7 @@ def ipc_unusable(own: torch.device, own_host: str, own_pid: int, peer_device: st
 def make_stage(device: torch.device, page_bytes: int) -> tuple[torch.Tensor, bytes]:
     """The receiver's stage on `device` and its exported handle (RuntimeError / ValueError when it
     cannot be made: no memory, or an allocator whose memory cannot be exported)."""
-    from sglang_ext.offload import cuda_signal as cs
+    from sglang_ext.transport import cuda_signal as cs
 
     stage = torch.empty(stage_bytes(page_bytes), dtype=torch.uint8, device=device)
     return stage, cs.export_tensor(stage).to_bytes()
@@ -84,13 +79,11 @@ def release_stage(stage: torch.Tensor | None, clean: bool) -> None:
 
 # ---- the receiver's end ----------------------------------------------------------------------------
 def offer_stage(link: Link, handle: bytes, timeout_s: float) -> None:
-    from sglang_ext.offload.ipc import send_blob
-
-    send_blob(link, STAGE, handle, timeout_s)
+    send_blob(link, Stage(len(handle)), handle, timeout_s)
 
 
 class StagedIn:
-    """The decode end's state for KV_STAGED messages: the request being received, chunk by chunk."""
+    """The decode end's state for KVStaged messages: the request being received, chunk by chunk."""
 
     def __init__(self, stage: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, timeout_s: float) -> None:
         self.stage = stage
@@ -104,19 +97,19 @@ class StagedIn:
         """Copy a chunk out of the stage into the request's KV and free the stage (REPLY); returns the
         whole KV once its last chunk landed."""
         if n_pages < 1 or n_pages > 1 << 24 or count < 1 or first + count > n_pages:
-            raise LinkError(f"unexpected staged chunk {first}+{count} of {n_pages} pages")
+            raise ProtocolError(f"unexpected staged chunk {first}+{count} of {n_pages} pages")
         if first == 0:
             self.kv = torch.empty((n_pages, *self.page_shape), dtype=self.dtype, device=self.stage.device)
             self.room = room
         elif self.kv is None or room != self.room or self.kv.shape[0] != n_pages:
-            raise LinkError(f"staged chunk {first}.. of room {room} without its first chunk")
+            raise ProtocolError(f"staged chunk {first}.. of room {room} without its first chunk")
         try:
             src = staged_kv(self.stage, (count, *self.page_shape), self.dtype)
         except ValueError as e:
-            raise LinkError(str(e)) from None
+            raise ProtocolError(str(e)) from None
         self.kv[first : first + count].copy_(src)
         copied(self.stage.device, self.timeout_s)  # before the stage is written again
-        link.send_header([REPLY, 1], self.timeout_s)
+        link.send_header(Reply(1), self.timeout_s)
         if first + count < n_pages:
             return None
         kv, self.kv = self.kv, None
@@ -126,10 +119,9 @@ class StagedIn:
 # ---- the sender's end ------------------------------------------------------------------------------
 def map_stage(link: Link, device: torch.device, timeout_s: float) -> tuple[KVStage, Any]:
     """Receive the decode worker's stage handle and map it here: (the stage, its mapping to close)."""
-    from sglang_ext.offload import cuda_signal as cs
-    from sglang_ext.offload.ipc import recv_blob
+    from sglang_ext.transport import cuda_signal as cs
 
-    handle = cs.IpcHandle.from_bytes(recv_blob(link, STAGE, timeout_s))
+    handle = IpcHandle.from_bytes(recv_blob(link, Stage, timeout_s))
     mapping = cs.IpcMapping(handle, device.index or 0)
     return KVStage(mapping.ptr, mapping.nbytes, torch.cuda.Stream(device)), mapping
 
@@ -140,7 +132,6 @@ def send_staged(link: Link, stage: KVStage, kv: torch.Tensor, room: int, n_token
     kv = kv.contiguous()
     n = kv.shape[0]
     for first, chunk in pushed_chunks(stage, kv, timeout_s):
-        link.send_header([KV_STAGED, room, n_tokens, n, first_token, first, chunk.shape[0]], timeout_s)
-        got, ok = link.recv_header(timeout_s)[:2]
-        if got != REPLY or not ok:
-            raise LinkError(f"expected the decode worker's reply to a staged chunk, got {[got, ok]}")
+        link.send_header(KVStaged(room, n_tokens, n, first_token, first, chunk.shape[0]), timeout_s)
+        if not expect(link.recv_header(timeout_s), Reply).value:
+            raise ProtocolError("the decode worker refused a staged chunk")

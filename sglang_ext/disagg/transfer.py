@@ -1,18 +1,19 @@
-"""Prefill -> decode KV transfer over a private two-rank torch.distributed pair (dist.py's `Link`).
+"""Prefill -> decode KV transfer over a private two-rank torch.distributed pair (transport/link.py's
+`Link`), in the messages of transport/protocol.py.
 
     decode worker (rank 0)                                   prefill worker (rank 1)
     open_store + KVReceiver thread ── HOST:PORT via the router ──> KVSender thread: connect
-    header int64[8] [KV, room, n_tokens, n_pages, first_token]  <──  one per request, in order
+    KV(room, n_tokens, n_pages, first_token)                   <──  one per request, in order
     KV pages [n_pages, L, 2, P, Hkv, D] (the pool's block-first layout)
-    header [PLACED, room, n_tokens, handle, first_token]        <──  Adrenaline placement: no pages;
-                                                                     the KV is in the prefill worker's
-                                                                     executor under `handle`
-    [CLOSE]                                                       <──  the prefill side closes the pair
+    Placed(room, n_tokens, handle, first_token)                <──  Adrenaline placement: no pages;
+                                                                    the KV is in the prefill worker's
+                                                                    executor under `handle`
+    Close()                                                    <──  the prefill side closes the pair
 
 Headers always go over gloo (CPU tensors; `Link`'s control channel). The KV pages go over gloo too
 when an end is a CPU (the CI's multi-process path); between GPUs of one node as CUDA IPC peer copies
 through a stage on the decode GPU (backend `cuda_ipc`, staged.py); between GPUs of different nodes
-(or with SGLANG_EXT_PD_KV_IPC=0) over NCCL. Not the
+(or with --disable-pd-kv-ipc) over NCCL. Not the
 headers over NCCL: an idle decode worker would keep a receive kernel spinning on its GPU until the next request,
 and anything that waits for that GPU to go idle -- a kernel's first launch loading its module, a
 cudaFree -- would hang the worker until then (its first request did, on two H200s). Both
@@ -36,21 +37,12 @@ import torch
 
 from sglang_ext.disagg import staged
 from sglang_ext.kvcache.pool import KVGeometry, KVPool
-from sglang_ext.offload.dist import (
-    HOST_RANK,
-    IDLE_TIMEOUT_S,
-    SENDER_RANK,
-    TAG_CTRL,
-    Link,
-    LinkError,
-    connect_store,
-    local_address_toward,
-)
-from sglang_ext.offload.stage import KVStage
+from sglang_ext.transport.link import HOST_RANK, IDLE_TIMEOUT_S, SENDER_RANK, Link, connect_store, local_address_toward
+from sglang_ext.transport.protocol import KV, Close, KVStaged, LinkError, Placed, ProtocolError, Tag
+from sglang_ext.transport.stage import KVStage
 
 logger = logging.getLogger(__name__)
 
-KV, CLOSE, PLACED = 1, 2, 3
 
 
 @dataclass
@@ -132,7 +124,7 @@ class KVSender:
         if link is not None:
             if not self.broken:
                 with suppress(LinkError):
-                    link.send_header([CLOSE], min(self.timeout_s, 1.0))
+                    link.send_header(Close(), min(self.timeout_s, 1.0))
             link.close()
         if self._mapping is not None:  # every copy into the stage was waited for
             with suppress(RuntimeError):
@@ -140,7 +132,7 @@ class KVSender:
 
     def _send(self, link: Link, job: SendJob) -> None:
         if job.handle:
-            link.send_header([PLACED, job.room, job.n_tokens, job.handle, job.first_token], self.timeout_s)
+            link.send_header(Placed(job.room, job.n_tokens, job.handle, job.first_token), self.timeout_s)
             return
         # Gathered here, off the forward thread: the pages stay the request's until on_done.
         idx = torch.tensor(job.pages, dtype=torch.int64, device=self.pool.device)
@@ -148,8 +140,8 @@ class KVSender:
         if self.stage is not None:
             staged.send_staged(link, self.stage, kv, job.room, job.n_tokens, job.first_token, self.timeout_s)
         else:
-            link.send_header([KV, job.room, job.n_tokens, len(job.pages), job.first_token], self.timeout_s)
-            link.send(kv.to(self.wire), TAG_CTRL, self.timeout_s)
+            link.send_header(KV(job.room, job.n_tokens, len(job.pages), job.first_token), self.timeout_s)
+            link.send(kv.to(self.wire), Tag.CTRL, self.timeout_s)
         self.bytes_sent += kv.numel() * kv.element_size()
 
 
@@ -216,20 +208,20 @@ class KVReceiver:
         chunks = staged.StagedIn(self.stage[0], page, g.dtype, self.timeout_s) if self.stage is not None else None
         while True:
             h = link.recv_header(IDLE_TIMEOUT_S)
-            kind, room, n_tokens, n_pages, first = h[:5]
-            if kind == CLOSE:
+            if isinstance(h, Close):
                 return
-            if kind == staged.KV_STAGED and chunks is not None:
-                kv = chunks.chunk(link, room, n_pages, h[5], h[6])
+            if isinstance(h, KVStaged) and chunks is not None:
+                kv = chunks.chunk(link, h.room, h.n_pages, h.first, h.count)
                 if kv is not None:
-                    self.on_kv(KVArrival(self.pairing, room, n_tokens, first, kv))
+                    self.on_kv(KVArrival(self.pairing, h.room, h.n_tokens, h.first_token, kv))
                 continue
-            if kind == PLACED and n_pages > 0:  # n_pages is the executor handle here
-                self.on_kv(KVArrival(self.pairing, room, n_tokens, first, torch.empty(0), handle=n_pages))
+            if isinstance(h, Placed) and h.handle > 0:
+                self.on_kv(KVArrival(self.pairing, h.room, h.n_tokens, h.first_token, torch.empty(0),
+                                     handle=h.handle))
                 continue
-            if kind != KV or n_pages < 1 or n_pages > 1 << 24:
-                raise LinkError(f"unexpected header {h}")
-            kv = torch.empty((n_pages, g.num_layers, 2, g.page_size, g.num_kv_heads, g.head_dim), dtype=g.dtype,
+            if not isinstance(h, KV) or h.n_pages < 1 or h.n_pages > 1 << 24:
+                raise ProtocolError(f"unexpected header {h!r}")
+            kv = torch.empty((h.n_pages, g.num_layers, 2, g.page_size, g.num_kv_heads, g.head_dim), dtype=g.dtype,
                              device=self.wire)
-            link.recv(kv, TAG_CTRL, self.timeout_s)
-            self.on_kv(KVArrival(self.pairing, room, n_tokens, first, kv))
+            link.recv(kv, Tag.CTRL, self.timeout_s)
+            self.on_kv(KVArrival(self.pairing, h.room, h.n_tokens, h.first_token, kv))

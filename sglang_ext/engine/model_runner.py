@@ -16,14 +16,14 @@ from sglang_ext.attention import get_backend_class
 from sglang_ext.engine import sm_partition
 from sglang_ext.engine.cuda_graph import DEFAULT_MAX_BS, CudaGraphRunner
 from sglang_ext.engine.forward_batch import ForwardBatch
+from sglang_ext.engine.split_attention import SplitAttention
 from sglang_ext.kvcache.pool import KVGeometry, KVPool
 from sglang_ext.models.config import ModelConfig
 from sglang_ext.models.loader import load_model
 from sglang_ext.server_args import ServerArgs
 
 if TYPE_CHECKING:
-    from sglang_ext.offload.remote import RemoteAttention
-    from sglang_ext.offload.split import SplitAttention
+    from sglang_ext.engine.split_attention import RemoteRows
 
 logger = logging.getLogger("sglang_ext.startup")  # this module logs only startup stages
 
@@ -184,10 +184,8 @@ class ModelRunner:
     def max_total_tokens(self) -> int:
         return (self.num_pages - 1) * self.pool.page_size
 
-    def set_remote(self, remote: RemoteAttention) -> None:
+    def set_remote(self, remote: RemoteRows) -> None:
         """Batches with remote rows attend through `SplitAttention` (local backend + executor)."""
-        from sglang_ext.offload.split import SplitAttention
-
         self.split = SplitAttention(self.attn, remote)
         if self.graphs is not None and remote.graph_capturable:
             from sglang_ext.engine.split_graph import SplitGraphs

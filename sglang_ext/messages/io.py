@@ -125,7 +125,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     attn_scale: float = 0.0
     kv_dtype: str = ""
     executor_mem_bytes: int = 0  # 0: hosts no executor
-    # Where it runs, for the router's choice of a pairing's transport (offload/transport.py): the
+    # Where it runs, for the router's choice of a pairing's transport (transport/choice.py): the
     # machine's host name, its GPU's UUID ("" on a CPU), and the transport its arguments force ("": any).
     hostname: str = ""
     gpu_uuid: str = ""

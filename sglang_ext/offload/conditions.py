@@ -1,4 +1,4 @@
-"""Adrenaline's per-request offload conditions (seed 003, algorithm 1), applied by the sender.
+"""Adrenaline's per-request offload conditions (the Adrenaline paper's algorithm 1), applied by the sender.
 
 `ob` is the planner's upper bound OB(n, B_max): offloaded KV tokens over local KV tokens. A request
 that has just finished its prefill goes to the executor when

@@ -1,6 +1,6 @@
 """A worker's executor for other models' senders (`executor_mem_gb`): one ExecutorService thread per
-pairing the router opens (the host's end of dist.py's protocol; with cuda_ipc, of ipc.py's, whose GPU
-part is ipc_host.py), all over one AttentionExecutor and its foreign-KV partition.
+pairing the router opens (the host's end of transport/protocol.py's remote-attention messages; with
+cuda_ipc, ipc_host.py has its GPU part), all over one AttentionExecutor and its foreign-KV partition.
 
 A guest is keyed by sender and pairing (`hot-0/p-1a2b-3`), so a sender paired again (it restarted,
 or lost its executor for a while) never meets the pages of its previous pairing: those are released
@@ -21,26 +21,22 @@ from torch.distributed import TCPStore
 
 from sglang_ext.kvcache.pool import KVGeometry
 from sglang_ext.messages import ExecutorOpen
-from sglang_ext.offload.dist import (
-    BEGIN,
-    CLOSE,
-    HOST_RANK,
-    IDLE_TIMEOUT_S,
-    LOAD,
-    RELEASE,
-    REPLY,
-    TAG_CTRL,
-    TAG_OUT,
-    TAG_QKV,
-    Link,
-    LinkError,
-    open_store,
-    pair_backend,
-)
 from sglang_ext.offload.executor import AttentionExecutor, ExecutorFull, GuestSpec
-from sglang_ext.offload.ipc import say_goodbye
-from sglang_ext.offload.stage import LOAD_MORE, LOAD_STAGED, copied, staged_kv
-from sglang_ext.offload.transport import SERVED_DEFAULT
+from sglang_ext.transport.choice import SERVED_DEFAULT
+from sglang_ext.transport.link import HOST_RANK, IDLE_TIMEOUT_S, Link, open_store, pair_backend, say_goodbye
+from sglang_ext.transport.protocol import (
+    Begin,
+    Close,
+    LinkError,
+    Load,
+    LoadMore,
+    LoadStaged,
+    ProtocolError,
+    Release,
+    Reply,
+    Tag,
+)
+from sglang_ext.transport.stage import copied, staged_kv
 
 if TYPE_CHECKING:
     from sglang_ext.offload.ipc_host import IpcHostEnd
@@ -60,9 +56,10 @@ def guest_spec_of(msg: ExecutorOpen) -> GuestSpec:
 
 
 class ExecutorHost:
-    def __init__(self, executor: AttentionExecutor, address: str = "127.0.0.1") -> None:
+    def __init__(self, executor: AttentionExecutor, address: str = "127.0.0.1", staged_loads: bool = True) -> None:
         self.executor = executor
         self.address = address  # where senders reach this worker (the interface toward the router)
+        self.staged_loads = staged_loads  # cuda_ipc: offer senders a KV stage (--disable-ipc-staged-loads)
         self.lock = threading.Lock()
         self.services: dict[str, ExecutorService] = {}
         self.guest_models: dict[str, str] = {}  # guest key -> the guest's model name
@@ -88,7 +85,8 @@ class ExecutorHost:
                 self.executor.detach(key)
             raise ValueError(f"cannot open a rendezvous on {self.address}: {e}") from None
         svc = ExecutorService(self.executor, self.lock, key, spec, store, backend, wire, self.address,
-                              msg.timeout_s, on_exit=self._ended, listener=listener, transport=transport)
+                              msg.timeout_s, on_exit=self._ended, listener=listener, transport=transport,
+                              staged_loads=self.staged_loads)
         self.services[key] = svc
         self.guest_models[key] = msg.guest_model
         svc.start()
@@ -150,7 +148,7 @@ class ExecutorHost:
             return SERVED_DEFAULT
         if msg.transport != "cuda_ipc":
             raise ValueError(f"this executor serves torch_dist or cuda_ipc, not {msg.transport}")
-        from sglang_ext.offload.ipc_host import ipc_problem
+        from sglang_ext.transport.ipc import ipc_problem
 
         problem = ipc_problem(self.executor.device, msg.guest_device, msg.guest_gpu)
         if problem is None:
@@ -203,7 +201,7 @@ class ExecutorService:
                  store: TCPStore, backend: str, wire: torch.device, local_host: str, timeout_s: float,
                  on_exit: Callable[[ExecutorService], None] | None = None,
                  idle_timeout_s: float = IDLE_TIMEOUT_S, listener: socket.socket | None = None,
-                 transport: str = SERVED_DEFAULT) -> None:
+                 transport: str = SERVED_DEFAULT, staged_loads: bool = True) -> None:
         self.executor = executor
         self.lock = lock
         self.guest = guest
@@ -217,6 +215,7 @@ class ExecutorService:
         self.idle_timeout_s = idle_timeout_s
         self.on_exit = on_exit
         self.transport = transport
+        self.staged_loads = staged_loads
         self.ipc: IpcHostEnd | None = None  # cuda_ipc: the GPU exchange, after the handshake
         self._filling: list[int] | None = None  # a staged load in parts: [handle, pages, pages landed]
         self.link: Link | None = None
@@ -236,7 +235,7 @@ class ExecutorService:
                 from sglang_ext.offload.ipc_host import IpcHostEnd
 
                 self.ipc = IpcHostEnd.handshake(self.link, self.executor, self.lock, self.guest, self.spec,
-                                                self.timeout_s)
+                                                self.timeout_s, self.staged_loads)
                 # Plans and loads on a stream of this thread's own: on the worker's default stream they
                 # would queue behind its model's kernels, and a load's wait for the guest's last program
                 # would hold those kernels back until the sender rang it.
@@ -274,27 +273,27 @@ class ExecutorService:
 
     def _serve(self, link: Link) -> None:
         while True:
-            kind, a, b, c, d = link.recv_header(self.idle_timeout_s)[:5]
-            if self._filling is not None and kind != LOAD_MORE:
-                raise LinkError(f"message kind {kind} before the staged load of request {self._filling[0]} ended")
-            if kind == LOAD:
-                self._load(link, a, b, c, d)
-            elif kind == LOAD_STAGED and self.ipc is not None and self.ipc.stage is not None:
-                self._load_staged(link, a, b, c, d)
-            elif kind == LOAD_MORE and self._filling is not None:
-                self._load_more(link, a, b, c)
-            elif kind == RELEASE:
+            h = link.recv_header(self.idle_timeout_s)
+            if self._filling is not None and not isinstance(h, LoadMore):
+                raise ProtocolError(f"{h!r} before the staged load of request {self._filling[0]} ended")
+            if isinstance(h, Load):
+                self._load(link, h.handle, h.length, h.n_pages, h.reserve)
+            elif isinstance(h, LoadStaged) and self.ipc is not None and self.ipc.stage is not None:
+                self._load_staged(link, h.handle, h.length, h.n_pages, h.reserve)
+            elif isinstance(h, LoadMore) and self._filling is not None:
+                self._load_more(link, h.handle, h.first, h.count)
+            elif isinstance(h, Release):
                 with self.lock:
-                    self.executor.release(self.guest, a)
-            elif kind == BEGIN:
-                self._step(link, a)
-            elif kind == CLOSE:
+                    self.executor.release(self.guest, h.handle)
+            elif isinstance(h, Begin):
+                self._step(link, h.n_rows)
+            elif isinstance(h, Close):
                 if self.ipc is not None:  # the sender keeps its buffers until this goodbye
                     self.ipc.drain()
                     say_goodbye(link, self.timeout_s)
                 return
             else:
-                raise LinkError(f"unknown message kind {kind}")
+                raise ProtocolError(f"unexpected {h!r} from a sender")
 
     def _kv_shape(self, n: int) -> tuple[int, ...]:
         g = self.spec.geometry
@@ -302,35 +301,35 @@ class ExecutorService:
 
     def _load(self, link: Link, handle: int, length: int, n: int, reserve: int = 0) -> None:
         kv = torch.empty(self._kv_shape(n), dtype=self.spec.geometry.dtype, device=self.wire)
-        link.recv(kv, TAG_CTRL, self.timeout_s)
-        link.send_header([REPLY, self._take(handle, kv, length, reserve=reserve)], self.timeout_s)
+        link.recv(kv, Tag.CTRL, self.timeout_s)
+        link.send_header(Reply(self._take(handle, kv, length, reserve=reserve)), self.timeout_s)
 
     def _load_staged(self, link: Link, handle: int, length: int, n: int, reserve: int = 0) -> None:
         """cuda_ipc: the sender pushed the KV (its first pages, when it is larger than the stage) into
-        our stage (stage.py) before this message. The copy into the partition runs on this thread's
+        our stage (transport/stage.py) before this message. The copy into the partition runs on this thread's
         stream; we wait for it before the reply, after which the sender may overwrite the stage. The
-        program that reads the pages is queued on a later BEGIN, on a stream that first waits for
+        program that reads the pages is queued on a later Begin, on a stream that first waits for
         this one."""
         kv = self._staged(min(n, self._stage_pages()))
         ok = self._take(handle, kv, length, n, reserve)
-        if ok and len(kv) < n:  # the rest comes in chunks (LOAD_MORE); the pages are all taken now
+        if ok and len(kv) < n:  # the rest comes in chunks (LoadMore); the pages are all taken now
             self._filling = [handle, n, len(kv)]
         copied(self.executor.device, self.timeout_s)
-        link.send_header([REPLY, ok], self.timeout_s)
+        link.send_header(Reply(ok), self.timeout_s)
 
     def _load_more(self, link: Link, handle: int, first: int, count: int) -> None:
         """The next chunk of a staged load in parts: pages `first`.. of the request."""
         assert self._filling is not None
         want, n, landed = self._filling
         if (handle, first, count) != (want, landed, min(n - landed, self._stage_pages())):
-            raise LinkError(f"staged load of request {want}: expected pages {landed}.. of {n}, got {handle} "
+            raise ProtocolError(f"staged load of request {want}: expected pages {landed}.. of {n}, got {handle} "
                             f"pages {first}..+{count}")
         kv = self._staged(count)
         with self.lock:  # pages taken on the first chunk, after the guest's last program (before_load)
             self.executor.write(self.guest, handle, first, kv)
         self._filling = None if first + count == n else [handle, n, first + count]
         copied(self.executor.device, self.timeout_s)
-        link.send_header([REPLY, 1], self.timeout_s)
+        link.send_header(Reply(1), self.timeout_s)
 
     def _stage_pages(self) -> int:
         assert self.ipc is not None and self.ipc.stage is not None
@@ -356,13 +355,13 @@ class ExecutorService:
         return 1
 
     def _answer(self, link: Link, failed: list[int]) -> None:
-        link.send_header([REPLY, len(failed)], self.timeout_s)
+        link.send_header(Reply(len(failed)), self.timeout_s)
         if failed:
-            link.send(torch.tensor(failed, dtype=torch.int64).to(self.wire), TAG_CTRL, self.timeout_s)
+            link.send(torch.tensor(failed, dtype=torch.int64).to(self.wire), Tag.CTRL, self.timeout_s)
 
     def _step(self, link: Link, n: int) -> None:
         hp = torch.empty((2, n), dtype=torch.int64, device=self.wire)
-        link.recv(hp, TAG_CTRL, self.timeout_s)
+        link.recv(hp, Tag.CTRL, self.timeout_s)
         handles, positions = ([int(x) for x in row] for row in hp.tolist())
         with self.lock:
             if self.ipc is not None:  # plan, answer, then queue the gated program (the layers never come here)
@@ -384,8 +383,8 @@ class ExecutorService:
         hq, hkv, d = s.num_q_heads, s.geometry.num_kv_heads, s.head_dim
         for layer in range(s.geometry.num_layers):
             qkv = torch.empty((rows, (hq + 2 * hkv) * d), dtype=s.geometry.dtype, device=self.wire)
-            link.recv(qkv, TAG_QKV, self.timeout_s)
+            link.recv(qkv, Tag.QKV, self.timeout_s)
             q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=1)
             o = self.executor.attend(self.guest, layer, q.reshape(rows, hq, d), k.reshape(rows, hkv, d),
                                      v.reshape(rows, hkv, d))
-            link.send(o.reshape(rows, -1).to(self.wire, s.geometry.dtype).contiguous(), TAG_OUT, self.timeout_s)
+            link.send(o.reshape(rows, -1).to(self.wire, s.geometry.dtype).contiguous(), Tag.OUT, self.timeout_s)

@@ -1,87 +1,70 @@
-"""The `cuda_ipc` transport across worker processes of one node: `IpcRemote`, the sender's end
-(the host's is ipc_host.py).
+"""The `cuda_ipc` transport across worker processes of one node: `IpcRemote`, the sender's end (the
+host's is ipc_host.py).
 
-Control and data go separate ways. The control messages are dist.py's, over the pairing's private
-gloo group (CPU tensors, even though both ends are GPUs): load, release, begin (the step's rows,
-once per step) and close. The per-layer data and signals never touch a host: they are gated.py's
-stream operations on memory the two processes share with CUDA IPC.
+Control and data go separate ways. The control messages (transport/protocol.py) go over the pairing's
+private gloo group (CPU tensors, even though both ends are GPUs). The per-layer data and signals never
+touch a host: they are transport/gated.py's stream operations on memory the two processes share with
+CUDA IPC.
 
     sender (GPU a)                                         host (GPU b), its ExecutorService thread
     GatedSender: send, recv, done[L]                       GatedProgram: exec_in, exec_out, doorbell[L]
-    [IPC_HELLO n] + IpcHello(recv, done handles) ───────>  opens recv, done on b; makes its buffers
-    opens exec_in, doorbell, stage <── [REPLY n] + IpcWelcome(exec_in, doorbell, stage handles | error)
-    load: push KV -> stage; [LOAD_STAGED ..] ──────────>  copy stage -> partition (stage.py)
-           <───────────────────────────── [REPLY ok]
-    begin: [BEGIN n] + rows ────────────────────────────>  plan; queue the gated program (2 lanes)
-           <───────────────────────────── [REPLY f] + dropped handles
+    Hello(n) + IpcHello(recv, done handles) ───────────>  opens recv, done on b; makes its buffers
+    opens exec_in, doorbell, stage <── Reply(n) + IpcWelcome(exec_in, doorbell, stage handles | error)
+    load: push KV -> stage; LoadStaged(..) ────────────>  copy stage -> partition (transport/stage.py)
+           <───────────────────────────── Reply(ok)
+    begin: Begin(n) + rows ─────────────────────────────>  plan; queue the gated program (2 lanes)
+           <───────────────────────────── Reply(f) + dropped handles
     per layer: push q|k|v -> exec_in, ring doorbell[l] ─>  (on b's stream: wait, attend, push o -> recv,
                wait done[l] <────────────────────────────   raise done[l])
-    close: [CLOSE] ─────────────────────────────────────>  drains, releases the guest; goodbye on TAG_WATCH
+    close: Close() ─────────────────────────────────────>  drains, releases the guest; Bye() on Tag.WATCH
 
-Handles travel as IpcHandle bytes inside msgspec (msgpack) structs, never pickled. KV loads go GPU to
-GPU through a staging buffer the host exports in its welcome (stage.py; KV larger than it goes in
-chunks); with a host that sent none they go over the control channel (CPU tensors), as torch_dist does.
-
-A dead executor is the watchdog's business (watchdog.py): its thread waits on TAG_WATCH, which only
-the host's goodbye or a broken connection ends; then it raises the sender's completion flags until
-its stream has drained, and the next call raises ExecutorLost.
+KV loads go GPU to GPU through a staging buffer the host exports in its welcome (KV larger than it
+goes in chunks); with a host that sent none they go over the control channel (CPU tensors), as
+torch_dist does. A dead executor is the watchdog's business (transport/watchdog.py): its thread waits
+on Tag.WATCH, which only the host's Bye or a broken connection ends; then it raises the sender's
+completion flags until its stream has drained, and the next call raises ExecutorLost.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-from datetime import timedelta
-from typing import Any, Final
+import time
+from typing import Any
 
 import msgspec
 import torch
 
-from sglang_ext.offload.dist import (
-    IDLE_TIMEOUT_S,
-    REPLY,
+from sglang_ext.offload.dist import DistRemote, PipelinedBegin
+from sglang_ext.offload.executor import GuestSpec
+from sglang_ext.offload.remote import ExecutorLost
+from sglang_ext.transport.gated import ExchangeShape, GatedSenderSide
+from sglang_ext.transport.ipc import check_welcome, device_idle
+from sglang_ext.transport.link import (
     SENDER_RANK,
-    TAG_CTRL,
     Link,
-    LinkError,
-    PipelinedBegin,
-    _short,
     connect_store,
     local_address_toward,
+    recv_blob,
+    send_blob,
+    short_error,
+    wait_for_goodbye,
 )
-from sglang_ext.offload.executor import GuestSpec
-from sglang_ext.offload.gated import ExchangeShape, GatedSenderSide
-from sglang_ext.offload.remote import ExecutorLost
-from sglang_ext.offload.stage import KVStage, StagedRemote, check_stage
-from sglang_ext.offload.watchdog import Watchdog
+from sglang_ext.transport.protocol import (
+    Hello,
+    IpcHandle,
+    IpcHello,
+    IpcWelcome,
+    LinkError,
+    LoadMore,
+    LoadStaged,
+    Reply,
+    expect,
+)
+from sglang_ext.transport.stage import KVStage, pushed_chunks
+from sglang_ext.transport.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
-
-IPC_HELLO: Final = 6  # a control message kind after dist.py's LOAD .. REPLY
-TAG_WATCH: Final = 3  # the watchdog's channel: the host's goodbye, or an error when the pair breaks
-BYE: Final = 7
-MAX_ROWS: Final = 1 << 16
-MAX_BLOB: Final = 4096
-HANDLE_BYTES: Final = 80  # cuda_signal.IpcHandle.to_bytes()
 _kept: list[object] = []  # exchange buffers a peer may still write (never freed: rare, and safe)
-
-
-class IpcHello(msgspec.Struct, forbid_unknown_fields=True):
-    """Sender -> host: where the executor pushes outputs (`recv`) and raises `done` flags."""
-
-    max_rows: int
-    recv: bytes  # IpcHandle bytes of [max_rows, Hq * D] of the guest's dtype
-    done: bytes  # IpcHandle bytes of L int32 flags
-    gpu: str = ""  # the sender GPU's UUID
-
-
-class IpcWelcome(msgspec.Struct, forbid_unknown_fields=True):
-    """Host -> sender: where the sender pushes q|k|v (`exec_in`) and rings `doorbell`, or why not."""
-
-    exec_in: bytes = b""  # [max_rows, (Hq + 2 Hkv) * D]
-    doorbell: bytes = b""  # L int32 flags
-    error: str = ""
-    stage: bytes = b""  # whole guest pages, for KV loads (stage.py); empty: loads go over gloo
 
 
 def exchange_shape(spec: GuestSpec, max_rows: int) -> ExchangeShape:
@@ -89,81 +72,39 @@ def exchange_shape(spec: GuestSpec, max_rows: int) -> ExchangeShape:
     return ExchangeShape(g.num_layers, spec.num_q_heads, g.num_kv_heads, spec.head_dim, g.dtype, max_rows)
 
 
-def _handle_size(data: bytes, what: str) -> int:
-    """The buffer size an IpcHandle's bytes name (ValueError if they are not one)."""
-    if len(data) != HANDLE_BYTES:
-        raise ValueError(f"{what}: an IPC handle is {HANDLE_BYTES} bytes, got {len(data)}")
-    return int.from_bytes(data[72:80], "little")
+class StagedRemote(DistRemote):
+    """DistRemote whose loads go through the host's stage when it has one, in chunks of its size."""
 
+    stage: KVStage | None = None
 
-def check_hello(hello: IpcHello, spec: GuestSpec) -> ExchangeShape:
-    """The exchange a hello describes; ValueError when its buffers do not fit the guest's shape."""
-    if not 1 <= hello.max_rows <= MAX_ROWS:
-        raise ValueError(f"max_rows {hello.max_rows} is not in [1, {MAX_ROWS}]")
-    shape = exchange_shape(spec, hello.max_rows)
-    elem = torch.empty(0, dtype=shape.dtype).element_size()
-    if _handle_size(hello.recv, "recv") != shape.max_rows * shape.width_out * elem:
-        raise ValueError(f"recv buffer is not {shape.max_rows} x {shape.width_out} {shape.dtype}")
-    if _handle_size(hello.done, "done") != 4 * shape.layers:
-        raise ValueError(f"done flags are not {shape.layers} int32")
-    return shape
-
-
-def check_welcome(w: IpcWelcome, shape: ExchangeShape, page_bytes: int) -> int:
-    """ValueError when the welcome is an error or its buffers do not fit; returns the stage's bytes."""
-    if w.error:
-        raise ValueError(w.error)
-    elem = torch.empty(0, dtype=shape.dtype).element_size()
-    if _handle_size(w.exec_in, "exec_in") != shape.max_rows * shape.width_in * elem:
-        raise ValueError(f"exec_in buffer is not {shape.max_rows} x {shape.width_in} {shape.dtype}")
-    if _handle_size(w.doorbell, "doorbell") != 4 * shape.layers:
-        raise ValueError(f"doorbell flags are not {shape.layers} int32")
-    if not w.stage:
-        return 0  # a host without a stage (or an older one)
-    nbytes = _handle_size(w.stage, "stage")
-    check_stage(nbytes, page_bytes)
-    return nbytes
-
-
-def send_blob(link: Link, kind: int, data: bytes, timeout_s: float) -> None:
-    link.send_header([kind, len(data)], timeout_s)
-    link.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), TAG_CTRL, timeout_s)
-
-
-def recv_blob(link: Link, kind: int, timeout_s: float) -> bytes:
-    got, n = link.recv_header(timeout_s)[:2]
-    if got != kind or not 0 < n <= MAX_BLOB:
-        raise LinkError(f"expected message kind {kind} of at most {MAX_BLOB} bytes, got kind {got} of {n}")
-    buf = torch.empty(n, dtype=torch.uint8)
-    link.recv(buf, TAG_CTRL, timeout_s)
-    return buf.numpy().tobytes()
-
-
-def wait_for_goodbye(link: Link) -> str | None:
-    """Block on TAG_WATCH: None at the host's goodbye, else why the pair broke. Holds the group
-    (`pg`) itself, so it stays alive while this waits even after the sender's Link drops it."""
-    pg = link.pg
-    buf = torch.zeros(1, dtype=torch.int64)
-    try:
-        work = pg.recv([buf], link.peer, TAG_WATCH)
-        work.wait(timedelta(seconds=IDLE_TIMEOUT_S))
-    except RuntimeError as e:
-        return _short(e)
-    return None if int(buf[0]) == BYE else f"unexpected watch message {int(buf[0])}"
-
-
-def say_goodbye(link: Link, timeout_s: float) -> None:
-    """The host's end of `wait_for_goodbye`."""
-    link.send(torch.tensor([BYE], dtype=torch.int64), TAG_WATCH, timeout_s)
-
-
-def device_idle(device: torch.device, timeout_s: float) -> bool:
-    """Wait for every stream of the device (the exchange may run on any of the sender's), at most
-    `timeout_s`: the synchronisation runs on a helper thread, so a wait that never ends cannot hold us."""
-    t = threading.Thread(target=torch.cuda.synchronize, args=(device,), name="ipc-drain", daemon=True)
-    t.start()
-    t.join(timeout_s)
-    return not t.is_alive()
+    def load(self, handle: int, kv: torch.Tensor, length: int, reserve_tokens: int = 0) -> bool:
+        st = self.stage
+        per = st.pages(kv) if st is not None else 0
+        if st is None or not per or not self.alive:
+            return super().load(handle, kv, length, reserve_tokens)  # gloo, as torch_dist does
+        kv = kv.contiguous()
+        n = kv.shape[0]
+        t0 = time.perf_counter()
+        try:
+            ok = 1
+            for first, chunk in pushed_chunks(st, kv, self.timeout_s):
+                head = (LoadStaged(handle, length, n, reserve_tokens) if first == 0
+                        else LoadMore(handle, first, len(chunk)))
+                self.link.send_header(head, self.timeout_s)
+                ok = expect(self.link.recv_header(self.timeout_s), Reply).value
+                if not ok:
+                    if first:
+                        raise LinkError(f"the executor refused pages {first}.. of a staged load")
+                    break  # full: nothing was taken
+        except LinkError as e:
+            self._broken("load", e)
+            return False
+        finally:
+            self.wait_s += time.perf_counter() - t0
+        if ok:
+            self.bytes_out += kv.numel() * kv.element_size()
+            self.staged_loads += 1
+        return bool(ok)
 
 
 class IpcRemote(GatedSenderSide, PipelinedBegin, StagedRemote):
@@ -172,15 +113,14 @@ class IpcRemote(GatedSenderSide, PipelinedBegin, StagedRemote):
     a watchdog for waits on a dead executor."""
 
     graph_capturable = True  # post/collect are stream operations only
-    # As PeerRemote: step t+1 is planned in the host's other plan lane while t's program may still be
-    # queued, and all programs run in order on one stream there; BEGIN and RELEASE are handled by the
-    # host's thread in the order sent.
-    overlap_safe = True
+    # Overlap, as PeerRemote: step t+1 is planned in the host's other plan lane while t's program may
+    # still be queued, and all programs run in order on one stream there; Begin and Release are
+    # handled by the host's thread in the order sent.
 
     def __init__(self, link: Link, spec: GuestSpec, executor_id: str, timeout_s: float, device: torch.device,
                  max_rows: int) -> None:
         super().__init__(link, spec, executor_id, timeout_s)
-        from sglang_ext.offload.gated import GatedSender
+        from sglang_ext.transport.gated import GatedSender
 
         self.device = device
         self.shape = exchange_shape(spec, max_rows)
@@ -199,7 +139,7 @@ class IpcRemote(GatedSenderSide, PipelinedBegin, StagedRemote):
             link = Link(store, SENDER_RANK, "gloo", torch.device("cpu"),
                         local_address_toward(store_address.rpartition(":")[0]), timeout_s)
         except (RuntimeError, ValueError) as e:
-            raise ExecutorLost(f"executor {executor_id} at {store_address}: {_short(e)}") from None
+            raise ExecutorLost(f"executor {executor_id} at {store_address}: {short_error(e)}") from None
         remote = cls(link, spec, executor_id, timeout_s, device, max_rows)
         try:
             remote._handshake(gpu)
@@ -211,21 +151,22 @@ class IpcRemote(GatedSenderSide, PipelinedBegin, StagedRemote):
         return remote
 
     def _handshake(self, gpu: str) -> None:
-        from sglang_ext.offload import cuda_signal as cs
+        from sglang_ext.transport import cuda_signal as cs
 
         s = self.sender
         hello = IpcHello(self.shape.max_rows, cs.export_tensor(s.recv).to_bytes(), s.done.export().to_bytes(), gpu)
-        send_blob(self.link, IPC_HELLO, msgspec.msgpack.encode(hello), self.timeout_s)
-        welcome = msgspec.msgpack.decode(recv_blob(self.link, REPLY, self.timeout_s), type=IpcWelcome)
+        data = msgspec.msgpack.encode(hello)
+        send_blob(self.link, Hello(len(data)), data, self.timeout_s)
+        welcome = msgspec.msgpack.decode(recv_blob(self.link, Reply, self.timeout_s), type=IpcWelcome)
         staged = check_welcome(welcome, self.shape, self.spec.geometry.page_bytes)
         dev = self.device.index or 0
-        exec_in = cs.IpcMapping(cs.IpcHandle.from_bytes(welcome.exec_in), dev)
+        exec_in = cs.IpcMapping(IpcHandle.from_bytes(welcome.exec_in), dev)
         self._maps.append(exec_in)
-        bell = cs.IpcMapping(cs.IpcHandle.from_bytes(welcome.doorbell), dev)
+        bell = cs.IpcMapping(IpcHandle.from_bytes(welcome.doorbell), dev)
         self._maps.append(bell)
         s.attach(exec_in.ptr, bell.flags(self.shape.layers))
         if staged:
-            stage = cs.IpcMapping(cs.IpcHandle.from_bytes(welcome.stage), dev)
+            stage = cs.IpcMapping(IpcHandle.from_bytes(welcome.stage), dev)
             self._maps.append(stage)
             # Its own stream: the forward stream may be blocked on the executor's completion flags.
             self.stage = KVStage(stage.ptr, staged, torch.cuda.Stream(self.device))

@@ -3,9 +3,9 @@ ExecutorService thread that, after the IPC handshake, plans each step and queues
 program on its GPU instead of exchanging layers over the control channel.
 
     handshake   IpcHello -> open the sender's recv and done flags here, make exec_in, exec_out,
-                doorbell (GatedProgram) and the KV stage (stage.py), export them -> IpcWelcome
-                (or its error: the pairing fails)
-    load        LOAD_STAGED (LOAD_MORE for further chunks): the sender pushed the KV into our stage;
+                doorbell (GatedProgram) and the KV stage (transport/stage.py), export them ->
+                IpcWelcome (or its error: the pairing fails)
+    load        LoadStaged (LoadMore for further chunks): the sender pushed the KV into our stage;
                 host.py copies it into the partition
     step        plan + queue the program (one graph launch per step with FlashInfer)
     end         drain: every queued program is let through by raising our own doorbells (the sender
@@ -16,84 +16,46 @@ program on its GPU instead of exchanging layers over the control channel.
 from __future__ import annotations
 
 import logging
-import os
 import time
+from functools import partial
 from typing import Any, Final
 
 import msgspec
 import torch
 
-from sglang_ext.offload.dist import REPLY, Link, LinkError
 from sglang_ext.offload.executor import AttentionExecutor, GuestSpec
-from sglang_ext.offload.ipc import IPC_HELLO, IpcHello, IpcWelcome, check_hello, recv_blob, send_blob
-from sglang_ext.offload.stage import stage_bytes
+from sglang_ext.offload.ipc import exchange_shape
+from sglang_ext.transport.ipc import check_hello
+from sglang_ext.transport.link import Link, recv_blob, send_blob
+from sglang_ext.transport.protocol import Hello, IpcHandle, IpcHello, IpcWelcome, LinkError, Reply
+from sglang_ext.transport.stage import stage_bytes
 
 logger = logging.getLogger(__name__)
 DRAIN_TIMEOUT_S: Final = 10.0
 PROGRAM_TIMEOUT_S: Final = 60.0  # a step's program two steps back, still not done: the pairing ends
 
 
-def local_gpu(uuid: str) -> int | None:
-    """This process's index of the GPU with `uuid` (None: not visible here)."""
-    for i in range(torch.cuda.device_count()):
-        if str(torch.cuda.get_device_properties(i).uuid) == uuid:
-            return i
-    return None
-
-
-def ipc_problem(executor_device: torch.device, guest_device: str, guest_gpu: str) -> str | None:
-    """Why a cuda_ipc pairing with a sender on `guest_device` (GPU `guest_gpu`) cannot work from
-    this executor (None: it can, as far as can be told before the handshake)."""
-    if executor_device.type != "cuda" or not guest_device.startswith("cuda"):
-        return f"cuda_ipc needs GPUs at both ends (executor on {executor_device}, sender on {guest_device})"
-    from sglang_ext.offload import cuda_signal as cs
-
-    try:
-        cs.driver()
-    except cs.CudaSignalError as e:
-        return str(e)
-    if guest_gpu:
-        idx = local_gpu(guest_gpu)
-        if idx is None:
-            return f"the sender's GPU {guest_gpu} is not visible to this worker (CUDA_VISIBLE_DEVICES)"
-        try:
-            if not cs.can_access_peer(executor_device.index or 0, idx):
-                return f"GPU {executor_device} cannot reach the sender's GPU (cuda:{idx} here): no peer path"
-        except cs.CudaSignalError as e:
-            return str(e)
-    return None
-
-
-STAGED_LOADS_ENV: Final = "SGLANG_EXT_IPC_STAGED_LOADS"
-
-
-def staged_loads() -> bool:
-    """Whether this host offers a KV stage (loads GPU to GPU) or leaves loads on gloo: on unless
-    SGLANG_EXT_IPC_STAGED_LOADS=0 (verified on two H200s on 2026-11-30; the gloo path, ~1 GB/s, is kept
-    for comparison and for hosts without room for a stage)."""
-    return os.environ.get(STAGED_LOADS_ENV, "1") != "0"
-
-
 class IpcHostEnd:
     """One guest's GPU exchange on the host: the sender's mapped buffers and our GatedProgram."""
 
-    def __init__(self, executor: AttentionExecutor, guest: str, spec: GuestSpec, hello: IpcHello) -> None:
-        from sglang_ext.offload import cuda_signal as cs
-        from sglang_ext.offload.gated import GatedProgram
+    def __init__(self, executor: AttentionExecutor, guest: str, spec: GuestSpec, hello: IpcHello,
+                 staged_loads: bool = True) -> None:
+        from sglang_ext.offload.program import GatedProgram
+        from sglang_ext.transport import cuda_signal as cs
 
-        shape = check_hello(hello, spec)
+        shape = check_hello(hello, partial(exchange_shape, spec))
         dev = executor.device.index or 0
         self._maps: list[Any] = []
         self.stage: torch.Tensor | None = None  # KV loads land here (stage.py); lives as long as exec_in
         try:
-            recv = cs.IpcMapping(cs.IpcHandle.from_bytes(hello.recv), dev)
+            recv = cs.IpcMapping(IpcHandle.from_bytes(hello.recv), dev)
             self._maps.append(recv)
-            done_map = cs.IpcMapping(cs.IpcHandle.from_bytes(hello.done), dev)
+            done_map = cs.IpcMapping(IpcHandle.from_bytes(hello.done), dev)
             self._maps.append(done_map)
             with torch.cuda.device(executor.device):
                 self.program = GatedProgram(executor, guest, shape, recv.ptr, done_map.flags(shape.layers))
             self.program.wait_timeout_s = PROGRAM_TIMEOUT_S
-            nbytes = stage_bytes(executor.partition.total_bytes, spec.geometry.page_bytes) if staged_loads() else 0
+            nbytes = stage_bytes(executor.partition.total_bytes, spec.geometry.page_bytes) if staged_loads else 0
             if nbytes:
                 try:
                     self.stage = torch.empty(nbytes, dtype=torch.uint8, device=executor.device)
@@ -110,21 +72,27 @@ class IpcHostEnd:
 
     @classmethod
     def handshake(cls, link: Link, executor: AttentionExecutor, lock: Any, guest: str, spec: GuestSpec,
-                  timeout_s: float) -> IpcHostEnd:
-        """Answer the sender's IPC_HELLO; a hello that cannot be served is answered with its error
-        and raised (the pairing ends)."""
+                  timeout_s: float, staged_loads: bool = True) -> IpcHostEnd:
+        """Answer the sender's Hello; a hello that cannot be served is answered with its error and
+        raised (the pairing ends). `staged_loads`: offer a KV stage (loads GPU to GPU), else loads
+        go over gloo (--disable-ipc-staged-loads)."""
+
+        def welcome(w: IpcWelcome) -> None:
+            data = msgspec.msgpack.encode(w)
+            send_blob(link, Reply(len(data)), data, timeout_s)
+
         try:
-            hello = msgspec.msgpack.decode(recv_blob(link, IPC_HELLO, timeout_s), type=IpcHello)
+            hello = msgspec.msgpack.decode(recv_blob(link, Hello, timeout_s), type=IpcHello)
         except msgspec.DecodeError as e:
-            send_blob(link, REPLY, msgspec.msgpack.encode(IpcWelcome(error=f"bad hello: {e}")), timeout_s)
+            welcome(IpcWelcome(error=f"bad hello: {e}"))
             raise LinkError(f"cuda_ipc handshake: bad hello: {e}") from None
         try:
             with lock:
-                end = cls(executor, guest, spec, hello)
+                end = cls(executor, guest, spec, hello, staged_loads)
         except (ValueError, RuntimeError) as e:  # CudaSignalError is a RuntimeError
-            send_blob(link, REPLY, msgspec.msgpack.encode(IpcWelcome(error=str(e))), timeout_s)
+            welcome(IpcWelcome(error=str(e)))
             raise LinkError(f"cuda_ipc handshake: {e}") from None
-        send_blob(link, REPLY, msgspec.msgpack.encode(end.welcome), timeout_s)
+        welcome(end.welcome)
         return end
 
     def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> bool:

@@ -4,18 +4,20 @@ per-layer path).
 Per decode step the host plans the executor's rows once (`begin_step`) and queues the executor's
 whole gated program on a stream of the executor's GPU; per layer the sender's stream pushes its
 remote rows' q|k|v into the executor's buffer, rings a doorbell there, and awaits a completion flag
-the executor raises in the sender's memory. The two ends are gated.py's `GatedSender` and
-`GatedProgram` (the cross-process transport, ipc.py, uses the same two over CUDA IPC mappings).
+the executor raises in the sender's memory. The two ends are transport/gated.py's `GatedSender` and
+program.py's `GatedProgram` (the cross-process transport, ipc.py, uses the same two over CUDA IPC
+mappings).
 """
 
 from __future__ import annotations
 
 import torch
 
-from sglang_ext.offload import cuda_signal as cs
 from sglang_ext.offload.executor import AttentionExecutor, GuestSpec
-from sglang_ext.offload.gated import ExchangeShape, GatedProgram, GatedSender, GatedSenderSide
+from sglang_ext.offload.program import GatedProgram
 from sglang_ext.offload.remote import LocalRemote
+from sglang_ext.transport import cuda_signal as cs
+from sglang_ext.transport.gated import ExchangeShape, GatedSender, GatedSenderSide
 
 
 class PeerRemote(GatedSenderSide, LocalRemote):
@@ -26,7 +28,6 @@ class PeerRemote(GatedSenderSide, LocalRemote):
     # programs run in order on one stream, so pages released meanwhile and allocated again by a later
     # plan are written only after the programs that read them, and a load (on another stream) waits
     # on the GPU for the last queued program.
-    overlap_safe = True
 
     def __init__(self, executor: AttentionExecutor, guest: str, spec: GuestSpec, sender_device: torch.device,
                  num_q_heads: int, max_rows: int = 1024, executor_id: str = "peer") -> None:

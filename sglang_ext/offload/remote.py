@@ -8,8 +8,8 @@ attention in between, so the two overlap where the transport is asynchronous. A 
 
 Overlap scheduling (`scheduler/overlap.py`) plans step t+1 (`begin_step` at positions one past the
 landed length) while step t may still run on the device, and releases a request that finished at t
-although it is planned into t+1. A transport allows that by declaring `overlap_safe`; the scheduler
-drains the loop before every step with remote rows for one that does not.
+although it is planned into t+1. Every transport allows that: the executor orders those calls after
+step t (each transport's class says how).
 """
 
 from __future__ import annotations
@@ -29,9 +29,6 @@ class ExecutorLost(RuntimeError):
 class RemoteAttention(ABC):
     executor_id: str  # reported to users as meta_info.attention_executor
     graph_capturable = False  # post/collect are pure stream operations (decode graphs may hold them)
-    # begin_step(t+1) and release() may come while step t's forward is still in flight on the device,
-    # and the executor then orders them after step t (a transport opts in: see the module docstring)
-    overlap_safe = False
 
     def __init__(self) -> None:
         self.wait_s = 0.0  # time the sender spent waiting on the executor
@@ -74,9 +71,6 @@ class RemoteAttention(ABC):
         the requests recomputed. Transports that raise ExecutorLost in the forward never forge."""
         return False
 
-    def end_step(self) -> None:  # noqa: B027 - optional hook
-        pass
-
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
 
@@ -84,10 +78,9 @@ class RemoteAttention(ABC):
 class LocalRemote(RemoteAttention):
     """An executor in this process, on this device or another one (`cuda:1`): calls, no messages."""
 
-    # Every call runs the executor's work on its device's current stream, in call order: a plan for
-    # t+1 or a release lands behind step t's kernels there, and freed pages are only written again
-    # by later work on that stream; the backend waits for its own previous plan's staging copy.
-    overlap_safe = True
+    # Overlap: every call runs the executor's work on its device's current stream, in call order: a
+    # plan for t+1 or a release lands behind step t's kernels there, and freed pages are only written
+    # again by later work on that stream; the backend waits for its own previous plan's staging copy.
 
     def __init__(self, executor: AttentionExecutor, guest: str, spec: GuestSpec, executor_id: str = "local") -> None:
         super().__init__()

@@ -23,18 +23,34 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterable
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
 from sglang_ext.kvcache.pool import KVPool
 from sglang_ext.offload.conditions import Loads, should_offload
 from sglang_ext.offload.remote import RemoteAttention
-from sglang_ext.scheduler.request import Req
+from sglang_ext.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-def reserve_tokens(r: Req, context_len: int | None = None) -> int:
+class Offloadable(Protocol):
+    """What the sender reads and sets of a scheduler's request (scheduler/request.py's Req)."""
+
+    input_ids: list[int]
+    sampling: SamplingParams
+    pages: list[int]  # its KV pages in the local pool
+    kv_len: int  # tokens of KV it has
+    remote: int | None  # its handle on the executor, while offloaded
+    offload_checked: bool  # considered for offload once, at its first decode
+    attention_executor: str | None  # where its attention ran (meta_info)
+
+
+R = TypeVar("R", bound=Offloadable)
+
+
+def reserve_tokens(r: Offloadable, context_len: int | None = None) -> int:
     """KV tokens an executor sets pages aside for when it takes `r`: its longest (prompt and every
     new token, one more for a row planned past a stop under overlap; the context length caps it),
     so that planning its steps never needs a page -- a step is then never short of a row the sender
@@ -43,7 +59,7 @@ def reserve_tokens(r: Req, context_len: int | None = None) -> int:
     return n if context_len is None else min(n, context_len + 1)
 
 
-class Offloader:
+class Offloader(Generic[R]):
     def __init__(self, remote: RemoteAttention, ratio: float, pool: KVPool, ob: float | None = None,
                  placed_only: bool = False) -> None:
         self.remote = remote
@@ -53,14 +69,14 @@ class Offloader:
         self.pool = pool
         self.active = True
         self._handles = itertools.count(1)
-        self.reqs: dict[int, Req] = {}  # handle -> request, while offloaded
+        self.reqs: dict[int, R] = {}  # handle -> request, while offloaded
         self.context_len: int | None = None  # the sender's (the scheduler sets it): caps reservations
 
     @property
     def num_remote(self) -> int:
         return len(self.reqs)
 
-    def choose(self, decoding: Iterable[Req]) -> list[Req]:
+    def choose(self, decoding: Iterable[R]) -> list[R]:
         """Offload newly decoding requests while the remote share is under `ratio`; returns those
         moved (their local pages are for the caller to give back)."""
         if not self.active or self.placed_only:
@@ -70,7 +86,7 @@ class Offloader:
         # Adrenaline's LR: the locally decoding requests already decided (a new one joins when it stays)
         local = [r for r in decoding if r.remote is None and r.offload_checked]
         loads = [sum(r.kv_len for r in local), len(local)]
-        moved: list[Req] = []
+        moved: list[R] = []
         for r in decoding:
             if r.remote is not None or r.offload_checked:
                 continue
@@ -86,7 +102,7 @@ class Offloader:
                 loads[1] += 1
         return moved
 
-    def _load(self, r: Req) -> bool:
+    def _load(self, r: R) -> bool:
         ps = self.pool.page_size
         n = -(-r.kv_len // ps)
         idx = torch.tensor(r.pages[:n], dtype=torch.long).to(self.pool.device, non_blocking=True)
@@ -99,7 +115,7 @@ class Offloader:
         self.reqs[handle] = r
         return True
 
-    def adopt(self, r: Req, handle: int) -> bool:
+    def adopt(self, r: R, handle: int) -> bool:
         """Adrenaline placement: `r`'s prompt KV is on the executor already (the prefill worker put it
         there under `handle`); False if this executor can take no request now."""
         if not self.active or not self.remote.alive or handle in self.reqs:
@@ -109,7 +125,7 @@ class Offloader:
         self.reqs[handle] = r
         return True
 
-    def release(self, r: Req) -> None:
+    def release(self, r: R) -> None:
         """The request finished or is being recomputed: free its executor pages."""
         if r.remote is None:
             return
@@ -118,7 +134,7 @@ class Offloader:
             self.remote.release(r.remote)
         r.remote = None
 
-    def begin_step(self, reqs: list[Req], ahead: int = 0) -> list[Req]:
+    def begin_step(self, reqs: list[R], ahead: int = 0) -> list[R]:
         """Plan a step's remote rows (each writes position kv_len + ahead: `ahead` is 1 for a step
         planned while the one before it is still in flight); returns the requests the executor
         dropped (no room to grow), already released there."""
@@ -130,7 +146,7 @@ class Offloader:
             r.remote = None
         return dropped
 
-    def lose_executor(self, why: str) -> list[Req]:
+    def lose_executor(self, why: str) -> list[R]:
         """The executor is gone: stop offloading; every offloaded request must be recomputed."""
         logger.error("attention executor %s lost (%s): its %d request(s) are recomputed locally and new "
                      "requests stay local", self.remote.executor_id, why, len(self.reqs))

@@ -165,7 +165,7 @@ class OverlapScheduler(Scheduler):
         r = e.req
         return (e.extend == 1 and e.sample and not e.logprob_positions and not r.return_logprob
                 and (r.grammar is None or not self.args.disable_grammar_overlap)
-                and (r.remote is None or (self.offload is not None and self.offload.remote.overlap_safe)))
+                and (r.remote is None or self.offload is not None))
 
     def _launch(self, entries: list[Entry], batch: ForwardBatch, ahead: int) -> _Launched:
         """Forward and sample a step whose constrained rows' matchers are up to date (nothing in flight)."""

@@ -34,10 +34,10 @@ from sglang_ext.disagg import staged
 from sglang_ext.disagg.transfer import KVArrival, KVReceiver, KVSender, SendJob
 from sglang_ext.engine.model_runner import ModelRunner
 from sglang_ext.messages import Disagg, ErrorOut, KVPairConnect, KVPairOpen, ReplyOut
-from sglang_ext.offload.dist import open_store, pair_backend
 from sglang_ext.offload.sender import reserve_tokens
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
+from sglang_ext.transport.link import open_store, pair_backend
 from sglang_ext.worker.adrenaline import Placer, drop_placed
 
 logger = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ class WorkerDisagg:
     def _stage(self, msg: KVPairOpen) -> tuple[torch.Tensor, bytes] | None:
         """A CUDA IPC stage for a pair between GPUs of one node (None: the pages go over NCCL)."""
         why = staged.ipc_unusable(self.runner.device, socket.gethostname(), os.getpid(), msg.peer_device,
-                                  msg.peer_host, msg.peer_gpu, msg.peer_pid)
+                                  msg.peer_host, msg.peer_gpu, msg.peer_pid, self.runner.args.disable_pd_kv_ipc)
         if why is None:
             try:
                 return staged.make_stage(self.runner.device, self.runner.pool.geometry.page_bytes)

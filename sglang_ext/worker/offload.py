@@ -30,9 +30,9 @@ from sglang_ext.offload.partition import ForeignKVPartition
 from sglang_ext.offload.remote import ExecutorLost, LocalRemote, RemoteAttention
 from sglang_ext.offload.sender import Offloader
 from sglang_ext.offload.setup import GiB, executor_backend, gpu_uuid, guest_spec
-from sglang_ext.offload.transport import check_served
 from sglang_ext.scheduler.scheduler import Scheduler
 from sglang_ext.server_args import ServerArgs
+from sglang_ext.transport.choice import check_served
 
 logger = logging.getLogger(__name__)
 POLICIES: Final = ("fixed", "adrenaline", "adaptive")
@@ -47,7 +47,8 @@ class WorkerOffload:
         self.host: ExecutorHost | None = None
         if args.executor_mem_gb > 0 and args.offload_executor is None:
             part = ForeignKVPartition(int(args.executor_mem_gb * GiB), runner.device)
-            self.host = ExecutorHost(AttentionExecutor(part, executor_backend(runner.device, args)))
+            self.host = ExecutorHost(AttentionExecutor(part, executor_backend(runner.device, args)),
+                                     staged_loads=not args.disable_ipc_staged_loads)
             logger.info("hosting executors for other models: %.2f GiB on %s", part.total_bytes / GiB, runner.device)
         # the sender's side: the directive in force and what earlier remotes sent and waited
         self.pairing = ""

@@ -48,9 +48,9 @@ from sglang_ext.messages import (
     decode_to_worker,
     encode,
 )
-from sglang_ext.offload.dist import local_address_toward
 from sglang_ext.sampling.params import InvalidRequest
 from sglang_ext.server_args import ServerArgs
+from sglang_ext.transport.link import local_address_toward
 from sglang_ext.worker.tokenizer import StartupError
 from sglang_ext.worker.worker import Worker
 

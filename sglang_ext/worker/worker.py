@@ -44,13 +44,13 @@ from sglang_ext.messages.io import RotationStats
 from sglang_ext.models.config import ModelConfig
 from sglang_ext.models.resolve import PRESET_PREFIX, resolve_model_path
 from sglang_ext.offload.setup import local_offloader
-from sglang_ext.offload.transport import cuda_ipc_problem
 from sglang_ext.sampling.params import InvalidRequest
 from sglang_ext.scheduler.output import StepOutput
 from sglang_ext.scheduler.overlap import scheduler_class
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
 from sglang_ext.server_args import ServerArgs
+from sglang_ext.transport.choice import cuda_ipc_problem
 from sglang_ext.worker.disagg import PairGone, WorkerDisagg
 from sglang_ext.worker.offload import WorkerOffload
 from sglang_ext.worker.profile import make_profiler

@@ -1,20 +1,37 @@
 """`SplitAttention`: a batch's local rows on the worker's own backend, its remote rows on an executor.
 
-    q, k, v ──┬─ remote tokens ─> RemoteAttention.post ···························· collect ─┐
+    q, k, v ──┬─ remote tokens ─> RemoteRows.post ·································· collect ─┐
               └─ local tokens ──> local backend (writes KV in the local pool) ── o_local    ├─> o by row
+
+The engine sees the executor only through `RemoteRows`; offload/remote.py's `RemoteAttention`
+(every transport) provides it.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 
 from sglang_ext.attention.base import AttentionBackend
 from sglang_ext.engine.forward_batch import ForwardBatch
-from sglang_ext.offload.remote import RemoteAttention
+
+
+class RemoteRows(Protocol):
+    """The attention of a step's remote rows, computed elsewhere, one layer at a time."""
+
+    # post/collect are stream operations only, so decode CUDA graphs may hold them (split_graph.py)
+    graph_capturable: bool
+
+    def post(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Send one layer's q, k, v ([R, H, D]) of the planned rows."""
+
+    def collect(self, layer: int) -> torch.Tensor:
+        """That layer's attention output [R, Hq, D], on the sender's device."""
 
 
 class SplitAttention(AttentionBackend):
-    def __init__(self, local: AttentionBackend, remote: RemoteAttention) -> None:
+    def __init__(self, local: AttentionBackend, remote: RemoteRows) -> None:
         super().__init__(local.pool, local.num_q_heads, local.head_dim, local.scale)
         self.local = local
         self.remote = remote

@@ -1,25 +1,27 @@
-"""Staged KV loads for `cuda_ipc` pairings: a request's KV goes GPU to GPU through a buffer the host
-exports at the handshake, instead of through the gloo control channel (GPU -> CPU -> TCP -> CPU -> GPU).
+"""Staged KV copies between the GPUs of one node: a request's KV goes GPU to GPU through a buffer the
+receiving end exports (a `cuda_ipc` pairing's executor host at its handshake, a PD decode worker when
+its pair opens), instead of through the gloo control channel (GPU -> CPU -> TCP -> CPU -> GPU).
+Shown for remote attention (the PD hand-off, disagg/staged.py, is the same with KVStaged):
 
     sender (GPU a)                                          host (GPU b), its ExecutorService thread
     kv = pages gathered on a ([n, L, 2, P, Hkv, D])
     push kv -> stage (cuMemcpyDtoDAsync on a side
       stream), wait for it
-    [LOAD_STAGED, handle, length, n, reserve] ────────────>  kv = stage[:bytes] viewed as the first pages;
+    LoadStaged(handle, length, n, reserve) ───────────────>  kv = stage[:bytes] viewed as the first pages;
                                                              under the lock: allocate all n pages,
                                                              index-copy on this thread's stream (after
                                                              the guest's last program), wait for the copy
-             <─────────────────────────────── [REPLY, 1 ok | 0 full]   (the stage is free again)
+             <─────────────────────────────── Reply(1 ok | 0 full)   (the stage is free again)
     KV larger than the stage goes in chunks of the stage's size, each pushed and then announced:
-    [LOAD_MORE, handle, first, count] ────────────────────>  copy into pages first.. (as above)
-             <─────────────────────────────── [REPLY, 1]
+    LoadMore(handle, first, count) ───────────────────────>  copy into pages first.. (as above)
+             <─────────────────────────────── Reply(1)
 
 The stage is one per pairing, `stage_bytes` of the host's partition (at most 1 GiB, a sixteenth of it,
 whole guest pages). It is allocated beside the partition, not out of it: the partition's arena is one
 allocation made when the worker starts, so `executor_mem_gb` does not shrink. A stage smaller than one
-page (a tiny partition) is not made: loads then take the gloo path (`LOAD`), as with an older host.
+page (a tiny partition) is not made: loads then take the gloo path (`Load`).
 
-Order: the gated program that reads those pages is queued on BEGIN, later than the REPLY, and its
+Order: the gated program that reads those pages is queued on Begin, later than the Reply, and its
 stream waits for this thread's stream first (GatedProgram), so it never reads pages before the copy;
 the copy itself waits for the guest's last queued program (`before_load`: freed pages it may still
 read). The host waits for the copy before it replies, so the sender may overwrite the stage next.
@@ -36,12 +38,10 @@ from typing import Any, Final
 
 import torch
 
-from sglang_ext.offload.dist import REPLY, DistRemote, LinkError
+from sglang_ext.transport.protocol import LinkError
 
 logger = logging.getLogger(__name__)
 SLOW_WAIT_S: Final = 3.0
-LOAD_STAGED: Final = 8  # a control message kind after ipc.py's IPC_HELLO (6); BYE (7) is the watch tag's
-LOAD_MORE: Final = 9
 STAGE_MAX_BYTES: Final = 1 << 30
 STAGE_FRACTION: Final = 16  # of the partition's bytes
 
@@ -94,7 +94,7 @@ class KVStage:
 def push_kv(stage: KVStage, kv: torch.Tensor, timeout_s: float) -> None:
     """Copy `kv` (contiguous, on the sender's GPU) into the host's stage and wait until it landed. The
     copy is a raw peer copy on a side stream, which first waits for the stream that gathered `kv`."""
-    from sglang_ext.offload import cuda_signal as cs
+    from sglang_ext.transport import cuda_signal as cs
 
     s = stage.stream
     s.wait_stream(torch.cuda.current_stream(kv.device))
@@ -115,43 +115,6 @@ def pushed_chunks(stage: KVStage, kv: torch.Tensor, timeout_s: float) -> Iterato
         chunk = kv[first : first + per]
         push_kv(stage, chunk, timeout_s)
         yield first, chunk
-
-
-class StagedRemote(DistRemote):
-    """DistRemote whose loads go through the host's stage when it has one, in chunks of its size."""
-
-    stage: KVStage | None = None
-
-    def load(self, handle: int, kv: torch.Tensor, length: int, reserve_tokens: int = 0) -> bool:
-        st = self.stage
-        per = st.pages(kv) if st is not None else 0
-        if st is None or not per or not self.alive:
-            return super().load(handle, kv, length, reserve_tokens)  # gloo, as torch_dist does
-        kv = kv.contiguous()
-        n = kv.shape[0]
-        t0 = time.perf_counter()
-        try:
-            ok = 1
-            for first, chunk in pushed_chunks(st, kv, self.timeout_s):
-                head = ([LOAD_STAGED, handle, length, n, reserve_tokens] if first == 0
-                        else [LOAD_MORE, handle, first, len(chunk)])
-                self.link.send_header(head, self.timeout_s)
-                got, ok = self.link.recv_header(self.timeout_s)[:2]
-                if got != REPLY:
-                    raise LinkError(f"expected a reply to a staged load, got message kind {got}")
-                if not ok:
-                    if first:
-                        raise LinkError(f"the executor refused pages {first}.. of a staged load")
-                    break  # full: nothing was taken
-        except LinkError as e:
-            self._broken("load", e)
-            return False
-        finally:
-            self.wait_s += time.perf_counter() - t0
-        if ok:
-            self.bytes_out += kv.numel() * kv.element_size()
-            self.staged_loads += 1
-        return bool(ok)
 
 
 # ---- the host's end ------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
     local       the executor is in this process (`offload_executor`): calls, no messages
     torch_dist  a private two-rank torch.distributed group: gloo between CPU processes, NCCL between GPUs
-    cuda_ipc    GPUs of one node: peer-mapped buffers and GPU-side signals (sglang_ext.offload.cuda_signal);
+    cuda_ipc    GPUs of one node: peer-mapped buffers and GPU-side signals (sglang_ext.transport.cuda_signal);
                 across processes its control messages (load, release, begin, close) go over a gloo pair
 
 A served pairing (the cluster file's `offload:`) picks its transport from the placement the router
@@ -15,9 +15,9 @@ knows (each worker's host name and device) unless the sender forces one:
                    fallback, if it cannot work)
     torch_dist     torch_dist                       torch_dist
 
-`AUTO_CUDA_IPC` is that automatic choice of cuda_ipc for GPUs of one node. It was held off until the
-cross-process path had run on GPUs; it has (tests/test_offload_served.py on two H200s, 2026-11-30:
-outputs equal to no offload, and the executor's host killed mid-generation without a hang).
+A sender started with `--offload-transport torch_dist` turns that automatic choice of cuda_ipc off
+(the cross-process path has run on GPUs: tests/test_offload_served.py on two H200s, outputs equal to
+no offload, and the executor's host killed mid-generation without a hang).
 
 Nothing here imports torch: the router validates cluster files with it.
 """
@@ -28,7 +28,6 @@ import importlib.util
 from typing import Final, NamedTuple
 
 SERVED_DEFAULT: Final = "torch_dist"  # a pairing across processes when nothing better is known
-AUTO_CUDA_IPC: Final = True  # unset transport + GPUs of one node -> cuda_ipc
 SERVED: Final = ("torch_dist", "cuda_ipc")
 
 
@@ -49,8 +48,8 @@ def cuda_ipc_problem(device: str) -> str | None:
     """Why the cuda_ipc transport cannot serve a worker on `device` (None: it can)."""
     if not device.startswith("cuda"):
         return f"offload_transport cuda_ipc needs a GPU worker, this one runs on {device}"
-    if importlib.util.find_spec("sglang_ext.offload.cuda_signal") is None:
-        return "offload_transport cuda_ipc is not available in this build (no sglang_ext.offload.cuda_signal)"
+    if importlib.util.find_spec("sglang_ext.transport.cuda_signal") is None:
+        return "offload_transport cuda_ipc is not available in this build (no sglang_ext.transport.cuda_signal)"
     return None
 
 
@@ -85,6 +84,6 @@ def choose_transport(asked: str | None, sender: Placement, host: Placement) -> C
         if problem:
             raise ValueError(f"offload_transport cuda_ipc needs both workers on GPUs of one node: {problem}")
         return Choice("cuda_ipc", "")
-    if asked is None and problem is None and AUTO_CUDA_IPC:
+    if asked is None and problem is None:
         return Choice("cuda_ipc", SERVED_DEFAULT)
     return Choice(SERVED_DEFAULT, "")

@@ -1,4 +1,4 @@
-"""GPU-signalled exchange primitives for remote attention (issue 9): flags written and awaited by the
+"""GPU-signalled exchange primitives for remote attention and staged KV copies: flags written and awaited by the
 GPU in stream order, device-to-device copies between GPUs and processes, CUDA IPC sharing.
 
 Everything here is a stream operation (cuStreamWriteValue32 / cuStreamWaitValue32 / cuMemcpyDtoDAsync /
@@ -21,23 +21,18 @@ streams (`stream.cuda_stream` is the handle); each call runs with the stream's d
 from __future__ import annotations
 
 import ctypes
-import struct
-from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Final
+
+from sglang_ext.transport.protocol import IPC_HANDLE_BYTES, IpcHandle
 
 if TYPE_CHECKING:
     import torch
 
 # Values from cuda.h (stable ABI), so no enum spelling of one cuda-python version is relied on.
-WAIT_GEQ: Final = 0x0  # (int32_t)(*addr - value) >= 0: cyclic greater-or-equal
 WAIT_EQ: Final = 0x1
-WAIT_AND: Final = 0x2  # (*addr & value) != 0
 WRITE_NO_MEMORY_BARRIER: Final = 0x1
 IPC_LAZY_ENABLE_PEER_ACCESS: Final = 0x1
 ERROR_PEER_ACCESS_ALREADY_ENABLED: Final = 704
-IPC_HANDLE_BYTES: Final = 64
-_WAIT_MODES: Final = {"eq": WAIT_EQ, "geq": WAIT_GEQ, "and": WAIT_AND}
-
-WaitMode = Literal["eq", "geq", "and"]
 
 
 class CudaSignalError(RuntimeError):
@@ -102,19 +97,19 @@ def write_value(stream: torch.cuda.Stream, addr: int, value: int, *, barrier: bo
                                       0 if barrier else WRITE_NO_MEMORY_BARRIER), "cuStreamWriteValue32")
 
 
-def wait_value(stream: torch.cuda.Stream, addr: int, value: int, mode: WaitMode = "eq") -> None:
-    """Enqueue a wait on `stream` until the 32-bit word at `addr` satisfies `mode` against `value`.
+def wait_value(stream: torch.cuda.Stream, addr: int, value: int) -> None:
+    """Enqueue a wait on `stream` until the 32-bit word at `addr` equals `value`.
     The stream's front end polls the word: no SM is held while waiting."""
     d = driver()
     with _on(stream):
-        _check(d.cuStreamWaitValue32(stream.cuda_stream, addr, value & 0xFFFFFFFF, _WAIT_MODES[mode]),
+        _check(d.cuStreamWaitValue32(stream.cuda_stream, addr, value & 0xFFFFFFFF, WAIT_EQ),
                "cuStreamWaitValue32")
 
 
 def peer_copy(dst: int, src: int, nbytes: int, stream: torch.cuda.Stream) -> None:
     """Enqueue a device-to-device copy of `nbytes` (cuMemcpyDtoDAsync) on `stream`: between GPUs with peer
     access, and into or out of IPC-mapped memory. Issue it on the source GPU's stream when the GPUs differ:
-    a push is ~3x faster than a pull for small copies (DESIGN.md: 2.9-3.3 us vs 7.5-9.5 us per copy).
+    a push is ~3x faster than a pull for small copies (measured on H200s: 2.9-3.3 us vs 7.5-9.5 us per copy).
     A raw copy also stays clear of torch's cross-device bookkeeping (55-62 us per `copy_`)."""
     d = driver()
     with _on(stream):
@@ -195,8 +190,8 @@ class FlagArray:
     def write(self, stream: torch.cuda.Stream, i: int, value: int, *, barrier: bool = True) -> None:
         write_value(stream, self.addr(i), value, barrier=barrier)
 
-    def wait(self, stream: torch.cuda.Stream, i: int, value: int, mode: WaitMode = "eq") -> None:
-        wait_value(stream, self.addr(i), value, mode)
+    def wait(self, stream: torch.cuda.Stream, i: int, value: int) -> None:
+        wait_value(stream, self.addr(i), value)
 
     def fill(self, stream: torch.cuda.Stream, value: int) -> None:
         """Enqueue every flag = value (cuMemsetD32Async): a reset, or an unblocking of stuck waiters."""
@@ -218,26 +213,6 @@ class FlagArray:
 
 
 # ---- CUDA IPC ---------------------------------------------------------------------------------------
-class IpcHandle(NamedTuple):
-    """What another process on the node needs to map a device buffer: the handle of the allocation that
-    holds it (64 opaque bytes from cuIpcGetMemHandle), the buffer's offset in it, and its size. Travels as
-    `to_bytes()` (80 bytes) inside a msgspec message; never pickled."""
-
-    handle: bytes
-    offset: int
-    nbytes: int
-
-    def to_bytes(self) -> bytes:
-        return struct.pack("<64sQQ", self.handle, self.offset, self.nbytes)
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> IpcHandle:
-        if len(data) != IPC_HANDLE_BYTES + 16:
-            raise ValueError(f"an IPC handle is {IPC_HANDLE_BYTES + 16} bytes, got {len(data)}")
-        handle, offset, nbytes = struct.unpack("<64sQQ", data)
-        return cls(handle, offset, nbytes)
-
-
 def export_ipc(ptr: int, nbytes: int, device: int) -> IpcHandle:
     """Export the device buffer [ptr, ptr + nbytes) of `device` for other processes. The memory must come
     from cudaMalloc / cuMemAlloc (torch's default caching allocator; not its expandable segments) and stay
