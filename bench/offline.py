@@ -55,7 +55,6 @@ from sglang_ext.engine.model_runner import ModelRunner
 from sglang_ext.models.config import ModelConfig
 from sglang_ext.models.resolve import resolve_model_path
 from sglang_ext.sampling.params import SamplingParams
-from sglang_ext.scheduler.overlap import OverlapScheduler
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
 from sglang_ext.server_args import ServerArgs
@@ -254,18 +253,19 @@ class Bench:
         plen, out_len = self.a.loop_prompt, self.a.loop_output
         for n in (int(x) for x in str(self.a.loop_requests).split(",")):
             for mode in self.a.loop_sampling.split(","):
-                for cls in (Scheduler, OverlapScheduler):
-                    rows.append(self._loop_run(cls, n, plen, out_len, mode))
+                for overlap in (False, True):
+                    rows.append(self._loop_run(overlap, n, plen, out_len, mode))
         return rows
 
-    def _loop_run(self, cls: type[Scheduler], n: int, plen: int, out_len: int, mode: str) -> dict[str, Any]:
+    def _loop_run(self, overlap: bool, n: int, plen: int, out_len: int, mode: str) -> dict[str, Any]:
+        name = "OverlapScheduler" if overlap else "Scheduler"  # the labels of earlier results
         g = torch.Generator().manual_seed(1)
         prompts = [torch.randint(10, self.cfg.vocab_size, (plen,), generator=g).tolist() for _ in range(n)]
         real_forward = self.runner.forward
-        s = cls(self.args, self.runner, PAGE, frozenset(), vocab_size=self.cfg.vocab_size)
+        s = Scheduler(self.args, self.runner, PAGE, frozenset(), vocab_size=self.cfg.vocab_size, overlap=overlap)
         sp = SamplingParams(max_new_tokens=out_len, ignore_eos=True, **self.SAMPLING[mode])
         for i, p in enumerate(prompts):
-            s.add_request(Req(f"{cls.__name__}-{mode}-{i}", p, sp))
+            s.add_request(Req(f"{name}-{mode}-{i}", p, sp))
         fwd_host: list[float] = []
         fwd_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -302,13 +302,13 @@ class Bench:
         dec_s = t1 - (t_first or t0)
         gpu = [a.elapsed_time(b) for a, b in fwd_events[-steps:]] if steps else []
         s.flush_cache()
-        return {"scheduler": cls.__name__, "sampling": mode, "requests": n, "prompt": plen, "output": out_len,
+        return {"scheduler": name, "sampling": mode, "requests": n, "prompt": plen, "output": out_len,
                 "total_s": t1 - t0, "decode_s": dec_s, "decode_steps": steps, "decode_tokens": decode_tokens,
                 "decode_tok_per_s": decode_tokens / dec_s if dec_s > 0 else None,
                 "step_wall_ms": dec_s / steps * 1e3 if steps else None,
                 "forward_gpu_ms_median": statistics.median(gpu) if gpu else None,
                 "forward_host_ms_median": statistics.median(fwd_host[-steps:]) * 1e3 if steps else None,
-                "overlapped_steps": getattr(s, "overlapped_steps", 0)}
+                "overlapped_steps": s.overlapped_steps}
 
     def profile(self, bs: int, ctx: int) -> dict[str, Any]:
         out = {"graph": self._profile(bs, ctx)}

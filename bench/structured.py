@@ -8,7 +8,7 @@ Each point measures two loops over the same batch. Drained: what the scheduler's
 (`Scheduler._process`; also the overlap loop with `--disable-grammar-overlap`): forward (CUDA graph),
 the constrained rows' bitmask filled on the host (xgrammar's batched fill, threads), copied and applied
 to the logits on the device, sampled, tokens to the host, matchers advanced. Overlapped: what the
-overlap loop runs (`OverlapScheduler`, scheduler/overlap.py): step t+1's forward is queued with step
+overlap loop runs (`Scheduler(overlap=True)`, scheduler/overlap.py): step t+1's forward is queued with step
 t's sampled tokens (on the device) as input ids, then the host waits for t's tokens, the matchers take
 them, t+1's masks are filled while its forward runs, copied, applied, and t+1 is sampled. Each
 constrained row's matcher walks the schema; one that reaches its end starts over, so every step

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from sglang_ext.scheduler.overlap import OverlapScheduler
 from sglang_ext.scheduler.request import Req
+from sglang_ext.scheduler.scheduler import Scheduler
 
 
-def force_drop(s: OverlapScheduler, pick: Callable[[list[Req]], list[Req]]) -> list[str]:
+def force_drop(s: Scheduler, pick: Callable[[list[Req]], list[Req]]) -> list[str]:
     """Make the executor drop (release, report as failed) the requests `pick` chooses of those
     planned while their previous step is in flight -- what a full partition does, at a chosen step.
     Returns the list the dropped requests' ids are appended to."""

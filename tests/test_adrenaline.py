@@ -21,7 +21,6 @@ from sglang_ext.messages import Disagg
 from sglang_ext.offload.executor import AttentionExecutor
 from sglang_ext.offload.host import ExecutorHost
 from sglang_ext.offload.remote import ExecutorLost
-from sglang_ext.scheduler.overlap import OverlapScheduler
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
 from sglang_ext.worker.adrenaline import Placer
@@ -205,7 +204,8 @@ def test_requests_adopted_while_others_decode_under_overlap_scheduling(reference
     """The decode worker on a GPU runs the overlap loop: placed requests arrive while a step is in
     flight (and the executor may be lost after that); outputs are still a plain run's."""
     base = make_scheduler(offload_executor="local", offload_ratio=1.0)
-    s = OverlapScheduler(base.args, base.runner, base.page_size, base.eos_ids, vocab_size=VOCAB, offload=base.offload)
+    s = Scheduler(base.args, base.runner, base.page_size, base.eos_ids, vocab_size=VOCAB, offload=base.offload,
+                  overlap=True)
     rs = reqs()
     out = decode_with_placed(s, rs[:3], {"r1"})
     for _ in range(3):
@@ -333,10 +333,11 @@ def test_a_pd_decode_queue_that_cannot_be_admitted_keeps_the_loop_overlapped() -
 
     def run(old_rule: bool) -> int:
         base = make_scheduler(max_total_tokens=200)
-        s = OverlapScheduler(base.args, base.runner, base.page_size, base.eos_ids, vocab_size=VOCAB)
+        s = Scheduler(base.args, base.runner, base.page_size, base.eos_ids, vocab_size=VOCAB, overlap=True)
         if old_rule:
-            s._admission_blocked = lambda: (len(s.running) >= s.max_running  # type: ignore[method-assign]
-                                            or s.kv.available_pages - s._decode_reserve() < 1)
+            assert s.overlap is not None
+            s.overlap._admission_blocked = lambda: (len(s.running) >= s.max_running  # type: ignore[method-assign]
+                                                    or s.kv.available_pages - s.decode_reserve() < 1)
         out: dict[str, list[int]] = {}
         for r in rs():
             first, kv = prefill(r)

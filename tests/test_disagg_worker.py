@@ -125,7 +125,7 @@ def _fields(r: GenerateReq) -> dict[str, Any]:
 def _drain(p: Worker, d: Worker) -> None:
     """Let sends finish and their pages come back."""
     deadline = time.monotonic() + 10
-    while p.scheduler.handing or p.disagg.sending:
+    while p.scheduler.handoff.handing or p.disagg.sending:
         assert time.monotonic() < deadline
         p.step([])
         time.sleep(0.002)
@@ -234,7 +234,7 @@ def test_cache_flush_right_after_a_hand_off(workers: tuple[Worker, Worker, Worke
         out = p.step([])
     assert isinstance(out[0], BatchOut) and out[0].outs[0].token_ids == want[:1]
     replies = [m for m in p.handle(FlushCacheReq(rid="flush")) if isinstance(m, ReplyOut)]
-    assert replies == [ReplyOut(rid="flush", ok=True)] and not p.scheduler.handing
+    assert replies == [ReplyOut(rid="flush", ok=True)] and not p.scheduler.handoff.handing
     assert p.scheduler.kv.cache.size_info().cached_pages == 0
     ids: list[int] = []
     deadline = time.monotonic() + 30

@@ -15,7 +15,6 @@ from _tiny import EOS, prompts, tiny_config
 from sglang_ext.engine.forward_batch import ForwardBatch, ForwardMode
 from sglang_ext.engine.model_runner import ModelRunner
 from sglang_ext.sampling.params import SamplingParams
-from sglang_ext.scheduler.overlap import OverlapScheduler
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
 from sglang_ext.server_args import ServerArgs
@@ -133,7 +132,7 @@ def test_graphs_and_overlap_match_eager_loop() -> None:
     eager = _runner("flashinfer", graphs=False)
     fast = _runner("flashinfer")
     want = _serve(Scheduler(eager.args, eager, 16, frozenset([EOS]), vocab_size=VOCAB), GREEDY)
-    ov = OverlapScheduler(fast.args, fast, 16, frozenset([EOS]), vocab_size=VOCAB)
+    ov = Scheduler(fast.args, fast, 16, frozenset([EOS]), vocab_size=VOCAB, overlap=True)
     assert _serve(ov, GREEDY) == want
     assert ov.overlapped_steps > 0
 
@@ -151,7 +150,7 @@ def test_greedy_serving_matches_torch_backend(reference: ModelRunner) -> None:
     where the reference's top two logits are within 4x the torch-vs-FlashInfer difference at that
     position (a numerical near-tie, which bf16 may break either way); such steps are counted."""
     fast = _runner("flashinfer")
-    ov = OverlapScheduler(fast.args, fast, 16, frozenset([EOS]), vocab_size=VOCAB)
+    ov = Scheduler(fast.args, fast, 16, frozenset([EOS]), vocab_size=VOCAB, overlap=True)
     got = _serve(ov, GREEDY)
     ps = prompts(LENGTHS, seed=5)
     seqs = [p + got[f"r{i}"][:-1] for i, p in enumerate(ps)]

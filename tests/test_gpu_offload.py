@@ -21,7 +21,6 @@ from _tiny import EOS
 from test_gpu_equivalence import GREEDY, VOCAB, _runner, _serve
 
 from sglang_ext.offload.setup import local_offloader
-from sglang_ext.scheduler.overlap import OverlapScheduler
 from sglang_ext.scheduler.scheduler import Scheduler
 
 pytestmark = pytest.mark.gpu
@@ -48,7 +47,7 @@ def test_offload_keeps_greedy_tokens(where: str, transport: str) -> None:
     if where == "cuda:1" and torch.cuda.device_count() < 2:
         pytest.skip("needs a second GPU")
     plain = _runner("flashinfer")
-    want = _serve(OverlapScheduler(plain.args, plain, 16, frozenset([EOS]), vocab_size=VOCAB), GREEDY)
+    want = _serve(Scheduler(plain.args, plain, 16, frozenset([EOS]), vocab_size=VOCAB, overlap=True), GREEDY)
     r = _runner("flashinfer")
     args = dataclasses.replace(r.args, offload_ratio=0.5, offload_executor=where, offload_transport=transport)
     off = local_offloader(args, r, "gpu")
@@ -71,7 +70,7 @@ def test_offload_with_the_model_in_an_sm_partition_keeps_greedy_tokens() -> None
     from sglang_ext.engine.model_runner import bind_device
 
     plain = _runner("flashinfer")
-    want = _serve(OverlapScheduler(plain.args, plain, 16, frozenset([EOS]), vocab_size=VOCAB), GREEDY)
+    want = _serve(Scheduler(plain.args, plain, 16, frozenset([EOS]), vocab_size=VOCAB, overlap=True), GREEDY)
     try:
         stream = sm_partition.make(torch.device("cuda:0"), 16)
         bind_device("cuda:0")

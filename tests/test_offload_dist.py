@@ -29,7 +29,6 @@ from sglang_ext.offload.partition import ForeignKVPartition
 from sglang_ext.offload.remote import ExecutorLost
 from sglang_ext.offload.sender import Offloader
 from sglang_ext.offload.setup import guest_spec
-from sglang_ext.scheduler.overlap import OverlapScheduler
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
 from sglang_ext.transport.link import HOST_RANK, Link, open_store
@@ -63,7 +62,7 @@ def new_host(budget: int = 1 << 22) -> ExecutorHost:
 def sender(overlap: bool = False, **args: Any) -> Scheduler:
     s = make_scheduler(**args)
     if overlap:
-        return OverlapScheduler(s.args, s.runner, s.page_size, s.eos_ids, vocab_size=VOCAB)
+        return Scheduler(s.args, s.runner, s.page_size, s.eos_ids, vocab_size=VOCAB, overlap=True)
     return s
 
 
@@ -152,7 +151,7 @@ def test_outputs_equal_without_offload(reference: dict[str, list[int]], host: Ex
     remote = offload_over_gloo(s, host, ratio)
     rs = reqs()
     assert drive(s, rs, host) == reference
-    assert not overlap or s.overlapped_steps > 0  # type: ignore[attr-defined]
+    assert not overlap or s.overlapped_steps > 0
     assert sum(r.attention_executor == "host-0" for r in rs) >= int(ratio * len(rs) / 2)
     assert remote.bytes_out > 0 and remote.bytes_in > 0
     deadline = time.monotonic() + 10  # releases are one-way: the service takes the last ones now
@@ -191,7 +190,7 @@ def test_overlap_with_stops_planned_past_them(host: ExecutorHost) -> None:
     offload_over_gloo(s, host, 1.0)
     rs = mk()
     assert drive(s, rs, host) == want
-    assert s.overlapped_steps > 0 and any(r.finish_reason.type == "stop" and r.attention_executor for r in rs)  # type: ignore[attr-defined, union-attr]
+    assert s.overlapped_steps > 0 and any(r.finish_reason.type == "stop" and r.attention_executor for r in rs)  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -203,7 +202,7 @@ def test_a_full_executor_keeps_requests_local(overlap: bool) -> None:
     assert drive(s, rs, host) == drive(make_scheduler(), reqs(max_new=40))
     assert any(r.attention_executor for r in rs)
     assert any(r.attention_executor is None for r in rs) or s.num_preemptions > 0
-    assert not overlap or s.overlapped_steps > 0  # type: ignore[attr-defined]
+    assert not overlap or s.overlapped_steps > 0
 
 
 def test_an_executor_that_stops_answering_is_lost_within_the_timeout() -> None:
@@ -271,7 +270,7 @@ def test_two_processes_executor_killed_mid_generation(reference: dict[str, list[
             if step == after_steps:
                 killed.append(step)
                 assert s.offload is not None and s.offload.num_remote > 0, "nothing was offloaded yet"
-                assert not overlap or s._inflight is not None  # type: ignore[attr-defined]
+                assert not overlap or (s.overlap is not None and s.overlap.inflight is not None)
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait(10)
 

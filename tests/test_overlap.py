@@ -9,18 +9,17 @@ import pytest
 from _tiny import VOCAB, greedy, make_scheduler, prompts, run_all
 
 from sglang_ext.sampling.params import SamplingParams
-from sglang_ext.scheduler.overlap import OverlapScheduler, scheduler_class
 from sglang_ext.scheduler.request import Req
-from sglang_ext.scheduler.scheduler import Scheduler
+from sglang_ext.scheduler.scheduler import Scheduler, default_overlap
 
 LENGTHS = [5, 17, 33, 9, 40, 3]
 
 
-def _pair(device: str, **args: Any) -> tuple[Scheduler, OverlapScheduler]:
+def _pair(device: str, **args: Any) -> tuple[Scheduler, Scheduler]:
     args.setdefault("max_total_tokens", 16384)  # two pools at once: never size them from free GPU memory
     plain = make_scheduler(device, **args)
     other = make_scheduler(device, **args)
-    ov = OverlapScheduler(other.args, other.runner, other.page_size, other.eos_ids, vocab_size=VOCAB)
+    ov = Scheduler(other.args, other.runner, other.page_size, other.eos_ids, vocab_size=VOCAB, overlap=True)
     return plain, ov
 
 
@@ -103,10 +102,10 @@ def test_logprob_requests_run_without_overlap(test_device: str) -> None:
     assert [t for _, t in b[0].output_token_logprobs] == [t for _, t in a[0].output_token_logprobs]
 
 
-def test_scheduler_class_choice() -> None:
-    assert scheduler_class("cpu", False) is Scheduler
-    assert scheduler_class("cuda", False) is OverlapScheduler
-    assert scheduler_class("cuda:0", True) is Scheduler
+def test_default_overlap_choice() -> None:
+    assert not default_overlap("cpu", False)
+    assert default_overlap("cuda", False)
+    assert not default_overlap("cuda:0", True)
 
 
 def test_decode_keeps_overlapping_while_a_queue_waits_for_pages(test_device: str) -> None:
@@ -114,7 +113,8 @@ def test_decode_keeps_overlapping_while_a_queue_waits_for_pages(test_device: str
     admitted (no page beyond the decoders' reserve), and the outputs stay the plain loop's."""
     plain, ov = _pair(test_device, max_total_tokens=96, max_running_requests=4)
     launched_with_queue = []
-    follow_up = ov._launch_follow_up
+    assert ov.overlap is not None
+    follow_up = ov.overlap._follow_up
 
     def spy(prev: Any) -> Any:
         out = follow_up(prev)
@@ -122,7 +122,7 @@ def test_decode_keeps_overlapping_while_a_queue_waits_for_pages(test_device: str
             launched_with_queue.append(len(ov.waiting))
         return out
 
-    ov._launch_follow_up = spy  # type: ignore[method-assign]
+    ov.overlap._follow_up = spy  # type: ignore[method-assign]
     params = [greedy(16 + i) for i in range(len(LENGTHS))] * 2
     reqs = [Req(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts(LENGTHS * 2, seed=5), params, strict=True))]
     want = run_all(plain, [Req(r.rid, r.input_ids, r.sampling) for r in reqs])
@@ -142,7 +142,8 @@ def test_a_standing_queue_that_cannot_be_admitted_keeps_the_loop_overlapped(test
     want = run_all(plain, reqs())
     assert run_all(ov, reqs()) == want
     _, old = _pair(test_device, max_total_tokens=200, chunked_prefill_size=64)
-    old._admission_blocked = lambda: (len(old.running) >= old.max_running  # type: ignore[method-assign]
-                                      or old.kv.available_pages - old._decode_reserve() < 1)
+    assert old.overlap is not None
+    old.overlap._admission_blocked = lambda: (len(old.running) >= old.max_running  # type: ignore[method-assign]
+                                              or old.kv.available_pages - old.decode_reserve() < 1)
     assert run_all(old, reqs()) == want
     assert ov.overlapped_steps > old.overlapped_steps

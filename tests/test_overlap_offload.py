@@ -17,17 +17,16 @@ from _tiny import VOCAB, greedy, make_scheduler, prompts, run_all
 from sglang_ext.offload import sender
 from sglang_ext.offload.remote import ExecutorLost
 from sglang_ext.sampling.params import SamplingParams
-from sglang_ext.scheduler.overlap import OverlapScheduler
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
 
 LENGTHS = [5, 17, 33, 9, 40, 3, 21, 12]
 
 
-def _overlap(eos: frozenset[int] | None = None, **args: Any) -> OverlapScheduler:
+def _overlap(eos: frozenset[int] | None = None, **args: Any) -> Scheduler:
     args.setdefault("offload_ratio", 0.5)
     s = make_scheduler(offload_executor="local", **args)
-    return OverlapScheduler(s.args, s.runner, s.page_size, eos or s.eos_ids, vocab_size=VOCAB, offload=s.offload)
+    return Scheduler(s.args, s.runner, s.page_size, eos or s.eos_ids, vocab_size=VOCAB, offload=s.offload, overlap=True)
 
 
 def _plain(offload: bool, eos: frozenset[int] | None = None, **args: Any) -> Scheduler:
@@ -140,7 +139,7 @@ def test_abort_of_remote_requests_in_flight(reference: dict[str, list[int]], aft
     def abort(step: int) -> None:
         if step == after_steps:
             remote = [r for r in reqs if r.remote is not None]
-            assert remote and s._inflight is not None
+            assert remote and s.overlap is not None and s.overlap.inflight is not None
             for r in remote[::2] + [r for r in reqs if r.remote is None and not r.finished][:1]:
                 assert s.abort(r.rid)
                 aborted.append(r.rid)
@@ -235,7 +234,8 @@ def test_executor_lost_with_a_step_in_flight(where: str, after_steps: int) -> No
 
     def kill(step: int) -> None:
         if step == after_steps:
-            assert s.offload is not None and s.offload.num_remote > 0 and s._inflight is not None
+            assert s.offload is not None and s.offload.num_remote > 0
+            assert s.overlap is not None and s.overlap.inflight is not None
 
             def gone(*_: object) -> None:
                 raise ExecutorLost("the executor's worker died (simulated)")

@@ -8,15 +8,18 @@ from _tiny import greedy, prompts
 
 from sglang_ext.kvcache.base import NoPrefixCache
 from sglang_ext.scheduler.policy import FCFS, LargestVLTFirst, make_policy
-from sglang_ext.scheduler.request import Req, ReqStatus
+from sglang_ext.scheduler.request import KVHome, Req, ReqStatus
 from sglang_ext.server_args import ServerArgs
 
 CACHE = NoPrefixCache(4)
 
 
-def _req(rid: str, status: ReqStatus, arrival: float, last_token: float | None = None,
+def _req(rid: str, status: ReqStatus | KVHome, arrival: float, last_token: float | None = None,
          run_start: float | None = None, first_token: float | None = None, tokens: int = 1) -> Req:
+    """A request in a queue (`status`), or rotary (`KVHome.HOST`: waiting, its KV in host memory)."""
     r = Req(rid, [5, 6, 7], greedy(), arrival_time=arrival)
+    if isinstance(status, KVHome):
+        status, r.home = ReqStatus.WAITING, status
     r.status, r.last_token_time, r.run_start_time = status, last_token, run_start
     r.first_token_time = first_token
     if last_token is not None or first_token is not None:
@@ -35,17 +38,17 @@ def test_vlt_definitions() -> None:
     p = _lvf(lvf_alpha=3.0, lvf_beta_ttft=0.0, lvf_beta_tpot=0.5)
     p.begin(10.0, fits=False)
     assert p.vlt(_req("w", ReqStatus.WAITING, arrival=8.0)) == 2.0  # 2 s late / 1 s SLO
-    assert p.vlt(_req("q0", ReqStatus.ROTARY, arrival=9.0)) == 1.0  # no token yet: as a waiting one
+    assert p.vlt(_req("q0", KVHome.HOST, arrival=9.0)) == 1.0  # no token yet: as a waiting one
     # running: decode lag in TPOT SLOs; 21 tokens in the 1 s since the first = 10 SLOs ahead
     assert abs(p.vlt(_req("r", ReqStatus.RUNNING, 0.0, run_start=9.8, first_token=9.0, tokens=21)) + 3 * 10) < 1e-9
     # back from rotation, behind schedule: positive, so not a victim
     assert p.vlt(_req("back", ReqStatus.RUNNING, 0.0, run_start=10.0, first_token=8.0, tokens=5)) > 0
     assert p.vlt(_req("prefill", ReqStatus.RUNNING, 0.0, run_start=9.9)) == 0.0  # no token yet
     # rotary: the same lag, less its tolerance beta_F. Out for 0.1 s but 10 SLOs ahead: not urgent
-    ahead = _req("ahead", ReqStatus.ROTARY, 0.0, last_token=9.9, first_token=9.0, tokens=21)
+    ahead = _req("ahead", KVHome.HOST, 0.0, last_token=9.9, first_token=9.0, tokens=21)
     assert abs(p.vlt(ahead) - 3 * (-10 - 0.5)) < 1e-9
     # 2 SLOs behind (11 tokens in 1.2 s): urgent
-    behind = _req("behind", ReqStatus.ROTARY, 0.0, last_token=9.5, first_token=8.8, tokens=11)
+    behind = _req("behind", KVHome.HOST, 0.0, last_token=9.5, first_token=8.8, tokens=11)
     assert abs(p.vlt(behind) - 3 * (2 - 0.5)) < 1e-9
 
 
@@ -54,8 +57,8 @@ def test_lvf_orders_by_largest_vlt_and_preempts_from_the_tail() -> None:
     p.begin(10.0, fits=False)
     w_old = _req("w_old", ReqStatus.WAITING, arrival=7.0)  # 3.0 - 0.5 (beta_B)
     w_new = _req("w_new", ReqStatus.WAITING, arrival=9.9)  # 0.1 - 0.5
-    rot = _req("rot", ReqStatus.ROTARY, 0.0, last_token=9.7, first_token=7.0, tokens=21)  # 3 * (10 - 0.5) = 28.5
-    rot_ahead = _req("rot_ahead", ReqStatus.ROTARY, 0.0, last_token=9.99, first_token=9.0,
+    rot = _req("rot", KVHome.HOST, 0.0, last_token=9.7, first_token=7.0, tokens=21)  # 3 * (10 - 0.5) = 28.5
+    rot_ahead = _req("rot_ahead", KVHome.HOST, 0.0, last_token=9.99, first_token=9.0,
                      tokens=12)  # 3 * (-1 - 0.5) = -4.5
     assert [r.rid for r in p.candidates([w_new, w_old], [rot_ahead, rot], CACHE)] == [
         "rot", "w_old", "w_new", "rot_ahead"]
@@ -82,7 +85,7 @@ def test_lvf_is_fcfs_while_everything_fits() -> None:
     p, f = _lvf(), FCFS()
     p.begin(10.0, fits=True)
     waiting = [_req("b", ReqStatus.WAITING, 5.0), _req("a", ReqStatus.WAITING, 1.0)]
-    rotary = [_req("c", ReqStatus.ROTARY, 3.0, last_token=4.0)]
+    rotary = [_req("c", KVHome.HOST, 3.0, last_token=4.0)]
     running = [_req("x", ReqStatus.RUNNING, 0.5, run_start=1.0), _req("y", ReqStatus.RUNNING, 4.0, run_start=9.9)]
     assert p.candidates(waiting, rotary, CACHE) == f.candidates(waiting, rotary, CACHE)
     assert [r.rid for r in p.candidates(waiting, rotary, CACHE)] == ["a", "c", "b"]
@@ -91,7 +94,7 @@ def test_lvf_is_fcfs_while_everything_fits() -> None:
 
 def test_swap_baselines_order_the_two_queues() -> None:
     waiting = [_req("w2", ReqStatus.WAITING, 2.0), _req("w1", ReqStatus.WAITING, 1.0)]
-    rotary = [_req("q3", ReqStatus.ROTARY, 3.0, last_token=4.0), _req("q0", ReqStatus.ROTARY, 0.0, last_token=4.0)]
+    rotary = [_req("q3", KVHome.HOST, 3.0, last_token=4.0), _req("q0", KVHome.HOST, 0.0, last_token=4.0)]
     assert [r.rid for r in make_policy("wf").candidates(waiting, rotary, CACHE)] == ["w1", "w2", "q0", "q3"]
     assert [r.rid for r in make_policy("sf").candidates(waiting, rotary, CACHE)] == ["q0", "q3", "w1", "w2"]
     assert [r.rid for r in make_policy("fcfs").candidates(waiting, rotary, CACHE)] == ["q0", "w1", "w2", "q3"]

@@ -14,8 +14,7 @@ from _tiny import VOCAB, greedy, prompts
 
 from sglang_ext.kvcache.holds import HoldingAllocator
 from sglang_ext.kvcache.rotation import host_kv_bytes
-from sglang_ext.scheduler.overlap import OverlapScheduler
-from sglang_ext.scheduler.request import Req, ReqStatus
+from sglang_ext.scheduler.request import KVHome, Req, ReqStatus
 from sglang_ext.scheduler.scheduler import Scheduler
 
 LENGTHS = [5, 17, 33, 9, 40, 3, 21, 12]
@@ -30,7 +29,7 @@ def _drained(s: Scheduler) -> None:
     """Everything back where it started: no rotary request, host pool empty, device pages free or cached."""
     assert s.rot is not None
     s.rot.engine.synchronize()
-    s._rot_poll()
+    s.rot.poll()
     s.check()
     assert not s.rotary and s.rot.host.used_bytes == 0 and not s.rot.inflight
     assert s.allocator.num_free + s.kv.cache.size_info().cached_pages == s.allocator.capacity
@@ -88,7 +87,7 @@ def test_abort_rotary_requests(late: int, ref: dict[str, list[int]]) -> None:
     def abort_a_rotary(_: int) -> None:
         if s.rotary and len(aborted) < 3:
             r = s.rotary[-1]
-            assert r.status is ReqStatus.ROTARY
+            assert r.home is KVHome.HOST and r.status is ReqStatus.WAITING
             assert s.abort(r.rid)
             aborted.append(r.rid)
             s.check()
@@ -116,7 +115,7 @@ def test_host_pool_too_small_falls_back_to_recompute(ref: dict[str, list[int]]) 
 def test_overlap_scheduler(policy: str, ref: dict[str, list[int]]) -> None:
     """Rotation decisions drain the step in flight; steps without them still overlap."""
     plain, clock = rotating(policy, rotation_budget_mb=0.05, max_total_tokens=60)
-    s = OverlapScheduler(plain.args, plain.runner, plain.page_size, plain.eos_ids, vocab_size=VOCAB)
+    s = Scheduler(plain.args, plain.runner, plain.page_size, plain.eos_ids, vocab_size=VOCAB, overlap=True)
     s.clock = clock
     assert drive(s, reqs(prompts(LENGTHS)), clock, every=1) == ref
     assert s.rot is not None and s.rot.rotations_in > 0
@@ -136,7 +135,7 @@ def test_eager_copies_leave_only_the_last_page_and_are_dropped_when_pages_change
         s.add_request(r)
     for _ in range(4):
         s.step()
-    assert s.rot is not None and a.kv_len >= 8 and not a.eager and s.rot.engine.bytes_out == 0  # it all fits
+    assert s.rot is not None and a.kv_len >= 8 and not a.rot.eager and s.rot.engine.bytes_out == 0  # it all fits
     big = Req("big", prompts([250], seed=6)[0], greedy(2))
     s.add_request(big)
     while a.kv_len < 18:
@@ -144,14 +143,14 @@ def test_eager_copies_leave_only_the_last_page_and_are_dropped_when_pages_change
         s.check()
     assert a.kv_len == b.kv_len and big.status is ReqStatus.WAITING
     # every full page already has a copy: a rotation moves only the partly filled last page
-    assert sorted(a.eager) == list(range(a.kv_len // PAGE))
+    assert sorted(a.rot.eager) == list(range(a.kv_len // PAGE))
     out = s.rot.engine.bytes_out
-    assert s._rotate_out(a, forced=True)
+    assert s.rot.rotate_out(a, forced=True)
     assert s.rot.engine.bytes_out - out == s.rot.engine.page_bytes
     # A's decode pages (2, 3) are in the cache now; B's own copies of them are duplicates
     own = b.pages[2:4]
     out = s.rot.engine.bytes_out
-    assert s._rotate_out(b, forced=True)
+    assert s.rot.rotate_out(b, forced=True)
     assert s.rot.engine.bytes_out - out == 3 * s.rot.engine.page_bytes
     assert not set(own) & set(s.kv.cache.all_pages())
     s.check()
@@ -241,7 +240,7 @@ def test_resumed_requests_join_once_their_copy_has_landed(policy: str) -> None:
 
     def spy(entries, mode):  # type: ignore[no-untyped-def]
         for e in entries:
-            f = e.req.copy_in
+            f = e.req.rot.copy_in
             assert f is None or f.landed or f.fenced, f"{e.req.rid} is in a batch before its KV arrived"
             if f is not None and not f.fenced:
                 joined_late.add(id(f))

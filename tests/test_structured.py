@@ -27,7 +27,6 @@ from sglang_ext.models.config import ModelConfig
 from sglang_ext.models.default_model import ensure_default_model
 from sglang_ext.offload.setup import local_offloader
 from sglang_ext.sampling.params import InvalidRequest, SamplingParams
-from sglang_ext.scheduler.overlap import OverlapScheduler
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
 from sglang_ext.server_args import ServerArgs
@@ -57,11 +56,11 @@ class Env:
     eos: frozenset[int]
     grammars: GrammarBackend
 
-    def scheduler(self, cls: type[Scheduler] = Scheduler, max_total_tokens: int = 8192, **args: Any) -> Scheduler:
+    def scheduler(self, overlap: bool = False, max_total_tokens: int = 8192, **args: Any) -> Scheduler:
         sa = ServerArgs(device="cpu", dtype="float32", page_size=4, max_total_tokens=max_total_tokens, **args)
         runner = ModelRunner(sa, self.dir, self.cfg)
-        return cls(sa, runner, 4, self.eos, decode_fn=lambda ids: self.tok.decode(ids, False),
-                   vocab_size=self.cfg.vocab_size, offload=local_offloader(sa, runner, "emb"))
+        return Scheduler(sa, runner, 4, self.eos, decode_fn=lambda ids: self.tok.decode(ids, False),
+                         vocab_size=self.cfg.vocab_size, offload=local_offloader(sa, runner, "emb"), overlap=overlap)
 
     def req(self, rid: str, prompt: str, kind: str | None = None, text: str | None = None, **sp: Any) -> Req:
         sp.setdefault("max_new_tokens", 64)
@@ -198,12 +197,12 @@ def test_rows_equal_alone(env: Env, mixed_ref: dict[str, list[int]]) -> None:
     pytest.param({"max_total_tokens": 72, "chunked_prefill_size": 8, "preemption_mode": "rotate"},
                  id="preempt-rotate"),
     pytest.param({"chunked_prefill_size": 5}, id="chunked"),
-    pytest.param({"cls": OverlapScheduler}, id="overlap"),
-    pytest.param({"cls": OverlapScheduler, "disable_grammar_overlap": True}, id="overlap-drained"),
-    pytest.param({"cls": OverlapScheduler, "max_total_tokens": 72, "chunked_prefill_size": 8},
+    pytest.param({"overlap": True}, id="overlap"),
+    pytest.param({"overlap": True, "disable_grammar_overlap": True}, id="overlap-drained"),
+    pytest.param({"overlap": True, "max_total_tokens": 72, "chunked_prefill_size": 8},
                  id="overlap-preempt"),
-    pytest.param({"cls": OverlapScheduler, "chunked_prefill_size": 5}, id="overlap-chunked"),
-    pytest.param({"cls": OverlapScheduler, "max_total_tokens": 72, "chunked_prefill_size": 8,
+    pytest.param({"overlap": True, "chunked_prefill_size": 5}, id="overlap-chunked"),
+    pytest.param({"overlap": True, "max_total_tokens": 72, "chunked_prefill_size": 8,
                   "preemption_mode": "rotate"}, id="overlap-rotate"),
 ])
 def test_outputs_survive_scheduling(env: Env, mixed_ref: dict[str, list[int]], setup: dict[str, Any]) -> None:
@@ -219,11 +218,11 @@ def test_outputs_survive_scheduling(env: Env, mixed_ref: dict[str, list[int]], s
         assert sum(r.rotations for r in reqs) > 0
     elif "max_total_tokens" in setup:
         assert s.num_preemptions > 0
-    if isinstance(s, OverlapScheduler):
+    if s.overlap is not None:
         # Overlapped: steps with constrained rows are launched before their predecessor lands.
         # Drained: only the steps after every constrained row has finished overlap.
         drained = setup.get("disable_grammar_overlap", False)
-        assert (s.grammar_overlapped_steps == 0) if drained else (s.grammar_overlapped_steps > 10)
+        assert (s.overlap.grammar_overlapped_steps == 0) if drained else (s.overlap.grammar_overlapped_steps > 10)
 
 
 def _check_matchers(env: Env, reqs: list[Req]) -> None:
@@ -264,7 +263,7 @@ def test_overlap_finishes_every_way(env: Env) -> None:
     stop = run(env.scheduler(), [env.req("probe", "Plain:", max_new_tokens=8, temperature=0.0,
                                          ignore_eos=True)])["probe"][5]
     results = []
-    for setup in ({}, {"cls": OverlapScheduler}, {"cls": OverlapScheduler, "disable_grammar_overlap": True}):
+    for setup in ({}, {"overlap": True}, {"overlap": True, "disable_grammar_overlap": True}):
         reqs = _finishes(env, "", stop)
         s = env.scheduler(**setup)
         out = run(s, reqs)
@@ -280,7 +279,7 @@ def test_overlap_finishes_every_way(env: Env) -> None:
 def test_overlap_aborts_in_flight(env: Env, mixed_ref: dict[str, list[int]], after_steps: int) -> None:
     """Aborts while a constrained step is in flight: the aborted rows' dropped tokens never reach their
     matchers, the others come out as without aborts, and every page comes back."""
-    s = env.scheduler(OverlapScheduler, disable_radix_cache=True)
+    s = env.scheduler(True, disable_radix_cache=True)
     reqs = _mixed(env)
     for r in reqs:
         s.add_request(r)
@@ -288,7 +287,7 @@ def test_overlap_aborts_in_flight(env: Env, mixed_ref: dict[str, list[int]], aft
         s.step()
         s.check()
     gone = reqs[1::3]
-    assert s._inflight is not None and all(s.abort(r.rid) for r in gone)
+    assert s.overlap is not None and s.overlap.inflight is not None and all(s.abort(r.rid) for r in gone)
     run(s, [])
     for r in reqs:
         if r in gone:
@@ -367,7 +366,7 @@ def test_compiled_grammars_are_cached(env: Env) -> None:
 
 def test_xgrammar_is_imported_only_when_needed() -> None:
     code = ("import sys; from sglang_ext.worker.worker import Worker; from sglang_ext.worker.server import "
-            "WorkerServer; from sglang_ext.scheduler.overlap import OverlapScheduler; "
+            "WorkerServer; from sglang_ext.scheduler.scheduler import Scheduler; "
             "w = Worker.__new__(Worker); print('xgrammar' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
@@ -378,7 +377,7 @@ def test_overlap_remote_rows_taken_back_in_flight(env: Env, mixed_ref: dict[str,
     """Constrained remote rows (attention on an in-process executor) overlap too. Rows the executor
     drops while their step-t token is in flight keep that token, in their matcher as well: one whose
     token ends its grammar finishes from the queue, one mid-grammar is recomputed and goes on."""
-    s = env.scheduler(OverlapScheduler, offload_executor="local", offload_ratio=1.0)
+    s = env.scheduler(True, offload_executor="local", offload_ratio=1.0)
     last = {"c2": len(mixed_ref["c2"]) - 1, "c1": 9}  # c2: its final token (EOS) is in flight
     dropped = force_drop(s, lambda reqs: [r for r in reqs
                                           if last.get(r.rid) == len(r.output_ids) and r.rid not in dropped])
@@ -386,5 +385,5 @@ def test_overlap_remote_rows_taken_back_in_flight(env: Env, mixed_ref: dict[str,
     assert run(s, reqs) == mixed_ref
     _check_valid(env, reqs)
     _check_matchers(env, reqs)
-    assert sorted(dropped) == ["c1", "c2"] and s.grammar_overlapped_steps > 10
+    assert sorted(dropped) == ["c1", "c2"] and s.overlap.grammar_overlapped_steps > 10
     assert reqs[2].finish_reason is not None and reqs[2].finish_reason.type == "stop" and s.num_preemptions == 2

@@ -6,6 +6,8 @@ or owned by the prefix cache. `check` verifies that invariant for tests.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from sglang_ext.kvcache.allocator import OutOfPages, PageAllocator
 from sglang_ext.kvcache.base import PrefixCache
 from sglang_ext.scheduler.request import Req
@@ -16,6 +18,9 @@ class KVManager:
         self.allocator = allocator
         self.cache = cache
         self.page_size = page_size
+        # Told which page indices of a request `cache_prefix` swapped for the cache's twins (rotation
+        # drops its eager copies of them).
+        self.on_swap: Callable[[Req, list[int]], None] | None = None
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -73,11 +78,9 @@ class KVManager:
             return
         tokens = req.fill_ids[: full * self.page_size]
         result = self.cache.insert(tokens, req.pages[:full])
-        dup = [mine for mine, theirs in zip(req.pages[req.cached_pages : full],
-                                            result.pages[req.cached_pages : full], strict=True)
-               if mine != theirs]
-        if dup:
-            self.allocator.free(dup)
+        swapped = [i for i in range(req.cached_pages, full) if req.pages[i] != result.pages[i]]
+        if swapped:
+            self.allocator.free([req.pages[i] for i in swapped])
         if result.node is None:  # caching disabled: pages stay ours
             return
         self.cache.lock(result.node)
@@ -85,6 +88,8 @@ class KVManager:
         req.prefix_node = result.node
         req.pages[:full] = result.pages
         req.cached_pages = full
+        if swapped and self.on_swap is not None:
+            self.on_swap(req, swapped)
 
     def release(self, req: Req, keep_in_cache: bool = True) -> None:
         """Give back all of a request's pages (finish, abort, or preemption)."""

@@ -1,4 +1,4 @@
-"""What the scheduler reports per request per step, and the finish rules."""
+"""What the scheduler reports: per request per step, its load, and the finish rules."""
 
 from __future__ import annotations
 
@@ -9,6 +9,25 @@ from typing import Any
 from sglang_ext.scheduler.request import FinishReason, Req
 
 DecodeFn = Callable[[list[int]], str]
+
+
+@dataclass
+class LoadStats:
+    num_running: int
+    num_waiting: int
+    kv_used_pages: int
+    kv_total_pages: int
+    cached_pages: int
+    num_preemptions: int
+    # rotation (preemption_mode=rotate): cumulative over the scheduler's life but num_rotary / host_*
+    num_rotary: int = 0
+    host_used_bytes: int = 0
+    host_total_bytes: int = 0
+    rotations_out: int = 0
+    rotations_in: int = 0
+    rotation_bytes_out: int = 0
+    rotation_bytes_in: int = 0
+    unhidden_iterations: int = 0
 
 
 @dataclass

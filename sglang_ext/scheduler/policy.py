@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from typing import Final
 
 from sglang_ext.kvcache.base import PrefixCache
-from sglang_ext.scheduler.request import Req, ReqStatus
+from sglang_ext.scheduler.request import KVHome, Req, ReqStatus
 from sglang_ext.server_args import ServerArgs
 
 
@@ -94,8 +94,8 @@ class LargestVLTFirst(FCFS):
         lag       = (now - first token) / S_F - (tokens since the first)
 
 `lag` is a stream's decode lag: how many TPOT SLOs it is behind (positive) or ahead (negative) of
-one token per S_F since its first token, i.e. of its mean TPOT meeting the SLO. DESIGN.md's starting
-definitions, running -alpha * (now - run start) / S_F and rotary alpha * ((now - last token) / S_F -
+one token per S_F since its first token, i.e. of its mean TPOT meeting the SLO. The first definitions
+tried, running -alpha * (now - run start) / S_F and rotary alpha * ((now - last token) / S_F -
 beta_F), made every request that had run a moment a victim and every request rotated out a moment
 ago urgent again: on an H200 lvf then rotated the same streams out and back ~170 times per second and
 collapsed. With the lag for both, the meaning is kept (negative = ahead of the SLO) but the slack a
@@ -130,8 +130,8 @@ until the candidate fits.
         self.alpha, self.beta_b, self.beta_f = alpha, beta_ttft, beta_tpot
         self.now = 0.0
         self.fits = True
-        # per iteration: id -> (status, tokens, VLT); the sorts ask for the same requests many times
-        self._memo: dict[int, tuple[ReqStatus, int, float]] = {}
+        # per iteration: id -> (status, home, tokens, VLT); the sorts ask for the same requests many times
+        self._memo: dict[int, tuple[ReqStatus, KVHome, int, float]] = {}
 
     def begin(self, now: float, fits: bool) -> None:
         self.now, self.fits = now, fits
@@ -145,17 +145,17 @@ until the candidate fits.
 
     def vlt(self, r: Req) -> float:
         hit = self._memo.get(id(r))
-        if hit is not None and hit[0] is r.status and hit[1] == len(r.output_ids):
-            return hit[2]
+        if hit is not None and hit[0] is r.status and hit[1] is r.home and hit[2] == len(r.output_ids):
+            return hit[3]
         v = self._vlt(r)
-        self._memo[id(r)] = (r.status, len(r.output_ids), v)
+        self._memo[id(r)] = (r.status, r.home, len(r.output_ids), v)
         return v
 
     def _vlt(self, r: Req) -> float:
         lag = self.lag(r)
         if r.status is ReqStatus.RUNNING:
             return 0.0 if lag is None else self.alpha * lag  # still prefilling: neither ahead nor behind
-        if r.status is ReqStatus.ROTARY and lag is not None:
+        if r.home is KVHome.HOST and lag is not None:  # rotary
             return self.alpha * (lag - self.beta_f)
         return (self.now - r.arrival_time) / self.s_b - self.beta_b
 
@@ -177,7 +177,7 @@ until the candidate fits.
         if self.fits:
             return []
         v = self.vlt(cand)
-        if cand.status is ReqStatus.ROTARY and cand.output_ids and v <= 0:
+        if cand.home is KVHome.HOST and cand.output_ids and v <= 0:
             return []  # within its tolerance: it resumes when there is room, no one goes out for it
         bar = min(v, 0.0) - self.alpha  # a rotation must buy at least one SLO of lag
         out = []

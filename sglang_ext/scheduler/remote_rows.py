@@ -1,63 +1,127 @@
-"""The scheduler's side of remote attention: requests whose KV lives on an attention executor.
+"""Remote rows, a scheduler member: requests whose KV lives on an attention executor (home REMOTE).
 
-Kept apart from the batching loop (`scheduler.py`): which remote rows a step plans, how a request's
-KV leaves the local pool, and how a request comes back when its executor drops it or is lost (it is
-recomputed from its tokens, like a preempted request).
+Which remote rows a step plans, how a request's KV leaves the local pool, and how a request comes
+back when its executor drops it or is lost (it is recomputed from its tokens, like a preempted
+request). Remote rows overlap like local ones: step t+1 plans them on the executor at kv_len + 1
+(`plan(..., ahead=1)`) after every local decision of t+1 is made, so a planned step is always
+launched.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from sglang_ext.engine.model_runner import ModelRunner
-from sglang_ext.kvcache.allocator import PageAllocator
 from sglang_ext.offload.remote import RemoteAttention
 from sglang_ext.offload.sender import Offloader
-from sglang_ext.sampling.sampler import Sampler
 from sglang_ext.scheduler.batch_builder import Entry
-from sglang_ext.scheduler.kv_manager import KVManager
-from sglang_ext.scheduler.request import Req, ReqStatus
+from sglang_ext.scheduler.member import Member
+from sglang_ext.scheduler.request import KVHome, Req, ReqStatus
+
+if TYPE_CHECKING:
+    from sglang_ext.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 
-class RemoteRows:
-    offload: Offloader | None
-    kv: KVManager
-    allocator: PageAllocator
-    running: list[Req]
-    waiting: list[Req]
-    num_preemptions: int
-    forward_rows: int
-    remote_forward_rows: int
-    clock: Callable[[], float]
-    sampler: Sampler
-    runner: ModelRunner
+class RemoteRows(Member):
+    home = KVHome.REMOTE
 
-    def _plan_remote(self, entries: list[Entry], ahead: int = 0) -> list[Entry]:
+    def __init__(self, s: Scheduler) -> None:
+        self.s = s
+        self.offload: Offloader | None = None
+
+    # ---- member hooks ---------------------------------------------------------------------------
+    def admit(self, r: Req, budget: int, reserve: int) -> int | None:
+        """An adopted request (its KV on an executor already): no pages to find; it decodes with the
+        others (0)."""
+        self.s.waiting.remove(r)
+        r.start_running(self.s.clock())
+        self.s.running.append(r)
+        return 0
+
+    def release(self, r: Req) -> None:
+        if r.home is KVHome.REMOTE:
+            assert self.offload is not None
+            self.offload.release(r)
+            r.kv_len, r.admitted, r.home = 0, False, KVHome.LOCAL
+
+    # ---- moving requests ------------------------------------------------------------------------
+    def set_offload(self, offload: Offloader | None) -> None:
+        """Another executor, or none (a router's directive, between steps): requests still on the
+        current one are released there and recomputed here."""
+        old, self.offload = self.offload, offload
+        if offload is not None:
+            offload.context_len = self.s.runner.context_len
+        if old is None or old is offload:
+            return
+        for r in list(old.reqs.values()):
+            old.release(r)
+            self.requeue(r)
+        old.active = False
+
+    def adopt(self, r: Req, handle: int) -> bool:
+        """Adrenaline placement: see `Scheduler.adopt_remote`."""
+        if self.offload is None or not self.offload.adopt(r, handle):
+            return False
+        r.kv_len, r.admitted, r.home = len(r.input_ids), True, KVHome.REMOTE
+        return True
+
+    def choose(self, decoders: list[Req]) -> None:
+        """Move the decoders the offloader chooses to its executor: their prompt pages go to the
+        prefix cache, their own pages are freed, and they keep their length."""
+        if self.offload is None:
+            return
+        for r in self.offload.choose(decoders):
+            kv_len = r.kv_len
+            self.s.release_kv(r)  # still LOCAL here: frees its pages
+            r.kv_len, r.admitted, r.home = kv_len, True, KVHome.REMOTE
+
+    def requeue(self, r: Req) -> None:
+        """A remote request whose executor KV is gone: back to the queue head, recomputed. (With a
+        step in flight, that step's token for it still lands: `Scheduler._land`.)"""
+        s = self.s
+        r.remote, r.home = None, KVHome.LOCAL
+        r.pages, r.cached_pages, r.prefix_node, r.kv_len, r.admitted = [], 0, None, 0, False
+        if r in s.running:
+            s.running.remove(r)
+        if r in s.waiting:  # adopted (Adrenaline placement) but not admitted yet
+            s.waiting.remove(r)
+        r.status = ReqStatus.WAITING
+        r.num_preemptions += 1
+        s.num_preemptions += 1
+        s.waiting.insert(0, r)
+
+    # ---- steps ----------------------------------------------------------------------------------
+    def plan(self, entries: list[Entry], ahead: int = 0) -> list[Entry]:
         """Tell the executor this step's remote rows (at kv_len + ahead); rows it cannot grow are
         recomputed locally. Raises ExecutorLost."""
-        remote = [e.req for e in entries if e.req.remote is not None]
-        if remote:
-            assert self.offload is not None
-            dropped = self.offload.begin_step(remote, ahead)
-            for r in dropped:
-                logger.info("executor full: %s is recomputed locally", r.rid)
-                self._requeue(r)
-            gone = {id(r) for r in dropped}
-            entries = [e for e in entries if id(e.req) not in gone]
-            self.remote_forward_rows += len(remote) - len(gone)
-        self.forward_rows += len(entries)  # every forward's rows pass here (the step profile's "rows")
-        return entries
+        remote = [e.req for e in entries if e.req.home is KVHome.REMOTE]
+        if not remote:
+            return entries
+        assert self.offload is not None
+        dropped = self.offload.begin_step(remote, ahead)
+        for r in dropped:
+            logger.info("executor full: %s is recomputed locally", r.rid)
+            self.requeue(r)
+        gone = {id(r) for r in dropped}
+        self.s.remote_forward_rows += len(remote) - len(gone)
+        return [e for e in entries if id(e.req) not in gone]
 
-    def _lose_executor(self, why: str) -> None:
+    def lose_executor(self, why: str) -> None:
         """The executor is gone: every request there is recomputed locally."""
         assert self.offload is not None
         for r in self.offload.lose_executor(why):
-            self._requeue(r)
+            self.requeue(r)
 
-    def _forged(self, remote: list[Req], via: RemoteAttention | None, upto: int | None = None) -> set[int]:
+    def transport(self, reqs: list[Req]) -> tuple[RemoteAttention | None, int]:
+        """For a step over `reqs` about to sample: the transport its remote rows attended through and
+        its `begins` now (to check the rows' results when the step lands)."""
+        via = self.offload.remote if self.offload is not None and any(
+            r.home is KVHome.REMOTE for r in reqs) else None
+        return via, via.begins if via is not None else 0
+
+    def forged(self, remote: list[Req], via: RemoteAttention | None, upto: int | None = None) -> set[int]:
         """After a step landed: the ids of its `remote` rows' requests when those rows may hold no
         executor results (the executor died mid-step and the sender's watchdog let the step through:
         `results_forged`). Their tokens must be dropped and the requests recomputed; the executor is
@@ -66,71 +130,5 @@ class RemoteRows:
         if via is None or not remote or not via.results_forged(upto):
             return set()
         if self.offload is not None and self.offload.remote is via and self.offload.active:
-            self._lose_executor(f"executor {via.executor_id} died mid-step")
+            self.lose_executor(f"executor {via.executor_id} died mid-step")
         return {id(r) for r in remote}
-
-    def _drop_forged(self, r: Req) -> None:
-        """A request whose landed token was forged: the device's penalty statistics counted it, so
-        its slot is rebuilt from its real tokens when it samples again."""
-        if r.penalty_slot >= 0:
-            self.sampler.penalties.release(r.penalty_slot)
-            r.penalty_slot = -1
-
-    def set_offload(self, offload: Offloader | None) -> None:
-        """Another executor, or none (a router's directive, between steps): requests still on the
-        current one are released there and recomputed here."""
-        old, self.offload = self.offload, offload
-        if offload is not None:
-            offload.context_len = self.runner.context_len
-        if old is None or old is offload:
-            return
-        for r in list(old.reqs.values()):
-            old.release(r)
-            self._requeue(r)
-        old.active = False
-
-    def adopt_remote(self, r: Req, handle: int) -> bool:
-        """Adrenaline placement: a request queued by `add_prefilled` (its first token in hand, no KV
-        staged) whose prompt KV the prefill worker left in its executor under `handle`. It is
-        admitted as a remote row (no local pages) and decodes there. False when the offloader in
-        force cannot take it (the caller then lets it recompute its prompt here)."""
-        if self.offload is None or not self.offload.adopt(r, handle):
-            return False
-        r.kv_len, r.admitted = len(r.input_ids), True
-        return True
-
-    def _admit_remote(self, r: Req) -> int:
-        """Admission of an adopted request: no pages to find; it decodes with the others (0)."""
-        self.waiting.remove(r)
-        r.start_running(self.clock())
-        self.running.append(r)
-        return 0
-
-    def _requeue(self, r: Req) -> None:
-        """A remote request whose executor KV is gone: back to the queue head, recomputed. (With a
-        step in flight, the overlap scheduler still lands that step's token for it.)"""
-        r.remote = None
-        r.pages, r.cached_pages, r.prefix_node, r.kv_len, r.admitted = [], 0, None, 0, False
-        if r in self.running:
-            self.running.remove(r)
-        if r in self.waiting:  # adopted (Adrenaline placement) but not admitted yet
-            self.waiting.remove(r)
-        r.status = ReqStatus.WAITING
-        r.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.insert(0, r)
-
-    def _drop_local_kv(self, r: Req) -> None:
-        """The request's KV now lives on the executor: publish its prompt pages to the prefix
-        cache, free its own pages, and keep its length."""
-        kv_len = r.kv_len
-        self.kv.release(r, keep_in_cache=True)
-        r.kv_len, r.admitted = kv_len, True
-
-    def _release_kv(self, r: Req) -> None:
-        if r.remote is not None:
-            assert self.offload is not None
-            self.offload.release(r)
-            r.kv_len, r.admitted = 0, False
-        else:
-            self.kv.release(r, keep_in_cache=True)

@@ -1,9 +1,11 @@
 """One request's scheduling state.
 
-KV ownership: `pages[:cached_pages]` belong to the prefix cache (held through the lock on
-`prefix_node`); `pages[cached_pages:]` are the request's own. `kv_len` tokens of `fill_ids`
-have KV in those pages. A rotary request has no device pages: `host_len` tokens of KV are in
-`host_pages` of the host pool.
+Where its KV lives is one value, `home` (`KVHome`); the scheduler dispatches on it. A LOCAL
+request's KV is in device pages: `pages[:cached_pages]` belong to the prefix cache (held through
+the lock on `prefix_node`), `pages[cached_pages:]` are its own, and `kv_len` tokens of `fill_ids`
+have KV there. A HOST request (rotated out) has no device pages: its KV is in host pages
+(`rot`). A REMOTE request's KV is on an attention executor under the handle `remote`. A STAGED
+request arrived from a prefill worker with its prompt's KV, copied into pages at admission.
 """
 
 from __future__ import annotations
@@ -17,10 +19,16 @@ from sglang_ext.sampling.params import SamplingParams
 
 
 class ReqStatus(enum.Enum):
-    WAITING = "waiting"
+    WAITING = "waiting"  # in the waiting queue (or, with home HOST, the rotary one)
     RUNNING = "running"
-    ROTARY = "rotary"  # KV in host memory (preemption_mode=rotate), waiting to be resumed
     FINISHED = "finished"
+
+
+class KVHome(enum.Enum):
+    LOCAL = "local"  # device pages of this worker (or none yet)
+    HOST = "host"  # rotated out to host memory (preemption_mode=rotate), waiting to be resumed
+    REMOTE = "remote"  # on an attention executor (remote attention)
+    STAGED = "staged"  # the prompt's KV came from a prefill worker; copied into pages at admission
 
 
 @dataclass
@@ -42,6 +50,17 @@ class FinishReason:
 
 
 @dataclass(eq=False)
+class RotState:
+    """A request's KV rotation state (scheduler/rotary.py)."""
+
+    host_pages: list[int] = field(default_factory=list)  # HOST: host page of each page of its KV
+    host_len: int = 0  # HOST: tokens of KV in host_pages
+    eager: dict[int, tuple[int, int]] = field(default_factory=dict)  # page index -> (device page, host copy)
+    transfers: list[Any] = field(default_factory=list)  # its copies that may be in flight
+    copy_in: Any = None  # a resumed request's swap-in: it joins batches once this has landed
+
+
+@dataclass(eq=False)
 class Req:
     rid: str
     input_ids: list[int]
@@ -54,7 +73,8 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     status: ReqStatus = ReqStatus.WAITING
     finish_reason: FinishReason | None = None
-    # KV state
+    home: KVHome = KVHome.LOCAL
+    # local KV
     pages: list[int] = field(default_factory=list)
     cached_pages: int = 0
     prefix_node: Any = None
@@ -62,13 +82,12 @@ class Req:
     cached_tokens: int = 0  # prefix-cache hit at first admission (reported in meta_info)
     admitted: bool = False  # prefix matched and pages assigned for the current residency
     num_preemptions: int = 0
-    # rotation (preemption_mode=rotate; scheduler/rotary.py)
     rotations: int = 0  # times its KV went to host memory and came back (meta_info)
-    host_pages: list[int] = field(default_factory=list)  # rotary: host page of each page of its KV
-    host_len: int = 0  # rotary: tokens of KV in host_pages
-    eager: dict[int, tuple[int, int]] = field(default_factory=dict)  # page index -> (device page, host copy)
-    transfers: list[Any] = field(default_factory=list)  # its rotation copies that may be in flight
-    copy_in: Any = None  # a resumed request's swap-in: it joins batches once this has landed
+    rot: RotState = field(default_factory=RotState)
+    # remote attention (kept by offload/sender.py's Offloader): the executor's handle while home is REMOTE
+    remote: int | None = None
+    offload_checked: bool = False  # considered for offload once, at its first decode
+    attention_executor: str | None = None  # set once its attention ran remotely (meta_info)
     # timing (the scheduler's clock)
     first_token_time: float | None = None
     run_start_time: float | None = None  # start of its current stay in the running batch
@@ -81,12 +100,6 @@ class Req:
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     penalty_slot: int = -1  # row of the sampler's penalty table while the request has one
     grammar: Any = None  # structured output: its GrammarState (sglang_ext/grammar), advanced per kept token
-    # remote attention: the executor's handle while the request's KV lives there
-    remote: int | None = None
-    offload_checked: bool = False  # considered for offload once, at its first decode
-    attention_executor: str | None = None  # set once its attention ran remotely (meta_info)
-    # disaggregation, decode side: the prompt's KV from a prefill worker, copied in at admission
-    staged_kv: Any = None
 
     def start_running(self, now: float) -> None:
         """Joins the running batch: its stay (what lvf's decode lag and victim rules measure) starts now."""

@@ -1,6 +1,6 @@
-"""The scheduler's side of KV rotation (`preemption_mode=rotate`): requests whose KV waits in host memory.
+"""KV rotation (`preemption_mode=rotate`), a scheduler member: requests whose KV waits in host memory.
 
-States: waiting -> running <-> rotary -> finished. Kept apart from the batching loop (`scheduler.py`):
+A request's home goes LOCAL -> HOST (rotated out, in the rotary queue) -> LOCAL (resumed):
 
 * **Rotating out** a running request: its full pages are first published to the prefix cache (as a
   finishing request's are), then every page of its KV is copied to the host pool (those with a valid
@@ -14,12 +14,12 @@ States: waiting -> running <-> rotary -> finished. Kept apart from the batching 
 * **Eager copies**: while the pool is short, with the budget an iteration leaves, full pages of the
   likeliest victims are copied out ahead of time, so a rotation moves little more than the last,
   partly filled page. A full page's KV never changes, but its page can: `cache_prefix` may swap it
-  for the cache's twin (`_cache_prefix` drops that copy at once), a release frees it. So a copy is
+  for the cache's twin (`_swapped` drops that copy at once), a release frees it. So a copy is
   trusted only while the request still holds the same device page at that index, and all of a
   request's copies are dropped when it lets go of its pages.
 * **Transfers in flight** (kvcache/rotation.py): nothing blocks on a copy. Pages a copy still uses
   are parked when freed (kvcache/holds.py) and a released request's cache pages stay locked until
-  its copies land; those pages count as room that is coming (`_pages_coming`), so a decoder sits out
+  its copies land; those pages count as room that is coming (`pages_coming`), so a decoder sits out
   a step instead of pushing out more victims, and voluntary rotations stop once the room is on its
   way. An iteration whose step waited for a copy (a fence) or that ran nothing because of copies
   counts as unhidden.
@@ -33,18 +33,19 @@ States: waiting -> running <-> rotary -> finished. Kept apart from the batching 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from sglang_ext.kvcache.holds import HoldingAllocator
 from sglang_ext.kvcache.host_pool import HostKVPool
-from sglang_ext.kvcache.pool import KVPool
 from sglang_ext.kvcache.rotation import RotationEngine, Transfer, host_kv_bytes, make_host_pool, make_rotation_engine
-from sglang_ext.scheduler.kv_manager import KVManager
-from sglang_ext.scheduler.policy import SchedulePolicy
-from sglang_ext.scheduler.request import Req, ReqStatus
+from sglang_ext.scheduler.member import Member
+from sglang_ext.scheduler.output import LoadStats
+from sglang_ext.scheduler.request import KVHome, Req, ReqStatus
 from sglang_ext.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from sglang_ext.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -58,33 +59,38 @@ class _InFlight:
     fenced: bool = False  # a swap-in the compute stream was made to wait for (readable by the next step)
 
 
-@dataclass
-class Rotation:
-    """Host pool, engine, transfers in flight and counters of one scheduler."""
+class Rotation(Member):
+    """Host pool, engine, transfers in flight and counters of one scheduler, and its rotary rows."""
 
-    engine: RotationEngine
-    budget: int  # B_xfer, bytes per direction per iteration
-    eager: bool
-    inflight: list[_InFlight] = field(default_factory=list)
-    # (copies, cache node to unlock once they land, pages under that node)
-    deferred: list[tuple[list[_InFlight], Any, int]] = field(default_factory=list)
-    left: dict[str, int] = field(default_factory=dict)  # budget left this iteration, per direction
-    moved: dict[str, bool] = field(default_factory=dict)  # a transfer went this iteration, per direction
-    waited: bool = False  # this iteration's step waited for a copy, or ran nothing because of copies
-    spent: dict[str, list[int]] = field(default_factory=dict)  # per direction: [bytes, transfers] in budget
-    rotations_out: int = 0
-    rotations_in: int = 0
-    recompute_fallbacks: int = 0
-    unhidden_iterations: int = 0
+    home = KVHome.HOST
 
-    def __post_init__(self) -> None:
+    def __init__(self, s: Scheduler, engine: RotationEngine, budget: int, eager: bool) -> None:
+        self.s = s
+        self.engine = engine
+        self.budget = budget  # B_xfer, bytes per direction per iteration
+        self.eager = eager
+        self.inflight: list[_InFlight] = []
+        # (copies, cache node to unlock once they land, pages under that node)
+        self.deferred: list[tuple[list[_InFlight], Any, int]] = []
+        self.rotations_out = 0
+        self.rotations_in = 0
+        self.recompute_fallbacks = 0
+        self.unhidden_iterations = 0
         self.new_iteration()
+        s.kv.on_swap = self._swapped
+
+    @classmethod
+    def make(cls, s: Scheduler, args: ServerArgs) -> Rotation:
+        pool = s.runner.pool
+        host = make_host_pool(pool.geometry, host_kv_bytes(args.kv_host_size_gb, pool.total_bytes), pool.device)
+        host.allocator = HoldingAllocator(host.num_pages)  # fresh: nothing allocated yet
+        return cls(s, make_rotation_engine(pool, host), args.rotation_budget_bytes, not args.disable_eager_rotation)
 
     def new_iteration(self) -> None:
-        self.left = {"out": self.budget, "in": self.budget}
-        self.moved = {"out": False, "in": False}
-        self.spent = {"out": [0, 0], "in": [0, 0]}
-        self.waited = False
+        self.left = {"out": self.budget, "in": self.budget}  # budget left this iteration, per direction
+        self.moved = {"out": False, "in": False}  # a transfer went this iteration, per direction
+        self.spent = {"out": [0, 0], "in": [0, 0]}  # per direction: [bytes, transfers] in budget
+        self.waited = False  # this iteration's step waited for a copy, or ran nothing because of copies
 
     @property
     def host(self) -> HostKVPool:
@@ -106,316 +112,332 @@ class Rotation:
             self.spent[direction][0] += nbytes
             self.spent[direction][1] += 1
 
+    # ---- member hooks ---------------------------------------------------------------------------
+    def begin(self) -> None:
+        """Land finished copies, refill the budget."""
+        self.poll()
+        self.new_iteration()
 
-def make_rotation(args: ServerArgs, pool: KVPool) -> Rotation:
-    nbytes = host_kv_bytes(args.kv_host_size_gb, pool.total_bytes)
-    host = make_host_pool(pool.geometry, nbytes, pool.device)
-    host.allocator = HoldingAllocator(host.num_pages)  # fresh: nothing allocated yet
-    return Rotation(make_rotation_engine(pool, host), args.rotation_budget_bytes, not args.disable_eager_rotation)
-
-
-class RotaryRows:
-    rot: Rotation | None
-    kv: KVManager
-    allocator: Any
-    policy: SchedulePolicy
-    running: list[Req]
-    waiting: list[Req]
-    rotary: list[Req]
-    page_size: int
-    clock: Callable[[], float]
-    _deficit: int = 0  # pages by which all requests' KV exceeds the pool (0: everything fits), per iteration
-
-    # ---- iterations ----------------------------------------------------------------------------
-    def _rot_begin(self) -> None:
-        """Start of an iteration: land finished copies, refill the budget."""
-        rot = self.rot
-        if rot is None:
-            return
-        self._rot_poll()
-        rot.new_iteration()
-
-    def _rot_end(self) -> None:
-        """End of scheduling: eager copies with what the budget left; count an unhidden iteration."""
-        rot = self.rot
-        if rot is None:
-            return
-        if rot.eager and self._deficit > 0:
+    def end(self) -> None:
+        """Eager copies with what the budget left; count an unhidden iteration."""
+        if self.eager and self.s.deficit > 0:
             self._eager_copies()
-        if rot.waited:
-            rot.unhidden_iterations += 1
+        if self.waited:
+            self.unhidden_iterations += 1
 
-    def _copies_in_flight(self) -> bool:
+    def needs_landed_state(self, reqs: list[Req]) -> bool:
+        # a rotation or a resume may be decided (the policy may rotate requests out to admit one)
+        return bool(self.s.rotary or self.s.waiting)
+
+    def busy(self) -> bool:
+        self.poll()
+        return bool(self.inflight)  # rotation copies still read cache pages
+
+    def release(self, r: Req) -> None:
+        self._drop_host(r)
+        self._hold_prefix_while_copying(r)
+        r.rot.copy_in = None
+
+    def stats(self, st: LoadStats) -> None:
+        st.num_rotary, st.host_used_bytes = len(self.s.rotary), self.host.used_bytes
+        st.host_total_bytes = self.host.allocator.capacity * self.engine.page_bytes
+        st.rotations_out, st.rotations_in = self.rotations_out, self.rotations_in
+        st.rotation_bytes_out, st.rotation_bytes_in = self.engine.bytes_out, self.engine.bytes_in
+        st.unhidden_iterations = self.unhidden_iterations
+
+    # ---- copies in flight -----------------------------------------------------------------------
+    def copies_in_flight(self) -> bool:
         """Copies not landed yet (their pages come free when they do); counts the iteration as unhidden."""
-        if self.rot is None or not self.rot.inflight:
+        if not self.inflight:
             return False
-        self.rot.waited = True
+        self.waited = True
         return True
 
-    def _ready(self, r: Req) -> bool:
+    @staticmethod
+    def ready(r: Req) -> bool:
         """A running request may join this step's batch: no swap-in of its KV is still on the way."""
-        f = r.copy_in
+        f = r.rot.copy_in
         return f is None or f.landed or f.fenced
 
-    def _fence_arrivals(self) -> bool:
+    @staticmethod
+    def leaving(r: Req) -> bool:
+        """A rotary request whose KV is still on the way out: a copy back would race it."""
+        return any(not f.landed for f in r.rot.transfers)
+
+    def fence_arrivals(self) -> bool:
         """Nothing else can run: let the next step read the swap-ins still in flight, the compute
         stream waiting for them (no host sync). True if there were any."""
-        rot = self.rot
-        if rot is None:
-            return False
-        arriving = [r.copy_in for r in self.running if not self._ready(r)]
+        arriving = [r.rot.copy_in for r in self.s.running if not self.ready(r)]
         for f in arriving:
-            rot.engine.fence(f.t)
+            self.engine.fence(f.t)
             f.fenced = True
         if arriving:
-            rot.waited = True
+            self.waited = True
         return bool(arriving)
 
-    def _pages_coming(self) -> int:
+    def pages_coming(self) -> int:
         """Device pages that copies in flight will give back when they land: freed pages parked under
         them, and cache pages kept locked for them (an upper bound: another user may hold those)."""
-        rot = self.rot
-        if rot is None or not rot.inflight:
+        if not self.inflight:
             return 0
-        return len(self.allocator.parked) + sum(n for _, _, n in rot.deferred)
+        return len(self.s.allocator.parked) + sum(n for _, _, n in self.deferred)
 
-    def _rot_poll(self) -> None:
-        rot = self.rot
-        assert rot is not None
+    def poll(self) -> None:
         still: list[_InFlight] = []
-        for f in rot.inflight:
-            if rot.engine.done(f.t):
+        for f in self.inflight:
+            if self.engine.done(f.t):
                 f.landed = True
-                self.allocator.unhold(f.dev)
-                rot.host_alloc.unhold(f.host)
+                self.s.allocator.unhold(f.dev)
+                self.host_alloc.unhold(f.host)
             else:
                 still.append(f)
-        rot.inflight = still
+        self.inflight = still
         keep: list[tuple[list[_InFlight], Any, int]] = []
-        for d in rot.deferred:
+        for d in self.deferred:
             if all(f.landed for f in d[0]):
-                self.kv.cache.unlock(d[1])
+                self.s.kv.cache.unlock(d[1])
             else:
                 keep.append(d)
-        rot.deferred = keep
+        self.deferred = keep
 
     def _issue(self, r: Req, direction: str, dev: list[int], host: list[int]) -> _InFlight | None:
         """Start a copy; the copy in flight (its pages held until it lands), or None if it is done."""
-        rot = self.rot
-        assert rot is not None
-        if direction == "out":
-            t = rot.engine.swap_out(dev, host)
-        else:
-            t = rot.engine.swap_in(host, dev)
-        if rot.engine.done(t):  # the reference engine's copies are done on return: nothing to hold
+        t = self.engine.swap_out(dev, host) if direction == "out" else self.engine.swap_in(host, dev)
+        if self.engine.done(t):  # the reference engine's copies are done on return: nothing to hold
             return None
         f = _InFlight(t, list(dev), list(host))
-        self.allocator.hold(f.dev)
-        rot.host_alloc.hold(f.host)
-        rot.inflight.append(f)
-        r.transfers = [x for x in r.transfers if not x.landed] + [f]
+        self.s.allocator.hold(f.dev)
+        self.host_alloc.hold(f.host)
+        self.inflight.append(f)
+        r.rot.transfers = [x for x in r.rot.transfers if not x.landed] + [f]
         return f
 
-    def _cache_prefix(self, r: Req) -> None:
-        """`kv.cache_prefix`, dropping eager copies of pages it swapped for the cache's twins (so the
-        remaining copies stay trusted without a scan every iteration)."""
-        if self.rot is None or not r.eager:
-            self.kv.cache_prefix(r)
-            return
-        before = list(r.pages)
-        self.kv.cache_prefix(r)
-        stale = [i for i in r.eager if i >= len(r.pages) or r.pages[i] != before[i]]
+    def _swapped(self, r: Req, indices: list[int]) -> None:
+        """`cache_prefix` swapped these pages for the cache's twins: their eager copies are dropped at
+        once (so the remaining copies stay trusted without a scan every iteration)."""
+        stale = [i for i in indices if i in r.rot.eager]
         if stale:
-            self.rot.host_alloc.free([r.eager.pop(i)[1] for i in stale])
+            self.host_alloc.free([r.rot.eager.pop(i)[1] for i in stale])
 
     # ---- releasing ------------------------------------------------------------------------------
     def _drop_host(self, r: Req) -> None:
         """Free the request's host pages: eager copies and rotated KV."""
-        rot = self.rot
-        if rot is None:
-            return
-        pages = [h for _, h in r.eager.values()] + r.host_pages
+        st = r.rot
+        pages = [h for _, h in st.eager.values()] + st.host_pages
         if pages:
-            rot.host_alloc.free(pages)
-        r.eager, r.host_pages, r.host_len = {}, [], 0
+            self.host_alloc.free(pages)
+        st.eager, st.host_pages, st.host_len = {}, [], 0
 
     def _hold_prefix_while_copying(self, r: Req) -> None:
         """Before a release: if copies of its pages are in flight, publish its full pages and keep
         their cache node locked until those copies land (unlocked pages could be evicted and
         rewritten under a copy). Its own pages are parked by the allocator."""
-        if self.rot is None or not r.admitted:
+        if not r.admitted:
             return
-        pending = [f for f in r.transfers if not f.landed]
-        r.transfers = pending
+        pending = [f for f in r.rot.transfers if not f.landed]
+        r.rot.transfers = pending
         if not pending:
             return
-        self._cache_prefix(r)
+        self.s.kv.cache_prefix(r)
         if r.prefix_node is not None:
-            self.kv.cache.lock(r.prefix_node)
-            self.rot.deferred.append((pending, r.prefix_node, r.cached_pages))
-
-    def _release_kv(self, r: Req) -> None:
-        self._drop_host(r)
-        self._hold_prefix_while_copying(r)
-        r.copy_in = None
-        super()._release_kv(r)  # type: ignore[misc]
-
-    def _drop_local_kv(self, r: Req) -> None:
-        self._drop_host(r)
-        self._hold_prefix_while_copying(r)
-        super()._drop_local_kv(r)  # type: ignore[misc]
+            self.s.kv.cache.lock(r.prefix_node)
+            self.deferred.append((pending, r.prefix_node, r.cached_pages))
 
     # ---- eager copies ---------------------------------------------------------------------------
     def _valid_eager(self, r: Req) -> dict[int, int]:
-        """Page index -> host copy, for the copies still trusted; the others are dropped. (`_cache_prefix`
+        """Page index -> host copy, for the copies still trusted; the others are dropped. (`_swapped`
         already drops copies of swapped pages; this is the check before a copy is relied on.)"""
-        rot = self.rot
-        assert rot is not None
-        full = r.kv_len // self.page_size
+        full = r.kv_len // self.s.page_size
         good: dict[int, int] = {}
         stale: list[int] = []
-        for i, (dev, host) in r.eager.items():
+        for i, (dev, host) in r.rot.eager.items():
             if i < full and i < len(r.pages) and r.pages[i] == dev:
                 good[i] = host
             else:
                 stale.append(host)
         if stale:
-            rot.host_alloc.free(stale)
-            r.eager = {i: (r.pages[i], h) for i, h in good.items()}
+            self.host_alloc.free(stale)
+            r.rot.eager = {i: (r.pages[i], h) for i, h in good.items()}
         return good
 
     def _eager_copies(self) -> None:
         """Copy full pages of the likeliest victims, in the policy's victim order, until they cover
-        the pages the pool is short of (`_deficit`): copies of requests no rotation would reach only
-        cost link time, host memory and host time. A request whose full pages all have copies costs
-        one comparison (its copies stay trusted: `_cache_prefix` drops the ones it invalidates)."""
-        rot = self.rot
-        assert rot is not None
-        page = rot.engine.page_bytes
-        cover = self._deficit
-        for r in self.policy.victims([x for x in self.running if x.remote is None and x.admitted]):
+        the pages the pool is short of (the scheduler's `deficit`): copies of requests no rotation
+        would reach only cost link time, host memory and host time. A request whose full pages all
+        have copies costs one comparison (its copies stay trusted: `_swapped` drops the ones it
+        invalidates)."""
+        s = self.s
+        page = self.engine.page_bytes
+        cover = s.deficit
+        for r in s.policy.victims([x for x in s.running if x.home is KVHome.LOCAL and x.admitted]):
             if cover <= 0:
                 return
             cover -= len(r.pages)
-            full = r.kv_len // self.page_size
-            if len(r.eager) >= full or not self._ready(r):
+            full = r.kv_len // s.page_size
+            if len(r.rot.eager) >= full or not self.ready(r):
                 continue
-            room = min(rot.left["out"] // page, rot.host.num_free)
+            room = min(self.left["out"] // page, self.host.num_free)
             if room <= 0:
                 return
-            todo = [i for i in range(full) if i not in r.eager][:room]
-            host = rot.host_alloc.alloc_lowest(len(todo))
+            todo = [i for i in range(full) if i not in r.rot.eager][:room]
+            host = self.host_alloc.alloc_lowest(len(todo))
             self._issue(r, "out", [r.pages[i] for i in todo], host)
-            rot.spend("out", len(todo) * page)
+            self.spend("out", len(todo) * page)
             for i, h in zip(todo, host, strict=True):
-                r.eager[i] = (r.pages[i], h)
+                r.rot.eager[i] = (r.pages[i], h)
 
     def _host_room(self, n: int, keep: Req) -> bool:
         """At least `n` free host pages, dropping eager copies (least likely victims' first)."""
-        rot = self.rot
-        assert rot is not None
-        if rot.host.num_free >= n:
+        if self.host.num_free >= n:
             return True
-        for r in reversed(self.policy.victims(self.running)):
-            if r is not keep and r.eager:
-                rot.host_alloc.free([h for _, h in r.eager.values()])
-                r.eager = {}
-                if rot.host.num_free >= n:
+        for r in reversed(self.s.policy.victims(self.s.running)):
+            if r is not keep and r.rot.eager:
+                self.host_alloc.free([h for _, h in r.rot.eager.values()])
+                r.rot.eager = {}
+                if self.host.num_free >= n:
                     return True
         return False
 
     # ---- rotating out and back ------------------------------------------------------------------
-    def _rotate_out(self, r: Req, forced: bool) -> bool:
+    def rotate_out(self, r: Req, forced: bool) -> bool:
         """Move a running request's KV to the host pool; False (nothing changed) if it cannot."""
-        rot = self.rot
-        if rot is None or r.remote is not None or not r.admitted or r.kv_len == 0 or not self._ready(r):
+        s = self.s
+        if r.home is not KVHome.LOCAL or not r.admitted or r.kv_len == 0 or not self.ready(r):
             return False  # (a swap-in still writing its pages would race the copy out)
         # Its full pages go to the cache first (as at a release), so a resume may find them there;
         # this may swap pages for the cache's twins, which invalidates their eager copies.
-        self._cache_prefix(r)
-        n = self.kv.pages_for(r.kv_len)
+        s.kv.cache_prefix(r)
+        n = s.kv.pages_for(r.kv_len)
         copies = self._valid_eager(r)
         need = [i for i in range(n) if i not in copies]
-        nbytes = len(need) * rot.engine.page_bytes
-        if not forced and not rot.may_move("out", nbytes):
+        nbytes = len(need) * self.engine.page_bytes
+        if not forced and not self.may_move("out", nbytes):
             return False
         if not self._host_room(len(need), keep=r):
             if forced:
-                rot.recompute_fallbacks += 1
+                self.recompute_fallbacks += 1
                 logger.info("host KV pool full: %s is preempted by recompute", r.rid)
             return False
-        host = rot.host_alloc.alloc_lowest(len(need))
+        host = self.host_alloc.alloc_lowest(len(need))
         if need:
             self._issue(r, "out", [r.pages[i] for i in need], host)
-            rot.spend("out", nbytes, forced)
+            self.spend("out", nbytes, forced)
         copies.update(zip(need, host, strict=True))
-        r.host_pages = [copies[i] for i in range(n)]
-        r.eager = {}
-        r.host_len = r.kv_len
+        r.rot.host_pages = [copies[i] for i in range(n)]
+        r.rot.eager = {}
+        r.rot.host_len = r.kv_len
         self._hold_prefix_while_copying(r)
-        self.kv.release(r, keep_in_cache=True)
-        r.copy_in = None
-        self.running.remove(r)
-        r.status = ReqStatus.ROTARY
-        self.rotary.append(r)
-        rot.rotations_out += 1
-        logger.debug("rotated out %s (%d tokens, %d pages copied)", r.rid, r.host_len, len(need))
+        s.kv.release(r, keep_in_cache=True)
+        r.rot.copy_in = None
+        s.running.remove(r)
+        r.status, r.home = ReqStatus.WAITING, KVHome.HOST
+        s.rotary.append(r)
+        self.rotations_out += 1
+        logger.debug("rotated out %s (%d tokens, %d pages copied)", r.rid, r.rot.host_len, len(need))
         return True
+
+    def rotate_for(self, cand: Req, protect: set[int]) -> bool:
+        """Rotate out the policy's voluntary victims (not in this step's batch) until `cand` could
+        fit; True if any went. Pages that copies in flight will give back count as room: a victim's
+        pages come free only when its copy lands (next iteration on a GPU), so without them every
+        victim in the list would go for one candidate."""
+        s = self.s
+        victims = s.policy.make_room_for(
+            cand, [r for r in s.running if r.home is KVHome.LOCAL and id(r) not in protect and self.ready(r)])
+        if not victims:
+            return False
+        hit = s.kv.cache.match_prefix(cand.fill_ids[: s.kv.match_limit(cand)]).num_tokens
+        have = max(hit, cand.rot.host_len)
+        need = s.kv.pages_for(min(cand.fill_len, have + s.chunk)) - hit // s.page_size
+
+        def short() -> int:
+            return need - (s.kv.available_pages + self.pages_coming() - s.decode_reserve())
+
+        def slot() -> bool:
+            return len(s.running) < s.max_running
+
+        if short() <= 0 and slot():
+            return False  # the room is there or on its way: a rotation would buy nothing
+        if short() > sum(len(v.pages) for v in victims):
+            return False  # even all of them would not make room
+        moved = False
+        for v in victims:
+            if not self.rotate_out(v, forced=False):
+                break
+            moved = True
+            if short() <= 0 and slot():
+                break
+        return moved
 
     def _resume_plan(self, r: Req) -> tuple[int, int]:
         """For an admitted (prefix matched) rotary request: (tokens of KV after the swap-in, pages to
         copy in)."""
-        if r.kv_len >= r.host_len:
+        if r.kv_len >= r.rot.host_len:
             return r.kv_len, 0
-        return r.host_len, self.kv.pages_for(r.host_len) - r.cached_pages
+        return r.rot.host_len, self.s.kv.pages_for(r.rot.host_len) - r.cached_pages
 
-    def _resume(self, r: Req) -> bool:
+    def admit(self, r: Req, budget: int, reserve: int) -> int | None:
+        """Resume a rotary request: its prefix is matched again and the pages the cache no longer
+        holds are copied back. 0 while its copy is on the way (it joins a batch once it landed)."""
+        kv = self.s.kv
+        kv.admit(r)
+        target, copy = self._resume_plan(r)
+        decoding = bool(r.output_ids) and target == r.fill_len - 1
+        n = 0 if decoding else min(r.fill_len - target, budget)
+        need = kv.pages_for(target + max(n, 1)) - len(r.pages)
+        if need + reserve > kv.available_pages or (copy and not self.may_move("in", copy * self.engine.page_bytes)):
+            kv.release(r, keep_in_cache=False)
+            return None
+        if not self._resume(r, target, copy):
+            return 0  # its KV is on the way in: it joins a batch once the copy has landed
+        if n:
+            kv.grow(r, r.kv_len + n)
+        return n
+
+    def _resume(self, r: Req, target: int, copy: int) -> bool:
         """Swap an admitted rotary request's missing pages in; it is running again. True if it may
         join this step's batch; False while its copy is on the way (it joins the first batch after the
         copy has landed, so no step waits for it: the copy runs beside this step)."""
-        rot = self.rot
-        assert rot is not None
-        target, copy = self._resume_plan(r)
-        n_full = r.host_len // self.page_size
+        s, st = self.s, r.rot
+        n_full = st.host_len // s.page_size
         if copy:
             first = r.cached_pages
-            self.kv.grow(r, r.host_len)
-            r.copy_in = self._issue(r, "in", r.pages[first:], r.host_pages[first : first + copy])
-            rot.spend("in", copy * rot.engine.page_bytes)
+            s.kv.grow(r, st.host_len)
+            st.copy_in = self._issue(r, "in", r.pages[first:], st.host_pages[first : first + copy])
+            self.spend("in", copy * self.engine.page_bytes)
         # Its full pages' host copies stay as eager copies of the pages they came back to (or of the
         # cache's pages for the same tokens): a second rotation moves only what changed since.
-        keep = {i: (r.pages[i], r.host_pages[i]) for i in range(n_full)} if rot.eager else {}
+        keep = {i: (r.pages[i], st.host_pages[i]) for i in range(n_full)} if self.eager else {}
         kept = {h for _, h in keep.values()}
-        rot.host_alloc.free([h for h in r.host_pages if h not in kept])  # parked while the copy-in reads them
-        r.eager = keep
-        r.host_pages, r.host_len, r.kv_len = [], 0, target
-        self.rotary.remove(r)
-        r.start_running(self.clock())
-        self.running.append(r)
+        self.host_alloc.free([h for h in st.host_pages if h not in kept])  # parked while the copy-in reads them
+        st.eager = keep
+        st.host_pages, st.host_len, r.kv_len = [], 0, target
+        s.rotary.remove(r)
+        r.home = KVHome.LOCAL
+        r.start_running(s.clock())
+        s.running.append(r)
         r.rotations += 1
-        rot.rotations_in += 1
-        return self._ready(r)
+        self.rotations_in += 1
+        return self.ready(r)
 
     # ---- integrity ------------------------------------------------------------------------------
-    def _rot_check(self) -> None:
+    def check(self) -> None:
         """Every used host page is in exactly one place: a rotary request's KV, a running request's
         eager copy, or parked under a copy in flight."""
-        rot = self.rot
-        if rot is None:
-            return
-        owners: dict[int, str] = {p: "in flight" for p in rot.host_alloc.parked}
-        for r in self.rotary:
-            assert r.status is ReqStatus.ROTARY and not r.admitted and not r.pages, f"{r.rid} is not rotary"
-            assert len(r.host_pages) == self.kv.pages_for(r.host_len) > 0, f"{r.rid}: host pages != KV"
-            for p in r.host_pages:
+        s = self.s
+        owners: dict[int, str] = {p: "in flight" for p in self.host_alloc.parked}
+        for r in s.rotary:
+            assert r.home is KVHome.HOST and not r.admitted and not r.pages, f"{r.rid} is not rotary"
+            assert len(r.rot.host_pages) == s.kv.pages_for(r.rot.host_len) > 0, f"{r.rid}: host pages != KV"
+            for p in r.rot.host_pages:
                 assert p not in owners, f"host page {p} owned by {r.rid} and {owners[p]}"
                 owners[p] = r.rid
-        for r in self.running + self.waiting:
-            assert not r.host_pages, f"{r.rid} holds rotated KV but is {r.status.value}"
-            for _, p in r.eager.values():
+        for r in s.running + s.waiting:
+            assert not r.rot.host_pages, f"{r.rid} holds rotated KV but is {r.status.value}"
+            for _, p in r.rot.eager.values():
                 assert p not in owners, f"host page {p} owned by {r.rid} and {owners[p]}"
                 owners[p] = r.rid
-        alloc = rot.host_alloc
+        alloc = self.host_alloc
         used = {p for p in range(1, alloc.num_pages) if alloc.is_used(p)}
         assert used == set(owners), f"host pages leaked: {sorted(used - set(owners))[:8]}, " \
                                     f"unallocated owned: {sorted(set(owners) - used)[:8]}"

@@ -8,12 +8,17 @@ Each `step()` is one forward:
 When KV pages run out, running requests are preempted in the policy's victim order (fcfs: the most
 recently arrived first): their computed pages go to the prefix cache and they re-enter the waiting
 queue (recompute), or with `preemption_mode=rotate` their KV goes to host memory and they wait as
-rotary requests to be resumed (`rotary.py`). Who is admitted or resumed next, who is preempted and
-whether anyone is rotated out voluntarily are the policy's answers (`policy.py`).
+rotary requests to be resumed. Who is admitted or resumed next, who is preempted and whether anyone
+is rotated out voluntarily are the policy's answers (`policy.py`).
 
-With remote attention (`offload`), a share of the decoding requests keep their KV on an attention
-executor: they need no local pages, are never preemption victims, and ride in every decode batch
-as remote rows. If the executor drops one or is lost, it is recomputed like a preempted request.
+A request's KV home (`Req.home`) says where its KV lives: local pages, host memory (rotation,
+`rotary.py`), an attention executor (remote rows, `remote_rows.py`: they need no local pages, are
+never preemption victims, and ride in every decode batch) or a prefill worker's hand-off
+(`handoff.py`). Those mechanisms are the scheduler's members (`member.py`); a candidate is
+admitted by the member of its home, and each member hears of every iteration and release.
+
+With `overlap` (a CUDA worker's default) decode steps are pipelined (`overlap.py`): step t+1 is
+launched before step t's tokens have landed, whenever no member needs landed state.
 """
 
 from __future__ import annotations
@@ -21,13 +26,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from sglang_ext.engine.forward_batch import ForwardBatch, ForwardMode
-from sglang_ext.grammar.masks import GrammarMasks
 from sglang_ext.kvcache.allocator import PageAllocator
 from sglang_ext.kvcache.base import NoPrefixCache, PrefixCache
 from sglang_ext.kvcache.holds import HoldingAllocator
@@ -38,15 +41,17 @@ from sglang_ext.offload.sender import Offloader
 from sglang_ext.sampling.batch import SampleRow
 from sglang_ext.sampling.params import InvalidRequest
 from sglang_ext.sampling.sampler import Sampler, logprobs_of
-from sglang_ext.scheduler.admission import Admission
 from sglang_ext.scheduler.batch_builder import Entry, build_batch
+from sglang_ext.scheduler.grammar_rows import GrammarRows
 from sglang_ext.scheduler.handoff import Handoff
 from sglang_ext.scheduler.kv_manager import KVManager
-from sglang_ext.scheduler.output import DecodeFn, StepOutput, check_finish
+from sglang_ext.scheduler.member import Member
+from sglang_ext.scheduler.output import DecodeFn, LoadStats, StepOutput, check_finish
+from sglang_ext.scheduler.overlap import Overlap
 from sglang_ext.scheduler.policy import make_policy
 from sglang_ext.scheduler.remote_rows import RemoteRows
-from sglang_ext.scheduler.request import FinishReason, Req, ReqStatus
-from sglang_ext.scheduler.rotary import RotaryRows, make_rotation
+from sglang_ext.scheduler.request import FinishReason, KVHome, Req, ReqStatus
+from sglang_ext.scheduler.rotary import Rotation
 from sglang_ext.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -61,26 +66,12 @@ class Runner(Protocol):
     def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
 
 
-@dataclass
-class LoadStats:
-    num_running: int
-    num_waiting: int
-    kv_used_pages: int
-    kv_total_pages: int
-    cached_pages: int
-    num_preemptions: int
-    # rotation (preemption_mode=rotate): cumulative over the scheduler's life but num_rotary / host_*
-    num_rotary: int = 0
-    host_used_bytes: int = 0
-    host_total_bytes: int = 0
-    rotations_out: int = 0
-    rotations_in: int = 0
-    rotation_bytes_out: int = 0
-    rotation_bytes_in: int = 0
-    unhidden_iterations: int = 0
+def default_overlap(device: torch.device | str, disable_overlap_schedule: bool) -> bool:
+    """A worker's loop overlaps on CUDA unless disabled; elsewhere each step lands at once."""
+    return torch.device(device).type == "cuda" and not disable_overlap_schedule
 
 
-class Scheduler(Admission, RotaryRows, RemoteRows, Handoff):
+class Scheduler:
     def __init__(
         self,
         args: ServerArgs,
@@ -91,6 +82,7 @@ class Scheduler(Admission, RotaryRows, RemoteRows, Handoff):
         *,
         vocab_size: int,
         offload: Offloader | None = None,
+        overlap: bool = False,
     ) -> None:
         self.args = args
         self.runner = runner
@@ -108,24 +100,38 @@ class Scheduler(Admission, RotaryRows, RemoteRows, Handoff):
         self.max_running = args.max_running_requests or 256
         self.waiting: list[Req] = []
         self.running: list[Req] = []
-        self.rotary: list[Req] = []  # KV in host memory (preemption_mode=rotate)
-        self.handing: dict[str, Req] = {}  # disaggregation: prefilled, pages held while their KV is sent
-        self.rot = make_rotation(args, runner.pool) if rotate else None
+        self.rotary: list[Req] = []  # home HOST: KV in host memory (preemption_mode=rotate)
         self._pending: list[StepOutput] = []  # outputs produced outside a forward (aborts)
         self._sent: dict[str, tuple[int, int, int]] = {}  # rid -> (tokens, in-logprobs, out-logprobs) sent
         self.num_preemptions = 0
         self.prefill_tokens = 0  # prompt tokens forwarded in chunks of more than one (a step profile's)
         self.forward_rows = 0  # requests in the forwards launched so far (a step profile's)
         self.remote_forward_rows = 0  # ... of which remote rows
+        self.deficit = 0  # pages by which all requests' KV exceeds the pool (0: everything fits), per iteration
         self.sampler = Sampler(vocab_size, runner.device, args.random_seed)
-        self.grammar_masks = GrammarMasks(vocab_size, runner.device)  # imports xgrammar only when used
-        self.offload = None
-        self.set_offload(offload)
+        # members: the mechanisms beside local pages (member.py)
+        self.rot = Rotation.make(self, args) if rotate else None
+        self.remote_rows = RemoteRows(self)
+        self.handoff = Handoff(self)
+        self.grammar = GrammarRows(vocab_size, runner.device, not args.disable_grammar_overlap)
+        self.members: list[Member] = [m for m in (self.rot, self.remote_rows, self.handoff, self.grammar) if m]
+        self.homes: dict[KVHome, Member] = {m.home: m for m in self.members if m.home is not None}
+        self.overlap = Overlap(self) if overlap else None
+        self.remote_rows.set_offload(offload)
 
     # ---- requests in and out ------------------------------------------------------------------
     @property
     def max_total_tokens(self) -> int:
         return self.allocator.capacity * self.page_size
+
+    @property
+    def offload(self) -> Offloader | None:
+        return self.remote_rows.offload
+
+    @property
+    def overlapped_steps(self) -> int:
+        """Decode steps launched before their predecessor landed."""
+        return self.overlap.overlapped_steps if self.overlap is not None else 0
 
     def validate(self, req: Req) -> None:
         if not req.input_ids:
@@ -150,27 +156,46 @@ class Scheduler(Admission, RotaryRows, RemoteRows, Handoff):
         self._sent[req.rid] = (0, 0, 0)
         self.waiting.append(req)
 
+    def add_prefilled(self, req: Req, kv: object) -> None:
+        """Disaggregation, decode side: `Handoff.add_prefilled`."""
+        self.handoff.add_prefilled(req, kv)
+
+    def hand_off(self, rid: str) -> Req | None:
+        """Disaggregation, prefill side: `Handoff.hand_off`."""
+        return self.handoff.hand_off(rid)
+
+    def handed(self, rid: str) -> None:
+        self.handoff.handed(rid)
+
+    def set_offload(self, offload: Offloader | None) -> None:
+        """Another executor, or none: `RemoteRows.set_offload`."""
+        self.remote_rows.set_offload(offload)
+
+    def adopt_remote(self, r: Req, handle: int) -> bool:
+        """Adrenaline placement: a request queued by `add_prefilled` (its first token in hand, no KV
+        staged) whose prompt KV the prefill worker left in its executor under `handle`. It is
+        admitted as a remote row (no local pages) and decodes there. False when the offloader in
+        force cannot take it (the caller then lets it recompute its prompt here)."""
+        return self.remote_rows.adopt(r, handle)
+
     def abort(self, rid: str, message: str = "aborted by the client") -> bool:
         for queue in (self.waiting, self.running, self.rotary):
             for r in queue:
                 if r.rid == rid:
                     queue.remove(r)
-                    self._finish(r, FinishReason("abort", message=message))
+                    self.finish(r, FinishReason("abort", message=message))
                     self._pending.append(self._output(r))
                     return True
         return False
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.rotary or self._pending)
+        return bool(self.waiting or self.running or self.rotary or self._pending
+                    or (self.overlap is not None and self.overlap.inflight is not None))
 
     def flush_cache(self) -> bool:
         """Drop the whole prefix cache; refused while requests are in flight (as in SGLang)."""
-        if self.waiting or self.running or self.rotary or self.handing:
+        if self.waiting or self.running or self.rotary or any(m.busy() for m in self.members):
             return False
-        if self.rot is not None:
-            self._rot_poll()
-            if self.rot.inflight:
-                return False  # rotation copies still read cache pages
         self.allocator.free(self.kv.cache.reset())
         return True
 
@@ -179,29 +204,31 @@ class Scheduler(Admission, RotaryRows, RemoteRows, Handoff):
         used = self.allocator.capacity - self.allocator.num_free
         stats = LoadStats(len(self.running), len(self.waiting), used, self.allocator.capacity,
                           info.cached_pages, self.num_preemptions)
-        if (rot := self.rot) is not None:
-            stats.num_rotary, stats.host_used_bytes = len(self.rotary), rot.host.used_bytes
-            stats.host_total_bytes = rot.host.allocator.capacity * rot.engine.page_bytes
-            stats.rotations_out, stats.rotations_in = rot.rotations_out, rot.rotations_in
-            stats.rotation_bytes_out, stats.rotation_bytes_in = rot.engine.bytes_out, rot.engine.bytes_in
-            stats.unhidden_iterations = rot.unhidden_iterations
+        for m in self.members:
+            m.stats(stats)
         return stats
 
     def check(self) -> None:
         """Assert every device and host page is in exactly one place (tests call this between steps)."""
         parked = getattr(self.allocator, "parked", frozenset())
-        self.kv.check(self.running + self.waiting + list(self.handing.values()), {p: "in flight" for p in parked})
-        self._rot_check()
+        holders = [r for m in self.members for r in m.holders()]
+        self.kv.check(self.running + self.waiting + holders, {p: "in flight" for p in parked})
+        for m in self.members:
+            m.check()
 
     # ---- one iteration --------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
-        self._rot_begin()
+        for m in self.members:
+            m.begin()
+        if self.overlap is not None and self.overlap.inflight is not None:
+            return outputs + self.overlap.step()  # step t+1 launched (if it may be) as t lands
         entries, mode = self._schedule()
-        if not entries and self._fence_arrivals():
+        if not entries and self.rot is not None and self.rot.fence_arrivals():
             entries, mode = self._schedule()  # the step waits for those copies on the device
-        self._rot_end()
-        if not entries and self.running and self._copies_in_flight():
+        for m in self.members:
+            m.end()
+        if not entries and self.running and self.rot is not None and self.rot.copies_in_flight():
             return outputs  # pages come free as rotation copies land: wait, do not preempt
         if not entries and self.running:
             # Part-prefilled requests hold every page and none can grow: free the policy's first
@@ -211,34 +238,48 @@ class Scheduler(Admission, RotaryRows, RemoteRows, Handoff):
                 self._preempt(newest)
             else:
                 self.running.remove(newest)
-                self._finish(newest, FinishReason("abort", message="out of KV cache memory"))
+                self.finish(newest, FinishReason("abort", message="out of KV cache memory"))
                 outputs.append(self._output(newest))
             return outputs
         if not entries:
             return outputs
         return outputs + self._run(entries, mode)
 
+    def needs_landed_state(self, reqs: list[Req]) -> bool:
+        """Some member needs a decode step over `reqs` scheduled and landed with no step in flight."""
+        return any(m.needs_landed_state(reqs) for m in self.members)
+
+    def plan(self, entries: list[Entry], ahead: int = 0) -> list[Entry]:
+        """The step's rows once its remote rows are planned on the executor (rows it drops are
+        recomputed later). Raises ExecutorLost."""
+        entries = self.remote_rows.plan(entries, ahead)
+        self.forward_rows += len(entries)  # every forward's rows pass here (the step profile's "rows")
+        return entries
+
     def _run(self, entries: list[Entry], mode: ForwardMode) -> list[StepOutput]:
-        """One forward of the scheduled entries and its results (`OverlapScheduler` defers them)."""
+        """One forward of the scheduled entries: landed at once, or launched to land next step."""
         try:
-            entries = self._plan_remote(entries)
+            entries = self.plan(entries)
             if not entries:
                 return []
             batch = build_batch(entries, mode, self.page_size, self.runner.device)
+            if self.overlap is not None and self.overlap.may_launch(entries, mode):
+                self.overlap.launch(entries, batch)
+                return []
             logits = self.runner.forward(batch)
         except ExecutorLost as e:
             # Nothing of this step is kept: local rows redo it next step (their KV writes are
             # idempotent and kv_len did not move); remote rows are recomputed from their tokens.
-            self._lose_executor(str(e))
+            self.remote_rows.lose_executor(str(e))
             return []
-        return self._process(entries, logits)
+        return self._land(entries, logits)
 
     def _schedule(self) -> tuple[list[Entry], ForwardMode]:
         entries: list[Entry] = []
         budget = self.chunk
         # 1. requests part-way through prefill continue first
         for r in self.running:
-            if r.prefilled or budget <= 0 or not self._ready(r):
+            if r.prefilled or budget <= 0 or not Rotation.ready(r):
                 continue
             n = min(r.fill_len - r.kv_len, budget)
             if not self.kv.can_grow(r, r.kv_len + n):
@@ -249,50 +290,93 @@ class Scheduler(Admission, RotaryRows, RemoteRows, Handoff):
         # 2. admit waiting requests and resume rotary ones, in the policy's order, while the token
         # budget, slots, KV headroom and rotation budget last (the policy may rotate some out)
         if self.rot is not None or self.policy.wants_fit:
-            self._deficit = self._kv_deficit()
-        self.policy.begin(self.clock(), self._deficit == 0)
-        reserve = self._decode_reserve()
+            self.deficit = self._kv_deficit()
+        self.policy.begin(self.clock(), self.deficit == 0)
+        reserve = self.decode_reserve()
         for r in self.policy.candidates(self.waiting, self.rotary, self.kv.cache):
             if budget <= 0:
                 break
-            if r.status is ReqStatus.ROTARY and any(not f.landed for f in r.transfers):
+            if r.home is KVHome.HOST and Rotation.leaving(r):
                 continue  # its KV is still on the way out: a copy back would race it
             if self.kv.pages_for(r.fill_len) > self.allocator.capacity:
                 # Grown past the whole pool (its KV was elsewhere, or it was preempted late): it can
                 # never run here again, and it must not block the queue.
-                (self.rotary if r.status is ReqStatus.ROTARY else self.waiting).remove(r)
-                self._finish(r, FinishReason("abort", message=(
-                    f"out of KV cache memory: the request needs more than {self.max_total_tokens} tokens")))
-                self._pending.append(self._output(r))
+                (self.rotary if r.home is KVHome.HOST else self.waiting).remove(r)
+                self._abort_too_long(r)
                 continue
             n = self._try_admit(r, budget, reserve)
-            if n is None and self._rotate_for(r, protect={id(e.req) for e in entries}):
-                reserve = self._decode_reserve()
+            if n is None and self.rot is not None and self.rot.rotate_for(r, protect={id(e.req) for e in entries}):
+                reserve = self.decode_reserve()
                 n = self._try_admit(r, budget, reserve)
             if n is None:
                 break
             if n:
                 entries.append(self._entry(r, n))
                 budget -= n
-            elif r.remote is None:  # a resumed decoder: keep its next token's page for it (a remote
-                reserve += self.kv.pages_for(r.kv_len + 1) - len(r.pages)  # one grows on the executor)
+            elif r.home is not KVHome.REMOTE:  # a resumed decoder: keep its next token's page for it (a
+                reserve += self.kv.pages_for(r.kv_len + 1) - len(r.pages)  # remote one grows on the executor)
         # 3. decoding requests: alone (DECODE) or riding along a prefill (EXTEND)
         prefill_reqs = {id(e.req) for e in entries}
-        decoders = [r for r in self.running if r.prefilled and id(r) not in prefill_reqs and self._ready(r)]
-        if self.offload is not None:
-            for r in self.offload.choose(decoders):
-                self._drop_local_kv(r)
+        decoders = [r for r in self.running if r.prefilled and id(r) not in prefill_reqs and Rotation.ready(r)]
+        self.remote_rows.choose(decoders)
         decoders = self._make_room(decoders, protect=prefill_reqs)
         entries.extend(self._entry(r, 1) for r in decoders)
         mode = ForwardMode.EXTEND if prefill_reqs else ForwardMode.DECODE
         return entries, mode
 
+    def _try_admit(self, r: Req, budget: int, reserve: int) -> int | None:
+        """Admit a candidate by its home: the tokens it computes this step (0: it decodes with the
+        others, or waits for its KV), or None (nothing changed) if it does not fit now."""
+        if len(self.running) >= self.max_running:
+            return None
+        member = self.homes.get(r.home)
+        if member is not None:
+            return member.admit(r, budget, reserve)
+        self.kv.admit(r)
+        n = min(r.fill_len - r.kv_len, budget)
+        if self.kv.pages_for(r.kv_len + max(n, 1)) - len(r.pages) + reserve > self.kv.available_pages:
+            self.kv.release(r, keep_in_cache=False)
+            return None
+        if r.num_preemptions == 0:
+            r.cached_tokens = r.kv_len
+        self.waiting.remove(r)
+        r.start_running(self.clock())
+        self.running.append(r)
+        if n:
+            self.kv.grow(r, r.kv_len + n)
+        return n
+
+    def decode_reserve(self) -> int:
+        """Pages kept free for running requests' next tokens, so admission does not cause an
+        immediate preemption (a short horizon, not the whole max_new_tokens)."""
+        horizon = 4 * self.page_size
+        total = 0
+        for r in self.running:
+            if r.home is KVHome.LOCAL:
+                left = r.sampling.max_new_tokens - len(r.output_ids)
+                total += max(self.kv.pages_for(r.kv_len + min(left, horizon) + 1) - len(r.pages), 0)
+        return total
+
+    def _kv_deficit(self) -> int:
+        """Pages by which every running, rotary and waiting request's KV (and its next token) exceeds
+        the pool; 0 if it all fits. Stops counting past twice the pool (then it is at least the pool),
+        so a long queue costs no more than the requests that two pools hold."""
+        cap = self.allocator.capacity
+        demand = 0
+        for queue in (self.running, self.rotary, self.waiting):
+            for r in queue:
+                if r.home is not KVHome.REMOTE:
+                    demand += self.kv.pages_for(r.fill_len + 1)
+                    if demand > 2 * cap:
+                        return demand - cap
+        return max(demand - cap, 0)
+
     def _make_room(self, decoders: list[Req], protect: set[int]) -> list[Req]:
         """Grow each decoder by one token, preempting the latest arrivals when pages run out."""
-        kept = [r for r in decoders if r.remote is not None]  # their KV grows on the executor
+        kept = [r for r in decoders if r.home is KVHome.REMOTE]  # their KV grows on the executor
         # Grown in the reverse of the policy's victim order: the first victims grow last.
-        decoders = self.policy.victims([r for r in decoders if r.remote is None])[::-1]
-        coming = self._pages_coming()
+        decoders = self.policy.victims([r for r in decoders if r.home is not KVHome.REMOTE])[::-1]
+        coming = self.rot.pages_coming() if self.rot is not None else 0
         while decoders:
             r = decoders.pop(0)
             while not self.kv.can_grow(r, r.kv_len + 1):
@@ -305,16 +389,15 @@ class Scheduler(Admission, RotaryRows, RemoteRows, Handoff):
                 victim = decoders.pop() if decoders else None
                 if victim is None:
                     others = [x for x in self.running if x is not r and id(x) not in protect and x not in kept
-                              and x.remote is None and self._ready(x)]
+                              and x.home is KVHome.LOCAL and Rotation.ready(x)]
                     victim = self.policy.victims(others)[0] if others else r
-                if victim is r and len(self.running) == 1 and self._copies_in_flight():
+                alone = victim is r and len(self.running) == 1
+                if alone and self.rot is not None and self.rot.copies_in_flight():
                     break  # pages still under rotation copies: it grows once they land
-                if victim is r and len(self.running) == 1:
+                if alone:
                     # Alone and still out of pages: it can never fit, so fail it explicitly.
                     self.running.remove(r)
-                    self._finish(r, FinishReason("abort", message=(
-                        f"out of KV cache memory: the request needs more than {self.max_total_tokens} tokens")))
-                    self._pending.append(self._output(r))
+                    self._abort_too_long(r)
                     break
                 self._preempt(victim)
                 if victim is r:
@@ -324,12 +407,17 @@ class Scheduler(Admission, RotaryRows, RemoteRows, Handoff):
                 kept.append(r)
         return kept
 
+    def _abort_too_long(self, r: Req) -> None:
+        self.finish(r, FinishReason("abort", message=(
+            f"out of KV cache memory: the request needs more than {self.max_total_tokens} tokens")))
+        self._pending.append(self._output(r))
+
     def _preempt(self, r: Req) -> None:
-        if self._rotate_out(r, forced=True):
+        if self.rot is not None and self.rot.rotate_out(r, forced=True):
             return
         logger.debug("preempting %s (kv_len=%d)", r.rid, r.kv_len)
         self.running.remove(r)
-        self._release_kv(r)
+        self.release_kv(r)
         r.status = ReqStatus.WAITING
         r.num_preemptions += 1
         self.num_preemptions += 1
@@ -346,7 +434,13 @@ class Scheduler(Admission, RotaryRows, RemoteRows, Handoff):
         return Entry(r, n, pos, sample)
 
     # ---- results --------------------------------------------------------------------------------
-    def _process(self, entries: list[Entry], logits: torch.Tensor) -> list[StepOutput]:
+    def draw(self, reqs: list[Req], logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Sample one token per row of `logits` (masked in place for constrained rows)."""
+        rows = self.grammar.mask(reqs, logits, rows)
+        return self.sampler.sample(logits, self.sampler.batch(rows))
+
+    def _land(self, entries: list[Entry], logits: torch.Tensor) -> list[StepOutput]:
+        """The results of a forward that lands at once: prompt logprobs, sampled tokens, finishes."""
         row = 0
         sample_rows: list[int] = []
         sample_reqs: list[Req] = []
@@ -364,24 +458,21 @@ class Scheduler(Admission, RotaryRows, RemoteRows, Handoff):
             if e.extend > 1:
                 self.prefill_tokens += e.extend
                 # Publish finished prompt pages now so concurrent requests can share them.
-                self._cache_prefix(r)
+                self.kv.cache_prefix(r)
             if e.sample:
                 sample_rows.append(row)
                 sample_reqs.append(r)
                 row += 1
         if sample_rows:
             rows_logits = logits[sample_rows]  # a copy: masked in place below
-            rows = [self._sample_row(r) for r in sample_reqs]
-            if any(r.grammar is not None for r in sample_reqs):
-                rows = self.grammar_masks.constrain(rows_logits, [r.grammar for r in sample_reqs], rows)
-            tokens = self.sampler.sample(rows_logits, self.sampler.batch(rows)).tolist()
+            tokens = self.draw(sample_reqs, rows_logits, [self.sample_row(r) for r in sample_reqs]).tolist()
             # (landed) remote rows let through by a watchdog carry no attention results: drop them
-            forged = self._forged([r for r in sample_reqs if r.remote is not None],
-                                  self.offload.remote if self.offload is not None else None)
+            via, _ = self.remote_rows.transport(sample_reqs)
+            forged = self.remote_rows.forged([r for r in sample_reqs if r.home is KVHome.REMOTE], via)
             if forged:
                 for r in sample_reqs:
                     if id(r) in forged:
-                        self._drop_forged(r)
+                        self.drop_penalties(r)
                 keep = [i for i, r in enumerate(sample_reqs) if id(r) not in forged]
                 sample_reqs, tokens = [sample_reqs[i] for i in keep], [tokens[i] for i in keep]
                 rows_logits = rows_logits[keep]
@@ -396,30 +487,31 @@ class Scheduler(Admission, RotaryRows, RemoteRows, Handoff):
                     r.output_token_logprobs.append((lps[j], tokens[i]))
                     r.output_top_logprobs.append(tops[j][: r.top_logprobs_num] if tops else [])
             for r, t in zip(sample_reqs, tokens, strict=True):
-                r.output_ids.append(t)
-                if r.grammar is not None:
-                    r.grammar.accept(t)
-        return self._finish_or_report([e.req for e in entries])
+                GrammarRows.keep(r, t)
+        return self.finish_or_report([e.req for e in entries])
 
-    def _finish_or_report(self, reqs: list[Req]) -> list[StepOutput]:
-        """Apply the finish rules to requests whose forward just landed; report what is new."""
+    def finish_or_report(self, reqs: list[Req]) -> list[StepOutput]:
+        """Apply the finish rules to requests whose forward just landed; report what is new. A
+        request back in the waiting queue (taken back from its executor while its step was in
+        flight: it holds no KV anywhere) that stops here leaves the queue."""
         outputs: list[StepOutput] = []
         now = self.clock()
         for r in reqs:
+            queued = r.status is ReqStatus.WAITING
             if r.output_ids:
                 r.last_token_time = now
-                if r.first_token_time is None:
+                if r.first_token_time is None and not queued:
                     r.first_token_time = now
-            done = r.kv_len >= r.fill_len - 1  # mid-prefill chunks cannot finish
+            done = queued or r.kv_len >= r.fill_len - 1  # mid-prefill chunks cannot finish
             reason = check_finish(r, self.eos_ids, self.runner.context_len, self.decode_fn) if done else None
             if reason is not None:
-                self.running.remove(r)
-                self._finish(r, reason)
+                (self.waiting if queued else self.running).remove(r)
+                self.finish(r, reason)
             if reason is not None or self._has_new(r):
                 outputs.append(self._output(r))
         return outputs
 
-    def _sample_row(self, r: Req, ahead: int = 0) -> SampleRow:
+    def sample_row(self, r: Req, ahead: int = 0) -> SampleRow:
         """How to sample request r's next token, `ahead` tokens after those already landed."""
         p = r.sampling
         n_out = len(r.output_ids) + ahead
@@ -431,13 +523,33 @@ class Scheduler(Admission, RotaryRows, RemoteRows, Handoff):
                                                              p.presence_penalty)
         return SampleRow(p, n_out, banned, r.penalty_slot)
 
-    def _finish(self, r: Req, reason: FinishReason) -> None:
-        r.status = ReqStatus.FINISHED
-        r.finish_reason = reason
-        self._release_kv(r)
+    def release_kv(self, r: Req) -> None:
+        """`r` lets go of its KV wherever it lives: each member gives back what it holds, then its
+        local pages are freed (full ones published to the prefix cache)."""
+        for m in self.members:
+            m.release(r)
+        self.kv.release(r, keep_in_cache=True)
+
+    def drop_penalties(self, r: Req) -> None:
+        """Free r's penalty slot: at its finish, or when a token the device's statistics counted is
+        dropped (the slot is rebuilt from its real tokens when it samples again)."""
         if r.penalty_slot >= 0:
             self.sampler.penalties.release(r.penalty_slot)
             r.penalty_slot = -1
+
+    def finish(self, r: Req, reason: FinishReason) -> None:
+        r.status = ReqStatus.FINISHED
+        r.finish_reason = reason
+        self.release_kv(r)
+        self.drop_penalties(r)
+
+    def forget(self, rid: str) -> None:
+        """Report nothing more of `rid` (handed to another worker)."""
+        self._sent.pop(rid, None)
+
+    def sent_before(self, rid: str, sent: tuple[int, int, int]) -> None:
+        """What of `rid` was reported elsewhere already: (tokens, input logprobs, output logprobs)."""
+        self._sent[rid] = sent
 
     def _has_new(self, r: Req) -> bool:
         sent = self._sent.get(r.rid, (0, 0, 0))

@@ -46,9 +46,8 @@ from sglang_ext.models.resolve import PRESET_PREFIX, resolve_model_path
 from sglang_ext.offload.setup import local_offloader
 from sglang_ext.sampling.params import InvalidRequest
 from sglang_ext.scheduler.output import StepOutput
-from sglang_ext.scheduler.overlap import scheduler_class
 from sglang_ext.scheduler.request import Req
-from sglang_ext.scheduler.scheduler import Scheduler
+from sglang_ext.scheduler.scheduler import Scheduler, default_overlap
 from sglang_ext.server_args import ServerArgs
 from sglang_ext.transport.choice import cuda_ipc_problem
 from sglang_ext.worker.disagg import PairGone, WorkerDisagg
@@ -110,12 +109,12 @@ class Worker:
         with timer.stage("scheduler"):
             # A prefill worker hands each request off right after its first token: nothing to overlap,
             # and a hand-off must not meet a step in flight.
-            sched_cls = scheduler_class(self.runner.device,
-                                        args.disable_overlap_schedule or args.disaggregation_mode == "prefill")
-            self.scheduler: Scheduler = sched_cls(
+            overlap = default_overlap(self.runner.device,
+                                      args.disable_overlap_schedule or args.disaggregation_mode == "prefill")
+            self.scheduler = Scheduler(
                 args, self.runner, args.resolved_page_size, frozenset(eos),
                 decode_fn=(lambda ids: self.tokenizer.decode(ids, False)) if self.tokenizer else None,
-                vocab_size=self.cfg.vocab_size, offload=local_offloader(args, self.runner, worker_id),
+                vocab_size=self.cfg.vocab_size, offload=local_offloader(args, self.runner, worker_id), overlap=overlap,
             )
         # Nothing of xgrammar is loaded until a constrained request comes (grammar/backend.py).
         self.grammars = None
