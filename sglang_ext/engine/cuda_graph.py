@@ -23,6 +23,8 @@ from sglang_ext.engine import sm_partition
 from sglang_ext.engine.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
+
     from sglang_ext.attention.base import AttentionBackend
     from sglang_ext.engine.split_graph import SplitGraphs
     from sglang_ext.models.decoder import DecoderForCausalLM
@@ -66,7 +68,7 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.batches: dict[int, ForwardBatch] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = None
+        self.pool: _POOL_HANDLE | None = None
         self.capture()
 
     def _static_batch(self, bs: int) -> ForwardBatch:

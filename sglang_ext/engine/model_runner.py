@@ -174,10 +174,10 @@ class ModelRunner:
             # On CPU the fraction is of physical RAM, minus what the weights already take.
             ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
             weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            budget = ram * a.mem_fraction_static - weights
-            if budget <= geom.page_bytes * 2:
+            ram_budget = ram * a.mem_fraction_static - weights
+            if ram_budget <= geom.page_bytes * 2:
                 raise RuntimeError(f"mem_fraction_static={a.mem_fraction_static} leaves no RAM for the KV cache")
-            return int(budget // geom.page_bytes)
+            return int(ram_budget // geom.page_bytes)
         return -(-tokens // geom.page_size) + 1
 
     @property

@@ -86,16 +86,18 @@ class Engine:
         raise WorkerDied("the worker did not start in time")
 
     def shutdown(self) -> None:
-        if getattr(self, "_proc", None) is None:
+        # getattr: __del__ may run on an instance whose __init__ failed before _proc was set.
+        proc: subprocess.Popen[bytes] | None = getattr(self, "_proc", None)
+        if proc is None:
             return
-        if self._proc.poll() is None:
+        if proc.poll() is None:
             with contextlib.suppress(zmq.ZMQError):
                 self._send(ShutdownReq())
             try:
-                self._proc.wait(timeout=10)
+                proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(timeout=5)
+                proc.kill()
+                proc.wait(timeout=5)
         self._proc = None
         self._sock.close(0)
         self._ctx.term()

@@ -14,10 +14,13 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
-from typing import Any, Final, NamedTuple
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from sglang_ext.sampling.params import InvalidRequest, SamplingParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 KINDS: Final = ("regex", "json_schema", "ebnf", "structural_tag")  # SamplingParams fields, in SGLang's names
 CACHE_SIZE: Final = 512
@@ -45,7 +48,7 @@ class GrammarState:
 
     __slots__ = ("error", "matcher")
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: xgr.GrammarMatcher) -> None:
         self.matcher = matcher
         self.error: str | None = None  # set if a token was refused (a bug: the mask allows only valid ones)
 
@@ -68,22 +71,22 @@ class GrammarBackend:
     """Compiles constraints for one tokenizer and vocabulary; thread-safe."""
 
     def __init__(self, tokenizer: Any | None, vocab_size: int, stop_ids: Iterable[int], *,
-                 any_whitespace: bool = True, encoded_vocab: Sequence[str | bytes] | None = None,
+                 any_whitespace: bool = True, encoded_vocab: list[str] | list[bytes] | None = None,
                  cache_size: int = CACHE_SIZE) -> None:
         """`tokenizer`: a HF tokenizer; or `encoded_vocab` (each token's text, as xgrammar's raw
         vocabulary type) for benchmarks without one. `any_whitespace`: JSON schemas admit free
         whitespace between tokens (SGLang's default); off, JSON is compact (", ", ": ")."""
         self._tokenizer = tokenizer
-        self._encoded_vocab = encoded_vocab
+        self._encoded_vocab: list[str] | list[bytes] = encoded_vocab or []
         self.vocab_size = vocab_size
         self.stop_ids = sorted(set(stop_ids))
         self.any_whitespace = any_whitespace
-        self._cache: OrderedDict[Constraint, Any] = OrderedDict()
+        self._cache: OrderedDict[Constraint, xgr.CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
-        self._compiler: Any = None
+        self._compiler: xgr.GrammarCompiler | None = None
 
-    def compiler(self) -> Any:
+    def compiler(self) -> xgr.GrammarCompiler:
         with self._lock:
             if self._compiler is None:
                 import xgrammar as xgr
@@ -92,13 +95,13 @@ class GrammarBackend:
                     info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
                                                               stop_token_ids=self.stop_ids)
                 else:
-                    info = xgr.TokenizerInfo(list(self._encoded_vocab or ()), xgr.VocabType.RAW,
+                    info = xgr.TokenizerInfo(self._encoded_vocab, xgr.VocabType.RAW,
                                              vocab_size=self.vocab_size, stop_token_ids=self.stop_ids)
                 # Its own cache stays off: ours, keyed by the request's text, is the one to consult.
                 self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
             return self._compiler
 
-    def compile(self, c: Constraint) -> Any:
+    def compile(self, c: Constraint) -> xgr.CompiledGrammar:
         """The compiled grammar of `c` (cached); InvalidRequest naming the problem if it is not valid."""
         with self._lock:
             hit = self._cache.get(c)
@@ -118,7 +121,7 @@ class GrammarBackend:
         return GrammarState(xgr.GrammarMatcher(self.compile(c)))
 
     @staticmethod
-    def _compile(compiler: Any, c: Constraint, any_whitespace: bool) -> Any:
+    def _compile(compiler: xgr.GrammarCompiler, c: Constraint, any_whitespace: bool) -> xgr.CompiledGrammar:
         try:
             if c.kind == "regex":
                 return compiler.compile_regex(c.text)
@@ -131,7 +134,7 @@ class GrammarBackend:
             raise InvalidRequest(f"sampling_params.{c.kind} is not valid: {_clean(str(e))}") from None
 
 
-def _compile_structural_tag(compiler: Any, text: str) -> Any:
+def _compile_structural_tag(compiler: xgr.GrammarCompiler, text: str) -> xgr.CompiledGrammar:
     """SGLang's two forms: {"structures": [{"begin", "schema", "end"}], "triggers": [...]} (the older
     one, still what its OpenAI server builds) or xgrammar's {"type": "structural_tag", "format": ...}."""
     tag = json.loads(text)

@@ -18,12 +18,16 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from sglang_ext.grammar.backend import GrammarState
 from sglang_ext.sampling.batch import SampleRow
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 assert sys.byteorder == "little", "the bitmask is read as bytes: bit k of byte b is token 8 * b + k"
 
@@ -34,17 +38,18 @@ class GrammarMasks:
         self.words = (vocab_size + 31) // 32
         self.device = torch.device(device)
         self.threads = threads or min(8, max(1, (os.cpu_count() or 2) // 2))  # the fill is parallel per row
-        self._batch: object | None = None  # xgrammar's BatchGrammarMatcher, on first use
+        self._batch: xgr.BatchGrammarMatcher | None = None  # on first use
         self._shifts = torch.arange(8, dtype=torch.uint8, device=self.device)
 
     def constrain(self, logits: torch.Tensor, states: Sequence[GrammarState | None],
                   rows: list[SampleRow]) -> list[SampleRow]:
         """Mask `logits` ([B, V], in place) for the rows with a grammar state; the rows to sample
         with, their bans folded into the masks."""
-        idx = [i for i, s in enumerate(states) if s is not None]
-        if not idx:
+        live = [(i, s) for i, s in enumerate(states) if s is not None]
+        if not live:
             return rows
-        mask = self.fill([states[i] for i in idx])  # type: ignore[misc]
+        idx = [i for i, _ in live]
+        mask = self.fill([s for _, s in live])
         rows = list(rows)
         bits = mask.numpy().view(np.uint32)
         for j, i in enumerate(idx):
@@ -67,7 +72,7 @@ class GrammarMasks:
 
             self._batch = xgr.BatchGrammarMatcher(max_threads=self.threads)
         mask = torch.empty((len(states), self.words), dtype=torch.int32, pin_memory=self.device.type == "cuda")
-        self._batch.batch_fill_next_token_bitmask([s.matcher for s in states], mask)  # type: ignore[attr-defined]
+        self._batch.batch_fill_next_token_bitmask([s.matcher for s in states], mask)
         return mask
 
 

@@ -71,7 +71,8 @@ def gpu_pci_address(device_index: int) -> str | None:
     """The GPU's PCI address as sysfs names it ("0000:1b:00.0"), from torch's device properties."""
     try:
         p = torch.cuda.get_device_properties(device_index)
-        return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+        # torch's stub for _CudaDeviceProperties omits the pci_* fields the runtime object has.
+        return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"  # type: ignore[attr-defined]
     except (AttributeError, RuntimeError, AssertionError):  # an old torch, or no CUDA
         return None
 

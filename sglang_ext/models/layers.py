@@ -45,6 +45,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate-half) RoPE with a precomputed cos/sin table indexed by position."""
 
+    cos: torch.Tensor  # [max_pos, D/2], a non-persistent buffer
+    sin: torch.Tensor
+
     def __init__(
         self, head_dim: int, max_pos: int, theta: float, scaling: dict[str, Any] | None
     ) -> None:
