@@ -189,10 +189,10 @@ class PDPlacement(PlacementStrategy):
         pid = f"{self.router.new_rid()}-kv{next(self._ids)}"
         p.pairing = pid
         self._set(p, "opening")
-        peer_device = pw.info.device
+        peer = pw.info
         reply = await self.router.request_reply(dw, lambda rid: KVPairOpen(
-            rid=rid, pairing=pid, peer=p.prefill, peer_device=peer_device, timeout_s=TRANSFER_TIMEOUT_S,
-            peer_host=pw.info.hostname, peer_gpu=pw.info.gpu_uuid, peer_pid=pw.info.pid),
+            rid=rid, pairing=pid, peer=p.prefill, peer_device=peer.device, timeout_s=TRANSFER_TIMEOUT_S,
+            peer_host=peer.hostname, peer_gpu=peer.gpu_uuid, peer_pid=peer.pid),
             OPEN_TIMEOUT_S)
         if p.pairing != pid:
             return  # superseded meanwhile

@@ -19,5 +19,5 @@ def decode_to_worker(buf: bytes) -> ToWorker:
     return _to_worker.decode(buf)
 
 
-def decode_from_worker(buf: bytes) -> FromWorker:
+def decode_from_worker(buf: bytes | memoryview) -> FromWorker:
     return _from_worker.decode(buf)

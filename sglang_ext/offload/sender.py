@@ -138,12 +138,15 @@ class Offloader(Generic[R]):
         """Plan a step's remote rows (each writes position kv_len + ahead: `ahead` is 1 for a step
         planned while the one before it is still in flight); returns the requests the executor
         dropped (no room to grow), already released there."""
-        by_handle = {r.remote: r for r in reqs}
+        by_handle: dict[int, R] = {}
+        for r in reqs:
+            assert r.remote is not None, "a remote row without a handle"
+            by_handle[r.remote] = r
         failed = self.remote.begin_step(list(by_handle), [r.kv_len + ahead for r in reqs])
         dropped = [by_handle[h] for h in failed]
-        for r in dropped:
-            self.reqs.pop(r.remote, None)  # type: ignore[arg-type]
-            r.remote = None
+        for h in failed:
+            self.reqs.pop(h, None)
+            by_handle[h].remote = None
         return dropped
 
     def lose_executor(self, why: str) -> list[R]:

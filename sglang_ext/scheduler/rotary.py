@@ -66,6 +66,9 @@ class Rotation(Member):
 
     def __init__(self, s: Scheduler, engine: RotationEngine, budget: int, eager: bool) -> None:
         self.s = s
+        # a rotating scheduler's device pages: freed pages under a copy in flight are parked
+        assert isinstance(s.allocator, HoldingAllocator)
+        self.dev_alloc: HoldingAllocator = s.allocator
         self.engine = engine
         self.budget = budget  # B_xfer, bytes per direction per iteration
         self.eager = eager
@@ -180,14 +183,14 @@ class Rotation(Member):
         them, and cache pages kept locked for them (an upper bound: another user may hold those)."""
         if not self.inflight:
             return 0
-        return len(self.s.allocator.parked) + sum(n for _, _, n in self.deferred)
+        return len(self.dev_alloc.parked) + sum(n for _, _, n in self.deferred)
 
     def poll(self) -> None:
         still: list[_InFlight] = []
         for f in self.inflight:
             if self.engine.done(f.t):
                 f.landed = True
-                self.s.allocator.unhold(f.dev)
+                self.dev_alloc.unhold(f.dev)
                 self.host_alloc.unhold(f.host)
             else:
                 still.append(f)
@@ -206,7 +209,7 @@ class Rotation(Member):
         if self.engine.done(t):  # the reference engine's copies are done on return: nothing to hold
             return None
         f = _InFlight(t, list(dev), list(host))
-        self.s.allocator.hold(f.dev)
+        self.dev_alloc.hold(f.dev)
         self.host_alloc.hold(f.host)
         self.inflight.append(f)
         r.rot.transfers = [x for x in r.rot.transfers if not x.landed] + [f]

@@ -210,7 +210,7 @@ class Scheduler:
 
     def check(self) -> None:
         """Assert every device and host page is in exactly one place (tests call this between steps)."""
-        parked = getattr(self.allocator, "parked", frozenset())
+        parked = self.allocator.parked if isinstance(self.allocator, HoldingAllocator) else frozenset[int]()
         holders = [r for m in self.members for r in m.holders()]
         self.kv.check(self.running + self.waiting + holders, {p: "in flight" for p in parked})
         for m in self.members:
@@ -304,15 +304,15 @@ class Scheduler:
                 (self.rotary if r.home is KVHome.HOST else self.waiting).remove(r)
                 self._abort_too_long(r)
                 continue
-            n = self._try_admit(r, budget, reserve)
-            if n is None and self.rot is not None and self.rot.rotate_for(r, protect={id(e.req) for e in entries}):
+            got = self._try_admit(r, budget, reserve)
+            if got is None and self.rot is not None and self.rot.rotate_for(r, protect={id(e.req) for e in entries}):
                 reserve = self.decode_reserve()
-                n = self._try_admit(r, budget, reserve)
-            if n is None:
+                got = self._try_admit(r, budget, reserve)
+            if got is None:
                 break
-            if n:
-                entries.append(self._entry(r, n))
-                budget -= n
+            if got:
+                entries.append(self._entry(r, got))
+                budget -= got
             elif r.home is not KVHome.REMOTE:  # a resumed decoder: keep its next token's page for it (a
                 reserve += self.kv.pages_for(r.kv_len + 1) - len(r.pages)  # remote one grows on the executor)
         # 3. decoding requests: alone (DECODE) or riding along a prefill (EXTEND)

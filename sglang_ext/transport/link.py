@@ -85,7 +85,8 @@ class Link:
         self.store = store  # kept: the groups rendezvoused through it
 
         def gloo(on: Any) -> Any:
-            opts = ProcessGroupGloo._Options()
+            # torch exposes gloo's timeout, device and thread count only through its private options
+            opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             opts._timeout = timedelta(seconds=connect_timeout_s)
             opts._devices = [ProcessGroupGloo.create_device(hostname=local_host)]
             opts._threads = 1

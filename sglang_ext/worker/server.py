@@ -169,7 +169,9 @@ class WorkerServer:
         """Serve until shutdown (returns 0) or a fatal error (returns EXIT_FATAL)."""
         self.sock.connect(self.router_addr)
         loop = asyncio.get_running_loop()
-        self.worker.disagg.notify = lambda: loop.call_soon_threadsafe(self.wake.set)  # KV sent or landed
+        def notify() -> None:  # KV sent or landed
+            loop.call_soon_threadsafe(self.wake.set)
+        self.worker.disagg.notify = notify
         await self.send([WorkerHello(info=self.worker.info())])
         tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._heartbeat_loop())]
         code = 0

@@ -8,6 +8,7 @@ fails itself (`InvalidRequest` -> a 400 for its rid).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -111,9 +112,10 @@ class Worker:
             # and a hand-off must not meet a step in flight.
             overlap = default_overlap(self.runner.device,
                                       args.disable_overlap_schedule or args.disaggregation_mode == "prefill")
+            tok = self.tokenizer
             self.scheduler = Scheduler(
                 args, self.runner, args.resolved_page_size, frozenset(eos),
-                decode_fn=(lambda ids: self.tokenizer.decode(ids, False)) if self.tokenizer else None,
+                decode_fn=functools.partial(tok.decode, skip_special_tokens=False) if tok else None,
                 vocab_size=self.cfg.vocab_size, offload=local_offloader(args, self.runner, worker_id), overlap=overlap,
             )
         # Nothing of xgrammar is loaded until a constrained request comes (grammar/backend.py).
@@ -424,7 +426,7 @@ class Worker:
 def _chars(messages: list[dict[str, Any]]) -> int:
     """Characters of text in a chat message list: every value in it (contents, names, tool calls)
     counts, as a template may render any of them. Iterative: nesting depth is the client's choice."""
-    n, stack = 0, [messages]
+    n, stack = 0, list[Any]([messages])
     while stack:
         x = stack.pop()
         if isinstance(x, dict):
