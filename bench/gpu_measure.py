@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from sglang_ext.engine.forward_batch import BatchRow, ForwardBatch, ForwardMode
+from sglang_ext.forward_batch import BatchRow, ForwardBatch, ForwardMode
 from sglang_ext.sampling.params import SamplingParams
 from sglang_ext.scheduler.batch_builder import Entry, build_batch
 from sglang_ext.scheduler.request import Req

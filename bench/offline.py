@@ -50,8 +50,8 @@ from bench.gpu_measure import (  # the repo root is on sys.path above when run a
 )
 from sglang_ext import ops
 from sglang_ext.engine.cuda_graph import CudaGraphRunner
-from sglang_ext.engine.forward_batch import ForwardBatch
 from sglang_ext.engine.model_runner import ModelRunner
+from sglang_ext.forward_batch import ForwardBatch
 from sglang_ext.models.config import ModelConfig
 from sglang_ext.models.resolve import resolve_model_path
 from sglang_ext.sampling.params import SamplingParams

@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gpu_measure import PAGE, Layout, SplitStep
-from sglang_ext.engine.forward_batch import BatchRow, ForwardBatch, ForwardMode
 from sglang_ext.engine.model_runner import ModelRunner
+from sglang_ext.forward_batch import BatchRow, ForwardBatch, ForwardMode
 from sglang_ext.models.config import ModelConfig
 from sglang_ext.models.resolve import resolve_model_path
 from sglang_ext.offload.executor import AttentionExecutor

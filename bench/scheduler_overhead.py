@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from sglang_ext.engine.forward_batch import ForwardBatch
+from sglang_ext.forward_batch import ForwardBatch
 from sglang_ext.kvcache.pool import KVGeometry, KVPool
 from sglang_ext.kvcache.rotation import RotationEngine, Transfer
 from sglang_ext.sampling.params import SamplingParams

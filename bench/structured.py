@@ -55,8 +55,8 @@ if __package__ in (None, ""):
 
 import torch
 
-from sglang_ext.engine.forward_batch import BatchRow, ForwardBatch, ForwardMode
 from sglang_ext.engine.model_runner import ModelRunner
+from sglang_ext.forward_batch import BatchRow, ForwardBatch, ForwardMode
 from sglang_ext.grammar.backend import Constraint, GrammarBackend, GrammarState
 from sglang_ext.grammar.masks import GrammarMasks
 from sglang_ext.models.config import ModelConfig

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sglang_ext.attention.torch_backend import TorchAttentionBackend
-from sglang_ext.engine.forward_batch import BatchRow, ForwardBatch, ForwardMode
+from sglang_ext.forward_batch import BatchRow, ForwardBatch, ForwardMode
 from sglang_ext.kvcache.pool import KVGeometry, KVPool
 from sglang_ext.models.config import ModelConfig
 from sglang_ext.models.decoder import DecoderForCausalLM

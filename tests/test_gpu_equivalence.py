@@ -12,8 +12,8 @@ import torch
 from _batch_util import PagedSeqs
 from _tiny import EOS, prompts, tiny_config
 
-from sglang_ext.engine.forward_batch import ForwardBatch, ForwardMode
 from sglang_ext.engine.model_runner import ModelRunner
+from sglang_ext.forward_batch import ForwardBatch, ForwardMode
 from sglang_ext.sampling.params import SamplingParams
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler

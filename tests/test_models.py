@@ -12,7 +12,7 @@ import torch
 from _batch_util import PagedSeqs, make_pool_and_backend, run_logits
 
 from sglang_ext.configs import preset_config_file, preset_dir, preset_names
-from sglang_ext.engine.forward_batch import ForwardMode
+from sglang_ext.forward_batch import ForwardMode
 from sglang_ext.models.config import ModelConfig
 from sglang_ext.models.decoder import DecoderForCausalLM
 from sglang_ext.models.default_model import ensure_default_model

@@ -192,7 +192,7 @@ def test_executor_load_in_parts() -> None:
 def test_executor_attention_matches_local_backend() -> None:
     """The executor's attention over copied KV equals the local torch backend's (float32)."""
     from sglang_ext.attention.torch_backend import TorchAttentionBackend
-    from sglang_ext.engine.forward_batch import BatchRow, ForwardBatch, ForwardMode
+    from sglang_ext.forward_batch import BatchRow, ForwardBatch, ForwardMode
     from sglang_ext.kvcache.pool import KVPool
 
     g = torch.Generator().manual_seed(0)

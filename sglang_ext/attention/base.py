@@ -14,13 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from sglang_ext.engine.forward_batch import ForwardBatch
+    from sglang_ext.forward_batch import ForwardBatch
     from sglang_ext.kvcache.pool import KVPool
-
-
-class AttentionMetadata:
-    """A backend's plan for one forward (kernel wrappers, gathered page tables); each backend
-    subclasses it, and only that backend reads it."""
 
 
 class AttentionBackend(ABC):

@@ -25,8 +25,8 @@ import flashinfer
 import torch
 
 from sglang_ext import ops
-from sglang_ext.attention.base import AttentionBackend, AttentionMetadata
-from sglang_ext.engine.forward_batch import ForwardBatch
+from sglang_ext.attention.base import AttentionBackend
+from sglang_ext.forward_batch import AttentionMetadata, ForwardBatch
 from sglang_ext.kvcache.pool import KVPool
 
 WORKSPACE_BYTES: Final = 256 * 1024 * 1024

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from sglang_ext.attention.base import AttentionBackend, AttentionMetadata
-from sglang_ext.engine.forward_batch import ForwardBatch
+from sglang_ext.attention.base import AttentionBackend
+from sglang_ext.forward_batch import AttentionMetadata, ForwardBatch
 from sglang_ext.kvcache.pool import KVPool
 
 _PAD_LIMIT = 1 << 24  # score elements (B x L x S x heads) below which prefills are batched with padding

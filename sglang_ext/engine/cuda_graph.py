@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Final
 import torch
 
 from sglang_ext.engine import sm_partition
-from sglang_ext.engine.forward_batch import ForwardBatch, ForwardMode
+from sglang_ext.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE

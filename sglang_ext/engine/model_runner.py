@@ -15,8 +15,8 @@ import torch
 from sglang_ext.attention import get_backend_class
 from sglang_ext.engine import sm_partition
 from sglang_ext.engine.cuda_graph import DEFAULT_MAX_BS, CudaGraphRunner
-from sglang_ext.engine.forward_batch import ForwardBatch
 from sglang_ext.engine.split_attention import SplitAttention
+from sglang_ext.forward_batch import ForwardBatch
 from sglang_ext.kvcache.pool import KVGeometry, KVPool
 from sglang_ext.models.config import ModelConfig
 from sglang_ext.models.loader import load_model

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from sglang_ext.attention.base import AttentionBackend
-from sglang_ext.engine.forward_batch import ForwardBatch
+from sglang_ext.forward_batch import ForwardBatch
 
 
 class RemoteRows(Protocol):

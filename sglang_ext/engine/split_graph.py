@@ -22,7 +22,7 @@ import torch
 
 from sglang_ext.engine import sm_partition
 from sglang_ext.engine.cuda_graph import padded_size
-from sglang_ext.engine.forward_batch import ForwardBatch, ForwardMode, SplitPlan
+from sglang_ext.forward_batch import ForwardBatch, ForwardMode, SplitPlan
 
 if TYPE_CHECKING:
     from sglang_ext.engine.cuda_graph import CudaGraphRunner

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from sglang_ext.engine.forward_batch import ForwardBatch
+from sglang_ext.forward_batch import ForwardBatch
 from sglang_ext.models.config import ModelConfig
 from sglang_ext.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 

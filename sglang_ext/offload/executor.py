@@ -16,7 +16,7 @@ import torch
 
 from sglang_ext.attention import get_backend_class
 from sglang_ext.attention.base import AttentionBackend
-from sglang_ext.engine.forward_batch import BatchRow, ForwardBatch, ForwardMode
+from sglang_ext.forward_batch import BatchRow, ForwardBatch, ForwardMode
 from sglang_ext.kvcache.pool import KVGeometry
 from sglang_ext.offload.partition import ForeignKVPartition
 

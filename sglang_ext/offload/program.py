@@ -19,8 +19,8 @@ import torch
 
 from sglang_ext.attention.base import AttentionBackend
 from sglang_ext.engine.cuda_graph import padded_size
-from sglang_ext.engine.forward_batch import ForwardBatch
 from sglang_ext.engine.split_graph import REMOTE_SIZES
+from sglang_ext.forward_batch import ForwardBatch
 from sglang_ext.offload.executor import AttentionExecutor
 from sglang_ext.transport import cuda_signal as cs
 from sglang_ext.transport.gated import ExchangeShape

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from sglang_ext.engine.forward_batch import BatchRow, ForwardBatch, ForwardMode
+from sglang_ext.forward_batch import BatchRow, ForwardBatch, ForwardMode
 from sglang_ext.scheduler.request import Req
 
 

@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sglang_ext.engine.forward_batch import BatchRow, ForwardBatch, ForwardMode
+from sglang_ext.forward_batch import BatchRow, ForwardBatch, ForwardMode
 from sglang_ext.offload.remote import ExecutorLost, RemoteAttention
 from sglang_ext.sampling.batch import SampleRow
 from sglang_ext.scheduler.batch_builder import Entry

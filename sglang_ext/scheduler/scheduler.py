@@ -30,7 +30,7 @@ from typing import Protocol
 
 import torch
 
-from sglang_ext.engine.forward_batch import ForwardBatch, ForwardMode
+from sglang_ext.forward_batch import ForwardBatch, ForwardMode
 from sglang_ext.kvcache.allocator import PageAllocator
 from sglang_ext.kvcache.base import NoPrefixCache, PrefixCache
 from sglang_ext.kvcache.holds import HoldingAllocator

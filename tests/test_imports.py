@@ -1,7 +1,8 @@
-"""The module import graph of router/ and sglang_ext/, read with ast: router modules import one another
-without a cycle (imports under `if TYPE_CHECKING:` and inside functions count as much as the others), the
-core reaches placement strategies only through their interface, and sglang_ext does not import router
-(only the launcher, which starts the router, does)."""
+"""The module import graph of router/ and sglang_ext/, read with ast (imports under `if TYPE_CHECKING:`
+and inside functions count as much as the others): sglang_ext's packages import only the layers below
+their own, router modules import one another without a cycle, the core reaches placement strategies
+only through their interface, and sglang_ext does not import router (only the launcher, which starts
+the router, does)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,23 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHER = "sglang_ext.launch"  # `python -m sglang_ext` serves a cluster: it starts the router
+
+# sglang_ext's packages (and top-level modules), lowest first: each imports only from layers below
+# its own, never from its own layer's other members or from above. The package's `__init__`
+# (`sglang_ext.Engine`, resolved lazily) is the public face on top.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("env", "server_args"),  # settings
+    ("configs", "kvcache", "sampling"),  # model configs, KV memory, sampling
+    ("ops", "forward_batch", "grammar", "messages", "transport"),  # kernels, a forward's batch, wire
+    ("attention", "models"),  # what one forward computes
+    ("engine",),  # runs forwards: the model runner, CUDA graphs, the split of local and remote rows
+    ("offload", "disagg"),  # remote attention and the prefill/decode hand-off over transport/
+    ("scheduler",),  # continuous batching with its members
+    ("worker",),  # a process serving one model
+    ("entry",),  # the in-process Engine API
+    ("launch",),  # the launcher (a router and its workers, or one worker)
+    ("__main__", ""),  # `python -m sglang_ext`; "" is sglang_ext/__init__.py
+)
 
 
 def _modules() -> dict[str, Path]:
@@ -99,6 +117,29 @@ def test_the_graph_sees_type_checking_imports() -> None:
     graph = import_graph()
     # router/tracker.py's WorkerState and RequestState refer to each other: one module, no cycle
     assert "router.tracker" in graph["router.registry"] and "router.registry" not in graph["router.tracker"]
+
+
+def _layer_of(module: str) -> tuple[int, str]:
+    """(layer index, package) of an sglang_ext module."""
+    package = module.split(".")[1] if module.count(".") else ""
+    for i, names in enumerate(LAYERS):
+        if package in names:
+            return i, package
+    raise AssertionError(f"{module}: package {package!r} is in no layer of LAYERS")
+
+
+def test_sglang_ext_packages_import_only_lower_layers() -> None:
+    upward = set()
+    for mod, deps in import_graph().items():
+        if not mod.startswith("sglang_ext"):
+            continue
+        layer, package = _layer_of(mod)
+        for d in deps:
+            if d.startswith("sglang_ext"):
+                dl, dp = _layer_of(d)
+                if dp != package and dl >= layer:
+                    upward.add((mod, d))
+    assert upward == set()
 
 
 def test_router_modules_import_no_cycle() -> None:

@@ -19,12 +19,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from sglang_ext.attention.base import AttentionBackend, AttentionMetadata
 
 
 class ForwardMode(enum.IntEnum):
@@ -44,6 +41,19 @@ class BatchRow(NamedTuple):
     pages: Sequence[int]  # the request's page table, covering start + len(tokens)
     logit_offsets: Sequence[int] = ()  # offsets within the new tokens whose logits are wanted
     remote: int | None = None  # the executor's handle of a request whose attention runs there
+
+
+class AttentionMetadata:
+    """A backend's plan for one forward (kernel wrappers, gathered page tables); each backend
+    subclasses it, and only that backend reads it."""
+
+
+class Attention(Protocol):
+    """What a model layer calls for its attention: any backend, or the split of a batch's local and
+    remote rows (the batch sits below both, so it names neither)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                batch: ForwardBatch) -> torch.Tensor: ...
 
 
 @dataclass
@@ -71,7 +81,7 @@ class ForwardBatch:
     kv_indptr: torch.Tensor  # [B+1] int32, CPU
     kv_last_page_len: torch.Tensor  # [B] int32, CPU
     kv_indices: torch.Tensor  # [sum pages] int32 (device): the page tables, concatenated
-    attn_backend: AttentionBackend | None = None
+    attn_backend: Attention | None = None
     attn_meta: AttentionMetadata | None = None  # the backend's plan for this forward
     split: SplitPlan | None = None  # set when some rows attend on an executor
 
