@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One device session for the GPU fast path (the run behind docs/benchmarks.md's GPU section).
-# Needs the carried wheel folder .whl (../shared/tools/gpu-wheels.sh .whl). Writes logs and JSON to $OUT.
+# Needs the carried wheel folder .whl (bash bench/fetch_wheels.sh). Writes logs and JSON to $OUT.
 #   bash bench/gpu_session.sh [test] [serving] [bench] [cputests] [sampling] [offload] [ipc] [served]
 #                             [structured] [rotation] [rotation_e2e]
 # On the two-GPU kind export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 first.
-# rotation_e2e replays ../shared/traces' Azure conversation trace: carry a copy (.traces, TRACES=.traces).
-# structured needs the xgrammar wheel in .whl too (../shared/tools/gpu-wheels.sh .whl xgrammar==0.2.9), and reads a real
+# rotation_e2e replays the Azure conversation trace in bench/data/traces.
+# structured needs the xgrammar wheel in .whl too (bash bench/fetch_wheels.sh .whl xgrammar==0.2.9), and reads a real
 # vocabulary from a carried .vocab/mistral_common-*.whl (pip download --no-deps -d .vocab mistral_common==1.13.1).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -41,7 +41,7 @@ for s in $steps; do
           PYTHONPATH=$BASE:/tmp/fi timeout 200 python3 bench/kv_rotation.py --out "$OUT/kv_rotation.json" \
             > "$OUT/kv_rotation.log" 2>&1; tail -8 "$OUT/kv_rotation.log" ;;
     rotation_e2e) PYTHONPATH=$BASE:/tmp/fi RATE=${RATE:-20} N=${N:-400} TOKENS=${TOKENS:-32768} MAXDUR=${MAXDUR:-80} \
-            HOST_GB=${HOST_GB:-32} TRACES=${TRACES:-.traces} OUT="$OUT" timeout 580 bash bench/rotation_e2e.sh ${ROTATION_RUNS:-fcfs lvf wf sf} 2>&1 \
+            HOST_GB=${HOST_GB:-32} TRACES=${TRACES:-bench/data/traces} OUT="$OUT" timeout 580 bash bench/rotation_e2e.sh ${ROTATION_RUNS:-fcfs lvf wf sf} 2>&1 \
             | grep -E "Request throughput|TTFT \(|TPOT \(|<=|Both|Succ|Fail" ;;
     served) SGLANG_EXT_TEST_DEVICE=cuda PYTHONPATH=$BASE:/tmp/fi timeout 400 python3 -m pytest -q -rfs -x \
             -p no:cacheprovider tests/test_offload_served.py 2>&1 | tail -15 | tee "$OUT/gpu_offload_served.log" ;;

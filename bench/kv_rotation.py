@@ -1,4 +1,4 @@
-"""KV rotation microbenchmark (issue 10): the DuplexKV engine's one-way and duplex GB/s on scattered pages,
+"""KV rotation microbenchmark: the DuplexKV engine's one-way and duplex GB/s on scattered pages,
 beside the contiguous-copy peaks and a per-layer, per-page copy baseline measured in the same run.
 
     PYTHONPATH=$PWD python3 bench/kv_rotation.py --out kv_rotation.json   # on the GPU (< 3 min)
@@ -16,7 +16,7 @@ an 8 GiB device pool and an 8 GiB pinned host pool. Sections:
 Each cell: wall time from a synchronized start to both streams drained, median of --repeats, plus the
 host time of the calls (what the scheduler pays), and a bit-exact check of sampled pages. Cells are
 guarded (an error is recorded and the run goes on) and skipped once --budget-s is spent. The summary
-gives each method's ratios against the DESIGN.md targets (>= 0.9x the peak one way and duplex,
+gives each method's ratios against the targets (>= 0.9x the peak one way and duplex,
 >= 5x the baseline) and names the best method.
 """
 

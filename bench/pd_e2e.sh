@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prefill/decode disaggregation end to end (issue 11): a prefill worker on one GPU and a decode worker on
+# Prefill/decode disaggregation end to end: a prefill worker on one GPU and a decode worker on
 # another, served through the router; output throughput and SLO attainment with and without Adrenaline
 # placement (the prefill worker's executor keeps a share of the requests' KV and runs their decode
 # attention for the decode worker).
@@ -51,7 +51,7 @@ for run in $runs; do
   cluster_up "$cfg" "$OUT/pd_router_$run.log" "$PORT"
   echo "== $run (ready=$READY)"
   timeout -s KILL $(( ${MAXDUR:-120} + 120 )) python3 bench/serving.py --trace azure-conv --num-requests "$N" \
-    --arrival "${ARRIVAL:-poisson}" ${RAMP_ARGS:-} --traces-dir "${TRACES:-../shared/traces}" --request-rate "$RATE" \
+    --arrival "${ARRIVAL:-poisson}" ${RAMP_ARGS:-} --traces-dir "${TRACES:-bench/data/traces}" --request-rate "$RATE" \
     --max-input-len "${MAX_IN:-2048}" --max-output-len "${MAX_OUT:-256}" --ttft-slo "$TTFT" --tbt-slo "$TBT" \
     --tbt-stat "${TBT_STAT:-mean}" --vocab-size "${VOCAB:-32000}" --base-url "http://127.0.0.1:$PORT" \
     --max-duration "${MAXDUR:-120}" --disable-tqdm --output-json "$OUT/pd_$run.json" 2>&1 | tail -30 | tee "$OUT/pd_$run.log"

@@ -1,4 +1,4 @@
-"""Remote attention microbenchmarks (issue 9). Section `exchange`: the per-layer exchange of a decode step
+"""Remote attention microbenchmarks. Section `exchange`: the per-layer exchange of a decode step
 between a sender and an attention executor, signalled on the GPU vs driven by the CPU.
 
     python bench/remote_attention.py exchange --out ra_exchange.json   # nvidia-h200-x2: all rows
@@ -20,7 +20,7 @@ not attention), pushes o (bs x 8 KiB) back and sets done[l]; the sender waits fo
   is also handed over a pipe and back.
 
 Topologies: `two_gpu` (sender on GPU 0, executor on GPU 1, one process, peer access) and `two_process`
-(both on GPU 0, the executor a child process, buffers shared with CUDA IPC). Issue 9's targets: added
+(both on GPU 0, the executor a child process, buffers shared with CUDA IPC). The targets: added
 latency <= 15 us per layer, and gpu_signalled >= 4x faster than cpu_driven. Every cell guards itself
 (its error is recorded and the run goes on); `--budget-s` bounds the whole section.
 """
@@ -252,7 +252,7 @@ def two_process(report: Report, geo: Geometry, a: argparse.Namespace) -> None:
 
 # ---- report -------------------------------------------------------------------------------------------
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per topology and bs: the figures issue 9's targets are stated in."""
+    """Per topology and bs: the figures the targets are stated in."""
     table: dict[tuple[str, int], dict[str, Any]] = {}
     for r in rows:
         if "us_per_layer" in r:

@@ -1,4 +1,4 @@
-"""What hosting a busy attention executor costs the host model's own decode step (issue 9).
+"""What hosting a busy attention executor costs the host model's own decode step.
 
     python bench/remote_host.py --out remote_host.json      # needs two GPUs (kind nvidia-h200-x2)
 

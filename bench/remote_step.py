@@ -1,4 +1,4 @@
-"""Sender decode step time with a share of the rows' attention on an idle peer GPU (issue 9).
+"""Sender decode step time with a share of the rows' attention on an idle peer GPU.
 
     python bench/remote_step.py --out remote_step.json      # needs two GPUs (kind nvidia-h200-x2)
     python bench/remote_step.py --transport cuda_ipc --executor-load decode ...   # the executor's GPU busy

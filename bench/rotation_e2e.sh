@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# KV rotation end to end (issue 10): one server per policy on the GPU, the KV budget small enough to bind,
+# KV rotation end to end: one server per policy on the GPU, the KV budget small enough to bind,
 # the same Azure-conversation workload at a high Poisson rate; SLO attainment and throughput per policy.
 #   bash bench/rotation_e2e.sh [runs...]     (default: fcfs lvf wf sf; fcfs runs with recompute)
 # A run is a policy, optionally with server flags after commas, e.g. the α / βF / B_xfer trade-offs:
@@ -32,7 +32,7 @@ for run in $policies; do
     sleep 1
   done
   timeout -s KILL 240 python3 bench/serving.py --trace azure-conv --num-requests "$N" --arrival poisson \
-    --traces-dir "${TRACES:-../shared/traces}" --request-rate "$RATE" --max-input-len 2048 --max-output-len 256 --ttft-slo "$TTFT" --tbt-slo "$TBT" --tbt-stat "${TBT_STAT:-mean}" \
+    --traces-dir "${TRACES:-bench/data/traces}" --request-rate "$RATE" --max-input-len 2048 --max-output-len 256 --ttft-slo "$TTFT" --tbt-slo "$TBT" --tbt-stat "${TBT_STAT:-mean}" \
     --vocab-size "${VOCAB:-32000}" --base-url "http://127.0.0.1:$PORT" --max-duration "${MAXDUR:-150}" --disable-tqdm \
     --output-json "$OUT/rot_$label.json" 2>&1 | tail -25 | tee "$OUT/rot_$label.log"
   python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$PORT/metrics').read().decode())" | grep -E "^sglang_ext:(kv_rot|rotary|kv_host|slo|num_preempt)" \

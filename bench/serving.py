@@ -65,7 +65,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
         "--traces-dir",
         type=Path,
         default=default_traces_dir(),
-        help="directory with the trace files (default: ../shared/traces from the repo root)",
+        help="directory with the trace files (default: bench/data/traces)",
     )
     g.add_argument("--trace-offset", type=int, default=0, help="skip this many trace rows first")
     g.add_argument(

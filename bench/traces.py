@@ -1,6 +1,6 @@
 """Workload construction for ``bench/serving.py``: trace loading, arrival schedules, prompts, model mix.
 
-Trace formats are described in ``shared/traces/README.md``:
+Trace formats are described in ``bench/data/traces/README.md``:
 
 * Azure (Splitwise) CSVs: ``TIMESTAMP`` (``YYYY-MM-DD HH:MM:SS.fffffff``), ``ContextTokens``,
   ``GeneratedTokens``.
@@ -94,8 +94,8 @@ def repo_root() -> Path:
 
 
 def default_traces_dir() -> Path:
-    """``../shared/traces`` relative to the repository root."""
-    return repo_root().parent / "shared" / "traces"
+    """The traces kept in the repository (``bench/data/traces``, described by its README)."""
+    return repo_root() / "bench" / "data" / "traces"
 
 
 # ----------------------------------------------------------------------------------------------- loading

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# WEAVER end to end (issue 11): a hot model whose KV binds on one GPU and a cold model on a second GPU,
+# WEAVER end to end: a hot model whose KV binds on one GPU and a cold model on a second GPU,
 # served through the router with a skewed two-model load; the hot model's throughput and SLO attainment
 # and the cold model's TPOT, dedicated (no offload) vs offloading a share of the hot model's decode
 # attention and KV to an executor the cold worker hosts.
@@ -55,7 +55,7 @@ for run in $runs; do
   cluster_up "$cfg" "$OUT/weaver_router_$run.log" "$PORT"
   echo "== $run (ready=$READY)"
   timeout -s KILL $(( ${MAXDUR:-120} + 120 )) python3 bench/serving.py --trace azure-conv --num-requests "$N" --arrival "${ARRIVAL:-poisson}" ${RAMP_ARGS:-} \
-    --traces-dir "${TRACES:-../shared/traces}" --request-rate "$RATE" --models hot,cold \
+    --traces-dir "${TRACES:-bench/data/traces}" --request-rate "$RATE" --models hot,cold \
     --model-weights "$HOT_SHARE,$(python3 -c "print(round(1-$HOT_SHARE, 6))")" \
     --max-input-len "${MAX_IN:-2048}" --max-output-len "${MAX_OUT:-256}" --ttft-slo "$TTFT" --tbt-slo "$TBT" \
     --tbt-stat "${TBT_STAT:-mean}" --vocab-size "${VOCAB:-32000}" --base-url "http://127.0.0.1:$PORT" \

@@ -1,5 +1,5 @@
 """Adrenaline placement without processes: the cluster file's from == to entry, the router's choice
-of requests (router/adrenaline.py), the executor host taking a prefill worker's KV (`adopt`), and a
+of requests (router/placement/adrenaline.py), the executor host taking a prefill worker's KV (`adopt`), and a
 decode scheduler that adopts requests whose KV is on the executor -- outputs equal a plain run, also
 when the executor is lost mid-generation.
 """

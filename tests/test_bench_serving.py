@@ -35,7 +35,7 @@ FIRST_DELAY = 0.15  # fake server: send -> first token
 TOKEN_GAP = 0.03  # fake server: gap between token chunks
 TRACES = default_traces_dir()
 SEEN = web.AppKey("seen", list)
-needs_traces = pytest.mark.skipif(not (TRACES / "README.md").is_file(), reason="shared/traces not present")
+needs_traces = pytest.mark.skipif(not (TRACES / "README.md").is_file(), reason="bench/data/traces not present")
 
 
 # ------------------------------------------------------------------------------------------- fake server

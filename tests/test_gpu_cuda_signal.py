@@ -1,4 +1,4 @@
-"""GPU-signalled exchange primitives (sglang_ext/offload/cuda_signal.py) on real GPUs: a stream that waits
+"""GPU-signalled exchange primitives (sglang_ext/transport/cuda_signal.py) on real GPUs: a stream that waits
 on a flag sees the data its producer wrote before setting it (one GPU, two GPUs, eager and replayed from
 CUDA graphs with reset-after-consume flags), `peer_copy` moves bytes between GPUs, and a second process
 writes into a buffer it mapped with CUDA IPC. Every producer sleeps ~0.1 s before writing, so a consumer

@@ -125,7 +125,7 @@ def test_outputs_equal_without_offload(server: Server) -> None:
     assert m['sglang_ext:offload_wait_seconds_total{model_name="hot",worker="hot-0"}'] > 0
     assert 'sglang_ext:offloaded_reqs{model_name="hot",worker="hot-0"}' in m
     # cuda_ipc: the requests' KV (a page each here) went GPU to GPU through the host's stage
-    # (offload/stage.py), not over the gloo control channel; torch_dist has no stage.
+    # (transport/stage.py), not over the gloo control channel; torch_dist has no stage.
     if p["transport"] == "cuda_ipc":
         wait_for(lambda: server.worker("hot-0")["load"].get("offload_staged_loads", 0) > 0, 10,
                  "staged KV loads in hot-0's load report")

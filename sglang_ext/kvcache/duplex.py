@@ -16,7 +16,7 @@
   the host link at once (90.8 GB/s measured on the H200 vs 55 GB/s one way).
 
 Few, large copies. A block-first page is one contiguous segment (2 MiB for Llama-3-8B at page 16), and
-separate copies of >= 1 MB already reach ~0.9x of the link (DESIGN.md), so the methods differ in how
+separate copies of >= 1 MB already reach ~0.9x of the link (measured on the H200), so the methods differ in how
 many API calls and copies they issue, not in how they read a page. `method`:
 - "batched" (default): the (device, host) pairs merged into runs of consecutive pages on both sides,
   all runs in one `cudaMemcpyBatchAsync` call (memcpy_batch.py). Falls back to "runs" with the reason in

@@ -3,7 +3,7 @@
 Imported on first use, so CPU machines never load cuda-python. Bindings tried in order:
 1. `cuda.bindings.driver.cuMemcpyBatchAsync` (`cuda.cuda` in cuda-python < 12.6): the driver API acts on
    the thread's current context, which torch has made current; the same binding carries this repo's
-   GPU signalling (offload/cuda_signal.py), seen working on the H200. Pointers must be `CUdeviceptr`
+   GPU signalling (transport/cuda_signal.py), seen working on the H200. Pointers must be `CUdeviceptr`
    objects (~0.1 us each to build).
 2. `cuda.bindings.runtime.cudaMemcpyBatchAsync` (`cuda.cudart` before 12.6): takes plain ints.
 The Python signature is the same in the 12.8+ and 13.x bindings; the result differs: 12.x returns

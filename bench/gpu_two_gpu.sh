@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device session for issue 11's end-to-end runs on kind nvidia-h200-x2 (carry .whl and .traces):
-#   bash bench/gpu_issue11.sh [contention] [gpu_tests] [served] [weaver] [ramp] [pd] [disagg_tests]
+# One device session for the two-GPU end-to-end runs on kind nvidia-h200-x2 (carry .whl):
+#   bash bench/gpu_two_gpu.sh [contention] [gpu_tests] [served] [weaver] [ramp] [pd] [disagg_tests]
 # gpu_tests: tests/test_gpu_offload.py (remote attention in-process, and with the model in an SM partition,
 # executor_reserved_sms).
 # contention: bench/remote_step.py (cuda_ipc, graphs) with the executor's GPU idle, busy with a cold model's
@@ -20,7 +20,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 R=/tmp/r; mkdir -p $R
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=$R bash bench/gpu_session.sh none > "$R/setup.log" 2>&1
-export PYTHONPATH=$PWD:/tmp/site:/tmp/fi TRACES=${TRACES:-.traces}
+export PYTHONPATH=$PWD:/tmp/site:/tmp/fi TRACES=${TRACES:-bench/data/traces}
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 for s in ${*:-served weaver}; do
