@@ -16,7 +16,7 @@ from sglang_ext.offload.remote import RemoteAttention
 from sglang_ext.offload.sender import Offloader
 from sglang_ext.scheduler.batch_builder import Entry
 from sglang_ext.scheduler.member import Member
-from sglang_ext.scheduler.request import KVHome, Req, ReqStatus
+from sglang_ext.scheduler.request import KVHome, Req
 
 if TYPE_CHECKING:
     from sglang_ext.scheduler.scheduler import Scheduler
@@ -35,9 +35,7 @@ class RemoteRows(Member):
     def admit(self, r: Req, budget: int, reserve: int) -> int | None:
         """An adopted request (its KV on an executor already): no pages to find; it decodes with the
         others (0)."""
-        self.s.waiting.remove(r)
-        r.start_running(self.s.clock())
-        self.s.running.append(r)
+        self.s.start_running(r, self.s.waiting)
         return 0
 
     def release(self, r: Req) -> None:
@@ -61,7 +59,10 @@ class RemoteRows(Member):
         old.active = False
 
     def adopt(self, r: Req, handle: int) -> bool:
-        """Adrenaline placement: see `Scheduler.adopt_remote`."""
+        """Adrenaline placement: a request queued by `Handoff.add_prefilled` (its first token in hand, no
+        KV staged) whose prompt KV the prefill worker left in its executor under `handle` is admitted as
+        a remote row (no local pages). False when the offloader in force cannot take it (the caller
+        then lets it recompute its prompt here)."""
         if self.offload is None or not self.offload.adopt(r, handle):
             return False
         r.kv_len, r.admitted, r.home = len(r.input_ids), True, KVHome.REMOTE
@@ -87,10 +88,7 @@ class RemoteRows(Member):
             s.running.remove(r)
         if r in s.waiting:  # adopted (Adrenaline placement) but not admitted yet
             s.waiting.remove(r)
-        r.status = ReqStatus.WAITING
-        r.num_preemptions += 1
-        s.num_preemptions += 1
-        s.waiting.insert(0, r)
+        s.requeue(r)
 
     # ---- steps ----------------------------------------------------------------------------------
     def plan(self, entries: list[Entry], ahead: int = 0) -> list[Entry]:

@@ -102,7 +102,8 @@ class Scheduler:
         self.running: list[Req] = []
         self.rotary: list[Req] = []  # home HOST: KV in host memory (preemption_mode=rotate)
         self._pending: list[StepOutput] = []  # outputs produced outside a forward (aborts)
-        self._sent: dict[str, tuple[int, int, int]] = {}  # rid -> (tokens, in-logprobs, out-logprobs) sent
+        # rid -> (tokens, in-logprobs, out-logprobs) reported so far (here, or by a prefill worker: Handoff)
+        self.sent: dict[str, tuple[int, int, int]] = {}
         self.num_preemptions = 0
         self.prefill_tokens = 0  # prompt tokens forwarded in chunks of more than one (a step profile's)
         self.forward_rows = 0  # requests in the forwards launched so far (a step profile's)
@@ -153,30 +154,8 @@ class Scheduler:
         if req.return_logprob and req.logprob_start == 0:
             req.input_token_logprobs.append((None, req.input_ids[0]))
             req.input_top_logprobs.append(None)
-        self._sent[req.rid] = (0, 0, 0)
+        self.sent[req.rid] = (0, 0, 0)
         self.waiting.append(req)
-
-    def add_prefilled(self, req: Req, kv: object) -> None:
-        """Disaggregation, decode side: `Handoff.add_prefilled`."""
-        self.handoff.add_prefilled(req, kv)
-
-    def hand_off(self, rid: str) -> Req | None:
-        """Disaggregation, prefill side: `Handoff.hand_off`."""
-        return self.handoff.hand_off(rid)
-
-    def handed(self, rid: str) -> None:
-        self.handoff.handed(rid)
-
-    def set_offload(self, offload: Offloader | None) -> None:
-        """Another executor, or none: `RemoteRows.set_offload`."""
-        self.remote_rows.set_offload(offload)
-
-    def adopt_remote(self, r: Req, handle: int) -> bool:
-        """Adrenaline placement: a request queued by `add_prefilled` (its first token in hand, no KV
-        staged) whose prompt KV the prefill worker left in its executor under `handle`. It is
-        admitted as a remote row (no local pages) and decodes there. False when the offloader in
-        force cannot take it (the caller then lets it recompute its prompt here)."""
-        return self.remote_rows.adopt(r, handle)
 
     def abort(self, rid: str, message: str = "aborted by the client") -> bool:
         for queue in (self.waiting, self.running, self.rotary):
@@ -339,12 +318,16 @@ class Scheduler:
             return None
         if r.num_preemptions == 0:
             r.cached_tokens = r.kv_len
-        self.waiting.remove(r)
-        r.start_running(self.clock())
-        self.running.append(r)
+        self.start_running(r, self.waiting)
         if n:
             self.kv.grow(r, r.kv_len + n)
         return n
+
+    def start_running(self, r: Req, queue: list[Req]) -> None:
+        """`r` leaves `queue` (waiting or rotary) for the running batch."""
+        queue.remove(r)
+        r.start_running(self.clock())
+        self.running.append(r)
 
     def decode_reserve(self) -> int:
         """Pages kept free for running requests' next tokens, so admission does not cause an
@@ -418,6 +401,10 @@ class Scheduler:
         logger.debug("preempting %s (kv_len=%d)", r.rid, r.kv_len)
         self.running.remove(r)
         self.release_kv(r)
+        self.requeue(r)
+
+    def requeue(self, r: Req) -> None:
+        """A preempted request (it holds no KV) goes back to the queue's head, to be recomputed."""
         r.status = ReqStatus.WAITING
         r.num_preemptions += 1
         self.num_preemptions += 1
@@ -543,20 +530,12 @@ class Scheduler:
         self.release_kv(r)
         self.drop_penalties(r)
 
-    def forget(self, rid: str) -> None:
-        """Report nothing more of `rid` (handed to another worker)."""
-        self._sent.pop(rid, None)
-
-    def sent_before(self, rid: str, sent: tuple[int, int, int]) -> None:
-        """What of `rid` was reported elsewhere already: (tokens, input logprobs, output logprobs)."""
-        self._sent[rid] = sent
-
     def _has_new(self, r: Req) -> bool:
-        sent = self._sent.get(r.rid, (0, 0, 0))
+        sent = self.sent.get(r.rid, (0, 0, 0))
         return len(r.output_ids) > sent[0] or len(r.input_token_logprobs) > sent[1]
 
     def _output(self, r: Req) -> StepOutput:
-        t0, i0, o0 = self._sent.get(r.rid, (0, 0, 0))
+        t0, i0, o0 = self.sent.get(r.rid, (0, 0, 0))
         out = StepOutput(
             rid=r.rid,
             new_token_ids=r.output_ids[t0:],
@@ -573,7 +552,7 @@ class Scheduler:
             output_top_logprobs=r.output_top_logprobs[o0:],
         )
         if r.finished:
-            self._sent.pop(r.rid, None)
+            self.sent.pop(r.rid, None)
         else:
-            self._sent[r.rid] = (len(r.output_ids), len(r.input_token_logprobs), len(r.output_token_logprobs))
+            self.sent[r.rid] = (len(r.output_ids), len(r.input_token_logprobs), len(r.output_token_logprobs))
         return out

@@ -169,7 +169,7 @@ class WorkerDisagg:
             scheduler.abort(rid, "no KV pair")
             why = sender.broken if sender is not None else "it is not connected"
             return f"prefill worker {self.worker_id} cannot send KV over pairing {d.pairing}: {why}"
-        req = scheduler.hand_off(rid)
+        req = scheduler.handoff.hand_off(rid)
         assert req is not None
         n = len(req.input_ids)
         pages = req.pages[: -(-n // scheduler.page_size)]
@@ -204,7 +204,7 @@ class WorkerDisagg:
             if kind == "sent":
                 rid = str(a)
                 peer, nbytes = self.sending.pop(rid, ("?", 0))
-                scheduler.handed(rid)
+                scheduler.handoff.handed(rid)
                 placed = self.placer.sent(rid, ok=b is None)  # kept in this worker's executor: no transfer
                 if b is None:
                     if not placed:

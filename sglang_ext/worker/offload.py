@@ -105,7 +105,8 @@ class WorkerOffload:
         self.runner.set_remote(remote)
         ob = d.bound if d.policy == "adrenaline" else None
         # Adrenaline placement: the router places requests on the executor at prefill; none move later
-        scheduler.set_offload(Offloader(remote, d.ratio, self.runner.pool, ob, placed_only=d.placement == "prefill"))
+        placed_only = d.placement == "prefill"
+        scheduler.remote_rows.set_offload(Offloader(remote, d.ratio, self.runner.pool, ob, placed_only=placed_only))
         self.pairing, self.executor, self.state = d.pairing, d.executor, "active"
         logger.info("remote attention: %.0f%% of decoding requests to the executor on %s (pairing %s, %s, "
                     "policy %s)", 100 * d.ratio, d.executor, d.pairing, d.backend, d.policy)
@@ -164,7 +165,7 @@ class WorkerOffload:
         off = scheduler.offload
         if off is None:
             return
-        scheduler.set_offload(None)
+        scheduler.remote_rows.set_offload(None)
         r = off.remote
         self._done = [self._done[0] + r.bytes_out, self._done[1] + r.bytes_in, self._done[2] + r.wait_s,
                       self._done[3] + r.staged_loads]

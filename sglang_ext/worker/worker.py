@@ -306,11 +306,11 @@ class Worker:
         if live.detok is not None:
             live.detok.add([first_token], False, None)  # its text went out from the prefill worker
         live.first_token_time = time.monotonic()
-        self.scheduler.add_prefilled(req, kv)
+        self.scheduler.handoff.add_prefilled(req, kv)
         if handle:  # Adrenaline placement: its KV is on the prefill worker's executor
             d = live.req.disagg
             ours = d is not None and d.executor_pairing == self.offload.pairing and self.offload.state == "active"
-            if not (ours and self.scheduler.adopt_remote(req, handle)):
+            if not (ours and self.scheduler.remote_rows.adopt(req, handle)):
                 logger.warning("request %s: its KV is on executor pairing %s, which is not this worker's in force; "
                                "its prompt is recomputed here", req.rid, d.executor_pairing if d else "?")
 
