@@ -163,27 +163,23 @@ class Overlap:
                 return None  # would need preemption: decide on landed state
             s.kv.grow(r, r.kv_len + 2)
         try:
-            # Last, so that once planned the step is launched. Rows the executor drops are requeued
-            # now; their step-t tokens are kept when t lands.
+            # Planned last, so that once planned the step is launched. Rows the executor drops are
+            # requeued now; their step-t tokens are kept when t lands.
             kept = s.plan(entries, ahead=1)
-        except ExecutorLost as e:
-            s.remote_rows.lose_executor(str(e))
-            return None
-        if len(kept) < len(entries):
-            keep = {id(e.req) for e in kept}
-            rows = [i for i in rows if id(prev.entries[i].req) in keep]
-            entries = kept
-            if not rows:
-                return None
-        # Each row decodes its in-flight token (id filled in on the device below) at kv_len + 1.
-        ahead = [BatchRow(e.req.kv_len + 1, (0,), e.req.pages, (0,), e.req.remote) for e in entries]
-        batch = ForwardBatch.build(ahead, ForwardMode.DECODE, s.page_size, s.runner.device)
-        if len(rows) == len(prev.entries):
-            batch.input_ids = prev.tokens
-        else:
-            idx = torch.tensor(rows, dtype=torch.int64).to(prev.tokens.device, non_blocking=True)
-            batch.input_ids = prev.tokens[idx]
-        try:
+            if len(kept) < len(entries):
+                keep = {id(e.req) for e in kept}
+                rows = [i for i in rows if id(prev.entries[i].req) in keep]
+                entries = kept
+                if not rows:
+                    return None
+            # Each row decodes its in-flight token (id filled in on the device below) at kv_len + 1.
+            ahead = [BatchRow(e.req.kv_len + 1, (0,), e.req.pages, (0,), e.req.remote) for e in entries]
+            batch = ForwardBatch.build(ahead, ForwardMode.DECODE, s.page_size, s.runner.device)
+            if len(rows) == len(prev.entries):
+                batch.input_ids = prev.tokens
+            else:
+                idx = torch.tensor(rows, dtype=torch.int64).to(prev.tokens.device, non_blocking=True)
+                batch.input_ids = prev.tokens[idx]
             logits = s.runner.forward(batch)
         except ExecutorLost as e:
             # as without overlap: local rows redo t+1 (idempotent KV writes), remote ones are
@@ -210,8 +206,7 @@ class Overlap:
         for e, t in zip(launched.entries, tokens, strict=True):
             r = e.req
             if id(r) in forged:
-                self.s.drop_penalties(r)  # recomputed without it (it is queued already)
-                continue
+                continue  # recomputed without it (it is queued already)
             if r.status is ReqStatus.WAITING:
                 # Taken back from its executor while this step was in flight (see the module
                 # docstring): the token stands, and the request is recomputed with it.

@@ -1,10 +1,7 @@
 """Remote rows, a scheduler member: requests whose KV lives on an attention executor (home REMOTE).
 
 Which remote rows a step plans, how a request's KV leaves the local pool, and how a request comes
-back when its executor drops it or is lost (it is recomputed from its tokens, like a preempted
-request). Remote rows overlap like local ones: step t+1 plans them on the executor at kv_len + 1
-(`plan(..., ahead=1)`) after every local decision of t+1 is made, so a planned step is always
-launched.
+back when its executor drops it or is lost: recomputed from its tokens, like a preempted request.
 """
 
 from __future__ import annotations
@@ -122,11 +119,13 @@ class RemoteRows(Member):
     def forged(self, remote: list[Req], via: RemoteAttention | None, upto: int | None = None) -> set[int]:
         """After a step landed: the ids of its `remote` rows' requests when those rows may hold no
         executor results (the executor died mid-step and the sender's watchdog let the step through:
-        `results_forged`). Their tokens must be dropped and the requests recomputed; the executor is
-        given up first if it is still the one in force. Empty when the results are the executor's.
-        `upto`: the transport's `begins` when the step was planned."""
+        `results_forged`). Their tokens must be dropped (their penalty slots are) and the requests
+        recomputed; the executor is given up first if it is still the one in force. Empty when the
+        results are the executor's. `upto`: the transport's `begins` when the step was planned."""
         if via is None or not remote or not via.results_forged(upto):
             return set()
         if self.offload is not None and self.offload.remote is via and self.offload.active:
             self.lose_executor(f"executor {via.executor_id} died mid-step")
+        for r in remote:
+            self.s.drop_penalties(r)  # the device's statistics counted a token that is dropped
         return {id(r) for r in remote}

@@ -129,10 +129,8 @@ class Rotation(Member):
     # ---- copies in flight -----------------------------------------------------------------------
     def copies_in_flight(self) -> bool:
         """Copies not landed yet (their pages come free when they do); counts the iteration as unhidden."""
-        if not self.inflight:
-            return False
-        self.waited = True
-        return True
+        self.waited |= bool(self.inflight)
+        return bool(self.inflight)
 
     @staticmethod
     def ready(r: Req) -> bool:
@@ -350,19 +348,14 @@ class Rotation(Member):
                 break
         return moved
 
-    def _resume_plan(self, r: Req) -> tuple[int, int]:
-        """For an admitted (prefix matched) rotary request: (tokens of KV after the swap-in, pages to
-        copy in)."""
-        if r.kv_len >= r.rot.host_len:
-            return r.kv_len, 0
-        return r.rot.host_len, self.s.kv.pages_for(r.rot.host_len) - r.cached_pages
-
     def admit(self, r: Req, budget: int, reserve: int) -> int | None:
         """Resume a rotary request: its prefix is matched again and the pages the cache no longer
         holds are copied back. 0 while its copy is on the way (it joins a batch once it landed)."""
         kv = self.s.kv
         kv.admit(r)
-        target, copy = self._resume_plan(r)
+        # tokens of KV after the swap-in, and pages to copy in (none if the cache holds all of it)
+        target, copy = (r.kv_len, 0) if r.kv_len >= r.rot.host_len else (
+            r.rot.host_len, kv.pages_for(r.rot.host_len) - r.cached_pages)
         decoding = bool(r.output_ids) and target == r.fill_len - 1
         n = 0 if decoding else min(r.fill_len - target, budget)
         need = kv.pages_for(target + max(n, 1)) - len(r.pages)

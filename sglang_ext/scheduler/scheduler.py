@@ -1,24 +1,12 @@
 """Continuous batching with chunked prefill, prefix reuse and preemption.
 
-Each `step()` is one forward:
-  * if any request needs prefill, an EXTEND batch: prefill chunks within `chunked_prefill_size`
-    tokens, with every decoding request riding along as a one-token extend (so long prompts never
-    stall running streams);
-  * otherwise a DECODE batch of all running requests (the shape CUDA graphs capture).
-When KV pages run out, running requests are preempted in the policy's victim order (fcfs: the most
-recently arrived first): their computed pages go to the prefix cache and they re-enter the waiting
-queue (recompute), or with `preemption_mode=rotate` their KV goes to host memory and they wait as
-rotary requests to be resumed. Who is admitted or resumed next, who is preempted and whether anyone
-is rotated out voluntarily are the policy's answers (`policy.py`).
-
-A request's KV home (`Req.home`) says where its KV lives: local pages, host memory (rotation,
-`rotary.py`), an attention executor (remote rows, `remote_rows.py`: they need no local pages, are
-never preemption victims, and ride in every decode batch) or a prefill worker's hand-off
-(`handoff.py`). Those mechanisms are the scheduler's members (`member.py`); a candidate is
-admitted by the member of its home, and each member hears of every iteration and release.
-
-With `overlap` (a CUDA worker's default) decode steps are pipelined (`overlap.py`): step t+1 is
-launched before step t's tokens have landed, whenever no member needs landed state.
+Each `step()` is one forward: an EXTEND batch of prefill chunks within `chunked_prefill_size`
+tokens with every decoding request riding along, or else a DECODE batch of all running requests.
+When KV pages run out, running requests are preempted in the policy's victim order (`policy.py`):
+recomputed later, or with `preemption_mode=rotate` rotated out to host memory. A request's KV home
+(`Req.home`) says where its KV lives; the mechanisms beside local pages are the scheduler's members
+(`member.py`), and a candidate is admitted by the member of its home. With `overlap` (a CUDA
+worker's default) decode steps are pipelined (`overlap.py`). Details: docs/architecture.md, "Scheduler".
 """
 
 from __future__ import annotations
@@ -207,22 +195,20 @@ class Scheduler:
             entries, mode = self._schedule()  # the step waits for those copies on the device
         for m in self.members:
             m.end()
-        if not entries and self.running and self.rot is not None and self.rot.copies_in_flight():
-            return outputs  # pages come free as rotation copies land: wait, do not preempt
-        if not entries and self.running:
-            # Part-prefilled requests hold every page and none can grow: free the policy's first
-            # victim so the others progress (never spin on empty steps).
-            newest = self.policy.victims(self.running)[0]
-            if len(self.running) > 1 or self.waiting or self.rotary:
-                self._preempt(newest)
-            else:
-                self.running.remove(newest)
-                self.finish(newest, FinishReason("abort", message="out of KV cache memory"))
-                outputs.append(self._output(newest))
-            return outputs
-        if not entries:
-            return outputs
-        return outputs + self._run(entries, mode)
+        if entries:
+            return outputs + self._run(entries, mode)
+        if not self.running or (self.rot is not None and self.rot.copies_in_flight()):
+            return outputs  # nothing to run, or pages come free as rotation copies land: wait, do not preempt
+        # Part-prefilled requests hold every page and none can grow: free the policy's first
+        # victim so the others progress (never spin on empty steps).
+        newest = self.policy.victims(self.running)[0]
+        if len(self.running) > 1 or self.waiting or self.rotary:
+            self._preempt(newest)
+        else:
+            self.running.remove(newest)
+            self.finish(newest, FinishReason("abort", message="out of KV cache memory"))
+            outputs.append(self._output(newest))
+        return outputs
 
     def needs_landed_state(self, reqs: list[Req]) -> bool:
         """Some member needs a decode step over `reqs` scheduled and landed with no step in flight."""
@@ -457,9 +443,6 @@ class Scheduler:
             via, _ = self.remote_rows.transport(sample_reqs)
             forged = self.remote_rows.forged([r for r in sample_reqs if r.home is KVHome.REMOTE], via)
             if forged:
-                for r in sample_reqs:
-                    if id(r) in forged:
-                        self.drop_penalties(r)
                 keep = [i for i, r in enumerate(sample_reqs) if id(r) not in forged]
                 sample_reqs, tokens = [sample_reqs[i] for i in keep], [tokens[i] for i in keep]
                 rows_logits = rows_logits[keep]
