@@ -1,5 +1,5 @@
 """Adrenaline placement on the workers: a disaggregated request whose decode attention runs on the
-prefill worker that computed its prompt (seed 003; the router chooses which, router/adrenaline.py).
+prefill worker that computed its prompt (the router chooses which: router/placement/adrenaline.py).
 
     prefill worker (executor host)                       decode worker (the sender)
     prefill + first token, as usual
