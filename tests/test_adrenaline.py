@@ -130,7 +130,7 @@ def prefill(r: Req) -> tuple[int, torch.Tensor]:
     p = make_scheduler()
     p.add_request(Req(r.rid, list(r.input_ids), greedy(MAX_NEW)))
     first = next(o.new_token_ids[0] for o in p.step() if o.new_token_ids)
-    held = p.hand_off(r.rid)
+    held = p.handoff.hand_off(r.rid)
     assert held is not None
     n = len(r.input_ids)
     idx = torch.tensor(held.pages[: -(-n // p.page_size)], dtype=torch.int64)
@@ -151,10 +151,10 @@ def decode_with_placed(s: Scheduler, rs: list[Req], placed: set[str]) -> dict[st
         if r.rid in placed:
             handle = HANDLE_BASE + int(r.rid[1:])
             remote.executor.load(remote.guest, handle, kv, len(r.input_ids))
-            s.add_prefilled(r, None)
-            assert s.adopt_remote(r, handle)
+            s.handoff.add_prefilled(r, None)
+            assert s.remote_rows.adopt(r, handle)
         else:
-            s.add_prefilled(r, kv)
+            s.handoff.add_prefilled(r, kv)
     return out
 
 
@@ -342,7 +342,7 @@ def test_a_pd_decode_queue_that_cannot_be_admitted_keeps_the_loop_overlapped() -
         for r in rs():
             first, kv = prefill(r)
             r.output_ids, out[r.rid] = [first], [first]
-            s.add_prefilled(r, kv)
+            s.handoff.add_prefilled(r, kv)
         drive(s, out)
         assert out == want
         return s.overlapped_steps

@@ -145,10 +145,10 @@ def test_greedy_outputs_equal_a_plain_worker(workers: tuple[Worker, Worker, Work
         assert got[r.rid]["meta"]["completion_tokens"] == 12
     _drain(p, d)
     sent, got = p.disagg.counts, d.disagg.counts
-    assert sent["kv_transfers_out"] == got["kv_transfers_in"] == len(reqs)
-    assert sent["kv_transfer_bytes_out"] == got["kv_transfer_bytes_in"] > 0
+    assert sent.transfers_out == got.transfers_in == len(reqs)
+    assert sent.bytes_out == got.bytes_in > 0
     rep = p.load_report().disagg
-    assert rep is not None and rep.transfers_out == len(reqs) and rep.bytes_out == sent["kv_transfer_bytes_out"]
+    assert rep is not None and rep.transfers_out == len(reqs) and rep.bytes_out == sent.bytes_out
     # Latency for the planners: first tokens are the prefill worker's (TTFT), the rest the decode worker's.
     rp, rd = p.load_report().latency, d.load_report().latency
     assert rp.ttft_samples == len(reqs) and rp.ttft_p99_ms > 0 and rp.tpot_samples == 0

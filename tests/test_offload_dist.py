@@ -70,7 +70,7 @@ def offload_over_gloo(s: Scheduler, host: ExecutorHost, ratio: float) -> DistRem
     """What a worker does on an OffloadDirective."""
     remote = pair(host, guest_spec(s.runner))  # type: ignore[arg-type]
     s.runner.set_remote(remote)  # type: ignore[attr-defined]
-    s.set_offload(Offloader(remote, ratio, s.runner.pool))  # type: ignore[attr-defined]
+    s.remote_rows.set_offload(Offloader(remote, ratio, s.runner.pool))
     return remote
 
 
@@ -262,7 +262,7 @@ def test_two_processes_executor_killed_mid_generation(reference: dict[str, list[
         address = proc.stdout.readline().strip()  # type: ignore[union-attr]
         remote = DistRemote.connect(address, "gloo", torch.device("cpu"), spec, "host-0", 5.0)
         s.runner.set_remote(remote)  # type: ignore[attr-defined]
-        s.set_offload(Offloader(remote, 0.5, s.runner.pool))  # type: ignore[attr-defined]
+        s.remote_rows.set_offload(Offloader(remote, 0.5, s.runner.pool))
 
         killed = []
 

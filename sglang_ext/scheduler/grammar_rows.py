@@ -1,9 +1,8 @@
 """Structured output, a scheduler member: masks for constrained rows and their matchers' tokens.
 
-Constrained rows overlap like any others, but a step's masks need every token before it in the
-matchers, so an overlapped step with constrained rows is sampled only once the step before it has
-landed (`Scheduler._follow_up`). `disable_grammar_overlap` makes steps with constrained rows land
-at once instead (for comparison, bench/structured.py, and as a fallback).
+A step's masks need every token before it in the matchers: an overlapped step with constrained rows
+is sampled once the step before it has landed (`Overlap._follow_up`), or with
+`disable_grammar_overlap` such steps land at once.
 """
 
 from __future__ import annotations

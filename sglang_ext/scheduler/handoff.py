@@ -60,9 +60,7 @@ class Handoff(Member):
             idx = torch.tensor(r.pages[lo:hi], dtype=torch.int64, device=pool.device)
             pool.data[idx] = kv[lo:hi].to(pool.device, pool.data.dtype)
         r.kv_len, r.home = n, KVHome.LOCAL
-        s.waiting.remove(r)
-        r.start_running(s.clock())
-        s.running.append(r)
+        s.start_running(r, s.waiting)
         return 0
 
     # ---- the worker's calls ---------------------------------------------------------------------
@@ -73,7 +71,7 @@ class Handoff(Member):
         if r is None:
             return None
         self.s.running.remove(r)
-        self.s.forget(rid)
+        self.s.sent.pop(rid, None)  # the decode worker reports the rest
         self.handing[rid] = r
         return r
 
@@ -98,5 +96,5 @@ class Handoff(Member):
             self.staged[req.rid] = kv
             req.home = KVHome.STAGED
         req.status = ReqStatus.WAITING
-        self.s.sent_before(req.rid, (1, len(req.input_token_logprobs), 0))
+        self.s.sent[req.rid] = (1, len(req.input_token_logprobs), 0)
         self.s.waiting.append(req)

@@ -99,9 +99,7 @@ class KVManager:
             self.cache_prefix(req)
         self.allocator.free(req.pages[req.cached_pages :])
         self.cache.unlock(req.prefix_node)
-        req.pages, req.cached_pages, req.prefix_node = [], 0, None
-        req.kv_len = 0
-        req.admitted = False
+        req.pages, req.cached_pages, req.prefix_node, req.kv_len, req.admitted = [], 0, None, 0, False
 
     def check(self, live: list[Req], elsewhere: dict[int, str] | None = None) -> None:
         """Assert every page is in exactly one place (tests call this between steps). `elsewhere`:

@@ -60,9 +60,7 @@ def check_finish(req: Req, eos_ids: frozenset[int], context_len: int, decode: De
         if req.grammar.terminated:  # it accepted a stop token: nothing may follow (even with ignore_eos)
             return FinishReason("stop", matched=last)
     if n >= p.min_new_tokens:
-        if not p.ignore_eos and last in eos_ids:
-            return FinishReason("stop", matched=last)
-        if p.stop_token_ids and last in p.stop_token_ids:
+        if (not p.ignore_eos and last in eos_ids) or last in (p.stop_token_ids or ()):
             return FinishReason("stop", matched=last)
         if p.stop and decode is not None:
             window = max(len(s) for s in p.stop) + 8
@@ -70,8 +68,6 @@ def check_finish(req: Req, eos_ids: frozenset[int], context_len: int, decode: De
             for s in p.stop:
                 if s in tail:
                     return FinishReason("stop", matched=s)
-    if n >= p.max_new_tokens:
-        return FinishReason("length", length=n)
-    if req.fill_len >= context_len:
+    if n >= p.max_new_tokens or req.fill_len >= context_len:
         return FinishReason("length", length=n)
     return None

@@ -1,61 +1,22 @@
 """Overlap scheduling: the CPU prepares decode step t+1 while the GPU still runs step t.
 
-Without it (`Scheduler(overlap=False)`) a step runs forward(t) and then waits for its tokens before
-it can build t+1, so the GPU idles while the CPU samples, checks stop conditions, schedules and
-plans. With it a decode step is *launched* (forward + sampling on the device, tokens copied to pinned host memory behind
-an event) and its results are taken one `step()` later, after the next decode has been launched
-with the in-flight tokens as its input ids:
+A decode step is *launched* (forward and sampling on the device, tokens copied to pinned host memory
+behind an event) and lands one `step()` later, after the next decode has been launched with its
+in-flight tokens as input ids:
 
     step() n:    launch D(t+1) [inputs = D(t) tokens, on device] | wait D(t), append tokens, finish
     step() n+1:  launch D(t+2) ...                                | wait D(t+1) ...
 
-Step t+1 is built before step t's stop checks, so a request that stops at t (EOS, stop string)
-runs one extra row at t+1 whose token is dropped; its KV write lands in its own, then freed, page
-(never in a prefix-cache page: cached pages hold only positions < kv_len), and anything that
-reuses the page later is ordered after it on the stream. Requests that certainly finish at t
-(max_new_tokens, context length) are left out of t+1.
-
-Only decode batches without logprobs overlap, also while requests wait if none of them could be
-admitted now (the running batch full, or the first candidate's first chunk does not fit beside the
-decoders' reserve: under load a queue stands and the pool binds). Sampling needs nothing of step t on the host:
-penalty statistics live on the device and are updated as each token is drawn, min_new_tokens
-bans count the in-flight token, and seeded rows number their draws by output position. Anything
-else (prefill, admissions, preemption, logprobs) first drains the in-flight step and then runs
-exactly as a step without overlap, so the outputs are the same as without overlap (an admission that
-only the pages freed at step t make possible waits one step).
-
-Constrained rows (structured output) overlap too, but their mask for t+1 needs token t in their
-grammar matcher, so a step t+1 with constrained rows is launched in two halves around t's landing:
-
-    step() n:  forward D(t+1) queued | wait D(t), append tokens, matchers accept them |
-               fill t+1's masks (host, while the forward runs), copy, mask, sample D(t+1) | finish
-               rules of t
-
-Every row of the batch keeps overlap; the fill overlaps the forward instead of following it. A row
-that finishes at t (its grammar ended, a stop, an abort meanwhile) was launched into t+1 all the
-same: its mask is not filled (its matcher may be done), its t+1 token is sampled unmasked and
-dropped when t+1 lands, like any row that finishes at t, and no dropped token reaches a matcher.
-`disable_grammar_overlap` keeps the older behaviour (constrained rows drain the loop and land at
-once), for comparison (bench/structured.py) and as a fallback.
-
-Remote rows (remote attention, `offload/`) overlap too. Step t+1 plans its remote rows on the
-executor (`begin_step`) at kv_len + 1 -- known on the host, since each decode step adds one token --
-after every local decision of t+1 is made, so a planned step is always launched. A remote request
-that stops at t was planned into t+1 all the same: the executor wrote its extra KV row, and
-releasing the request when t lands frees that row with the rest (the executor's length is never
-compared again). A request the executor drops while planning t+1 (no room), or every remote request
-when the executor is lost, goes back to the waiting queue at once, but its step-t token is still in
-flight: it is kept when t lands (the device's penalty statistics already count it), the finish rules
-see it, and the request is recomputed with it -- unless the executor died while t ran: a GPU-
-signalled transport's watchdog then let t's remote rows through without results
-(`RemoteAttention.results_forged`), so their tokens are dropped on landing and the requests
-recomputed without them (also in the plain loop, whose steps land at once).
-
-Which steps may overlap is each member's answer (`Member.needs_landed_state`): KV rotation
-(`preemption_mode=rotate`) needs landed state while any request is rotary or waiting (a rotation or
-resume may be decided), so the in-flight step is drained first and the iteration decides on landed
-state. Eager copies also go out beside overlapped steps:
-they copy only pages that are full by the landed length, which no step in flight writes.
+What keeps the outputs those of the plain loop (docs/architecture.md, "Model execution"; constrained
+rows: "Structured output"; remote rows: docs/remote_attention.md, "Overlap scheduling"):
+  * only decode steps without logprobs overlap, and only while no member needs landed state
+    (`Member.needs_landed_state`); anything else drains the step in flight and runs as the plain loop;
+  * a request that stops at t ran one extra row in t+1: its token is dropped and its KV write went
+    to its own page, never a cached one; requests certain to finish at t are left out of t+1;
+  * a step with constrained rows is forwarded first and sampled once t's tokens are in the matchers;
+  * remote rows are planned on the executor last (at kv_len + 1), so a planned step is always
+    launched; a request taken back from its executor meanwhile keeps its step-t token, unless the
+    step's results were forged (its executor died mid-step).
 """
 
 from __future__ import annotations
@@ -149,16 +110,11 @@ class Overlap:
         return _Launched(entries, tokens, tokens, None, remote, via, planned)
 
     def _admission_blocked(self) -> bool:
-        """No waiting request could be admitted now, whatever step t brings: the loop may keep
-        overlapping decode steps while a queue stands (a KV-bound pool under load) instead of
-        draining every step. True only where it cannot be wrong: the running batch is full, or the
-        first candidate -- `_schedule` tries candidates in the policy's order and stops at the first
-        that does not fit -- cannot have its first chunk's pages beyond the running requests' decode
-        reserve, even counting the pages its cached prefix may lend (before it locks them, so at
-        most an admission-less step drains, as before). Without that second test the loop drained
-        whenever a single page was spare, nearly every step of a KV-bound pool with offload (~11 %
-        of steps overlapped on two H200s). Pages freed by requests that finish at step t are seen one
-        step later, so such an admission waits one step."""
+        """No waiting request could be admitted now, whatever step t brings, so the loop keeps
+        overlapping while a queue stands. True only where it cannot be wrong: the running batch is
+        full, or the policy's first candidate (where `_schedule` stops) cannot get its first chunk's
+        pages beyond the decode reserve, even counting what its cached prefix may lend. An admission
+        that only step t's finishes make possible waits one step."""
         s = self.s
         if len(s.running) >= s.max_running:
             return True
@@ -207,27 +163,23 @@ class Overlap:
                 return None  # would need preemption: decide on landed state
             s.kv.grow(r, r.kv_len + 2)
         try:
-            # Last, so that once planned the step is launched. Rows the executor drops are requeued
-            # now; their step-t tokens are kept when t lands.
+            # Planned last, so that once planned the step is launched. Rows the executor drops are
+            # requeued now; their step-t tokens are kept when t lands.
             kept = s.plan(entries, ahead=1)
-        except ExecutorLost as e:
-            s.remote_rows.lose_executor(str(e))
-            return None
-        if len(kept) < len(entries):
-            keep = {id(e.req) for e in kept}
-            rows = [i for i in rows if id(prev.entries[i].req) in keep]
-            entries = kept
-            if not rows:
-                return None
-        # Each row decodes its in-flight token (id filled in on the device below) at kv_len + 1.
-        ahead = [BatchRow(e.req.kv_len + 1, (0,), e.req.pages, (0,), e.req.remote) for e in entries]
-        batch = ForwardBatch.build(ahead, ForwardMode.DECODE, s.page_size, s.runner.device)
-        if len(rows) == len(prev.entries):
-            batch.input_ids = prev.tokens
-        else:
-            idx = torch.tensor(rows, dtype=torch.int64).to(prev.tokens.device, non_blocking=True)
-            batch.input_ids = prev.tokens[idx]
-        try:
+            if len(kept) < len(entries):
+                keep = {id(e.req) for e in kept}
+                rows = [i for i in rows if id(prev.entries[i].req) in keep]
+                entries = kept
+                if not rows:
+                    return None
+            # Each row decodes its in-flight token (id filled in on the device below) at kv_len + 1.
+            ahead = [BatchRow(e.req.kv_len + 1, (0,), e.req.pages, (0,), e.req.remote) for e in entries]
+            batch = ForwardBatch.build(ahead, ForwardMode.DECODE, s.page_size, s.runner.device)
+            if len(rows) == len(prev.entries):
+                batch.input_ids = prev.tokens
+            else:
+                idx = torch.tensor(rows, dtype=torch.int64).to(prev.tokens.device, non_blocking=True)
+                batch.input_ids = prev.tokens[idx]
             logits = s.runner.forward(batch)
         except ExecutorLost as e:
             # as without overlap: local rows redo t+1 (idempotent KV writes), remote ones are
@@ -254,8 +206,7 @@ class Overlap:
         for e, t in zip(launched.entries, tokens, strict=True):
             r = e.req
             if id(r) in forged:
-                self.s.drop_penalties(r)  # recomputed without it (it is queued already)
-                continue
+                continue  # recomputed without it (it is queued already)
             if r.status is ReqStatus.WAITING:
                 # Taken back from its executor while this step was in flight (see the module
                 # docstring): the token stands, and the request is recomputed with it.

@@ -85,37 +85,18 @@ class SwappedFirst(FCFS):
 
 
 class LargestVLTFirst(FCFS):
-    """`lvf` (SuperInfer's RotaSched). Virtual lag time, in SLOs: positive = behind, serve first;
-    negative = ahead, may be rotated out for someone behind.
+    """`lvf` (SuperInfer's RotaSched: Largest Virtual-lag-time First). Virtual lag time, in SLOs:
+    positive = behind, served first; negative = ahead, may be rotated out for someone behind.
 
         waiting   VLT = (now - arrival) / S_B - beta_B
         running   VLT = alpha * lag                (0 before its first token)
         rotary    VLT = alpha * (lag - beta_F)     (as waiting before its first token)
         lag       = (now - first token) / S_F - (tokens since the first)
 
-`lag` is a stream's decode lag: how many TPOT SLOs it is behind (positive) or ahead (negative) of
-one token per S_F since its first token, i.e. of its mean TPOT meeting the SLO. The first definitions
-tried, running -alpha * (now - run start) / S_F and rotary alpha * ((now - last token) / S_F -
-beta_F), made every request that had run a moment a victim and every request rotated out a moment
-ago urgent again: on an H200 lvf then rotated the same streams out and back ~170 times per second and
-collapsed. With the lag for both, the meaning is kept (negative = ahead of the SLO) but the slack a
-stream has banked counts: the victims are the streams furthest ahead, and a rotated stream stays out
-until it has spent its slack (beta_F: the lag it may reach before it is urgent), which is the
-time-sharing that lets new arrivals in while every stream keeps its TPOT.
-
-A voluntary rotation must buy something (`make_room_for`):
-  * the candidate is behind: a waiting request (its first token is what the TTFT SLO measures), or a
-    rotary one whose VLT is positive; a rotary stream still within its tolerance waits for free room;
-  * each victim is at least one SLO further ahead than the candidate (VLT below min(VLT_c, 0) - alpha);
-  * hysteresis: a victim has produced `MIN_STAY_TOKENS` tokens since it last (re)started running, so
-    a swap-in is paid back by decode steps before the next rotation of the same stream.
-The scheduler adds the rest: B_xfer (`rotation_budget_mb`) bounds voluntary rotations and resumes per
-iteration, pages already coming free (copies in flight) count as room, and victims are rotated only
-until the candidate fits.
-
-    While everything fits in the pool it is exactly FCFS. Otherwise candidates are taken from the
-    head of the VLT order (within the pool and the rotation budget, which the scheduler enforces)
-    and running requests with negative VLT below the candidate's are rotated out from the tail.
+    While everything fits in the pool it is exactly FCFS. A voluntary rotation must buy something
+    (`make_room_for`): the candidate is behind, each victim is at least one SLO further ahead than
+    it, and has decoded `MIN_STAY_TOKENS` tokens since it last (re)started. Why the lag and not
+    per-residency times, and the rules in full: docs/architecture.md, "Rotation to host memory".
     """
 
     wants_fit = True

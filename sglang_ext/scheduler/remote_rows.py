@@ -1,10 +1,7 @@
 """Remote rows, a scheduler member: requests whose KV lives on an attention executor (home REMOTE).
 
 Which remote rows a step plans, how a request's KV leaves the local pool, and how a request comes
-back when its executor drops it or is lost (it is recomputed from its tokens, like a preempted
-request). Remote rows overlap like local ones: step t+1 plans them on the executor at kv_len + 1
-(`plan(..., ahead=1)`) after every local decision of t+1 is made, so a planned step is always
-launched.
+back when its executor drops it or is lost: recomputed from its tokens, like a preempted request.
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ from sglang_ext.offload.remote import RemoteAttention
 from sglang_ext.offload.sender import Offloader
 from sglang_ext.scheduler.batch_builder import Entry
 from sglang_ext.scheduler.member import Member
-from sglang_ext.scheduler.request import KVHome, Req, ReqStatus
+from sglang_ext.scheduler.request import KVHome, Req
 
 if TYPE_CHECKING:
     from sglang_ext.scheduler.scheduler import Scheduler
@@ -35,9 +32,7 @@ class RemoteRows(Member):
     def admit(self, r: Req, budget: int, reserve: int) -> int | None:
         """An adopted request (its KV on an executor already): no pages to find; it decodes with the
         others (0)."""
-        self.s.waiting.remove(r)
-        r.start_running(self.s.clock())
-        self.s.running.append(r)
+        self.s.start_running(r, self.s.waiting)
         return 0
 
     def release(self, r: Req) -> None:
@@ -61,7 +56,10 @@ class RemoteRows(Member):
         old.active = False
 
     def adopt(self, r: Req, handle: int) -> bool:
-        """Adrenaline placement: see `Scheduler.adopt_remote`."""
+        """Adrenaline placement: a request queued by `Handoff.add_prefilled` (its first token in hand, no
+        KV staged) whose prompt KV the prefill worker left in its executor under `handle` is admitted as
+        a remote row (no local pages). False when the offloader in force cannot take it (the caller
+        then lets it recompute its prompt here)."""
         if self.offload is None or not self.offload.adopt(r, handle):
             return False
         r.kv_len, r.admitted, r.home = len(r.input_ids), True, KVHome.REMOTE
@@ -87,10 +85,7 @@ class RemoteRows(Member):
             s.running.remove(r)
         if r in s.waiting:  # adopted (Adrenaline placement) but not admitted yet
             s.waiting.remove(r)
-        r.status = ReqStatus.WAITING
-        r.num_preemptions += 1
-        s.num_preemptions += 1
-        s.waiting.insert(0, r)
+        s.requeue(r)
 
     # ---- steps ----------------------------------------------------------------------------------
     def plan(self, entries: list[Entry], ahead: int = 0) -> list[Entry]:
@@ -124,11 +119,13 @@ class RemoteRows(Member):
     def forged(self, remote: list[Req], via: RemoteAttention | None, upto: int | None = None) -> set[int]:
         """After a step landed: the ids of its `remote` rows' requests when those rows may hold no
         executor results (the executor died mid-step and the sender's watchdog let the step through:
-        `results_forged`). Their tokens must be dropped and the requests recomputed; the executor is
-        given up first if it is still the one in force. Empty when the results are the executor's.
-        `upto`: the transport's `begins` when the step was planned."""
+        `results_forged`). Their tokens must be dropped (their penalty slots are) and the requests
+        recomputed; the executor is given up first if it is still the one in force. Empty when the
+        results are the executor's. `upto`: the transport's `begins` when the step was planned."""
         if via is None or not remote or not via.results_forged(upto):
             return set()
         if self.offload is not None and self.offload.remote is via and self.offload.active:
             self.lose_executor(f"executor {via.executor_id} died mid-step")
+        for r in remote:
+            self.s.drop_penalties(r)  # the device's statistics counted a token that is dropped
         return {id(r) for r in remote}

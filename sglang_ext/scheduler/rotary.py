@@ -1,33 +1,11 @@
 """KV rotation (`preemption_mode=rotate`), a scheduler member: requests whose KV waits in host memory.
 
-A request's home goes LOCAL -> HOST (rotated out, in the rotary queue) -> LOCAL (resumed):
-
-* **Rotating out** a running request: its full pages are first published to the prefix cache (as a
-  finishing request's are), then every page of its KV is copied to the host pool (those with a valid
-  eager copy are not copied again), its cache lock is released (its prefix pages become evictable,
-  never freed under another user) and its own pages are freed.
-* **Resuming**: the prefix is matched again; only the pages the cache no longer holds are copied
-  back (into new device pages). The request is running again but joins batches only once the copy
-  has landed, so the copy runs beside the step of the iteration that issued it and no step waits
-  for it; only when nothing else could run is the compute stream fenced on it. Its full pages' host
-  copies stay as eager copies (a second rotation moves only what changed).
-* **Eager copies**: while the pool is short, with the budget an iteration leaves, full pages of the
-  likeliest victims are copied out ahead of time, so a rotation moves little more than the last,
-  partly filled page. A full page's KV never changes, but its page can: `cache_prefix` may swap it
-  for the cache's twin (`_swapped` drops that copy at once), a release frees it. So a copy is
-  trusted only while the request still holds the same device page at that index, and all of a
-  request's copies are dropped when it lets go of its pages.
-* **Transfers in flight** (kvcache/rotation.py): nothing blocks on a copy. Pages a copy still uses
-  are parked when freed (kvcache/holds.py) and a released request's cache pages stay locked until
-  its copies land; those pages count as room that is coming (`pages_coming`), so a decoder sits out
-  a step instead of pushing out more victims, and voluntary rotations stop once the room is on its
-  way. An iteration whose step waited for a copy (a fence) or that ran nothing because of copies
-  counts as unhidden.
-* **Budget**: `rotation_budget_mb` (B_xfer) bytes per direction per iteration for resumes,
-  voluntary rotations and eager copies (the first transfer of an iteration may exceed it, so a
-  large request still moves). Rotations forced by a full pool are not limited by it.
-* A full host pool drops eager copies first; if that is not enough, the request is preempted by
-  recompute instead (nothing is lost).
+A request's home goes LOCAL -> HOST (rotated out: its full pages published to the prefix cache, its
+KV copied to host pages, its own pages freed) -> LOCAL (resumed: the prefix matched again, only the
+pages the cache lost copied back; it joins batches once that copy has landed). Nothing blocks on a
+copy: pages it still uses are parked, and cache pages a released request held stay locked, until it
+lands. An eager copy of a full page is trusted only while the request holds that same device page.
+The rules in full: docs/architecture.md, "Rotation to host memory".
 """
 
 from __future__ import annotations
@@ -151,10 +129,8 @@ class Rotation(Member):
     # ---- copies in flight -----------------------------------------------------------------------
     def copies_in_flight(self) -> bool:
         """Copies not landed yet (their pages come free when they do); counts the iteration as unhidden."""
-        if not self.inflight:
-            return False
-        self.waited = True
-        return True
+        self.waited |= bool(self.inflight)
+        return bool(self.inflight)
 
     @staticmethod
     def ready(r: Req) -> bool:
@@ -372,19 +348,14 @@ class Rotation(Member):
                 break
         return moved
 
-    def _resume_plan(self, r: Req) -> tuple[int, int]:
-        """For an admitted (prefix matched) rotary request: (tokens of KV after the swap-in, pages to
-        copy in)."""
-        if r.kv_len >= r.rot.host_len:
-            return r.kv_len, 0
-        return r.rot.host_len, self.s.kv.pages_for(r.rot.host_len) - r.cached_pages
-
     def admit(self, r: Req, budget: int, reserve: int) -> int | None:
         """Resume a rotary request: its prefix is matched again and the pages the cache no longer
         holds are copied back. 0 while its copy is on the way (it joins a batch once it landed)."""
         kv = self.s.kv
         kv.admit(r)
-        target, copy = self._resume_plan(r)
+        # tokens of KV after the swap-in, and pages to copy in (none if the cache holds all of it)
+        target, copy = (r.kv_len, 0) if r.kv_len >= r.rot.host_len else (
+            r.rot.host_len, kv.pages_for(r.rot.host_len) - r.cached_pages)
         decoding = bool(r.output_ids) and target == r.fill_len - 1
         n = 0 if decoding else min(r.fill_len - target, budget)
         need = kv.pages_for(target + max(n, 1)) - len(r.pages)
@@ -414,11 +385,8 @@ class Rotation(Member):
         kept = {h for _, h in keep.values()}
         self.host_alloc.free([h for h in st.host_pages if h not in kept])  # parked while the copy-in reads them
         st.eager = keep
-        st.host_pages, st.host_len, r.kv_len = [], 0, target
-        s.rotary.remove(r)
-        r.home = KVHome.LOCAL
-        r.start_running(s.clock())
-        s.running.append(r)
+        st.host_pages, st.host_len, r.kv_len, r.home = [], 0, target, KVHome.LOCAL
+        s.start_running(r, s.rotary)
         r.rotations += 1
         self.rotations_in += 1
         return self.ready(r)

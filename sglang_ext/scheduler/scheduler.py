@@ -1,24 +1,12 @@
 """Continuous batching with chunked prefill, prefix reuse and preemption.
 
-Each `step()` is one forward:
-  * if any request needs prefill, an EXTEND batch: prefill chunks within `chunked_prefill_size`
-    tokens, with every decoding request riding along as a one-token extend (so long prompts never
-    stall running streams);
-  * otherwise a DECODE batch of all running requests (the shape CUDA graphs capture).
-When KV pages run out, running requests are preempted in the policy's victim order (fcfs: the most
-recently arrived first): their computed pages go to the prefix cache and they re-enter the waiting
-queue (recompute), or with `preemption_mode=rotate` their KV goes to host memory and they wait as
-rotary requests to be resumed. Who is admitted or resumed next, who is preempted and whether anyone
-is rotated out voluntarily are the policy's answers (`policy.py`).
-
-A request's KV home (`Req.home`) says where its KV lives: local pages, host memory (rotation,
-`rotary.py`), an attention executor (remote rows, `remote_rows.py`: they need no local pages, are
-never preemption victims, and ride in every decode batch) or a prefill worker's hand-off
-(`handoff.py`). Those mechanisms are the scheduler's members (`member.py`); a candidate is
-admitted by the member of its home, and each member hears of every iteration and release.
-
-With `overlap` (a CUDA worker's default) decode steps are pipelined (`overlap.py`): step t+1 is
-launched before step t's tokens have landed, whenever no member needs landed state.
+Each `step()` is one forward: an EXTEND batch of prefill chunks within `chunked_prefill_size`
+tokens with every decoding request riding along, or else a DECODE batch of all running requests.
+When KV pages run out, running requests are preempted in the policy's victim order (`policy.py`):
+recomputed later, or with `preemption_mode=rotate` rotated out to host memory. A request's KV home
+(`Req.home`) says where its KV lives; the mechanisms beside local pages are the scheduler's members
+(`member.py`), and a candidate is admitted by the member of its home. With `overlap` (a CUDA
+worker's default) decode steps are pipelined (`overlap.py`). Details: docs/architecture.md, "Scheduler".
 """
 
 from __future__ import annotations
@@ -102,7 +90,8 @@ class Scheduler:
         self.running: list[Req] = []
         self.rotary: list[Req] = []  # home HOST: KV in host memory (preemption_mode=rotate)
         self._pending: list[StepOutput] = []  # outputs produced outside a forward (aborts)
-        self._sent: dict[str, tuple[int, int, int]] = {}  # rid -> (tokens, in-logprobs, out-logprobs) sent
+        # rid -> (tokens, in-logprobs, out-logprobs) reported so far (here, or by a prefill worker: Handoff)
+        self.sent: dict[str, tuple[int, int, int]] = {}
         self.num_preemptions = 0
         self.prefill_tokens = 0  # prompt tokens forwarded in chunks of more than one (a step profile's)
         self.forward_rows = 0  # requests in the forwards launched so far (a step profile's)
@@ -153,30 +142,8 @@ class Scheduler:
         if req.return_logprob and req.logprob_start == 0:
             req.input_token_logprobs.append((None, req.input_ids[0]))
             req.input_top_logprobs.append(None)
-        self._sent[req.rid] = (0, 0, 0)
+        self.sent[req.rid] = (0, 0, 0)
         self.waiting.append(req)
-
-    def add_prefilled(self, req: Req, kv: object) -> None:
-        """Disaggregation, decode side: `Handoff.add_prefilled`."""
-        self.handoff.add_prefilled(req, kv)
-
-    def hand_off(self, rid: str) -> Req | None:
-        """Disaggregation, prefill side: `Handoff.hand_off`."""
-        return self.handoff.hand_off(rid)
-
-    def handed(self, rid: str) -> None:
-        self.handoff.handed(rid)
-
-    def set_offload(self, offload: Offloader | None) -> None:
-        """Another executor, or none: `RemoteRows.set_offload`."""
-        self.remote_rows.set_offload(offload)
-
-    def adopt_remote(self, r: Req, handle: int) -> bool:
-        """Adrenaline placement: a request queued by `add_prefilled` (its first token in hand, no KV
-        staged) whose prompt KV the prefill worker left in its executor under `handle`. It is
-        admitted as a remote row (no local pages) and decodes there. False when the offloader in
-        force cannot take it (the caller then lets it recompute its prompt here)."""
-        return self.remote_rows.adopt(r, handle)
 
     def abort(self, rid: str, message: str = "aborted by the client") -> bool:
         for queue in (self.waiting, self.running, self.rotary):
@@ -228,22 +195,20 @@ class Scheduler:
             entries, mode = self._schedule()  # the step waits for those copies on the device
         for m in self.members:
             m.end()
-        if not entries and self.running and self.rot is not None and self.rot.copies_in_flight():
-            return outputs  # pages come free as rotation copies land: wait, do not preempt
-        if not entries and self.running:
-            # Part-prefilled requests hold every page and none can grow: free the policy's first
-            # victim so the others progress (never spin on empty steps).
-            newest = self.policy.victims(self.running)[0]
-            if len(self.running) > 1 or self.waiting or self.rotary:
-                self._preempt(newest)
-            else:
-                self.running.remove(newest)
-                self.finish(newest, FinishReason("abort", message="out of KV cache memory"))
-                outputs.append(self._output(newest))
-            return outputs
-        if not entries:
-            return outputs
-        return outputs + self._run(entries, mode)
+        if entries:
+            return outputs + self._run(entries, mode)
+        if not self.running or (self.rot is not None and self.rot.copies_in_flight()):
+            return outputs  # nothing to run, or pages come free as rotation copies land: wait, do not preempt
+        # Part-prefilled requests hold every page and none can grow: free the policy's first
+        # victim so the others progress (never spin on empty steps).
+        newest = self.policy.victims(self.running)[0]
+        if len(self.running) > 1 or self.waiting or self.rotary:
+            self._preempt(newest)
+        else:
+            self.running.remove(newest)
+            self.finish(newest, FinishReason("abort", message="out of KV cache memory"))
+            outputs.append(self._output(newest))
+        return outputs
 
     def needs_landed_state(self, reqs: list[Req]) -> bool:
         """Some member needs a decode step over `reqs` scheduled and landed with no step in flight."""
@@ -339,12 +304,16 @@ class Scheduler:
             return None
         if r.num_preemptions == 0:
             r.cached_tokens = r.kv_len
-        self.waiting.remove(r)
-        r.start_running(self.clock())
-        self.running.append(r)
+        self.start_running(r, self.waiting)
         if n:
             self.kv.grow(r, r.kv_len + n)
         return n
+
+    def start_running(self, r: Req, queue: list[Req]) -> None:
+        """`r` leaves `queue` (waiting or rotary) for the running batch."""
+        queue.remove(r)
+        r.start_running(self.clock())
+        self.running.append(r)
 
     def decode_reserve(self) -> int:
         """Pages kept free for running requests' next tokens, so admission does not cause an
@@ -418,6 +387,10 @@ class Scheduler:
         logger.debug("preempting %s (kv_len=%d)", r.rid, r.kv_len)
         self.running.remove(r)
         self.release_kv(r)
+        self.requeue(r)
+
+    def requeue(self, r: Req) -> None:
+        """A preempted request (it holds no KV) goes back to the queue's head, to be recomputed."""
         r.status = ReqStatus.WAITING
         r.num_preemptions += 1
         self.num_preemptions += 1
@@ -470,9 +443,6 @@ class Scheduler:
             via, _ = self.remote_rows.transport(sample_reqs)
             forged = self.remote_rows.forged([r for r in sample_reqs if r.home is KVHome.REMOTE], via)
             if forged:
-                for r in sample_reqs:
-                    if id(r) in forged:
-                        self.drop_penalties(r)
                 keep = [i for i, r in enumerate(sample_reqs) if id(r) not in forged]
                 sample_reqs, tokens = [sample_reqs[i] for i in keep], [tokens[i] for i in keep]
                 rows_logits = rows_logits[keep]
@@ -543,20 +513,12 @@ class Scheduler:
         self.release_kv(r)
         self.drop_penalties(r)
 
-    def forget(self, rid: str) -> None:
-        """Report nothing more of `rid` (handed to another worker)."""
-        self._sent.pop(rid, None)
-
-    def sent_before(self, rid: str, sent: tuple[int, int, int]) -> None:
-        """What of `rid` was reported elsewhere already: (tokens, input logprobs, output logprobs)."""
-        self._sent[rid] = sent
-
     def _has_new(self, r: Req) -> bool:
-        sent = self._sent.get(r.rid, (0, 0, 0))
+        sent = self.sent.get(r.rid, (0, 0, 0))
         return len(r.output_ids) > sent[0] or len(r.input_token_logprobs) > sent[1]
 
     def _output(self, r: Req) -> StepOutput:
-        t0, i0, o0 = self._sent.get(r.rid, (0, 0, 0))
+        t0, i0, o0 = self.sent.get(r.rid, (0, 0, 0))
         out = StepOutput(
             rid=r.rid,
             new_token_ids=r.output_ids[t0:],
@@ -573,7 +535,7 @@ class Scheduler:
             output_top_logprobs=r.output_top_logprobs[o0:],
         )
         if r.finished:
-            self._sent.pop(r.rid, None)
+            self.sent.pop(r.rid, None)
         else:
-            self._sent[r.rid] = (len(r.output_ids), len(r.input_token_logprobs), len(r.output_token_logprobs))
+            self.sent[r.rid] = (len(r.output_ids), len(r.input_token_logprobs), len(r.output_token_logprobs))
         return out

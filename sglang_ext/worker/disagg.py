@@ -1,16 +1,11 @@
-"""A worker's part in prefill/decode disaggregation, driven by the router's messages.
+"""A worker's part in prefill/decode disaggregation, driven by the router's messages
+(docs/architecture.md, "Prefill/decode disaggregation"):
 
-    decode worker:   KVPairOpen  -> a rendezvous and a KVReceiver thread for that prefill worker; reply
-                                    with the pair's address
-                     generate (disagg.role=decode) -> waits for its room's KV; when it lands, the
-                                    request joins the scheduler with its first token (Worker.step)
-    prefill worker:  KVPairConnect -> a KVSender thread to that decode worker (replacing an older one)
-                     generate (disagg.role=prefill) -> served as usual until its first token; then it
-                                    is handed off: its pages go to the sender thread, and are freed
-                                    once the send completed; with Adrenaline placement
-                                    (disagg.handle) its KV goes into this worker's own executor
-                                    instead (a device-local copy) and only a header goes
-                                    (see adrenaline.py)
+    decode worker:   KVPairOpen -> a KVReceiver thread for that prefill worker; a request
+                     (disagg.role=decode) waits for its room's KV, then joins the scheduler
+    prefill worker:  KVPairConnect -> a KVSender thread to that decode worker; a request
+                     (disagg.role=prefill) is handed off after its first token: its pages go to the
+                     sender thread and are freed once sent (Adrenaline placement: adrenaline.py)
 
 Threads report through `events` (drained on the forward thread by `poll`) and wake the worker's loop
 with `notify`; every scheduler call stays on the forward thread.
@@ -34,6 +29,7 @@ from sglang_ext.disagg import staged
 from sglang_ext.disagg.transfer import KVArrival, KVReceiver, KVSender, SendJob
 from sglang_ext.engine.model_runner import ModelRunner
 from sglang_ext.messages import Disagg, ErrorOut, KVPairConnect, KVPairOpen, ReplyOut
+from sglang_ext.messages.io import KVTransferStats
 from sglang_ext.offload.sender import reserve_tokens
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
@@ -75,11 +71,7 @@ class WorkerDisagg:
         self.expecting: dict[tuple[str, int], _Expect] = {}  # (pairing, room) -> the request waiting
         self.arrived: dict[tuple[str, int], tuple[KVArrival, float]] = {}  # landed before its request
         self.dropped: dict[tuple[str, int], float] = {}  # aborted while its KV was on the way
-        self.counts = {"kv_transfers_out": 0, "kv_transfers_in": 0, "kv_transfer_bytes_out": 0,
-                       "kv_transfer_bytes_in": 0}  # LoadReport fields, cumulative
-
-    def has_events(self) -> bool:
-        return not self.events.empty()
+        self.counts = KVTransferStats()  # the load report's part, cumulative
 
     def _post(self, kind: str, a: object, b: object = None) -> None:  # any thread
         self.events.put((kind, a, b))
@@ -169,7 +161,7 @@ class WorkerDisagg:
             scheduler.abort(rid, "no KV pair")
             why = sender.broken if sender is not None else "it is not connected"
             return f"prefill worker {self.worker_id} cannot send KV over pairing {d.pairing}: {why}"
-        req = scheduler.hand_off(rid)
+        req = scheduler.handoff.hand_off(rid)
         assert req is not None
         n = len(req.input_ids)
         pages = req.pages[: -(-n // scheduler.page_size)]
@@ -204,20 +196,20 @@ class WorkerDisagg:
             if kind == "sent":
                 rid = str(a)
                 peer, nbytes = self.sending.pop(rid, ("?", 0))
-                scheduler.handed(rid)
+                scheduler.handoff.handed(rid)
                 placed = self.placer.sent(rid, ok=b is None)  # kept in this worker's executor: no transfer
                 if b is None:
                     if not placed:
-                        self.counts["kv_transfers_out"] += 1
-                        self.counts["kv_transfer_bytes_out"] += nbytes
+                        self.counts.transfers_out += 1
+                        self.counts.bytes_out += nbytes
                 else:
                     errors.append(ErrorOut(rid=rid, message=f"the KV transfer to decode worker {peer} failed: {b}",
                                            status=LOST_STATUS))
             elif kind == "kv":
                 assert isinstance(a, KVArrival)
                 if not a.handle:
-                    self.counts["kv_transfers_in"] += 1
-                    self.counts["kv_transfer_bytes_in"] += a.kv.numel() * a.kv.element_size()
+                    self.counts.transfers_in += 1
+                    self.counts.bytes_in += a.kv.numel() * a.kv.element_size()
                 if a.pairing not in self.receivers:
                     drop_placed(a.handle, scheduler)
                     continue  # the pair was closed meanwhile: its requests have failed already

@@ -1,13 +1,10 @@
 """A worker's part in served remote attention, driven by the router's messages.
 
-    as a host (executor_mem_gb > 0):  ExecutorOpen -> an ExecutorService thread for that sender; reply
-                                      with the pair's rendezvous address
+    as a host (executor_mem_gb > 0):  ExecutorOpen -> an ExecutorService thread for that sender
     as a sender:                      OffloadDirective -> DistRemote (torch_dist) or IpcRemote (cuda_ipc)
-                                      + Offloader installed between steps;
-                                      detach (or ratio 0) -> no new requests go out, the pair closes
-                                      once those there have finished
-                                      OffloadRatio -> the pairing in force takes a new ratio (and
-                                      Adrenaline bound) live: new requests follow it, those out stay
+                                      + Offloader installed between steps; detach (or ratio 0) -> the
+                                      pair closes once the requests there have finished
+                                      OffloadRatio -> a new ratio (and Adrenaline bound) for new requests
 
 Everything here runs on the worker's forward thread (through its inbox), never during a step; the
 load report (another thread) only reads numbers.
@@ -17,12 +14,13 @@ from __future__ import annotations
 
 import logging
 import socket
-from typing import Any, Final
+from typing import Final, cast
 
 import msgspec
 
 from sglang_ext.engine.model_runner import ModelRunner
 from sglang_ext.messages import ExecutorOpen, OffloadDirective, OffloadRatio, ReplyOut, WorkerInfo
+from sglang_ext.messages.io import ExecutorKV, OffloadSender, OffloadState
 from sglang_ext.offload.dist import DistRemote
 from sglang_ext.offload.executor import AttentionExecutor
 from sglang_ext.offload.host import ExecutorHost
@@ -33,6 +31,7 @@ from sglang_ext.offload.setup import GiB, executor_backend, gpu_uuid, guest_spec
 from sglang_ext.scheduler.scheduler import Scheduler
 from sglang_ext.server_args import ServerArgs
 from sglang_ext.transport.choice import check_served
+from sglang_ext.worker.stats import present
 
 logger = logging.getLogger(__name__)
 POLICIES: Final = ("fixed", "adrenaline", "adaptive")
@@ -55,11 +54,6 @@ class WorkerOffload:
         self.executor = ""
         self.state = ""
         self._done = [0, 0, 0.0, 0]  # bytes out, bytes in, wait seconds, staged loads of remotes already closed
-
-    def set_address(self, address: str) -> None:
-        """Where senders reach this worker's executors (the interface toward the router)."""
-        if self.host is not None:
-            self.host.address = address
 
     # ---- as a host ------------------------------------------------------------------------------
     def open_executor(self, msg: ExecutorOpen) -> ReplyOut:
@@ -105,7 +99,8 @@ class WorkerOffload:
         self.runner.set_remote(remote)
         ob = d.bound if d.policy == "adrenaline" else None
         # Adrenaline placement: the router places requests on the executor at prefill; none move later
-        scheduler.set_offload(Offloader(remote, d.ratio, self.runner.pool, ob, placed_only=d.placement == "prefill"))
+        placed_only = d.placement == "prefill"
+        scheduler.remote_rows.set_offload(Offloader(remote, d.ratio, self.runner.pool, ob, placed_only=placed_only))
         self.pairing, self.executor, self.state = d.pairing, d.executor, "active"
         logger.info("remote attention: %.0f%% of decoding requests to the executor on %s (pairing %s, %s, "
                     "policy %s)", 100 * d.ratio, d.executor, d.pairing, d.backend, d.policy)
@@ -164,7 +159,7 @@ class WorkerOffload:
         off = scheduler.offload
         if off is None:
             return
-        scheduler.set_offload(None)
+        scheduler.remote_rows.set_offload(None)
         r = off.remote
         self._done = [self._done[0] + r.bytes_out, self._done[1] + r.bytes_in, self._done[2] + r.wait_s,
                       self._done[3] + r.staged_loads]
@@ -188,25 +183,22 @@ class WorkerOffload:
             executor_mem_bytes=self.host.capacity_bytes if self.host else 0, hostname=socket.gethostname(),
             gpu_uuid=gpu_uuid(self.runner.device), offload_transport=self.args.offload_transport or "")
 
-    def report(self, scheduler: Scheduler) -> dict[str, Any]:
-        """LoadReport fields: the sender's offload figures and the host's KV held per guest model."""
+    def report(self, scheduler: Scheduler) -> tuple[OffloadSender | None, ExecutorKV | None]:
+        """The load report's parts: the sender's offload figures and the host's KV held per guest model
+        (None where there is nothing to report)."""
         off = scheduler.offload
         r: RemoteAttention | None = off.remote if off is not None else None
-        out: dict[str, Any] = {
-            "offloaded_reqs": off.num_remote if off else 0,
-            "offload_bytes_out": self._done[0] + (r.bytes_out if r else 0),
-            "offload_bytes_in": self._done[1] + (r.bytes_in if r else 0),
-            "offload_wait_s": self._done[2] + (r.wait_s if r else 0.0),
-            "offload_staged_loads": int(self._done[3] + (r.staged_loads if r else 0)),
-            "offload_executor": r.executor_id if r else "",
-            "offload_pairing": self.pairing, "offload_state": self.state,
-            "offload_ratio": off.ratio if off else 0.0, "offload_bound": (off.ob or 0.0) if off else 0.0,
-        }
+        state = self.state
         used = self.host.used_tokens() if self.host else {}
-        if self.host is not None:
-            out["executor_kv_pairing_tokens"], out["executor_kv_free_tokens"] = self.host.pairing_tokens()
         if isinstance(r, LocalRemote):  # the in-process executor hosts this worker's own model
             used[self.model_name] = r.executor.used_tokens(r.guest)
-            out["offload_state"] = "active" if r.alive else "lost"
-        out["executor_kv_used_tokens"] = used
-        return out
+            state = "active" if r.alive else "lost"
+        state, _, error = state.partition(": ")  # `failed: why` after a failure
+        sender = OffloadSender(
+            reqs=off.num_remote if off else 0, bytes_out=int(self._done[0] + (r.bytes_out if r else 0)),
+            bytes_in=int(self._done[1] + (r.bytes_in if r else 0)), wait_s=self._done[2] + (r.wait_s if r else 0.0),
+            staged_loads=int(self._done[3] + (r.staged_loads if r else 0)), executor=r.executor_id if r else "",
+            pairing=self.pairing, state=cast(OffloadState, state), error=error,
+            ratio=off.ratio if off else 0.0, bound=(off.ob or 0.0) if off else 0.0)
+        pairing, free = self.host.pairing_tokens() if self.host is not None else ({}, {})
+        return present(sender), present(ExecutorKV(used_tokens=used, pairing_tokens=pairing, free_tokens=free))

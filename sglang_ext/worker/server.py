@@ -1,23 +1,16 @@
-"""A worker's event loop: asyncio + uvloop over one ZeroMQ DEALER socket.
-
-The loop sleeps until a message arrives or work is pending; each forward runs in one helper
-thread (so heartbeats and new requests are taken while the model computes) and every scheduler
-call happens on that thread, in order. Prompts are tokenized on two more threads before they
-reach it (short ones and long ones, so a multi-MB prompt delays neither the running requests nor
-a short prompt behind it; the fast tokenizer releases the GIL). The worker *connects* to its
-router (or offline Engine), so it can join from another process or host and leave without taking
-the router down.
+"""A worker's event loop: asyncio + uvloop over one ZeroMQ DEALER socket that *connects* to its router
+(or offline Engine), so a worker can join from another process or host and leave without taking the
+router down. Every scheduler call happens on the one forward thread, in order; prompts are tokenized
+on two lanes before (short ones and long ones, so a multi-MB prompt delays neither the running
+requests nor a short prompt behind it). Details: docs/architecture.md, "Worker".
 
     recv ─┬─ text/messages ──> tokenize lane (short | long) ──> grammar lane (constrained only) ─┐
           └─ input_ids, abort, flush, shutdown ──────────────────────────────────────────────────┴─> inbox
     inbox ─> forward thread: Worker.step
 
-A constrained request (regex, json_schema, ...) takes the lanes even with input_ids: its grammar is
-compiled (cached by constraint) on the grammar lane, and an invalid one is answered with a 400 there.
-
-An abort for a request still being tokenized cancels it there; one that arrives later follows its
-request through the inbox, in order. An exception out of `Worker.step` is fatal: every request
-gets an explicit error and the process exits 1, for its supervisor to restart it.
+A constrained request takes the lanes even with input_ids (its grammar compiles on the grammar lane).
+An exception out of `Worker.step` is fatal: every request gets an explicit error and the process
+exits 1, for its supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -90,7 +83,8 @@ class WorkerServer:
         self.parent_pid = os.getppid()
         # Executors this worker hosts are reached where the router reaches it.
         toward = local_address_toward(router_addr.split("://", 1)[-1].rpartition(":")[0])
-        worker.offload.set_address(toward)
+        if worker.offload.host is not None:
+            worker.offload.host.address = toward
         worker.disagg.address = toward  # prefill workers reach this one's KV pairs there too
 
     async def send(self, msgs: list[FromWorker]) -> None:

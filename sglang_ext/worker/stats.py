@@ -1,6 +1,5 @@
 """The figures of a worker's load report: latency windows for the router's planners (LoadReport.latency:
-TPOT / TTFT P99, mean decode step), and the report's per-mechanism parts from the figures the worker's
-offload and disaggregation parts keep (None where a mechanism has nothing to report)."""
+TPOT / TTFT P99, mean decode step); a per-mechanism part is None where it has nothing to report."""
 
 from __future__ import annotations
 
@@ -8,10 +7,9 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
-from typing import Any, Final, TypeVar, cast
+from typing import Final, TypeVar
 
-from sglang_ext.messages.io import ExecutorKV, KVTransferStats, Latency, OffloadSender, OffloadState, RotationStats
+from sglang_ext.messages.io import ExecutorKV, KVTransferStats, Latency, OffloadSender, RotationStats
 
 WINDOW_S: Final = 10.0
 MAX_SAMPLES: Final = 1024
@@ -66,24 +64,3 @@ def present(part: Part) -> Part | None:
 def latency(tpot: LatencyWindow, ttft: LatencyWindow, decode_steps: LatencyWindow) -> Latency:
     return Latency(tpot_p99_ms=tpot.p99_ms(), tpot_samples=tpot.count(), ttft_p99_ms=ttft.p99_ms(),
                    ttft_samples=ttft.count(), decode_step_ms=decode_steps.mean_ms(), decode_steps=decode_steps.count())
-
-
-def offload_parts(f: Mapping[str, Any]) -> tuple[OffloadSender | None, ExecutorKV | None]:
-    """The sender's and the host's parts from WorkerOffload.report()'s figures (keyed as the flat report
-    names them; its state is `failed: why` after a failure)."""
-    state, _, error = str(f["offload_state"]).partition(": ")
-    sender = OffloadSender(
-        reqs=f["offloaded_reqs"], bytes_out=f["offload_bytes_out"], bytes_in=f["offload_bytes_in"],
-        wait_s=f["offload_wait_s"], staged_loads=f["offload_staged_loads"], executor=f["offload_executor"],
-        pairing=f["offload_pairing"], state=cast(OffloadState, state), error=error, ratio=f["offload_ratio"],
-        bound=f["offload_bound"])
-    host = ExecutorKV(used_tokens=dict(f.get("executor_kv_used_tokens", {})),
-                      pairing_tokens=dict(f.get("executor_kv_pairing_tokens", {})),
-                      free_tokens=dict(f.get("executor_kv_free_tokens", {})))
-    return present(sender), present(host)
-
-
-def transfers(counts: Mapping[str, int]) -> KVTransferStats | None:
-    """The disaggregation part from WorkerDisagg.counts (keyed as the flat report names them)."""
-    return present(KVTransferStats(transfers_out=counts["kv_transfers_out"], transfers_in=counts["kv_transfers_in"],
-                                   bytes_out=counts["kv_transfer_bytes_out"], bytes_in=counts["kv_transfer_bytes_in"]))

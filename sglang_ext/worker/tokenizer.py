@@ -27,9 +27,7 @@ class StartupError(RuntimeError):
 class Tokenizer:
     def __init__(self, hf: Any, eos_ids: frozenset[int] | None = None) -> None:
         self.hf = hf
-        self.eos_ids = eos_ids if eos_ids is not None else frozenset(
-            i for i in [hf.eos_token_id] if i is not None
-        )
+        self.eos_ids = eos_ids if eos_ids is not None else frozenset({hf.eos_token_id} - {None})
         self.has_chat_template = bool(getattr(hf, "chat_template", None))
         # The `tokenizers` streaming decoder reproduces `hf.decode` only where transformers adds no
         # post-processing of its own (clean_up_tokenization_spaces off).

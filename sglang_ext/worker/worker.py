@@ -54,7 +54,7 @@ from sglang_ext.transport.choice import cuda_ipc_problem
 from sglang_ext.worker.disagg import PairGone, WorkerDisagg
 from sglang_ext.worker.offload import WorkerOffload
 from sglang_ext.worker.profile import make_profiler
-from sglang_ext.worker.stats import DECODE_STEP_WINDOW_S, LatencyWindow, latency, offload_parts, present, transfers
+from sglang_ext.worker.stats import DECODE_STEP_WINDOW_S, LatencyWindow, latency, present
 from sglang_ext.worker.step_log import make_step_log
 from sglang_ext.worker.tokenizer import IncrementalDetokenizer, StartupError, Tokenizer, load_tokenizer
 
@@ -151,7 +151,7 @@ class Worker:
     def load_report(self) -> LoadReport:
         s = self.scheduler.stats()
         ps = self.args.resolved_page_size
-        offload, executor = offload_parts(self.offload.report(self.scheduler))
+        offload, executor = self.offload.report(self.scheduler)
         return LoadReport(
             worker_id=self.worker_id, num_running=s.num_running, num_waiting=s.num_waiting,
             kv_used_tokens=s.kv_used_pages * ps, kv_total_tokens=s.kv_total_pages * ps,
@@ -162,11 +162,11 @@ class Worker:
                 rotary_reqs=s.num_rotary, host_used_bytes=s.host_used_bytes, host_total_bytes=s.host_total_bytes,
                 rotations_out=s.rotations_out, rotations_in=s.rotations_in, bytes_out=s.rotation_bytes_out,
                 bytes_in=s.rotation_bytes_in, unhidden_iterations=s.unhidden_iterations)),
-            disagg=transfers(self.disagg.counts),
+            disagg=present(msgspec.structs.replace(self.disagg.counts)),  # a copy: the counts go on
         )
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self.disagg.has_events()
+        return self.scheduler.has_work() or not self.disagg.events.empty()
 
     # ---- tokenizing (any thread: touches only the tokenizer) ------------------------------------
     def prompt_chars(self, text: str | None, messages: list[dict[str, Any]] | None) -> int:
@@ -289,10 +289,7 @@ class Worker:
             self.live.pop(req.rid)
             raise InvalidRequest(f"the prefill worker computed {a.n_tokens} prompt tokens, this worker has "
                                  f"{len(req.input_ids)} (the workers tokenize differently)")
-        if a.handle:
-            self._start_decode(req, a.first_token, None, a.handle)
-        else:
-            self._start_decode(req, a.first_token, a.kv)
+        self._start_decode(req, a.first_token, None if a.handle else a.kv, a.handle)
 
     def _start_decode(self, req: Req, first_token: int, kv: Any, handle: int = 0) -> None:
         """Continue a request after its first token (which went out from the prefill worker), from the
@@ -306,11 +303,11 @@ class Worker:
         if live.detok is not None:
             live.detok.add([first_token], False, None)  # its text went out from the prefill worker
         live.first_token_time = time.monotonic()
-        self.scheduler.add_prefilled(req, kv)
+        self.scheduler.handoff.add_prefilled(req, kv)
         if handle:  # Adrenaline placement: its KV is on the prefill worker's executor
             d = live.req.disagg
             ours = d is not None and d.executor_pairing == self.offload.pairing and self.offload.state == "active"
-            if not (ours and self.scheduler.adopt_remote(req, handle)):
+            if not (ours and self.scheduler.remote_rows.adopt(req, handle)):
                 logger.warning("request %s: its KV is on executor pairing %s, which is not this worker's in force; "
                                "its prompt is recomputed here", req.rid, d.executor_pairing if d else "?")
 
