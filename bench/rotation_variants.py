@@ -120,12 +120,13 @@ class PerPageRotationEngine(DuplexRotationEngine):
 def make_engine(name: str, pool: KVPool, host: HostKVPool, staging_bytes: int = DEFAULT_STAGING_BYTES,
                 compute_stream: torch.cuda.Stream | None = None) -> DuplexRotationEngine:
     """The engine with method `name`, or the bench variant of that name (`staging_bytes`: "staged" only)."""
-    if name == "batched" or name == "runs":
-        return DuplexRotationEngine(pool, host, method=name, compute_stream=compute_stream)
-    if name == "staged":
-        return StagedRotationEngine(pool, host, staging_bytes, compute_stream)
-    if name == "per_page":
-        return PerPageRotationEngine(pool, host, compute_stream)
+    match name:
+        case "batched" | "runs":
+            return DuplexRotationEngine(pool, host, method=name, compute_stream=compute_stream)
+        case "staged":
+            return StagedRotationEngine(pool, host, staging_bytes, compute_stream)
+        case "per_page":
+            return PerPageRotationEngine(pool, host, compute_stream)
     raise ValueError(f"rotation method must be one of {', '.join(ALL_METHODS)}, got {name!r}")
 
 
