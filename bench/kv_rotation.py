@@ -9,7 +9,8 @@ an 8 GiB device pool and an 8 GiB pinned host pool. Sections:
   peak      one large copy each way, and one each way at once on two streams (the link's ceilings);
   baseline  per layer, per page: 32 layers x (K, V) = 64 copies of 32 KiB per page, what a layer-first
             layout must do (the pattern that held vLLM to ~10 GB/s on GH200);
-  one_way   the engine's methods (batched, staged, runs, per_page) moving --pages scattered device pages
+  one_way   the engine's methods (batched, runs) and the variants of rotation_variants.py (staged,
+            per_page) moving --pages scattered device pages
             out and in, with host pages contiguous (as `PageAllocator.alloc_lowest` hands them out) or scattered;
   duplex    a swap-out and a swap-in of --pages each, enqueued together: as two big calls, and per request
             (calls of --request-pages pages, the directions in turn, as the scheduler issues them).
@@ -39,8 +40,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.rotation_variants import ALL_METHODS, StagedRotationEngine, effective_method, make_engine
 from sglang_ext.kvcache import host_memory, memcpy_batch
-from sglang_ext.kvcache.duplex import METHODS, DuplexRotationEngine
+from sglang_ext.kvcache.duplex import DuplexRotationEngine
 from sglang_ext.kvcache.host_pool import HostKVPool
 from sglang_ext.kvcache.pool import KVGeometry, KVPool
 
@@ -197,11 +199,13 @@ def baseline(b: Bench) -> None:
 
 def engines(b: Bench) -> dict[str, DuplexRotationEngine]:
     out: dict[str, DuplexRotationEngine] = {}
-    for m in METHODS:
-        e = DuplexRotationEngine(b.pool, b.host, method=m, staging_bytes=b.a.staging_mb << 20)  # type: ignore[arg-type]
+    for m in ALL_METHODS:
+        e = make_engine(m, b.pool, b.host, staging_bytes=b.a.staging_mb << 20)
         out[m] = e
-        b.data["env"].setdefault("engines", {})[m] = {"method": e.method, "fallback_reason": e.fallback_reason,
-                                                      "batch_api": e.batch_api, "staging_pages": e.staging_pages}
+        staging_pages = e.staging_pages if isinstance(e, StagedRotationEngine) else None
+        b.data["env"].setdefault("engines", {})[m] = {"method": effective_method(m, e),
+                                                      "fallback_reason": e.fallback_reason,
+                                                      "batch_api": e.batch_api, "staging_pages": staging_pages}
     return out
 
 
@@ -212,7 +216,7 @@ def one_way(b: Bench, engs: dict[str, DuplexRotationEngine]) -> None:
     layouts = {"host_contiguous": list(range(1, 1 + n)), "host_scattered": rng.sample(range(1, b.a.host_pages), n)}
     for layout, host_pages in layouts.items():
         for m, e in engs.items():
-            extra = {"method": m, "layout": layout, "effective_method": e.method}
+            extra = {"method": m, "layout": layout, "effective_method": effective_method(m, e)}
             b.cell("one_way", f"{m}_out_{layout}", n * PB, lambda e=e, h=host_pages: e.swap_out(dev_pages, h),
                    lambda h=host_pages: pairs_match(b, dev_pages, h), poison(b, dev_pages, host_pages, "host"),
                    direction="out", **extra)
@@ -238,7 +242,7 @@ def duplex(b: Bench, engs: dict[str, DuplexRotationEngine]) -> None:
 
         b.cell("duplex", f"{m}_duplex", 2 * n * PB, both,
                lambda: pairs_match(b, out_dev, out_host) and pairs_match(b, in_dev, in_host), prepare,
-               method=m, effective_method=e.method, concurrent=b.cuda)
+               method=m, effective_method=effective_method(m, e), concurrent=b.cuda)
 
         # As the scheduler issues them: one call per request (--request-pages), the two directions in
         # turn, so the second stream starts after one request's enqueue, not after the whole first batch's.
@@ -249,7 +253,7 @@ def duplex(b: Bench, engs: dict[str, DuplexRotationEngine]) -> None:
 
         b.cell("duplex", f"{m}_duplex_per_request", 2 * n * PB, interleaved,
                lambda: pairs_match(b, out_dev, out_host) and pairs_match(b, in_dev, in_host), prepare,
-               method=m, effective_method=e.method, concurrent=b.cuda, request_pages=b.a.request_pages)
+               method=m, effective_method=effective_method(m, e), concurrent=b.cuda, request_pages=b.a.request_pages)
 
 
 # ---- report -----------------------------------------------------------------------------------------
@@ -259,7 +263,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     peak = {"out": g.get("contiguous_out"), "in": g.get("contiguous_in"), "duplex": g.get("contiguous_duplex")}
     base = {"out": g.get("per_layer_per_page_out"), "in": g.get("per_layer_per_page_in")}
     methods: dict[str, Any] = {}
-    for m in METHODS:
+    for m in ALL_METHODS:
         s: dict[str, Any] = {}
         for layout in ("host_contiguous", "host_scattered"):
             for d in ("out", "in"):
@@ -292,7 +296,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         dx = max(s.get("duplex_gbps", 0.0), s.get("duplex_per_request_gbps", 0.0))
         return dx + 0.5 * min(s.get("out_host_contiguous_gbps", 0.0), s.get("in_host_contiguous_gbps", 0.0))
 
-    candidates = [m for m in METHODS if methods[m] and not any(c.startswith(m + "_") for c in checks_failed)]
+    candidates = [m for m in ALL_METHODS if methods[m] and not any(c.startswith(m + "_") for c in checks_failed)]
     return {"peak_gbps": peak, "baseline_gbps": base, "methods": methods, "checks_failed": checks_failed,
             "best_method": max(candidates, key=score) if candidates else None,
             "targets": {"vs_peak": TARGET_PEAK, "vs_baseline": TARGET_BASELINE,
@@ -344,7 +348,7 @@ def main() -> None:
     p.add_argument("--baseline-pages", type=int, default=256, help="pages for the per-layer-per-page baseline")
     p.add_argument("--request-pages", type=int, default=64,
                    help="pages per call in the per-request duplex cells (64: a 1K-token Llama-3-8B request)")
-    p.add_argument("--staging-mb", type=int, default=128, help="staging buffer per direction (method staged)")
+    p.add_argument("--staging-mb", type=int, default=128, help="staging buffer per direction (variant staged)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per cell (median), after one warm-up")
     p.add_argument("--budget-s", type=float, default=150.0, help="cells after this many seconds are skipped")
     p.add_argument("--sections", default="peak,baseline,one_way,duplex")

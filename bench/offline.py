@@ -27,9 +27,11 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import ExitStack
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, ClassVar
+from unittest import mock
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -205,23 +207,24 @@ class Bench:
         for name in ("fused_ops_off", "other_decode_kernel"):
             r.graphs = None
             torch.cuda.empty_cache()
-            if name == "fused_ops_off":
-                ops.set_enabled(False)
-            else:
-                r.attn = FlashInferAttentionBackend(r.pool, cfg.num_heads, cfg.head_dim, cfg.head_dim**-0.5,
-                                                    decode_tensor_cores=not base_attn.decode_tc)
-            try:
-                r.graphs = CudaGraphRunner(r.model, r.attn, r.device, max(self.bs_list), pages_per_req)
-                for bs, ctx in points:
-                    batch = decode_batch(self.layout.pages(bs, ctx), ctx, cfg.vocab_size)
-                    ms = time_gpu(lambda batch=batch: r.forward(batch).argmax(-1), self.a.steps)
-                    rows.append({"variant": name, "bs": bs, "ctx": ctx, "step_ms": ms,
-                                 "decode_tensor_cores": r.attn.decode_tc})
-            finally:
-                ops.set_enabled(True)
-                r.graphs = None
-                r.attn = base_attn
-                torch.cuda.empty_cache()
+            with ExitStack() as undo:
+                if name == "fused_ops_off":
+                    # Every caller asks ops.use_fused at call time: answering no runs the torch reference.
+                    undo.enter_context(mock.patch.object(ops, "use_fused", return_value=False))
+                else:
+                    r.attn = FlashInferAttentionBackend(r.pool, cfg.num_heads, cfg.head_dim, cfg.head_dim**-0.5,
+                                                        decode_tensor_cores=not base_attn.decode_tc)
+                try:
+                    r.graphs = CudaGraphRunner(r.model, r.attn, r.device, max(self.bs_list), pages_per_req)
+                    for bs, ctx in points:
+                        batch = decode_batch(self.layout.pages(bs, ctx), ctx, cfg.vocab_size)
+                        ms = time_gpu(lambda batch=batch: r.forward(batch).argmax(-1), self.a.steps)
+                        rows.append({"variant": name, "bs": bs, "ctx": ctx, "step_ms": ms,
+                                     "decode_tensor_cores": r.attn.decode_tc})
+                finally:
+                    r.graphs = None
+                    r.attn = base_attn
+                    torch.cuda.empty_cache()
         r.graphs = base_graphs
         return rows
 

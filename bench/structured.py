@@ -48,7 +48,7 @@ import time
 import zipfile
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -66,6 +66,9 @@ from sglang_ext.sampling.batch import SampleRow
 from sglang_ext.sampling.params import SamplingParams
 from sglang_ext.sampling.sampler import Sampler
 from sglang_ext.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 PAGE = 16
 SCHEMA: dict[str, Any] = {  # a typical extraction schema: nested object, enum, array, numbers, strings
@@ -121,6 +124,21 @@ def tekken_vocab(path: str, size: int) -> list[bytes]:
     return vocab
 
 
+class RawVocabGrammars(GrammarBackend):
+    """Grammars over a vocabulary given as each token's text (xgrammar's raw vocabulary type): the
+    benchmark's 128K-token vocabulary has no HF tokenizer behind it."""
+
+    def __init__(self, words: list[str] | list[bytes], vocab_size: int, stop_ids: list[int]) -> None:
+        super().__init__(None, vocab_size, stop_ids)
+        self._words = words
+
+    def _tokenizer_info(self) -> xgr.TokenizerInfo:
+        import xgrammar as xgr
+
+        return xgr.TokenizerInfo(self._words, xgr.VocabType.RAW, vocab_size=self.vocab_size,
+                                 stop_token_ids=self.stop_ids)
+
+
 class Bench:
     def __init__(self, a: argparse.Namespace) -> None:
         self.a = a
@@ -140,7 +158,7 @@ class Bench:
         text_ids = vocab - max(256, len(eos))  # the top ids stay special, as in Llama 3
         t0 = time.perf_counter()
         words = tekken_vocab(a.vocab_file, text_ids) if a.vocab_file else synthetic_vocab(text_ids)
-        self.grammars = GrammarBackend(None, vocab, eos, encoded_vocab=words)
+        self.grammars = RawVocabGrammars(words, vocab, eos)
         self.compiled = self.grammars.compile(Constraint("json_schema", json.dumps(SCHEMA)))
         self.compile_s = time.perf_counter() - t0
         self.masks = GrammarMasks(vocab, self.device, threads=a.fill_threads)

@@ -1,23 +1,29 @@
-"""DuplexRotationEngine on a GPU (Llama-3-8B page geometry, 2 MiB pages): every method moves scattered
-pages bit-exactly both ways; a swap-out and a swap-in run at once without waiting for each other; a
-swap-out is ordered after compute queued before it and a swap-in after compute still reading its pages;
-`done` and `fence` mean what rotation.py says; no call blocks the host (torch's sync debug mode, and the
-calls return while the GPU is asleep); NUMA-placed, registered host memory works as the host pool.
+"""DuplexRotationEngine on a GPU (Llama-3-8B page geometry, 2 MiB pages), its methods and the benchmark's
+variants of it (bench/rotation_variants.py): each moves scattered pages bit-exactly both ways; a swap-out
+and a swap-in run at once without waiting for each other; a swap-out is ordered after compute queued
+before it and a swap-in after compute still reading its pages; `done` and `fence` mean what rotation.py
+says; no call blocks the host (torch's sync debug mode, and the calls return while the GPU is asleep);
+NUMA-placed, registered host memory works as the host pool.
 Waits use a ~0.25 s sleep kernel, so a copy that did not really wait would see the old bytes.
 Skipped without CUDA."""
 
 from __future__ import annotations
 
 import random
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.rotation_variants import ALL_METHODS, make_engine
 from sglang_ext.kvcache import host_memory, memcpy_batch
-from sglang_ext.kvcache.duplex import METHODS, DuplexRotationEngine
+from sglang_ext.kvcache.duplex import DuplexRotationEngine
 from sglang_ext.kvcache.host_pool import HostKVPool
 from sglang_ext.kvcache.pool import KVGeometry, KVPool
 
@@ -39,7 +45,7 @@ def make(method: str, staging_pages: int = 4) -> tuple[DuplexRotationEngine, KVP
     g = torch.Generator(device="cuda").manual_seed(0)
     pool.data.copy_(torch.randn(pool.data.shape, device="cuda", generator=g).to(torch.bfloat16))
     host = HostKVPool(GEOM, PAGES, pin=True)
-    eng = DuplexRotationEngine(pool, host, method=method, staging_bytes=staging_pages * GEOM.page_bytes)  # type: ignore[arg-type]
+    eng = make_engine(method, pool, host, staging_bytes=staging_pages * GEOM.page_bytes)
     torch.cuda.synchronize()
     return eng, pool, host
 
@@ -63,7 +69,7 @@ def no_sync_allowed() -> Iterator[None]:
         torch.cuda.set_sync_debug_mode(0)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", ALL_METHODS)
 def test_every_method_round_trips_scattered_pages(method: str) -> None:
     eng, pool, host = make(method)
     rng = random.Random(3)
@@ -88,7 +94,7 @@ def test_every_method_round_trips_scattered_pages(method: str) -> None:
     assert torch.equal(bits(after[untouched]), bits(before[untouched]))
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", ALL_METHODS)
 def test_duplex_out_and_in_at_once(method: str) -> None:
     eng, pool, host = make(method)
     host.data[30:50] = torch.full((20, *host.data.shape[1:]), 5.0, dtype=torch.bfloat16)
@@ -114,7 +120,7 @@ def test_duplex_out_and_in_at_once(method: str) -> None:
     assert bool((pool.data[in_dev] == 5.0).all())
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", ALL_METHODS)
 def test_swap_out_waits_for_compute_queued_before_it(method: str) -> None:
     eng, pool, host = make(method)
     torch.cuda._sleep(SLEEP_CYCLES)  # on the compute (current) stream
@@ -126,7 +132,7 @@ def test_swap_out_waits_for_compute_queued_before_it(method: str) -> None:
     assert bool((host.data[9] == 7.0).all())
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", ALL_METHODS)
 def test_swap_in_waits_for_compute_still_reading_its_pages(method: str) -> None:
     eng, pool, host = make(method)
     old = pool.data[11].clone()
@@ -141,7 +147,7 @@ def test_swap_in_waits_for_compute_still_reading_its_pages(method: str) -> None:
     assert bool((pool.data[11] == 3.0).all())
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", ALL_METHODS)
 def test_fence_orders_the_compute_stream_after_a_swap_in(method: str) -> None:
     eng, pool, host = make(method)
     host.data[5].fill_(5.0)
@@ -157,7 +163,7 @@ def test_fence_orders_the_compute_stream_after_a_swap_in(method: str) -> None:
     assert bool((seen == 5.0).all())
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", ALL_METHODS)
 def test_no_call_blocks_the_host(method: str) -> None:
     eng, _, _ = make(method)
     eng.fence(eng.swap_in([1, 2], [3, 4]))  # first calls: lazy setup (staging, bindings) outside the check

@@ -1,21 +1,26 @@
-"""The rotation engines on CPU tensors: the reference `RotationEngine` and every `DuplexRotationEngine`
-method move page contents exactly (scattered pages, contiguous runs, chunks of a small staging buffer,
-empty lists); the copy plans merge and cut runs as documented; bad page lists are refused; the batch-copy
-binding reads both cuda-python result shapes; host-pool sizing and NUMA placement helpers."""
+"""The rotation engines on CPU tensors: the reference `RotationEngine`, every `DuplexRotationEngine`
+method and the benchmark's variants of it (bench/rotation_variants.py) move page contents exactly
+(scattered pages, contiguous runs, chunks of a small staging buffer, empty lists); the copy plans merge
+and cut runs as documented; bad page lists are refused; the batch-copy binding reads both cuda-python
+result shapes; host-pool sizing and NUMA placement helpers."""
 
 from __future__ import annotations
 
 import os
 import random
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.rotation_variants import ALL_METHODS, HostRun, make_engine, plan_staged
 from sglang_ext.kvcache import host_memory, memcpy_batch
 from sglang_ext.kvcache.allocator import PageAllocator
-from sglang_ext.kvcache.copy_plan import HostRun, Run, check_pages, plan_runs, plan_staged
-from sglang_ext.kvcache.duplex import METHODS, DuplexRotationEngine
+from sglang_ext.kvcache.copy_plan import Run, check_pages, plan_runs
+from sglang_ext.kvcache.duplex import DuplexRotationEngine
 from sglang_ext.kvcache.host_pool import HostKVPool
 from sglang_ext.kvcache.pool import KVGeometry, KVPool
 from sglang_ext.kvcache.rotation import RotationEngine
@@ -35,7 +40,7 @@ def pools(dev_pages: int = 24, host_pages: int = 20) -> tuple[KVPool, HostKVPool
 def engine(method: str, pool: KVPool, host: HostKVPool, staging_pages: int = 3) -> RotationEngine:
     if method == "reference":
         return RotationEngine(pool, host)
-    return DuplexRotationEngine(pool, host, method=method, staging_bytes=staging_pages * GEOM.page_bytes)  # type: ignore[arg-type]
+    return make_engine(method, pool, host, staging_bytes=staging_pages * GEOM.page_bytes)
 
 
 CASES = {
@@ -46,7 +51,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("method", ["reference", *METHODS])
+@pytest.mark.parametrize("method", ["reference", *ALL_METHODS])
 def test_round_trip_is_exact(method: str, case: str) -> None:
     pool, host = pools()
     eng = engine(method, pool, host)
@@ -69,7 +74,7 @@ def test_round_trip_is_exact(method: str, case: str) -> None:
     assert eng.bytes_out == eng.bytes_in == len(dev) * GEOM.page_bytes
 
 
-@pytest.mark.parametrize("method", ["reference", *METHODS])
+@pytest.mark.parametrize("method", ["reference", *ALL_METHODS])
 def test_empty_lists_move_nothing(method: str) -> None:
     pool, host = pools()
     eng = engine(method, pool, host)
@@ -81,7 +86,7 @@ def test_empty_lists_move_nothing(method: str) -> None:
     assert torch.equal(pool.data, before) and torch.equal(host.data, hbefore)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", ALL_METHODS)
 def test_bad_page_lists_are_refused_before_any_copy(method: str) -> None:
     pool, host = pools()
     eng = engine(method, pool, host)
@@ -107,6 +112,8 @@ def test_batched_falls_back_on_cpu_with_a_reason() -> None:
     assert eng.fallback_reason and "CPU" in eng.fallback_reason
     with pytest.raises(ValueError, match="rotation method"):
         DuplexRotationEngine(pool, host, method="fast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="rotation method"):
+        DuplexRotationEngine(pool, host, method="staged")  # type: ignore[arg-type]  # a bench variant only
 
 
 def test_plan_runs_merges_where_both_sides_are_consecutive() -> None:

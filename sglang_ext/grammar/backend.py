@@ -70,14 +70,11 @@ class GrammarState:
 class GrammarBackend:
     """Compiles constraints for one tokenizer and vocabulary; thread-safe."""
 
-    def __init__(self, tokenizer: Any | None, vocab_size: int, stop_ids: Iterable[int], *,
-                 any_whitespace: bool = True, encoded_vocab: list[str] | list[bytes] | None = None,
-                 cache_size: int = CACHE_SIZE) -> None:
-        """`tokenizer`: a HF tokenizer; or `encoded_vocab` (each token's text, as xgrammar's raw
-        vocabulary type) for benchmarks without one. `any_whitespace`: JSON schemas admit free
-        whitespace between tokens (SGLang's default); off, JSON is compact (", ", ": ")."""
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Iterable[int], *,
+                 any_whitespace: bool = True, cache_size: int = CACHE_SIZE) -> None:
+        """`tokenizer`: a HF tokenizer. `any_whitespace`: JSON schemas admit free whitespace between
+        tokens (SGLang's default); off, JSON is compact (", ", ": ")."""
         self._tokenizer = tokenizer
-        self._encoded_vocab: list[str] | list[bytes] = encoded_vocab or []
         self.vocab_size = vocab_size
         self.stop_ids = sorted(set(stop_ids))
         self.any_whitespace = any_whitespace
@@ -91,15 +88,16 @@ class GrammarBackend:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                if self._tokenizer is not None:
-                    info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
-                                                              stop_token_ids=self.stop_ids)
-                else:
-                    info = xgr.TokenizerInfo(self._encoded_vocab, xgr.VocabType.RAW,
-                                             vocab_size=self.vocab_size, stop_token_ids=self.stop_ids)
                 # Its own cache stays off: ours, keyed by the request's text, is the one to consult.
-                self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+                self._compiler = xgr.GrammarCompiler(self._tokenizer_info(), max_threads=2, cache_enabled=False)
             return self._compiler
+
+    def _tokenizer_info(self) -> xgr.TokenizerInfo:
+        """Every token's bytes, as xgrammar compiles against them: read from the HF tokenizer."""
+        import xgrammar as xgr
+
+        return xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                  stop_token_ids=self.stop_ids)
 
     def compile(self, c: Constraint) -> xgr.CompiledGrammar:
         """The compiled grammar of `c` (cached); InvalidRequest naming the problem if it is not valid."""

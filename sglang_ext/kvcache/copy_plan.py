@@ -1,11 +1,9 @@
 """Copy plans for moving KV pages between two page arrays (device pool <-> host pool).
 
-Pure host-side logic, shared by every `DuplexRotationEngine` method and tested on CPU:
+Pure host-side logic, used by `DuplexRotationEngine` and tested on CPU:
+- `check_pages`: a transfer's page lists validated before any copy.
 - `plan_runs`: the (src, dst) page pairs merged into maximal runs where both sides are consecutive,
   so a request whose pages were allocated together moves in a few large copies.
-- `plan_staged`: the pairs grouped by runs of consecutive host pages and cut into chunks that fit a
-  bounded staging buffer; the device side of a chunk is gathered/scattered on the GPU (index_select /
-  index_copy_, ~1.7 TB/s), so only the host side decides how many link copies there are.
 """
 
 from __future__ import annotations
@@ -17,17 +15,6 @@ class Run(NamedTuple):
     src: int  # first source page
     dst: int  # first destination page
     n: int  # pages
-
-
-class HostRun(NamedTuple):
-    row: int  # first staging row
-    host: int  # first host page
-    n: int
-
-
-class StagedChunk(NamedTuple):
-    dev_pages: list[int]  # staging row i holds device page dev_pages[i]
-    host_runs: list[HostRun]  # rows [row, row + n) <-> host pages [host, host + n)
 
 
 def check_pages(src: list[int], dst: list[int], num_src: int, num_dst: int) -> None:
@@ -58,27 +45,3 @@ def plan_runs(src: list[int], dst: list[int]) -> list[Run]:
                 continue
         runs.append(Run(s, d, 1))
     return runs
-
-
-def plan_staged(dev: list[int], host: list[int], capacity: int) -> list[StagedChunk]:
-    """Pairs sorted by host page, cut into chunks of at most `capacity` staging rows; a host run that
-    crosses a chunk boundary is split there."""
-    if capacity < 1:
-        raise ValueError(f"staging capacity must be at least one page, got {capacity}")
-    chunks: list[StagedChunk] = []
-    dev_pages: list[int] = []
-    host_runs: list[HostRun] = []
-    for h, d in sorted(zip(host, dev, strict=True)):
-        if len(dev_pages) == capacity:
-            chunks.append(StagedChunk(dev_pages, host_runs))
-            dev_pages, host_runs = [], []
-        row = len(dev_pages)
-        dev_pages.append(d)
-        if host_runs and h == host_runs[-1].host + host_runs[-1].n:
-            r = host_runs[-1]
-            host_runs[-1] = HostRun(r.row, r.host, r.n + 1)
-        else:
-            host_runs.append(HostRun(row, h, 1))
-    if dev_pages:
-        chunks.append(StagedChunk(dev_pages, host_runs))
-    return chunks

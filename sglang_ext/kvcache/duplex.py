@@ -16,21 +16,18 @@
   the host link at once (90.8 GB/s measured on the H200 vs 55 GB/s one way).
 
 Few, large copies. A block-first page is one contiguous segment (2 MiB for Llama-3-8B at page 16), and
-separate copies of >= 1 MB already reach ~0.9x of the link (measured on the H200), so the methods differ in how
-many API calls and copies they issue, not in how they read a page. `method`:
+separate copies of >= 1 MB already reach ~0.9x of the link (measured on the H200), so what matters is how
+many API calls and copies a transfer issues, not how they read a page. `method`:
 - "batched" (default): the (device, host) pairs merged into runs of consecutive pages on both sides,
   all runs in one `cudaMemcpyBatchAsync` call (memcpy_batch.py). Falls back to "runs" with the reason in
   `fallback_reason` when cuda-python or the API is missing or the call fails.
-- "staged": device pages gathered (swap-out) or scattered (swap-in) on the GPU through a bounded staging
-  buffer (index_select / index_copy_, ~1.7 TB/s), one copy per run of consecutive host pages. Wins when
-  device pages are scattered but host pages are contiguous (see `PageAllocator.alloc_lowest`); costs an
-  extra HBM read+write (~3 % of the copy time at 55 GB/s), serialized with the copies on one stream.
 - "runs": one cudaMemcpyAsync (torch `copy_`) per merged run.
-- "per_page": one copy per page, for the benchmark to compare with.
-The benchmark (bench/kv_rotation.py) measures all four; the default follows its figures.
+`_copy_pages` is the one step a transfer's copying goes through; the benchmark (bench/kv_rotation.py)
+overrides it with the variants it compares these with (bench/rotation_variants.py: a staging buffer
+gathered on the GPU, one copy per page); the default follows its figures.
 
-On CPU the same engine runs every method's host-side logic synchronously (no streams, no events), so
-the plans are tested in CI; "batched" falls back to "runs" there.
+On CPU the same engine runs its host-side logic synchronously (no streams, no events), so the plans are
+tested in CI; "batched" falls back to "runs" there.
 """
 
 from __future__ import annotations
@@ -41,18 +38,17 @@ from typing import Final, Literal
 import torch
 
 from sglang_ext.kvcache import memcpy_batch
-from sglang_ext.kvcache.copy_plan import Run, check_pages, plan_runs, plan_staged
+from sglang_ext.kvcache.copy_plan import Run, check_pages, plan_runs
 from sglang_ext.kvcache.host_pool import HostKVPool
 from sglang_ext.kvcache.pool import KVPool
 from sglang_ext.kvcache.rotation import RotationEngine, Transfer
 
 log = logging.getLogger(__name__)
 
-Method = Literal["batched", "staged", "runs", "per_page"]
+Method = Literal["batched", "runs"]
 Direction = Literal["out", "in"]
-METHODS: Final = ("batched", "staged", "runs", "per_page")
+METHODS: Final = ("batched", "runs")
 DEFAULT_METHOD: Final[Method] = "batched"
-DEFAULT_STAGING_BYTES: Final = 128 << 20  # per direction; 64 Llama-3-8B pages
 
 
 class DuplexRotationEngine(RotationEngine):
@@ -61,12 +57,10 @@ class DuplexRotationEngine(RotationEngine):
         pool: KVPool,
         host: HostKVPool,
         method: Method = DEFAULT_METHOD,
-        staging_bytes: int = DEFAULT_STAGING_BYTES,
         compute_stream: torch.cuda.Stream | None = None,
         batch_api: str = "auto",
     ) -> None:
-        """`compute_stream`: the stream the model runs on; None = the current stream at each call.
-        `staging_bytes`: device staging buffer per direction ("staged" only), rounded down to whole pages."""
+        """`compute_stream`: the stream the model runs on; None = the current stream at each call."""
         super().__init__(pool, host)
         if method not in METHODS:
             raise ValueError(f"rotation method must be one of {', '.join(METHODS)}, got {method!r}")
@@ -75,8 +69,6 @@ class DuplexRotationEngine(RotationEngine):
         self.requested_method: Method = method
         self.method: Method = method
         self.fallback_reason: str | None = None
-        self.staging_pages = max(1, staging_bytes // self.page_bytes)
-        self._staging: dict[Direction, torch.Tensor] = {}
         self.compute_stream = compute_stream
         self.is_cuda = pool.device.type == "cuda"
         self.out_stream: torch.cuda.Stream | None = None
@@ -134,32 +126,29 @@ class DuplexRotationEngine(RotationEngine):
         if n == 0:
             return Transfer(direction, 0, 0)
         if not self.is_cuda:  # CPU: every copy is complete on return
-            self._move(direction, dev, host, 0)
+            self._copy_pages(direction, dev, host, 0)
             return Transfer(direction, n, n * self.page_bytes)
         stream = self.out_stream if direction == "out" else self.in_stream
         assert stream is not None
         stream.wait_stream(self._compute())  # an event recorded on the compute stream now, waited on there
         with torch.cuda.device(self.pool.device), torch.cuda.stream(stream):
-            self._move(direction, dev, host, stream.cuda_stream)
+            self._copy_pages(direction, dev, host, stream.cuda_stream)
             event = torch.cuda.Event()
             event.record(stream)
         return Transfer(direction, n, n * self.page_bytes, event)
 
-    def _move(self, direction: Direction, dev: list[int], host: list[int], stream: int) -> None:
-        if self.method == "per_page":
-            self._copy_runs(direction, [Run(d, h, 1) for d, h in zip(dev, host, strict=True)])
-        elif self.method == "staged":
-            self._staged(direction, dev, host)
-        else:
-            runs = plan_runs(dev, host)  # Run.src = device page, Run.dst = host page
-            if self.method == "batched":
-                try:
-                    self._batched(direction, runs, stream)
-                    return
-                except memcpy_batch.BatchCopyUnavailable as e:
-                    # Copies of a failed batch that did get queued write the same bytes again below.
-                    self._fall_back(str(e))
-            self._copy_runs(direction, runs)
+    def _copy_pages(self, direction: Direction, dev: list[int], host: list[int], stream: int) -> None:
+        """Queue the copies of one validated, non-empty transfer on `stream` (a raw CUDA stream handle,
+        0 on CPU), which is also torch's current stream here."""
+        runs = plan_runs(dev, host)  # Run.src = device page, Run.dst = host page
+        if self.method == "batched":
+            try:
+                self._batched(direction, runs, stream)
+                return
+            except memcpy_batch.BatchCopyUnavailable as e:
+                # Copies of a failed batch that did get queued write the same bytes again below.
+                self._fall_back(str(e))
+        self._copy_runs(direction, runs)
 
     def _copy_runs(self, direction: Direction, runs: list[Run]) -> None:
         dev, host = self.pool.data, self.host.data
@@ -180,37 +169,3 @@ class DuplexRotationEngine(RotationEngine):
             self._batch(hosts, devs, sizes, stream)
         else:
             self._batch(devs, hosts, sizes, stream)
-
-    def _staged(self, direction: Direction, dev: list[int], host: list[int]) -> None:
-        chunks = plan_staged(dev, host, self.staging_pages)
-        staging = self._staging_buffer(direction, min(self.staging_pages, len(dev)))
-        order = torch.tensor([d for c in chunks for d in c.dev_pages], dtype=torch.long)
-        if self.is_cuda:
-            # Pinned + non_blocking: building the index never syncs; torch's pinned allocator keeps the
-            # source block until the copy (queued on this side stream) has read it.
-            order = order.pin_memory().to(self.pool.device, non_blocking=True)
-        pool, hdata = self.pool.data, self.host.data
-        start = 0
-        for c in chunks:
-            k = len(c.dev_pages)
-            idx = order[start:start + k]
-            start += k
-            # Reusing the buffer for the next chunk is safe: everything here runs in one stream's order.
-            if direction == "out":
-                torch.index_select(pool, 0, idx, out=staging[:k])
-                for r in c.host_runs:
-                    hdata[r.host:r.host + r.n].copy_(staging[r.row:r.row + r.n], non_blocking=True)
-            else:
-                for r in c.host_runs:
-                    staging[r.row:r.row + r.n].copy_(hdata[r.host:r.host + r.n], non_blocking=True)
-                pool.index_copy_(0, idx, staging[:k])
-
-    def _staging_buffer(self, direction: Direction, need: int) -> torch.Tensor:
-        """Bounded by `staging_pages`; grown to the largest chunk seen, never beyond. Allocated while the
-        direction's stream is current, so the caching allocator ties the block to that stream."""
-        buf = self._staging.get(direction)
-        if buf is None or buf.shape[0] < need:
-            shape = (need, *self.pool.data.shape[1:])
-            buf = torch.empty(shape, dtype=self.pool.data.dtype, device=self.pool.device)
-            self._staging[direction] = buf
-        return buf

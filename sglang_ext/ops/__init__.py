@@ -3,7 +3,7 @@
 Each function takes the same tensors as the reference code in `models/layers.py` and the KV pool.
 On a CUDA tensor (and when Triton imports) it runs one Triton kernel instead of the reference's
 chain of small kernels; anywhere else the caller keeps its own reference path, so CPU behaviour
-never changes. `set_enabled(False)` forces the reference (the benchmark measures both).
+never changes. Callers ask `use_fused` at call time (bench/offline.py patches it to time the reference).
 """
 
 from __future__ import annotations
@@ -16,15 +16,8 @@ import torch
 if TYPE_CHECKING:
     from sglang_ext.kvcache.pool import KVPool
 
-_enabled = True
 _kernels: ModuleType | None = None
 _import_failed = False
-
-
-def set_enabled(flag: bool) -> None:
-    """Benchmarks only: choose fused kernels (True) or the torch reference (False)."""
-    global _enabled
-    _enabled = flag
 
 
 def _load() -> ModuleType | None:
@@ -40,7 +33,7 @@ def _load() -> ModuleType | None:
 
 
 def use_fused(x: torch.Tensor) -> bool:
-    return _enabled and x.is_cuda and _load() is not None
+    return x.is_cuda and _load() is not None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
