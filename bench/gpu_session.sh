@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device session for the GPU fast path (the run behind docs/benchmarks.md's GPU section).
 # Needs the carried wheel folder .whl (bash bench/fetch_wheels.sh). Writes logs and JSON to $OUT.
-#   bash bench/gpu_session.sh [test] [serving] [bench] [cputests] [sampling] [offload] [ipc] [served]
+#   bash bench/gpu_session.sh [test] [gputests] [serving] [bench] [cputests] [sampling] [offload] [ipc] [served]
 #                             [structured] [rotation] [rotation_e2e]
 # On the two-GPU kind export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 first.
+# served and the two-GPU cases of gputests need two GPUs (the executor sits on cuda:1).
 # rotation_e2e replays the Azure conversation trace in bench/data/traces.
 # structured needs the xgrammar wheel in .whl too (bash bench/fetch_wheels.sh .whl xgrammar==0.2.9), and reads a real
 # vocabulary from a carried .vocab/mistral_common-*.whl (pip download --no-deps -d .vocab mistral_common==1.13.1).
@@ -25,6 +26,8 @@ for s in $steps; do
   case $s in
     test) PYTHONPATH=$BASE:/tmp/fi timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_equivalence.py \
             2>&1 | tee "$OUT/gpu_test.log" ;;
+    gputests) PYTHONPATH=$BASE:/tmp/fi timeout ${GPUTESTS_TIMEOUT:-560} python3 -m pytest -q -rfs -p no:cacheprovider \
+            tests/test_gpu_*.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.log" ;;  # every single-GPU test file at once
     serving) PYTHONPATH=$BASE:/tmp/fi timeout 400 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_serving.py \
             2>&1 | tee "$OUT/gpu_serving.log" ;;
     bench) PYTHONPATH=$BASE:/tmp/fi timeout 360 python3 bench/offline.py --out "$OUT/offline.json" ${BENCH_ARGS:-} 2>&1 \
