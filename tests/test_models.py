@@ -232,6 +232,7 @@ KNOWN_PARAMS = {
     "llama-3.2-1b": 1.236e9,
     "mistral-7b": 7.25e9,
     "qwen2.5-7b": 7.62e9,
+    "qwen2.5-32b": 32.76e9,
     "qwen3-8b": 8.19e9,
 }
 

@@ -1,0 +1,138 @@
+"""Goodput from a rate sweep: SLO attainment against request rate, per run (policy or setting).
+
+Reads the `bench/serving.py` reports a sweep wrote (`bench/goodput_sweep.sh` names them
+`gp_<label>_r<rate>.json`), prints attainment of both SLOs per rate, and each run's goodput: the highest
+rate of the sweep at which at least `--target` (0.9) of the requests met both SLOs. Requests the client
+never sent or that failed count as misses, so a run cut short cannot look better than it was.
+
+  python bench/goodput.py RESULTS_DIR [--target 0.9] [--plot goodput.png] [--out goodput.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+NAME = re.compile(r"^gp_(?P<label>.+)_r(?P<rate>[0-9.]+)\.json$")
+
+
+@dataclass(frozen=True)
+class Point:
+    """One run at one rate."""
+
+    label: str
+    rate: float
+    scheduled: int
+    both_met: int
+    throughput_rps: float
+    ttft_p99_ms: float | None
+    tpot_p99_ms: float | None
+
+    @property
+    def attainment(self) -> float:
+        return self.both_met / self.scheduled if self.scheduled else 0.0
+
+
+def point_from_report(label: str, rate: float, report: dict[str, Any]) -> Point:
+    m = report["metrics"]
+    sent = int(m["sent"])
+    scheduled = int(report["workload"].get("scheduled", sent))
+    both = m["slo"]["both_attainment"]
+    if both is None:
+        raise ValueError(f"{label} at {rate}: the run set no SLO (pass --ttft-slo/--tbt-slo to serving.py)")
+    return Point(
+        label=label,
+        rate=rate,
+        scheduled=scheduled,
+        both_met=round(float(both) * sent),
+        throughput_rps=float(m["request_throughput_rps"] or 0.0),
+        ttft_p99_ms=m["ttft_ms"].get("p99"),
+        tpot_p99_ms=m["tpot_ms"].get("p99"),
+    )
+
+
+def load(results_dir: Path) -> dict[str, list[Point]]:
+    """Every sweep report in the folder, grouped by run label, sorted by rate."""
+    runs: dict[str, list[Point]] = {}
+    for path in sorted(results_dir.glob("gp_*.json")):
+        match = NAME.match(path.name)
+        if match is None:
+            continue
+        label, rate = match["label"], float(match["rate"])
+        runs.setdefault(label, []).append(point_from_report(label, rate, json.loads(path.read_text())))
+    for points in runs.values():
+        points.sort(key=lambda p: p.rate)
+    return runs
+
+
+def goodput(points: Sequence[Point], target: float) -> float:
+    """The highest swept rate whose attainment is at least `target`; 0.0 if none is."""
+    return max((p.rate for p in points if p.attainment >= target), default=0.0)
+
+
+def table(runs: dict[str, list[Point]], target: float) -> str:
+    rates = sorted({p.rate for pts in runs.values() for p in pts})
+    head = f"{'run':<28}" + "".join(f"{r:>9g}" for r in rates) + f"{'goodput':>10}"
+    lines = [f"both-SLO attainment by request rate (req/s); goodput = highest rate with >= {target:.0%}", head]
+    for label, pts in runs.items():
+        by_rate = {p.rate: p for p in pts}
+        cells = "".join(f"{by_rate[r].attainment:>9.1%}" if r in by_rate else f"{'-':>9}" for r in rates)
+        lines.append(f"{label:<28}{cells}{goodput(pts, target):>10g}")
+    return "\n".join(lines)
+
+
+def plot(runs: dict[str, list[Point]], target: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, pts in runs.items():
+        ax.plot([p.rate for p in pts], [100 * p.attainment for p in pts], marker="o", label=label)
+    ax.axhline(100 * target, color="grey", linestyle="--", linewidth=1)
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("requests meeting both SLOs (%)")
+    ax.set_ylim(0, 102)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results_dir", type=Path)
+    p.add_argument("--target", type=float, default=0.9, help="attainment that counts as meeting the SLOs")
+    p.add_argument("--plot", type=Path, default=None, help="PNG of attainment against rate")
+    p.add_argument("--out", type=Path, default=None, help="JSON with every point and each run's goodput")
+    args = p.parse_args(argv)
+    runs = load(args.results_dir)
+    if not runs:
+        print(f"error: no gp_<label>_r<rate>.json reports in {args.results_dir}", file=sys.stderr)
+        return 2
+    print(table(runs, args.target))
+    if args.plot:
+        plot(runs, args.target, args.plot)
+    if args.out:
+        doc = {
+            "target": args.target,
+            "runs": {
+                label: {"goodput_rps": goodput(pts, args.target),
+                        "points": [{**asdict(pt), "attainment": pt.attainment} for pt in pts]}
+                for label, pts in runs.items()
+            },
+        }
+        args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

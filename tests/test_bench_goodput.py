@@ -1,0 +1,56 @@
+"""bench/goodput.py: attainment counts unsent and failed requests as misses, and goodput is the highest
+swept rate at which at least the target share met both SLOs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.goodput import goodput, load, main
+
+
+def _report(sent: int, scheduled: int, both: float | None) -> dict[str, object]:
+    return {
+        "workload": {"scheduled": scheduled},
+        "metrics": {
+            "sent": sent,
+            "request_throughput_rps": 1.0,
+            "ttft_ms": {"p99": 100.0},
+            "tpot_ms": {"p99": 20.0},
+            "slo": {"both_attainment": both},
+        },
+    }
+
+
+def _write(d: Path, label: str, rate: float, sent: int, scheduled: int, both: float) -> None:
+    (d / f"gp_{label}_r{rate:g}.json").write_text(json.dumps(_report(sent, scheduled, both)))
+
+
+def test_goodput_is_highest_rate_meeting_target(tmp_path: Path) -> None:
+    _write(tmp_path, "fcfs-recompute", 2, 60, 60, 1.0)
+    _write(tmp_path, "fcfs-recompute", 4, 120, 120, 0.95)
+    _write(tmp_path, "fcfs-recompute", 6, 180, 180, 0.5)
+    _write(tmp_path, "lvf-rotate", 2, 60, 60, 1.0)
+    _write(tmp_path, "lvf-rotate", 4, 100, 120, 1.0)  # 20 never sent: 100 of 120 = 83 %
+    _write(tmp_path, "lvf-rotate", 6, 180, 180, 0.92)
+    runs = load(tmp_path)
+    assert sorted(runs) == ["fcfs-recompute", "lvf-rotate"]
+    assert [p.rate for p in runs["lvf-rotate"]] == [2.0, 4.0, 6.0]
+    assert abs(runs["lvf-rotate"][1].attainment - 100 / 120) < 1e-9
+    assert goodput(runs["fcfs-recompute"], 0.9) == 4.0
+    assert goodput(runs["lvf-rotate"], 0.9) == 6.0  # the highest rate, even past a dip
+    assert goodput(runs["fcfs-recompute"], 1.0) == 2.0
+
+
+def test_cli_writes_table_plot_and_json(tmp_path: Path, capsys) -> None:
+    _write(tmp_path, "a-b", 1.5, 10, 10, 0.8)
+    out, png = tmp_path / "g.json", tmp_path / "g.png"
+    assert main([str(tmp_path), "--out", str(out), "--plot", str(png)]) == 0
+    assert "a-b" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["runs"]["a-b"]["goodput_rps"] == 0.0 and doc["runs"]["a-b"]["points"][0]["attainment"] == 0.8
+    assert png.stat().st_size > 0
+
+
+def test_cli_empty_folder_is_an_error(tmp_path: Path) -> None:
+    assert main([str(tmp_path)]) == 2
