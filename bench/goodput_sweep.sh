@@ -7,13 +7,15 @@
 # 0.25 = one of 4 models on the GPU, 1.0 is not allowed by the engine, use 0.9 for "whole GPU").
 # Env: SHARE (0.25), RATES ("2 4 6" req/s), SECONDS (30: requests per point = rate x seconds),
 #      TRACE (mooncake), MAX_IN (7680), MAX_OUT (256), TTFT (5 s), TPOT (0.1 s, mean per request),
-#      MODEL (preset:llama-3-8b), HOST_GB (32, rotate runs), TRACES, OUT. Reports: gp_<run>_r<rate>.json.
+#      MODEL (preset:llama-3-8b), HOST_GB (32, rotate runs), ARRIVAL (poisson, or burst: 4x the quiet
+#      rate for 5 s of every 30 s, the same mean rate), TRACES, OUT. Reports: gp_<run>_r<rate>.json.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SHARE=${SHARE:-0.25}; RATES=${RATES:-2 4 6}; SECONDS_PER_POINT=${SECONDS:-30}
 TRACE=${TRACE:-mooncake}; MAX_IN=${MAX_IN:-7680}; MAX_OUT=${MAX_OUT:-256}; TTFT=${TTFT:-5}; TPOT=${TPOT:-0.1}
 MODEL=${MODEL:-preset:llama-3-8b}; PORT=${PORT:-31000}
 runs=${*:-fcfs-recompute fcfs-rotate lvf-rotate}
+tag=""; [ "${ARRIVAL:-poisson}" != poisson ] && tag="-$ARRIVAL"  # burst reports: gp_<run>-burst_r<rate>.json
 for run in $runs; do
   pol=${run%%-*}; mode=${run#*-}
   extra=(); [ "$mode" = rotate ] && extra=(--kv-host-size-gb "${HOST_GB:-32}")
@@ -32,15 +34,15 @@ for run in $runs; do
   for rate in $RATES; do
     n=$(python3 -c "print(max(8, round($rate*$SECONDS_PER_POINT)))")
     timeout -s KILL $((SECONDS_PER_POINT * 3 + 60)) python3 bench/serving.py --trace "$TRACE" --num-requests "$n" \
-      --trace-offset "$offset" --arrival poisson --request-rate "$rate" --traces-dir "${TRACES:-bench/data/traces}" \
+      --trace-offset "$offset" --arrival "${ARRIVAL:-poisson}" --request-rate "$rate" --traces-dir "${TRACES:-bench/data/traces}" \
       --max-input-len "$MAX_IN" --max-output-len "$MAX_OUT" --ttft-slo "$TTFT" --tbt-slo "$TPOT" --tbt-stat mean \
       --vocab-size 32000 --base-url "http://127.0.0.1:$PORT" --max-duration $((SECONDS_PER_POINT * 3)) \
-      --disable-tqdm --output-json "$OUT/gp_${run}_r${rate}.json" > "$OUT/gp_${run}_r${rate}.log" 2>&1
+      --disable-tqdm --output-json "$OUT/gp_${run}${tag}_r${rate}.json" > "$OUT/gp_${run}${tag}_r${rate}.log" 2>&1
     offset=$((offset + n))
-    echo "$run rate $rate: $(grep -E 'Both SLOs|Request throughput' "$OUT/gp_${run}_r${rate}.log" | tr -s ' ' | tr '\n' ' ')"
+    echo "$run$tag rate $rate: $(grep -E 'Both SLOs|Request throughput' "$OUT/gp_${run}${tag}_r${rate}.log" | tr -s ' ' | tr '\n' ' ')"
   done
   python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$PORT/metrics').read().decode())" \
-    | grep -E "^sglang_ext:(kv_rot|rotary|num_preempt)" > "$OUT/gp_metrics_$run.txt"
+    | grep -E "^sglang_ext:(kv_rot|rotary|num_preempt)" > "$OUT/gp_metrics_$run$tag.txt"
   kill -INT $srv; sleep 5; kill -9 $srv 2>/dev/null; wait $srv 2>/dev/null
 done
 python3 bench/goodput.py "$OUT" --plot "$OUT/goodput.png" --out "$OUT/goodput.json"

@@ -70,11 +70,12 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-offset", type=int, default=0, help="skip this many trace rows first")
     g.add_argument(
         "--arrival",
-        choices=("trace", "poisson", "ramp"),
+        choices=("trace", "poisson", "ramp", "burst"),
         default=None,
         help="trace: the trace's own times; poisson: exponential gaps; ramp: Poisson whose rate follows a "
-        "ServeGen model's 10-minute rates (--ramp-*), peaking at --request-rate "
-        "(default: trace, or poisson for --trace synthetic)",
+        "ServeGen model's 10-minute rates (--ramp-*), peaking at --request-rate; burst: Poisson at "
+        "--burst-factor times the quiet rate for --burst-s of every --burst-period-s, --request-rate on "
+        "average (default: trace, or poisson for --trace synthetic)",
     )
     g.add_argument(
         "--request-rate",
@@ -121,6 +122,9 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ramp-start-window", type=int, default=0, help="ramp: first 10-minute window")
     g.add_argument("--ramp-windows", type=int, default=12, help="ramp: how many windows")
     g.add_argument("--ramp-window-s", type=float, default=10.0, help="ramp: seconds each window lasts here")
+    g.add_argument("--burst-factor", type=float, default=4.0, help="burst: rate in a burst / quiet rate")
+    g.add_argument("--burst-s", type=float, default=5.0, help="burst: seconds a burst lasts")
+    g.add_argument("--burst-period-s", type=float, default=30.0, help="burst: one burst every this many seconds")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -228,6 +232,9 @@ def workload_config(args: argparse.Namespace) -> WorkloadConfig:
         ramp_start_window=args.ramp_start_window,
         ramp_windows=args.ramp_windows,
         ramp_window_s=args.ramp_window_s,
+        burst_factor=args.burst_factor,
+        burst_s=args.burst_s,
+        burst_period_s=args.burst_period_s,
         seed=args.seed,
     )
 

@@ -86,6 +86,9 @@ class WorkloadConfig:
     ramp_start_window: int = 0
     ramp_windows: int = 12
     ramp_window_s: float = 10.0
+    burst_factor: float = 4.0  # --arrival burst: the burst's rate over the quiet rate
+    burst_s: float = 5.0  # ... its length, once every burst_period_s
+    burst_period_s: float = 30.0
     seed: int = 0
 
 
@@ -247,6 +250,17 @@ def ramp_arrivals(n: int, rates: Sequence[float], peak: float, window_s: float, 
     return out
 
 
+def burst_arrivals(n: int, mean_rate: float, factor: float, burst_s: float, period_s: float, time_scale: float,
+                   rng: np.random.Generator) -> list[float]:
+    """Poisson arrivals whose rate is `factor` times higher for the first `burst_s` seconds of every
+    `period_s`, with `mean_rate` req/s on average (so a rate sweep compares equal offered load)."""
+    k = round(period_s / burst_s)
+    if factor < 1 or burst_s <= 0 or k < 1 or abs(k * burst_s - period_s) > 1e-9:
+        raise ValueError("--arrival burst needs --burst-factor >= 1 and --burst-period-s a multiple of --burst-s")
+    quiet = mean_rate * k / (k - 1 + factor)
+    return ramp_arrivals(n, [factor] + [1.0] * (k - 1), factor * quiet, burst_s, time_scale, rng)
+
+
 # ----------------------------------------------------------------------------------------------- prompts
 
 
@@ -334,7 +348,7 @@ def assign_models(
 
 def resolve_arrival(cfg: WorkloadConfig) -> str:
     arrival = cfg.arrival or ("poisson" if cfg.trace == "synthetic" else "trace")
-    if arrival not in ("trace", "poisson", "ramp"):
+    if arrival not in ("trace", "poisson", "ramp", "burst"):
         raise ValueError(f"unknown arrival {arrival!r}")
     if arrival == "trace" and cfg.trace == "synthetic":
         raise ValueError("--trace synthetic has no timestamps: use --arrival poisson")
@@ -365,6 +379,9 @@ def schedule(
         _, rates = servegen_rate_series((cfg.traces_dir or default_traces_dir()) / SERVEGEN_RATES_FILE,
                                         cfg.ramp_model, cfg.ramp_start_window, cfg.ramp_windows)
         return ramp_arrivals(len(rows), rates, rate, cfg.ramp_window_s, cfg.time_scale, rng), rate
+    if resolve_arrival(cfg) == "burst":
+        return burst_arrivals(len(rows), rate, cfg.burst_factor, cfg.burst_s, cfg.burst_period_s, cfg.time_scale,
+                              rng), rate
     return poisson_arrivals(len(rows), rate, cfg.time_scale, rng), rate
 
 

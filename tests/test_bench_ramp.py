@@ -65,3 +65,14 @@ def test_plot_slo_timeline(tmp_path: Path) -> None:
     (tmp_path / "a.json").write_text(json.dumps({"slo_timeline": tl}))
     main([f"fixed={tmp_path / 'a.json'}", f"adaptive={tmp_path / 'a.json'}", "--out", str(tmp_path / "p.png")])
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_burst_arrivals_keep_the_mean_rate_and_crowd_the_bursts() -> None:
+    from bench.traces import burst_arrivals
+
+    a = np.asarray(burst_arrivals(9000, 6.0, 4.0, 5.0, 30.0, 1.0, np.random.default_rng(2)))
+    assert abs(len(a) / a[-1] - 6.0) < 0.3  # the stated mean rate
+    in_burst = (a % 30.0) < 5.0  # 1/6 of the time at 4x the quiet rate: 4/9 of the arrivals
+    assert abs(in_burst.mean() - 4 / 9) < 0.03
+    with pytest.raises(ValueError, match="multiple"):
+        burst_arrivals(10, 6.0, 4.0, 7.0, 30.0, 1.0, np.random.default_rng(0))

@@ -68,17 +68,48 @@ def test_lvf_orders_by_largest_vlt_and_preempts_from_the_tail() -> None:
     just_in = _req("just_in", ReqStatus.RUNNING, 2.0, run_start=10.0)  # 0: no token yet
     running = [short_run, just_in, mid_run, long_run]
     assert [r.rid for r in p.victims(running)] == ["long", "mid", "short", "just_in"]
-    # victims must be at least one SLO (alpha) further ahead than the candidate: bar = -0.4 - 3
-    assert [r.rid for r in p.make_room_for(w_new, running)] == ["long", "mid"]
-    assert [r.rid for r in p.make_room_for(w_old, running)] == ["long", "mid"]  # bar = 0 - 3
-    assert [r.rid for r in p.make_room_for(rot, running)] == ["long", "mid"]  # behind: bar = 0 - 3
-    # a rotary stream still within its tolerance displaces no one: it resumes when there is room
-    assert p.make_room_for(rot_ahead, running) == []
+
+
+def _running(rid: str, first: float, tokens: int, left: int, kv: int = 100) -> Req:
+    """A decoding request: `tokens` out since `first` (at 10.0), `left` more to go, `kv` tokens of KV."""
+    r = _req(rid, ReqStatus.RUNNING, 0.0, run_start=first, first_token=first, tokens=tokens)
+    r.sampling.max_new_tokens, r.kv_len = tokens + left, kv
+    return r
+
+
+def test_lvf_rotates_only_when_the_candidate_would_miss_and_the_victims_can_pay() -> None:
+    p = _lvf()  # TTFT SLO 1 s, TPOT SLO 100 ms, alpha 3
+    w = _req("w", ReqStatus.WAITING, arrival=9.7)  # 0.7 s of its TTFT budget left
+    far = _running("far", 9.0, 91, left=100)  # 80 SLOs ahead: 8 s of slack
+    near = _running("near", 9.5, 19, left=100)  # 13 SLOs ahead: 1.3 s
+    p.begin(10.0, fits=False)
+    assert p.make_room_for(w, [near, far], short_tokens=150) == []  # no step time measured yet
+    p.begin(9.98, fits=False)
+    p.begin(10.0, fits=False)
+    assert p.step_s is not None and abs(p.step_s - 0.02) < 1e-9
+    # room comes in 100 steps (2 s): w would miss; only far's slack covers 2 x 2 s + 4 steps
+    assert abs(p.wait_s([near, far], 150) - 2.0) < 1e-9
+    assert [r.rid for r in p.make_room_for(w, [near, far], short_tokens=150)] == ["far"]
+    # a request finishing in 5 steps frees the room in time: no one goes out
+    soon = _running("soon", 9.9, 3, left=5, kv=400)
+    assert p.make_room_for(w, [near, far, soon], short_tokens=150) == []
+    # a TTFT already missed is not bought back at another stream's expense
+    assert p.make_room_for(_req("late", ReqStatus.WAITING, arrival=8.5), [near, far], short_tokens=150) == []
+    # no TPOT slack (as fast as the SLO, no faster): nobody can pay
+    level = _running("level", 9.0, 11, left=100)
+    assert p.make_room_for(w, [level], short_tokens=150) == []
+    # a rotary stream 2 SLOs behind that can still recover its mean TPOT gets room; one within its
+    # tolerance displaces no one (it resumes when there is room)
+    behind = _req("behind", KVHome.HOST, 0.0, last_token=9.5, first_token=8.8, tokens=11)
+    behind.sampling.max_new_tokens = 111
+    assert [r.rid for r in p.make_room_for(behind, [near, far], short_tokens=150)] == ["far"]
+    ahead = _req("ahead", KVHome.HOST, 0.0, last_token=9.99, first_token=9.0, tokens=12)
+    assert p.make_room_for(ahead, [near, far], short_tokens=150) == []
     # hysteresis: a stream resumed 8 tokens ago is not a voluntary victim yet, however far ahead
-    mid_run.run_start_tokens = 19 - 8
-    assert [r.rid for r in p.make_room_for(w_old, running)] == ["long"]
-    mid_run.run_start_tokens = 19 - LargestVLTFirst.MIN_STAY_TOKENS
-    assert [r.rid for r in p.make_room_for(w_old, running)] == ["long", "mid"]
+    far.run_start_tokens = 91 - 8
+    assert p.make_room_for(w, [near, far], short_tokens=150) == []
+    far.run_start_tokens = 91 - LargestVLTFirst.MIN_STAY_TOKENS
+    assert [r.rid for r in p.make_room_for(w, [near, far], short_tokens=150)] == ["far"]
 
 
 def test_lvf_is_fcfs_while_everything_fits() -> None:

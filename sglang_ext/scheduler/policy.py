@@ -27,6 +27,7 @@ def by_arrival(reqs: list[Req]) -> list[Req]:
 
 class SchedulePolicy(ABC):
     wants_fit = False  # `begin` needs to know whether every request's KV fits in the pool
+    voluntary = False  # `make_room_for` may name victims (otherwise it is never asked)
 
     @abstractmethod
     def order(self, waiting: list[Req], cache: PrefixCache) -> list[Req]:
@@ -44,8 +45,11 @@ class SchedulePolicy(ABC):
         """Preemption order when pages run out, first to go first. Default: latest arrival."""
         return sorted(running, key=lambda r: r.arrival_time, reverse=True)
 
-    def make_room_for(self, cand: Req, running: list[Req]) -> list[Req]:
-        """Running requests to rotate out, in order, so that `cand` can be admitted now."""
+    def make_room_for(self, cand: Req, running: list[Req], short_tokens: int = 1,
+                      local: list[Req] | None = None) -> list[Req]:
+        """Running requests (of `running`, those that may go) to rotate out, in order, so that `cand`
+        can be admitted now; it lacks `short_tokens` tokens of room, and `local` (default `running`)
+        are all the requests whose KV is in the pool."""
         return []
 
 
@@ -94,16 +98,30 @@ class LargestVLTFirst(FCFS):
         lag       = (now - first token) / S_F - (tokens since the first)
 
     While everything fits in the pool it is exactly FCFS. A voluntary rotation must buy something
-    (`make_room_for`): the candidate is behind, each victim is at least one SLO further ahead than
-    it, and has decoded `MIN_STAY_TOKENS` tokens since it last (re)started. Why the lag and not
-    per-residency times, and the rules in full: docs/architecture.md, "Rotation to host memory".
+    (`make_room_for`), judged in seconds against `wait`, the time until running requests free the
+    room the candidate lacks (their remaining tokens at the measured step time):
+      * the candidate would miss its SLO without it: a waiting one's TTFT budget is shorter than
+        `wait` (and not spent: a TTFT already missed is not bought back), a rotary one's slack too
+        and it can still recover its mean TPOT;
+      * each victim can pay: its banked slack covers twice `wait` and a few steps, it is at least one
+        SLO further ahead than the candidate, and has decoded `MIN_STAY_TOKENS` since it (re)started.
+    So when streams have no TPOT slack, or the pool frees room in time anyway, lvf does what FCFS
+    does. Why the lag and not per-residency times, and the rules in full: docs/architecture.md,
+    "Rotation to host memory".
     """
 
     wants_fit = True
+    voluntary = True
     # A rotation moves a stream's whole KV both ways (~128 MB each way for a 1000-token Llama-3-8B
     # request, ~2.3 ms per direction at 55 GB/s); 16 decode steps (~160 ms on an H200) pay for it many
     # times over and are well within the slack a stream banks at ~10x its TPOT SLO.
     MIN_STAY_TOKENS: Final = 16
+    # A gap between iterations longer than this is idle time or a stall, not a step.
+    MAX_STEP_S: Final = 1.0
+    # A victim's slack must cover the candidate's wait this many times over (its own way back needs a
+    # second finish, after the one that would have made room), and STEPS_MARGIN steps for the copies.
+    SLACK_FACTOR: Final = 2.0
+    STEPS_MARGIN: Final = 4
 
     def __init__(self, ttft_slo_s: float, tpot_slo_s: float, alpha: float, beta_ttft: float,
                  beta_tpot: float) -> None:
@@ -113,8 +131,14 @@ class LargestVLTFirst(FCFS):
         self.fits = True
         # per iteration: id -> (status, home, tokens, VLT); the sorts ask for the same requests many times
         self._memo: dict[int, tuple[ReqStatus, KVHome, int, float]] = {}
+        self.step_s: float | None = None  # decode iteration time under pressure (EWMA); None: not measured
+        self._last: float | None = None
 
     def begin(self, now: float, fits: bool) -> None:
+        if not fits and self._last is not None and 0.0 < now - self._last < self.MAX_STEP_S:
+            gap = now - self._last
+            self.step_s = gap if self.step_s is None else 0.8 * self.step_s + 0.2 * gap
+        self._last = now if not fits else None  # only back-to-back iterations under pressure are steps
         self.now, self.fits = now, fits
         self._memo.clear()
 
@@ -154,19 +178,52 @@ class LargestVLTFirst(FCFS):
             return super().victims(running)
         return sorted(running, key=lambda r: (self.vlt(r), -r.arrival_time))
 
-    def make_room_for(self, cand: Req, running: list[Req]) -> list[Req]:
-        if self.fits:
-            return []
+    def slack_s(self, r: Req) -> float:
+        """Seconds `r` could pause now and still meet its mean-TPOT SLO (negative: behind)."""
+        lag = self.lag(r)
+        return 0.0 if lag is None else -lag * self.s_f
+
+    def wait_s(self, running: list[Req], short_tokens: int) -> float:
+        """Seconds until running requests, finishing soonest first, free `short_tokens` tokens of KV
+        (upper bound: each runs to its max_new_tokens). inf if they never would."""
+        assert self.step_s is not None
+        freed = 0
+        for left, r in sorted(((r.sampling.max_new_tokens - len(r.output_ids), r) for r in running),
+                              key=lambda x: x[0]):
+            freed += r.kv_len + max(left, 0)
+            if freed >= short_tokens:
+                return max(left, 1) * self.step_s
+        return float("inf")
+
+    def _worth_it(self, cand: Req, wait: float) -> bool:
+        """The candidate misses its SLO unless someone makes room, and room would save it."""
+        assert self.step_s is not None
+        if not cand.output_ids:  # no first token yet (waiting, or rotary before its first token)
+            budget = self.s_b - (self.now - cand.arrival_time)
+            return 0.0 < budget < wait
+        slack = self.slack_s(cand)
+        left = cand.sampling.max_new_tokens - len(cand.output_ids)
+        recoverable = slack + left * (self.s_f - self.step_s) > 0.0  # back now, it ends within its SLO
+        return slack < wait and recoverable
+
+    def make_room_for(self, cand: Req, running: list[Req], short_tokens: int = 1,
+                      local: list[Req] | None = None) -> list[Req]:
+        if self.fits or self.step_s is None:
+            return []  # nothing binds, or no step time yet to judge by
         v = self.vlt(cand)
         if cand.home is KVHome.HOST and cand.output_ids and v <= 0:
             return []  # within its tolerance: it resumes when there is room, no one goes out for it
+        wait = self.wait_s(running if local is None else local, short_tokens)
+        if not self._worth_it(cand, wait):
+            return []
+        need = self.SLACK_FACTOR * wait + self.STEPS_MARGIN * self.step_s
         bar = min(v, 0.0) - self.alpha  # a rotation must buy at least one SLO of lag
         out = []
         for r in self.victims(running):
             vr = self.vlt(r)
             if vr >= bar:
                 break  # victims are in VLT order: the rest are no further ahead
-            if self.settled(r):
+            if self.settled(r) and self.slack_s(r) >= need:
                 out.append(r)
         return out
 

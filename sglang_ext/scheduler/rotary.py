@@ -321,9 +321,7 @@ class Rotation(Member):
         pages come free only when its copy lands (next iteration on a GPU), so without them every
         victim in the list would go for one candidate."""
         s = self.s
-        victims = s.policy.make_room_for(
-            cand, [r for r in s.running if r.home is KVHome.LOCAL and id(r) not in protect and self.ready(r)])
-        if not victims:
+        if not s.policy.voluntary:
             return False
         hit = s.kv.cache.match_prefix(cand.fill_ids[: s.kv.match_limit(cand)]).num_tokens
         have = max(hit, cand.rot.host_len)
@@ -337,6 +335,12 @@ class Rotation(Member):
 
         if short() <= 0 and slot():
             return False  # the room is there or on its way: a rotation would buy nothing
+        local = [r for r in s.running if r.home is KVHome.LOCAL]
+        victims = s.policy.make_room_for(
+            cand, [r for r in local if id(r) not in protect and self.ready(r)],
+            short_tokens=max(short(), 1) * s.page_size, local=local)
+        if not victims:
+            return False
         if short() > sum(len(v.pages) for v in victims):
             return False  # even all of them would not make room
         moved = False

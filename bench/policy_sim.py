@@ -1,0 +1,244 @@
+"""Scheduling policies replayed on a synthetic clock, on CPU: the real scheduler, a real (tiny) model,
+and a GPU's time.
+
+    python bench/policy_sim.py --runs fcfs-recompute fcfs-rotate lvf-rotate --rates 4 6 8 \
+        --pool-tokens 158656 --trace mooncake --seconds 40 --out sim.json
+
+Every decision is the scheduler's own (admission, preemption, rotation, its copies landing late), on a
+tiny Llama whose KV costs nothing; only time is modelled. Each forward advances the clock by what the
+batch would take on the GPU, from a cost model fitted to figures measured on one H200 with Llama-3-8B
+(docs/benchmarks.md: decode bs 64 at ctx 2K 9.26 ms; at ctx 8K 20.8 ms, of which attention 492 us per
+layer x 32), and each rotation copy lands after its real bytes at the link's rate. It answers
+"which policy wins at which rate, and why" in minutes without a GPU; the GPU sweep
+(bench/goodput_sweep.sh) is the measurement. Reports read like bench/serving.py's, so bench/goodput.py
+reads them: TTFT and mean TPOT per request, attainment of both SLOs per rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.traces import (
+    MOONCAKE_BLOCK_TOKENS,
+    PromptBuilder,
+    clip_lengths,
+    default_traces_dir,
+    load_trace,
+    poisson_arrivals,
+)
+from sglang_ext.engine.model_runner import ModelRunner
+from sglang_ext.forward_batch import ForwardBatch
+from sglang_ext.kvcache.rotation import RotationEngine, Transfer
+from sglang_ext.models.config import ModelConfig
+from sglang_ext.sampling.params import SamplingParams
+from sglang_ext.scheduler.request import Req
+from sglang_ext.scheduler.scheduler import Scheduler
+from sglang_ext.server_args import ServerArgs
+
+VOCAB = 512
+
+
+@dataclass
+class GPUCost:
+    """Seconds one forward takes on the modelled GPU (defaults: Llama-3-8B, bf16, one H200)."""
+
+    step_s: float = 4.6e-3  # weights read and launch, any batch
+    row_s: float = 8e-6  # per row (sampling, norms, MLP activations)
+    ctx_s: float = 30e-9  # per decode row per context token (attention reads the KV)
+    prefill_s: float = 25e-6  # per prompt token (GEMMs: 40K tokens/s, ~55 % of the bf16 peak)
+    prefill_ctx_s: float = 1e-9  # per prompt token per context token before it (attention)
+    kv_bytes_per_token: int = 131_072  # 32 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes
+    link_bytes_s: float = 50e9  # host <-> device, per direction
+
+    def forward(self, batch: ForwardBatch) -> float:
+        t = self.step_s + self.row_s * len(batch.seq_lens)
+        for n, end in zip(batch.extend_lens, batch.seq_lens, strict=True):
+            if n == 1:
+                t += self.ctx_s * end
+            else:
+                t += self.prefill_s * n + self.prefill_ctx_s * n * (end - n / 2)
+        return t
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.stall = 0.0  # the next forward cannot start before this (it waits for a copy)
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class TimedEngine(RotationEngine):
+    """Copies the data at once (the scheduler's page ownership keeps that safe) but lands each copy
+    when the link would have finished it: copies of one direction queue on one engine."""
+
+    def __init__(self, base: RotationEngine, clock: Clock, cost: GPUCost, tokens_per_page: int) -> None:
+        super().__init__(base.pool, base.host)
+        self.clock, self.cost, self.tokens_per_page = clock, cost, tokens_per_page
+        self.free_at = {"out": 0.0, "in": 0.0}
+        self.lands: dict[int, float] = {}
+
+    def _timed(self, t: Transfer) -> Transfer:
+        start = max(self.clock.t, self.free_at[t.direction])
+        end = start + t.num_pages * self.tokens_per_page * self.cost.kv_bytes_per_token / self.cost.link_bytes_s
+        self.free_at[t.direction] = end
+        self.lands[id(t)] = end
+        return t
+
+    def swap_out(self, dev_pages: list[int], host_pages: list[int]) -> Transfer:
+        return self._timed(super().swap_out(dev_pages, host_pages))
+
+    def swap_in(self, host_pages: list[int], dev_pages: list[int]) -> Transfer:
+        return self._timed(super().swap_in(host_pages, dev_pages))
+
+    def done(self, t: Transfer) -> bool:
+        return self.clock.t >= self.lands.get(id(t), 0.0)
+
+    def fence(self, t: Transfer) -> None:
+        self.clock.stall = max(self.clock.stall, self.lands.get(id(t), 0.0))
+
+
+def tiny_model(context: int) -> ModelConfig:
+    return ModelConfig.from_dict(dict(
+        architectures=["LlamaForCausalLM"], vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=context,
+        eos_token_id=1))
+
+
+def make_scheduler(policy: str, mode: str, pool_tokens: int, host_gb: float, ttft_s: float, tpot_s: float,
+                   clock: Clock, cost: GPUCost, page: int, context: int) -> Scheduler:
+    cfg = tiny_model(context)
+    tiny_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # float32 K and V
+    host_tokens = int(host_gb * 2**30 / cost.kv_bytes_per_token)
+    rot: dict[str, Any] = {} if mode != "rotate" else dict(
+        kv_host_size_gb=host_tokens * tiny_bytes / 2**30, rotation_budget_mb=256 * tiny_bytes / cost.kv_bytes_per_token)
+    sa = ServerArgs(device="cpu", dtype="float32", load_format="dummy", page_size=page, max_total_tokens=pool_tokens,
+                    schedule_policy=policy, preemption_mode=mode, chunked_prefill_size=8192,
+                    ttft_slo_ms=ttft_s * 1e3, tpot_slo_ms=tpot_s * 1e3, **rot)
+    runner = ModelRunner(sa, None, cfg)  # type: ignore[arg-type]
+    s = Scheduler(sa, runner, page, frozenset(), vocab_size=VOCAB)
+    s.clock = clock
+    if s.rot is not None:
+        s.rot.engine = TimedEngine(s.rot.engine, clock, cost, page)
+    forward = runner.forward
+
+    def timed(batch: ForwardBatch) -> torch.Tensor:
+        clock.t = max(clock.t, clock.stall) + cost.forward(batch)
+        return forward(batch)
+
+    runner.forward = timed  # type: ignore[method-assign]
+    return s
+
+
+def workload(trace: str, rate: float, n: int, offset: int, max_in: int, max_out: int, seed: int
+             ) -> list[tuple[float, list[int], int]]:
+    """(arrival, prompt, output length) per request; Mooncake's hash blocks become shared token blocks,
+    as in bench/serving.py, so the prefix cache sees the trace's reuse."""
+    rows = clip_lengths(load_trace(trace, default_traces_dir(), offset, n), max_in, max_out)
+    times = poisson_arrivals(len(rows), rate, 1.0, np.random.default_rng(seed))
+    prompts = PromptBuilder(VOCAB, 2, seed, MOONCAKE_BLOCK_TOKENS)
+    return [(t, prompts.build(r, i), r.output_len) for i, (t, r) in enumerate(zip(times, rows, strict=True))]
+
+
+def replay(s: Scheduler, clock: Clock, reqs: list[tuple[float, list[int], int]], horizon_s: float
+           ) -> dict[str, Any]:
+    """Send each request at its time; run until all finish or the clock passes `horizon_s`."""
+    todo = [Req(f"q{i}", ids, SamplingParams(max_new_tokens=n_out, temperature=0.0, ignore_eos=True), arrival_time=t)
+            for i, (t, ids, n_out) in enumerate(reqs)]
+    times: dict[str, list[float]] = {r.rid: [] for r in todo}
+    arrival = {r.rid: r.arrival_time for r in todo}
+    while (todo or s.has_work()) and clock.t < horizon_s:
+        while todo and todo[0].arrival_time <= clock.t:
+            s.add_request(todo.pop(0))
+        if not s.has_work():
+            clock.t = todo[0].arrival_time
+            continue
+        before = clock.t
+        for o in s.step():
+            times[o.rid].extend([clock.t] * len(o.new_token_ids))
+        if clock.t == before:
+            clock.t = max(clock.t + 1e-3, clock.stall)  # no forward (copies landing): time still passes
+    done = [rid for rid, ts in times.items() if ts]
+    return {"arrival": arrival, "times": {rid: times[rid] for rid in done},
+            "rotations": s.rot.rotations_out if s.rot is not None else 0, "preemptions": s.num_preemptions}
+
+
+def summarize(res: dict[str, Any], n: int, out_len: dict[str, int], ttft_s: float, tpot_s: float) -> dict[str, Any]:
+    ttft, tpot, ok = [], [], 0
+    for rid, ts in res["times"].items():
+        if len(ts) < out_len[rid]:
+            continue  # unfinished at the horizon: a miss
+        first = ts[0] - res["arrival"][rid]
+        mean = (ts[-1] - ts[0]) / (len(ts) - 1) if len(ts) > 1 else 0.0
+        ttft.append(first)
+        tpot.append(mean)
+        ok += first <= ttft_s and mean <= tpot_s
+
+    def pct(xs: list[float], q: float) -> float:
+        return float(np.percentile(xs, q)) if xs else float("nan")
+
+    return {"scheduled": n, "finished": len(ttft), "both_met": ok, "attainment": ok / n if n else 0.0,
+            "ttft_mean_s": float(np.mean(ttft)) if ttft else float("nan"), "ttft_p99_s": pct(ttft, 99),
+            "tpot_mean_ms": 1e3 * float(np.mean(tpot)) if tpot else float("nan"), "tpot_p99_ms": 1e3 * pct(tpot, 99),
+            "rotations_out": res["rotations"], "preemptions": res["preemptions"]}
+
+
+def run_point(run: str, rate: float, a: argparse.Namespace, cost: GPUCost) -> dict[str, Any]:
+    policy, mode = run.split("-", 1)
+    n = max(8, round(rate * a.seconds))
+    reqs = workload(a.trace, rate, n, a.trace_offset, a.max_in, a.max_out, a.seed)
+    clock = Clock()
+    s = make_scheduler(policy, mode, a.pool_tokens, a.host_gb, a.ttft, a.tpot, clock, cost, a.page_size,
+                       a.max_in + a.max_out + 16)
+    res = replay(s, clock, reqs, horizon_s=a.seconds * 3)
+    out_len = {f"q{i}": r[2] for i, r in enumerate(reqs)}
+    return {"run": run, "rate": rate, **summarize(res, n, out_len, a.ttft, a.tpot)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", nargs="+", default=["fcfs-recompute", "fcfs-rotate", "lvf-rotate"])
+    p.add_argument("--rates", nargs="+", type=float, default=[4.0, 6.0, 8.0])
+    p.add_argument("--seconds", type=float, default=30.0, help="requests per point = rate x seconds")
+    p.add_argument("--pool-tokens", type=int, default=158_656, help="KV pool (default: a quarter H200, 8B)")
+    p.add_argument("--host-gb", type=float, default=32.0, help="host KV pool, in the modelled model's bytes")
+    p.add_argument("--trace", default="mooncake")
+    p.add_argument("--trace-offset", type=int, default=0)
+    p.add_argument("--max-in", type=int, default=7680)
+    p.add_argument("--max-out", type=int, default=256)
+    p.add_argument("--ttft", type=float, default=5.0)
+    p.add_argument("--tpot", type=float, default=0.1)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path)
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    cost = GPUCost()
+    points = []
+    for run in a.runs:
+        for rate in a.rates:
+            pt = run_point(run, rate, a, cost)
+            points.append(pt)
+            print(f"{run:16s} {rate:5.1f} req/s  both SLOs {100 * pt['attainment']:5.1f} %  "
+                  f"TTFT mean/p99 {pt['ttft_mean_s']:.2f}/{pt['ttft_p99_s']:.2f} s  "
+                  f"TPOT mean/p99 {pt['tpot_mean_ms']:.0f}/{pt['tpot_p99_ms']:.0f} ms  "
+                  f"rot {pt['rotations_out']} preempt {pt['preemptions']}", flush=True)
+    if a.out:
+        a.out.write_text(json.dumps({"cost_model": asdict(cost), "args": {k: str(v) for k, v in vars(a).items()},
+                                     "points": points}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
