@@ -115,6 +115,14 @@ class AdaptiveSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     step_up: Annotated[float, Meta(gt=0, le=1)] = 0.05  # raise by this with slack
     slack: Annotated[float, Meta(gt=0, lt=1)] = 0.8  # slack: P99 TPOT below slack x SLO (between: hold)
     interval_s: Annotated[float, Meta(gt=0)] = 2.0  # at most one change per interval (time to show its effect)
+    # Break-even context: while the sender's decoding requests average fewer tokens than this, the share
+    # is 0 (it rises again from min_context_tokens / slack); 0 turns the rule off. A remote row costs a
+    # fixed exchange per layer and saves its attention, which grows with its context. On H200s, half the
+    # rows remote made the sender's step slower at 1K (0.89-0.95x, batch 48-96) and at 2K with batch 64
+    # (0.83x; faster only at batch 128-256; docs/benchmarks.md); at 8K, batch 64, attention is 76 % of
+    # the step (492 us a layer of 20.8 ms; issue 21), so by linear scaling ~60 % at 4K. 4096: the first
+    # power of two past every measured loss, where (batch 64) attention is most of the step.
+    min_context_tokens: Annotated[int, Meta(ge=0)] = 4096
 
 
 class OffloadSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename={"from_": "from"}):

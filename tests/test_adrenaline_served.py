@@ -184,7 +184,8 @@ def test_decode_worker_killed_while_its_requests_are_on_the_executor(server: Ser
 
 
 @pytest.mark.parametrize("entry", [{"policy": "adrenaline", "max_ratio": 0.5},
-                                   {"policy": "adaptive", "ratio": 0.5, "max_ratio": 0.8}])
+                                   {"policy": "adaptive", "ratio": 0.5, "max_ratio": 0.8,
+                                    "adaptive": {"min_context_tokens": 0}}])  # short prompts: no break-even
 def test_planned_policies(tmp_path: Any, entry: dict[str, Any]) -> None:
     """The planned policies decide the share of an Adrenaline pairing like any other's: outputs are
     unchanged, and the requests placed on the executor stay within the policy's cap."""

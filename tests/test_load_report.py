@@ -4,18 +4,21 @@ contract, unchanged by the nesting)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import msgspec
 import pytest
 
 from sglang_ext.messages import LoadReport, decode_from_worker, encode
 from sglang_ext.messages.io import ExecutorKV, KVTransferStats, Latency, OffloadSender, RotationStats
+from sglang_ext.scheduler.scheduler import Scheduler
 
 # /get_server_info's `load` keys, in order, as clients have always read them
 FLAT_KEYS = [
     "type", "worker_id", "num_running", "num_waiting", "kv_used_tokens", "kv_total_tokens", "kv_cached_tokens",
-    "num_preemptions", "step_time_ms", "timestamp", "offloaded_reqs", "offload_bytes_out", "offload_bytes_in",
-    "offload_wait_s", "offload_staged_loads", "offload_executor", "offload_pairing", "offload_state",
-    "offload_ratio", "offload_bound", "executor_kv_used_tokens", "executor_kv_pairing_tokens",
+    "num_preemptions", "step_time_ms", "timestamp", "decode_context_tokens", "offloaded_reqs", "offload_bytes_out",
+    "offload_bytes_in", "offload_wait_s", "offload_staged_loads", "offload_executor", "offload_pairing",
+    "offload_state", "offload_ratio", "offload_bound", "executor_kv_used_tokens", "executor_kv_pairing_tokens",
     "executor_kv_free_tokens", "tpot_p99_ms", "tpot_samples", "ttft_p99_ms", "ttft_samples", "decode_step_ms",
     "decode_steps", "rotary_reqs", "kv_host_used_bytes", "kv_host_total_bytes", "kv_rotations_out",
     "kv_rotations_in", "kv_rotation_bytes_out", "kv_rotation_bytes_in", "kv_rotation_unhidden_iterations",
@@ -27,8 +30,9 @@ BASE = dict(worker_id="w", num_running=3, num_waiting=1, kv_used_tokens=64, kv_t
 
 def full() -> LoadReport:
     return LoadReport(
-        **BASE, latency=Latency(tpot_p99_ms=20.0, tpot_samples=5, ttft_p99_ms=300.0, ttft_samples=4,
-                                decode_step_ms=15.0, decode_steps=40),
+        **BASE, decode_context_tokens=1500.5,
+        latency=Latency(tpot_p99_ms=20.0, tpot_samples=5, ttft_p99_ms=300.0, ttft_samples=4, decode_step_ms=15.0,
+                        decode_steps=40),
         offload=OffloadSender(reqs=2, bytes_out=10, bytes_in=20, wait_s=0.5, staged_loads=1, executor="cold-0",
                               pairing="p1", state="failed", error="no room", ratio=0.5, bound=0.25),
         executor=ExecutorKV(used_tokens={"hot": 32}, pairing_tokens={"p1": 32}, free_tokens={"p1": 96}),
@@ -58,6 +62,22 @@ def test_the_flat_view_keeps_the_names_clients_read() -> None:
     assert flat["executor_kv_used_tokens"] == {"hot": 32} and flat["executor_kv_free_tokens"] == {"p1": 96}
     assert flat["kv_rotation_unhidden_iterations"] == 1 and flat["kv_host_total_bytes"] == 8192
     assert flat["kv_transfer_bytes_in"] == 600 and flat["decode_step_ms"] == 15.0 and flat["num_preemptions"] == 2
+    assert flat["decode_context_tokens"] == 1500.5
     bare = LoadReport(**BASE).flat()
     assert list(bare) == FLAT_KEYS and bare["offload_state"] == "" and bare["executor_kv_used_tokens"] == {}
     assert bare["kv_transfers_out"] == 0 and bare["rotary_reqs"] == 0 and msgspec.json.encode(bare)
+    assert bare["decode_context_tokens"] == 0.0  # an older worker's report: unknown to the planner
+
+
+def test_the_decode_context_is_the_mean_length_of_the_decoding_requests() -> None:
+    """Prompt + output tokens of the running requests that have a token out (offloaded ones too: their
+    KV is elsewhere but they are as long); those still in prefill have no say; none decoding: 0."""
+    def req(prompt: int, out: int) -> SimpleNamespace:
+        return SimpleNamespace(input_ids=[0] * prompt, output_ids=[1] * out,
+                               fill_len=prompt + out, remote=None)
+
+    running = [req(1000, 24), req(3000, 0), req(5000, 976), req(2000, 0)]
+    running[2].remote = 7  # on the executor
+    assert Scheduler.decode_context(SimpleNamespace(running=running)) == 3500.0  # type: ignore[arg-type]
+    assert Scheduler.decode_context(SimpleNamespace(running=[running[1]])) == 0.0  # type: ignore[arg-type]
+    assert Scheduler.decode_context(SimpleNamespace(running=[])) == 0.0  # type: ignore[arg-type]

@@ -42,8 +42,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         ],
         "offload": [
             {"from": "hot-a", "to": "cold", "policy": "adrenaline", "adrenaline": {"bandwidth_share": 1.0}},
+            # min_context_tokens 0: these prompts are a few tokens, under any break-even context
             {"from": "hot-b", "to": "cold", "policy": "adaptive", "ratio": 0.3,
-             "adaptive": {"interval_s": 0.3, "step_up": 0.1}},
+             "adaptive": {"interval_s": 0.3, "step_up": 0.1, "min_context_tokens": 0}},
         ],
     }
     path = tmp / "cluster.yaml"

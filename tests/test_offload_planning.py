@@ -130,6 +130,66 @@ def test_the_controller_follows_its_settings() -> None:
     assert c.decide(view(1.0, 20.0)).ratio == pytest.approx(0.11)
 
 
+def test_short_contexts_take_the_share_to_0_and_keep_it_there() -> None:
+    """Remote rows cost more than their attention saves at short contexts: under min_context_tokens
+    (4096 by default) the share falls to 0 at once, whatever the slack, and rises again only past
+    min_context_tokens / slack (5120 at slack 0.8); within that band it holds."""
+    c = controller(ratio=0.5)
+
+    def ctx(now: float, tokens: float, p99: float = 10.0) -> PairView:
+        return view(now, p99, sender_context_tokens=tokens)
+
+    assert AdaptiveSpec().min_context_tokens == 4096
+    assert c.decide(ctx(0.0, 1024.0)).ratio == 0.0
+    assert c.why.startswith("lowered to 0: contexts short (mean 1024 tokens per decoding request < "
+                            "min_context_tokens 4096)")
+    for t in (2.0, 4.0, 6.0):  # slack on both sides, requests to send: still 0
+        assert c.decide(ctx(t, 3000.0)).ratio == 0.0 and c.why.startswith("at 0: contexts short")
+    # past break-even but within the band: held at 0
+    assert c.decide(ctx(8.0, 4500.0)).ratio == 0.0
+    assert c.why.startswith("held: contexts near break-even (mean 4500 tokens per decoding request within "
+                            "[min_context_tokens 4096, 5120])")
+    # long contexts: raised with slack, as before
+    assert c.decide(ctx(10.0, 8192.0)).ratio == pytest.approx(0.05) and c.why.startswith("raised")
+    assert c.decide(ctx(12.0, 5200.0)).ratio == pytest.approx(0.1)
+    assert c.decide(ctx(14.0, 4500.0)).ratio == pytest.approx(0.1) and c.why.startswith("held: contexts near")
+    # an SLO miss in the band lowers as before; short contexts take it to 0 whatever else holds
+    assert c.decide(ctx(16.0, 4500.0, p99=70.0)).ratio == 0.0 and c.why.startswith("lowered: P99 TPOT")
+    assert c.decide(ctx(18.0, 8192.0)).ratio == pytest.approx(0.05)
+    c.note_miss("tpot")
+    assert c.decide(ctx(20.0, 2048.0)).ratio == 0.0 and "contexts short" in c.why
+
+
+def test_long_contexts_leave_the_controller_as_it_was() -> None:
+    """Past min_context_tokens / slack the context plays no part: the latency steps of
+    test_the_controller_raises_the_ratio_with_slack_and_holds_in_between, unchanged."""
+    c = controller(ratio=0.1)
+
+    def long(now: float, p99: float | None, batch: int = 4) -> PairView:
+        return view(now, p99, batch=batch, sender_context_tokens=8192.0)
+
+    assert c.decide(long(0.0, 30.0)).ratio == pytest.approx(0.15)
+    assert c.decide(long(2.0, 45.0)).ratio == pytest.approx(0.15) and c.why.startswith("held: P99")
+    assert c.decide(long(4.0, None)).ratio == pytest.approx(0.2)
+    assert c.decide(long(6.0, 10.0, batch=0)).ratio == pytest.approx(0.2)
+    assert c.decide(long(8.0, 70.0)).ratio == pytest.approx(0.1) and c.why.startswith("lowered: P99")
+
+
+def test_the_context_rule_needs_a_figure_and_can_be_turned_off() -> None:
+    # no figure (nothing decoding, or a worker that does not report it): no judgement
+    c = controller(ratio=0.3)
+    assert c.decide(view(0.0, 10.0, sender_context_tokens=0.0)).ratio == pytest.approx(0.35)
+    # min_context_tokens 0: short contexts raise like any others
+    c = controller(ratio=0.3, adaptive=AdaptiveSpec(min_context_tokens=0))
+    assert c.decide(view(0.0, 10.0, sender_context_tokens=16.0)).ratio == pytest.approx(0.35)
+    # the band follows slack: 1000 / 0.5 = 2000
+    c = controller(ratio=0.3, adaptive=AdaptiveSpec(min_context_tokens=1000, slack=0.5))
+    assert c.decide(view(0.0, 10.0, sender_context_tokens=1999.0)).ratio == pytest.approx(0.3)
+    assert c.decide(view(2.0, 10.0, sender_context_tokens=2000.0)).ratio == pytest.approx(0.35)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"min_context_tokens": -1}, AdaptiveSpec)
+
+
 # ---- the planner on events, with fake workers ------------------------------------------------------------
 def planned(rule: OffloadSpec) -> Callable[[], Router]:
     return lambda: Router(RouterConfig(heartbeat_timeout_s=2.0), slo={"cold": SloSpec(ttft_ms=1000, tpot_ms=50),
@@ -226,6 +286,32 @@ async def test_adaptive_lowers_on_slo_misses_and_raises_with_slack(make_router: 
         reports(h, latency=Latency(tpot_p99_ms=20.0, tpot_samples=20, ttft_p99_ms=1500.0, ttft_samples=20))
         assert (await next_of(s, OffloadRatio)).ratio == pytest.approx(0.3)
         assert "P99 TTFT 1500.0 ms > SLO 1000 ms" in decided[-1].why
+    finally:
+        for w in fleet.workers:
+            w.close()
+
+
+async def test_adaptive_sends_0_while_the_senders_contexts_are_short(make_router: Any,
+                                                                     ctx: zmq.asyncio.Context) -> None:
+    rule = OffloadSpec(from_="hot", to="cold", policy="adaptive", ratio=0.3, max_ratio=0.4,
+                       adaptive=AdaptiveSpec(interval_s=0.01))
+    router = await make_router(rule)
+    fleet = Fleet(ctx, router)
+    try:
+        s = await fleet.sender("hot-0")
+        h = await fleet.host("cold-0")
+        await serve_open(h)
+        assert (await next_of(s, OffloadDirective)).ratio == 0.3
+        reports(h, latency=Latency(tpot_p99_ms=20.0, tpot_samples=20))  # the host has slack
+        submit(router, 2)  # and the sender requests to send
+        reports(s, decode_context_tokens=900.0)  # but they are short
+        assert (await next_of(s, OffloadRatio)).ratio == 0.0
+        (p,) = router.strategy(OffloadPlacement).describe()  # type: ignore[union-attr]
+        assert p["ratio"] == 0.0 and "contexts short (mean 900 tokens per decoding request" in p["why"], p
+        with pytest.raises(TimeoutError):  # it stays there
+            await next_of(s, OffloadRatio, timeout=0.5)
+        reports(s, decode_context_tokens=6000.0)  # long contexts: raised with slack up to max_ratio
+        assert [m.ratio for m in await ratios(s, 8)] == pytest.approx([0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4])
     finally:
         for w in fleet.workers:
             w.close()

@@ -92,14 +92,14 @@ def test_adrenaline_conditions_pick_the_rows_on_a_worker(reference: list[list[in
     sender.handle(OffloadDirective(**{**_fields(d), "policy": "adrenaline", "ratio": 1.0, "bound": 0.0}))
     outs, where = run(sender, "f")
     assert outs == reference and where == [None] * len(PROMPTS)
-    # OB 1 (prompts of 5, 3, 7, 2 and 4 tokens, decided in order, each at its first decode with
-    # kv_len = its prompt): the first stays (nothing local yet); the second: C1 3 + 10 < 5 no, C2
-    # 3 < 5 but 1 < 1 no; the third: C2 7 < 8 and 1 < 2: out; the fourth: C2 7 + 2 < 8 no; the
-    # fifth: C1/C2 7 + 4 < 10 no. So only the third goes out.
+    # OB 1 (prompts of 5, 3, 7, 2 and 4 tokens, decided at their first decode with kv_len = the
+    # prompt, longest first: 7, 5, 4, 3, 2): the 7 stays (nothing local yet); the 5: C1 15 < 7 no,
+    # C2 5 < 7 but 1 < 1 no; the 4: C2 4 < 12 and 1 < 2: out; the 3: C2 4 + 3 < 12 but 2 < 2 no;
+    # the 2: C2 4 + 2 < 15 and 2 < 3: out. So the last two prompts go out.
     sender.handle(OffloadRatio(pairing="p1", ratio=1.0, bound=1.0))
     assert sent(sender.load_report()).bound == 1.0
     outs, where = run(sender, "g")
-    assert outs == reference and where == [None, None, "cold-1", None, None]
+    assert outs == reference and where == [None, None, None, "cold-1", "cold-1"]
     sender.offload.close(sender.scheduler)
 
 
@@ -116,6 +116,18 @@ def test_the_ratio_message_decodes_strictly() -> None:
     for bad in ({**raw, "ratioo": 1}, {**raw, "ratio": "x"}, {k: v for k, v in raw.items() if k != "ratio"}):
         with pytest.raises(msgspec.ValidationError):
             decode_to_worker(msgspec.msgpack.encode(bad))
+
+
+def test_a_workers_report_says_how_long_its_decoding_requests_are() -> None:
+    """What `adaptive` compares with min_context_tokens: the mean prompt + output tokens of the
+    requests decoding when the report is made (PROMPTS: 2 to 7 tokens, 10 new ones each)."""
+    w = make("ctx-0")
+    seen: list[float] = []
+    run(w, "h", each=lambda w: seen.append(w.load_report().decode_context_tokens))
+    decoding = [x for x in seen if x > 0]
+    assert decoding and all(3 <= x <= 7 + 10 for x in decoding)
+    assert max(decoding) > min(decoding)  # the requests grow as they decode
+    assert w.load_report().decode_context_tokens == 0.0  # all done: nothing decoding
 
 
 # ---- the TPOT window -----------------------------------------------------------------------------------

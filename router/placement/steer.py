@@ -116,7 +116,8 @@ class Steering:
             host_ttft_p99_ms=hlat.ttft_p99_ms, host_ttft_samples=hlat.ttft_samples,
             host_slo_ttft_ms=slo.ttft_ms if slo is not None else None,
             sender_step_ms=own.decode_step_ms, sender_steps=own.decode_steps,
-            sender_slo_tpot_ms=sender_slo.tpot_ms if sender_slo is not None else None)
+            sender_slo_tpot_ms=sender_slo.tpot_ms if sender_slo is not None else None,
+            sender_context_tokens=sl.decode_context_tokens if sl is not None else 0.0)
 
     def opening(self, p: Pairing) -> tuple[float, float]:
         """The (ratio, bound) a new pairing's directive carries: the policy's decision now."""

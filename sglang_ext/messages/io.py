@@ -225,6 +225,9 @@ class LoadReport(msgspec.Struct, tag="load", kw_only=True):
     num_preemptions: int
     step_time_ms: float
     timestamp: float
+    # mean context (prompt + output tokens) of its decoding requests now, offloaded ones included; 0 with
+    # none (or from a worker of an older version): what `adaptive` compares with min_context_tokens
+    decode_context_tokens: float = 0.0
     latency: Latency = msgspec.field(default_factory=Latency)
     offload: OffloadSender | None = None
     executor: ExecutorKV | None = None

@@ -8,7 +8,10 @@ if the executor drops it (no room to grow) or is lost, it is recomputed locally 
 which gives the same greedy output.
 
 Each request is chosen once, at its first decode step. Policies `fixed` (WEAVER) and `adaptive`:
-keep `ratio` of the decoding requests remote (the router moves `ratio` for `adaptive`). Policy
+keep `ratio` of the decoding requests remote (the router moves `ratio` for `adaptive`). A step's newly
+decoding requests are considered longest first (by KV tokens; ties in arrival order): moving a row
+saves its attention, which grows with its context, while the exchange a remote row costs does not, so
+when the share lets only some go it is the longest contexts that pay. Policy
 `adrenaline` (`ob` set): a request goes out when it meets C1/C2 under the bound `ob`
 (conditions.py), and `ratio` still caps the share. A router's OffloadRatio changes `ratio` and
 `ob` between steps; requests already out stay out.
@@ -59,6 +62,12 @@ def reserve_tokens(r: Offloadable, context_len: int | None = None) -> int:
     return n if context_len is None else min(n, context_len + 1)
 
 
+def longest_first(candidates: Iterable[R]) -> list[R]:
+    """Candidates by KV tokens, largest first; `sorted` is stable, so equal lengths keep their order
+    (arrival: the scheduler's running list)."""
+    return sorted(candidates, key=lambda r: r.kv_len, reverse=True)
+
+
 class Offloader(Generic[R]):
     def __init__(self, remote: RemoteAttention, ratio: float, pool: KVPool, ob: float | None = None,
                  placed_only: bool = False) -> None:
@@ -77,8 +86,9 @@ class Offloader(Generic[R]):
         return len(self.reqs)
 
     def choose(self, decoding: Iterable[R]) -> list[R]:
-        """Offload newly decoding requests while the remote share is under `ratio`; returns those
-        moved (their local pages are for the caller to give back)."""
+        """Offload newly decoding requests, longest first, while the remote share is under `ratio`
+        (and, for `adrenaline`, C1/C2 hold); returns those moved (their local pages are for the caller
+        to give back)."""
         if not self.active or self.placed_only:
             return []
         decoding = list(decoding)
@@ -87,9 +97,7 @@ class Offloader(Generic[R]):
         local = [r for r in decoding if r.remote is None and r.offload_checked]
         loads = [sum(r.kv_len for r in local), len(local)]
         moved: list[R] = []
-        for r in decoding:
-            if r.remote is not None or r.offload_checked:
-                continue
+        for r in longest_first(r for r in decoding if r.remote is None and not r.offload_checked):
             r.offload_checked = True
             go = self.num_remote + 1 <= self.ratio * total + 1e-9
             if go and self.ob is not None:

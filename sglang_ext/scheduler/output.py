@@ -28,6 +28,8 @@ class LoadStats:
     rotation_bytes_out: int = 0
     rotation_bytes_in: int = 0
     unhidden_iterations: int = 0
+    # mean context (prompt + output tokens) of the running requests that decode, offloaded ones included
+    decode_context_tokens: float = 0.0
 
 
 @dataclass

@@ -170,10 +170,18 @@ class Scheduler:
         info = self.kv.cache.size_info()
         used = self.allocator.capacity - self.allocator.num_free
         stats = LoadStats(len(self.running), len(self.waiting), used, self.allocator.capacity,
-                          info.cached_pages, self.num_preemptions)
+                          info.cached_pages, self.num_preemptions, decode_context_tokens=self.decode_context())
         for m in self.members:
             m.stats(stats)
         return stats
+
+    def decode_context(self) -> float:
+        """Mean tokens (prompt + output: its KV, wherever it lives) of the running requests that decode;
+        0 with none. The `adaptive` planner keeps a sender's share at 0 while this is short, where
+        remote rows cost more than their attention saves. Read on the load report's thread: a copy of
+        the list, and token counts rather than kv_len, which a step in flight moves."""
+        lens = [r.fill_len for r in list(self.running) if r.output_ids]
+        return sum(lens) / len(lens) if lens else 0.0
 
     def check(self) -> None:
         """Assert every device and host page is in exactly one place (tests call this between steps)."""

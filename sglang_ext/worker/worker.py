@@ -156,7 +156,7 @@ class Worker:
             worker_id=self.worker_id, num_running=s.num_running, num_waiting=s.num_waiting,
             kv_used_tokens=s.kv_used_pages * ps, kv_total_tokens=s.kv_total_pages * ps,
             kv_cached_tokens=s.cached_pages * ps, num_preemptions=s.num_preemptions,
-            step_time_ms=self.last_step_ms, timestamp=time.time(),
+            step_time_ms=self.last_step_ms, timestamp=time.time(), decode_context_tokens=s.decode_context_tokens,
             latency=latency(self.tpot, self.ttft, self.decode_steps), offload=offload, executor=executor,
             rotation=present(RotationStats(
                 rotary_reqs=s.num_rotary, host_used_bytes=s.host_used_bytes, host_total_bytes=s.host_total_bytes,

@@ -19,6 +19,17 @@ time to show in the latency):
              sender has requests to send                              -> raise by step_up
     between  hold (hysteresis: the band [slack x SLO, SLO] keeps the share still)
 
+Offload pays only where attention is most of the sender's step, that is at long contexts: a remote row
+costs a fixed exchange per layer and saves its attention, which grows with its context (measured on
+H200s: at 1K tokens half the rows remote made the sender's step slower). So, judged first:
+
+    short    the sender's decoding requests average fewer tokens than min_context_tokens
+                                                                      -> 0 at once (every row loses)
+    near     they average within [min_context_tokens, min_context_tokens / slack]: no raise (the share
+             holds, at 0 after a fall: hysteresis, as for the latency)
+
+No figure (nothing decoding, or a worker that does not report it) or min_context_tokens 0: no judgement.
+
 The share stays in [0, max_ratio]; at 0 the pairing stays up and nothing new goes out.
 
 A prefill worker hosting the executor (Adrenaline placement) decodes nothing of its own, so it has no
@@ -29,6 +40,7 @@ the model's `slo: ttft_ms` (Adrenaline bounds the executor so that prefill keeps
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 from router.config import AdaptiveSpec, OffloadSpec
 from router.placement.planning.base import Decision, PairView, Policy
@@ -72,6 +84,12 @@ class Adaptive(Policy):
             missed.append(f"the sender's decode step {own:.1f} ms > its TPOT SLO {own_slo:g} ms")
         self.misses = {}
         old = self.ratio
+        context = self._context(v)
+        if context == "short":
+            self.ratio = 0.0
+            self.why = (f"{'lowered to 0' if old > 0 else 'at 0'}: contexts short ({self._mean(v)} < "
+                        f"min_context_tokens {self.spec.min_context_tokens}): remote rows cost more than they save")
+            return
         host_slack = p99 is None or p99 < self.spec.slack * slo
         own_slack = own is None or own < self.spec.slack * own_slo
         if missed:
@@ -81,6 +99,10 @@ class Adaptive(Policy):
             have = "no samples" if p99 is None else f"P99 {what} {p99:.1f} ms < {self.spec.slack:g} x SLO {slo:g} ms"
             if v.sender_batch <= 0:
                 self.why = f"slack ({have}), the sender has nothing to send"
+            elif context == "near":
+                floor = self.spec.min_context_tokens
+                self.why = (f"held: contexts near break-even ({self._mean(v)} within [min_context_tokens {floor}, "
+                            f"{floor / self.spec.slack:.0f}]), slack ({have})")
             elif old < cap:
                 self.ratio = min(cap, round(old + self.spec.step_up, 6))
                 self.why = f"raised: slack ({have})"
@@ -93,3 +115,17 @@ class Adaptive(Policy):
             assert own is not None
             self.why = (f"held: the sender's decode step {own:.1f} ms within [{self.spec.slack:g} x its TPOT SLO, "
                         f"SLO {own_slo:g} ms]")
+
+    def _context(self, v: PairView) -> Literal["short", "near"] | None:
+        """`short` under min_context_tokens, `near` up to min_context_tokens / slack (the band that
+        keeps the share still), None past it, with no figure, or with the rule off."""
+        floor = self.spec.min_context_tokens
+        if floor <= 0 or v.sender_context_tokens <= 0:  # 0: nothing decoding, or not reported
+            return None
+        if v.sender_context_tokens < floor:
+            return "short"
+        return "near" if v.sender_context_tokens < floor / self.spec.slack else None
+
+    @staticmethod
+    def _mean(v: PairView) -> str:
+        return f"mean {v.sender_context_tokens:.0f} tokens per decoding request"

@@ -32,6 +32,9 @@ class PairView:
     sender_step_ms: float = 0.0
     sender_steps: int = 0
     sender_slo_tpot_ms: float | None = None  # the sending model's `slo: tpot_ms`
+    # Mean context (tokens) of the sender's decoding requests, offloaded ones included; 0: unknown (none
+    # decoding, or a worker that does not report it)
+    sender_context_tokens: float = 0.0
 
 
 class Decision(NamedTuple):
