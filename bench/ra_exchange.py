@@ -10,8 +10,9 @@ bf16), on the sender's stream s and the executor's stream x:
                                                       push o[l] -> A.o[l]  (raw copy)
     wait done[l] == 1; done[l] = 0  <──────────────── A.done[l] = 1
 
-Each consumer zeroes the flag it consumed (reset-after-consume), so a step is the same operations with the
-same values every time: it is captured once per batch size as a CUDA graph per side and replayed. Every
+Each consumer zeroes the flag it consumed (reset-after-consume; or, `lean`, its whole flag array once,
+after its last wait of the step, as the engine does), so a step is the same operations with the same
+values every time: it is captured once per batch size as a CUDA graph per side and replayed. Every
 copy is pushed by the GPU that holds the data (a push is the fast direction). Per-layer slots are sized
 for the largest batch, so one set of buffers (and one IPC exchange) serves every batch size.
 """
@@ -111,20 +112,20 @@ class Sender:
 
     def step(self, bs: int, lean: bool = False) -> None:
         """Enqueue one decode step's exchange (eagerly, or into a graph being captured). `lean`: the
-        completion flags are zeroed once, at the start of the step (one memset), instead of after each
-        wait, which takes a stream operation per layer off the sender's critical path. Safe because the
-        executor writes done[l] of the next step only after this step's doorbell l, rung after the
-        memset."""
+        completion flags are zeroed once, after the step's last wait (one memset), instead of after each
+        wait, which takes a stream operation per layer off the sender's critical path -- the engine's
+        scheme (sglang_ext/transport/gated.py says why it is safe)."""
         n, s, done = self.geo.in_bytes(bs), self.stream, self.own.flags
+        last = self.geo.layers - 1
         with torch.cuda.device(self.own.device):
-            if lean:
-                done.fill(s, 0)
             for layer in range(self.geo.layers):
                 peer_copy(self.peer.qkv_at(layer), self.own.qkv[layer].data_ptr(), n, s)
                 self.peer.flags.write(s, layer, 1)
                 done.wait(s, layer, 1)
                 if not lean:
                     done.write(s, layer, 0)
+                elif layer == last:
+                    done.fill(s, 0)
 
     def data_only(self, bs: int) -> None:
         """The same q|k|v pushes with no signalling."""
@@ -180,9 +181,9 @@ class Executor:
         peer_copy(self.peer.o_at(layer), self.own.o[layer].data_ptr(), self.geo.out_bytes(bs), self.stream)
 
     def step(self, bs: int, lean: bool = False) -> None:
-        """`lean`: the doorbells are zeroed once, after the last layer's wait and before its completion
-        flag (one memset), instead of after each wait. The sender rings the next step's doorbells only
-        after that completion flag, so none is lost."""
+        """`lean`: the doorbells are zeroed once, right after the last layer's wait (one memset), instead
+        of after each wait, as the engine's GatedProgram does. The sender rings the next step's doorbells
+        only after the last completion flag, raised after the memset, so none is lost."""
         x, bell = self.stream, self.own.flags
         last = self.geo.layers - 1
         with torch.cuda.device(self.own.device):
@@ -190,10 +191,10 @@ class Executor:
                 bell.wait(x, layer, 1)
                 if not lean:
                     bell.write(x, layer, 0)
+                elif layer == last:
+                    bell.fill(x, 0)
                 self._compute(layer, bs)
                 self._push_out(layer, bs)
-                if lean and layer == last:
-                    bell.fill(x, 0)
                 self.peer.flags.write(x, layer, 1)
 
     def data_only(self, bs: int) -> None:

@@ -221,7 +221,8 @@ class GatedProgram:
 
     def _program(self, backend: AttentionBackend, n: int, batch: ForwardBatch, gated: bool) -> None:
         """The executor's step for `n` (padded) rows on the current stream: per layer, wait for the
-        sender's q|k|v, attend, push o back and signal."""
+        sender's q|k|v, attend, push o back and signal; the doorbells are lowered once, after the last
+        layer's wait."""
         sh = self.shape
         hq, hkv, d = sh.hq, sh.hkv, sh.d
         s = self.stream
@@ -231,10 +232,14 @@ class GatedProgram:
         v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
         out = self.exec_out[:n]
         nbytes = out.numel() * out.element_size()
+        last = sh.layers - 1
         for layer in range(sh.layers):
             if gated:
                 self.doorbell.wait(s, layer, 1)
-                self.doorbell.write(s, layer, 0)
+                if layer == last:
+                    # The step's one reset (transport/gated.py): every doorbell of the step has rung, and
+                    # the sender rings the next step's only after done[last], raised below.
+                    self.doorbell.fill(s, 0)
             out.copy_(backend.forward(q, k, v, layer, batch).reshape(n, hq * d))
             if gated:
                 cs.peer_copy(self.recv_ptr, out.data_ptr(), nbytes, s)

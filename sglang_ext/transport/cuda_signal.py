@@ -4,14 +4,17 @@ GPU in stream order, device-to-device copies between GPUs and processes, CUDA IP
 Everything here is a stream operation (cuStreamWriteValue32 / cuStreamWaitValue32 / cuMemcpyDtoDAsync /
 cuMemsetD32Async), so it runs eagerly or is captured as graph nodes inside `torch.cuda.graph`. Values are
 baked into a graph at capture, so a protocol replayed from a graph uses reset-after-consume flags: the
-waiter zeroes the flag it consumed, and the writer always writes the same value.
+writer always writes the same value and the waiter lowers what it consumed -- flag by flag, or, as the
+remote-attention exchange does (transport/gated.py, which says why that is race-free), its whole array
+with one `fill` after its last wait of a step:
 
     sender stream                          executor stream
     peer_copy(exe_buf, q, n, s)
-    doorbell.write(s, l, 1)  ───────────>  doorbell.wait(x, l, 1); doorbell.write(x, l, 0)
+    doorbell.write(s, l, 1)  ───────────>  doorbell.wait(x, l, 1)
+                                           last layer: doorbell.fill(x, 0)
                                            ... compute; peer_copy(snd_out, o, m, x)
     done.wait(s, l, 1)       <───────────  done.write(x, l, 1)
-    done.write(s, l, 0)
+    last layer: done.fill(s, 0)
 
 cuda-python is imported on first use (`cuda.bindings.driver`, or `cuda.cuda` of cuda-python < 12.6), so
 this module imports anywhere; without cuda-python a call raises `CudaSignalError`. Streams are torch CUDA
