@@ -2,7 +2,7 @@
 # One device session for the GPU fast path (the run behind docs/benchmarks.md's GPU section).
 # Needs the carried wheel folder .whl (bash bench/fetch_wheels.sh). Writes logs and JSON to $OUT.
 #   bash bench/gpu_session.sh [test] [gputests] [serving] [bench] [cputests] [sampling] [offload] [ipc] [served]
-#                             [structured] [rotation] [rotation_e2e] [gated]
+#                             [structured] [rotation] [rotation_e2e] [gated] [goodput]
 # On the two-GPU kind export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 first.
 # served and the two-GPU cases of gputests need two GPUs (the executor sits on cuda:1).
 # rotation_e2e replays the Azure conversation trace in bench/data/traces.
@@ -48,7 +48,7 @@ for s in $steps; do
             | grep -E "Request throughput|TTFT \(|TPOT \(|<=|Both|Succ|Fail" ;;
     served) SGLANG_EXT_TEST_DEVICE=cuda PYTHONPATH=$BASE:/tmp/fi timeout 400 python3 -m pytest -q -rfs -x \
             -p no:cacheprovider tests/test_offload_served.py 2>&1 | tail -15 | tee "$OUT/gpu_offload_served.log" ;;
-    gated) PYTHONPATH=$BASE:/tmp/fi timeout 560 python3 -m pytest -q -rfs -s -p no:cacheprovider \
+    gated) PYTHONPATH=$BASE:/tmp/fi timeout ${GATED_TIMEOUT:-560} python3 -m pytest -q -rfs -s -p no:cacheprovider \
             tests/test_gpu_gated_exchange.py tests/test_gpu_cuda_signal.py 2>&1 | tail -40 | tee "$OUT/gpu_gated.log" ;;
     offload) PYTHONPATH=$BASE:/tmp/fi timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_offload.py \
             2>&1 | tee "$OUT/gpu_offload_test.log" ;;
@@ -59,6 +59,8 @@ for s in $steps; do
          done
          CUDA_MODULE_LOADING=$lm PYTHONPATH=$BASE:/tmp/fi timeout -s KILL 300 python3 -X faulthandler bench/remote_step.py \
            --transport cuda_ipc --out "$OUT/remote_step_ipc.json" ${IPC_ARGS:-} 2>&1 | tee "$OUT/remote_step_ipc.log" ;;
+    goodput) PYTHONPATH=$BASE:/tmp/fi OUT=$OUT/goodput timeout ${GOODPUT_TIMEOUT:-560} bash bench/goodput_sweep.sh \
+            ${GOODPUT_RUNS:-} 2>&1 | tee "$OUT/goodput.log" ;;  # SHARE, RATES, SECONDS, TRACE, ARRIVAL, ...: goodput_sweep.sh
     cputests) SGLANG_EXT_TEST_DEVICE=cuda PYTHONPATH=$BASE timeout 240 python3 -m pytest -q -p no:cacheprovider \
             --continue-on-collection-errors tests -k "engine or scheduler or models or overlap" 2>&1 | tee "$OUT/cpu_tests_on_cuda.log" ;;
   esac
