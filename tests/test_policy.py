@@ -84,8 +84,8 @@ def test_lvf_rotates_only_when_the_candidate_would_miss_and_the_victims_can_pay(
     near = _running("near", 9.5, 19, left=100)  # 13 SLOs ahead: 1.3 s
     p.begin(10.0, fits=False)
     assert p.make_room_for(w, [near, far], short_tokens=150) == []  # no step time measured yet
-    p.begin(9.98, fits=False)
-    p.begin(10.0, fits=False)
+    p.tick(9.98)  # steps under pressure time the iteration
+    p.tick(10.0)
     assert p.step_s is not None and abs(p.step_s - 0.02) < 1e-9
     # room comes in 100 steps (2 s): w would miss; only far's slack covers 2 x 2 s + 4 steps
     assert abs(p.wait_s([near, far], 150) - 2.0) < 1e-9
@@ -110,6 +110,10 @@ def test_lvf_rotates_only_when_the_candidate_would_miss_and_the_victims_can_pay(
     assert p.make_room_for(w, [near, far], short_tokens=150) == []
     far.run_start_tokens = 91 - LargestVLTFirst.MIN_STAY_TOKENS
     assert [r.rid for r in p.make_room_for(w, [near, far], short_tokens=150)] == ["far"]
+    # the overlap loop's cheap question: never False where make_room_for would name a victim
+    assert p.may_rotate_for(w, [near, far], 10.0)
+    assert not p.may_rotate_for(w, [level], 10.0)  # no one has slack
+    assert not p.may_rotate_for(_req("late", ReqStatus.WAITING, arrival=8.5), [near, far], 10.0)
 
 
 def test_lvf_is_fcfs_while_everything_fits() -> None:

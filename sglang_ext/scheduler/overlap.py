@@ -33,6 +33,7 @@ from sglang_ext.scheduler.batch_builder import Entry
 from sglang_ext.scheduler.grammar_rows import GrammarRows
 from sglang_ext.scheduler.output import StepOutput
 from sglang_ext.scheduler.request import KVHome, Req, ReqStatus
+from sglang_ext.scheduler.rotary import Rotation
 
 if TYPE_CHECKING:
     from sglang_ext.scheduler.scheduler import Scheduler
@@ -125,9 +126,13 @@ class Overlap:
         head = next(iter(s.policy.candidates(s.waiting, s.rotary, s.kv.cache)), None)
         if head is None or head.admitted or head.home is KVHome.REMOTE:
             return False  # adopted (its KV on an executor): admitted without pages
+        if head.home is KVHome.HOST and Rotation.leaving(head):
+            return False  # still leaving: `_schedule` skips it and may admit the next one
         match = s.kv.cache.match_prefix(head.fill_ids[: s.kv.match_limit(head)])
         if head.home is KVHome.STAGED:  # its prompt's KV came from a prefill worker (Handoff.admit)
             need = s.kv.pages_for(len(head.input_ids) + 1) - len(match.pages)
+        elif head.home is KVHome.HOST:  # a resume brings back all of its KV the cache lacks, at once
+            need = s.kv.pages_for(max(head.rot.host_len, match.num_tokens) + 1) - len(match.pages)
         else:
             first = min(head.fill_len - match.num_tokens, s.chunk)
             need = s.kv.pages_for(match.num_tokens + max(first, 1)) - len(match.pages)
@@ -153,7 +158,7 @@ class Overlap:
         entries = [Entry(prev.entries[i].req, 1, [], True) for i in rows]
         if s.needs_landed_state([e.req for e in entries]):
             return None  # e.g. admission, resume (and prefill) decisions are made on landed state
-        if s.waiting and not self._admission_blocked():
+        if (s.waiting or s.rotary) and not self._admission_blocked():
             return None
         for e in entries:
             r = e.req

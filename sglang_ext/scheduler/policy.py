@@ -37,6 +37,14 @@ class SchedulePolicy(ABC):
         """Once per iteration, before the other calls. `fits`: all running, rotary and waiting
         requests' KV fits in the device pool together (computed only if `wants_fit`)."""
 
+    def tick(self, now: float) -> None:  # noqa: B027 (an optional hook)
+        """Once per scheduler step (landed or overlapped), before anything else."""
+
+    def may_rotate_for(self, head: Req, local: list[Req], now: float) -> bool:
+        """Cheap and never wrong when False: `make_room_for(head, ...)` could name a victim now, so
+        the step must be scheduled on landed state (the overlap loop asks)."""
+        return False
+
     def candidates(self, waiting: list[Req], rotary: list[Req], cache: PrefixCache) -> list[Req]:
         """Admission and resume order. Default: rotary requests (already served once) first."""
         return by_arrival(rotary) + self.order(waiting, cache)
@@ -134,13 +142,30 @@ class LargestVLTFirst(FCFS):
         self.step_s: float | None = None  # decode iteration time under pressure (EWMA); None: not measured
         self._last: float | None = None
 
-    def begin(self, now: float, fits: bool) -> None:
-        if not fits and self._last is not None and 0.0 < now - self._last < self.MAX_STEP_S:
+    def tick(self, now: float) -> None:
+        # Steps under pressure (overlapped ones too) time the iteration; an idle gap is not a step.
+        if not self.fits and self._last is not None and 0.0 < now - self._last < self.MAX_STEP_S:
             gap = now - self._last
             self.step_s = gap if self.step_s is None else 0.8 * self.step_s + 0.2 * gap
-        self._last = now if not fits else None  # only back-to-back iterations under pressure are steps
+        self._last = now
+
+    def begin(self, now: float, fits: bool) -> None:
         self.now, self.fits = now, fits
         self._memo.clear()
+
+    def may_rotate_for(self, head: Req, local: list[Req], now: float) -> bool:
+        # make_room_for's gates with the shortest possible wait (the first finish): a victim must
+        # cover at least that, and a candidate's TTFT budget must not be spent yet.
+        if self.fits or self.step_s is None:
+            return False
+        self.now = now
+        self._memo.clear()
+        if head.home is KVHome.HOST and head.output_ids and self.vlt(head) <= 0:
+            return False
+        if not head.output_ids and self.s_b - (now - head.arrival_time) <= 0.0:
+            return False
+        floor = self.SLACK_FACTOR * self.wait_s(local, 1) + self.STEPS_MARGIN * self.step_s
+        return any(self.settled(r) and self.slack_s(r) >= floor for r in local)
 
     def lag(self, r: Req) -> float | None:
         """Decode lag in TPOT SLOs (positive = behind); None before the first token."""

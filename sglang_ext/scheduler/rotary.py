@@ -107,8 +107,19 @@ class Rotation(Member):
             self.unhidden_iterations += 1
 
     def needs_landed_state(self, reqs: list[Req]) -> bool:
-        # a rotation or a resume may be decided (the policy may rotate requests out to admit one)
-        return bool(self.s.rotary or self.s.waiting)
+        """Only a voluntary rotation the policy may decide now. Admissions and resumes wait for
+        landed state by the overlap loop's own rule (it keeps overlapping only while the head
+        candidate cannot get its pages), and a forced rotation when a decoder cannot grow. Holding
+        every step to landed state while a queue stood cost ~40 % of decode speed on an H200
+        (median inter-token 14-16 ms against 10 ms; docs/benchmarks.md)."""
+        s = self.s
+        if not (s.waiting or s.rotary) or not s.policy.voluntary:
+            return False
+        head = next(iter(s.policy.candidates(s.waiting, s.rotary, s.kv.cache)), None)
+        if head is None:
+            return False
+        local = [r for r in s.running if r.home is KVHome.LOCAL]
+        return s.policy.may_rotate_for(head, local, s.clock())
 
     def busy(self) -> bool:
         self.poll()

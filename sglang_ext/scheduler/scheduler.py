@@ -194,6 +194,7 @@ class Scheduler:
     # ---- one iteration --------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
+        self.policy.tick(self.clock())
         for m in self.members:
             m.begin()
         if self.overlap is not None and self.overlap.inflight is not None:
