@@ -52,7 +52,7 @@ def test_vlt_definitions() -> None:
     assert abs(p.vlt(behind) - 3 * (2 - 0.5)) < 1e-9
 
 
-def test_lvf_orders_by_largest_vlt_and_preempts_from_the_tail() -> None:
+def test_lvf_orders_by_deadline_and_preempts_the_furthest_ahead() -> None:
     p = _lvf()
     p.begin(10.0, fits=False)
     w_old = _req("w_old", ReqStatus.WAITING, arrival=7.0)  # 3.0 - 0.5 (beta_B)
@@ -60,8 +60,10 @@ def test_lvf_orders_by_largest_vlt_and_preempts_from_the_tail() -> None:
     rot = _req("rot", KVHome.HOST, 0.0, last_token=9.7, first_token=7.0, tokens=21)  # 3 * (10 - 0.5) = 28.5
     rot_ahead = _req("rot_ahead", KVHome.HOST, 0.0, last_token=9.99, first_token=9.0,
                      tokens=12)  # 3 * (-1 - 0.5) = -4.5
+    # earliest deadline first: w_old's first token was due at 8.0, rot (1 s behind) at 9.0, rot_ahead
+    # runs out of slack at 10.1, w_new's first token is due at 10.9
     assert [r.rid for r in p.candidates([w_new, w_old], [rot_ahead, rot], CACHE)] == [
-        "rot", "w_old", "w_new", "rot_ahead"]
+        "w_old", "rot", "rot_ahead", "w_new"]
     long_run = _req("long", ReqStatus.RUNNING, 0.0, run_start=9.0, first_token=9.0, tokens=31)  # 3*(10-30) = -60
     mid_run = _req("mid", ReqStatus.RUNNING, 1.0, run_start=9.5, first_token=9.5, tokens=19)  # 3*(5-18) = -39
     short_run = _req("short", ReqStatus.RUNNING, 1.5, run_start=9.5, first_token=9.5, tokens=7)  # 3*(5-6) = -3

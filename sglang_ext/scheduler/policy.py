@@ -105,7 +105,12 @@ class LargestVLTFirst(FCFS):
         rotary    VLT = alpha * (lag - beta_F)     (as waiting before its first token)
         lag       = (now - first token) / S_F - (tokens since the first)
 
-    While everything fits in the pool it is exactly FCFS. A voluntary rotation must buy something
+    While everything fits in the pool it is exactly FCFS. Otherwise candidates go earliest deadline
+    first (`deadline`): a waiting request's is its arrival plus the TTFT SLO (so waiting requests keep
+    their FCFS order), a rotary stream's is when its banked slack runs out. Ordering them by VLT
+    instead kept a rotated stream out until it had spent all its slack, and then put it ahead of
+    every arrival: under sustained load each rotation moved a miss from one request to the next. The
+    victims are still taken largest slack (lowest VLT) first. A voluntary rotation must buy something
     (`make_room_for`), judged in seconds against `wait`, the time until running requests free the
     room the candidate lacks (their remaining tokens at the measured step time):
       * the candidate would miss its SLO without it: a waiting one's TTFT budget is shorter than
@@ -193,10 +198,17 @@ class LargestVLTFirst(FCFS):
         """Ran long enough since it last (re)started to be a voluntary victim."""
         return len(r.output_ids) - r.run_start_tokens >= self.MIN_STAY_TOKENS
 
+    def deadline(self, r: Req) -> float:
+        """When `r` misses its SLO if it does not run: its first token's deadline, or once it has
+        tokens, the moment its mean TPOT would pass the SLO (now + its slack)."""
+        if r.status is ReqStatus.RUNNING or not r.output_ids:
+            return r.arrival_time + self.s_b
+        return self.now + self.slack_s(r)
+
     def candidates(self, waiting: list[Req], rotary: list[Req], cache: PrefixCache) -> list[Req]:
         if self.fits:
             return super().candidates(waiting, rotary, cache)
-        return sorted(waiting + rotary, key=lambda r: (-self.vlt(r), r.arrival_time))
+        return sorted(waiting + rotary, key=lambda r: (self.deadline(r), r.arrival_time))
 
     def victims(self, running: list[Req]) -> list[Req]:
         if self.fits:
