@@ -116,6 +116,8 @@ def test_lvf_rotates_only_when_the_candidate_would_miss_and_the_victims_can_pay(
     assert p.may_rotate_for(w, [near, far], 10.0)
     assert not p.may_rotate_for(w, [level], 10.0)  # no one has slack
     assert not p.may_rotate_for(_req("late", ReqStatus.WAITING, arrival=8.5), [near, far], 10.0)
+    # even room for all of its KV comes within its budget: no rotation could be decided, so it overlaps
+    assert not p.may_rotate_for(w, [near, far, soon], 10.0)
 
 
 def test_lvf_is_fcfs_while_everything_fits() -> None:

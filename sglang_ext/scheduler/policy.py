@@ -159,15 +159,22 @@ class LargestVLTFirst(FCFS):
         self._memo.clear()
 
     def may_rotate_for(self, head: Req, local: list[Req], now: float) -> bool:
-        # make_room_for's gates with the shortest possible wait (the first finish): a victim must
-        # cover at least that, and a candidate's TTFT budget must not be spent yet.
+        # make_room_for's gates at the bounds of the wait: the longest (room for all of the head's
+        # KV) must exceed what the head can afford, and a victim must cover at least the shortest
+        # (the first finish). A False here lets the step overlap: measured on an H200, landed-state
+        # steps while a queue stood cost ~5 % of decode speed even with almost no rotations.
         if self.fits or self.step_s is None:
             return False
         self.now = now
         self._memo.clear()
         if head.home is KVHome.HOST and head.output_ids and self.vlt(head) <= 0:
             return False
-        if not head.output_ids and self.s_b - (now - head.arrival_time) <= 0.0:
+        longest = self.wait_s(local, head.fill_len + 1)
+        if not head.output_ids:
+            budget = self.s_b - (now - head.arrival_time)
+            if not 0.0 < budget < longest:
+                return False
+        elif self.slack_s(head) >= longest:
             return False
         floor = self.SLACK_FACTOR * self.wait_s(local, 1) + self.STEPS_MARGIN * self.step_s
         return any(self.settled(r) and self.slack_s(r) >= floor for r in local)
