@@ -50,6 +50,8 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # HTTP hardening: bounded request size, connections and time per connection.
     max_request_mb: Annotated[float, Meta(gt=0, description="largest HTTP request body in MiB (larger: 413)")] = 32.0
     max_connections: Annotated[int, Meta(ge=1, description="open HTTP connections at most (more: 503)")] = 4096
+    max_connections_per_client: Annotated[int, Meta(ge=1, description=(
+        "open HTTP connections from one client address at most (IPv6: one /64; more: 429)"))] = 1024
     header_timeout_s: Annotated[float, Meta(
         gt=0, description="seconds for a connection to send its request headers before it is closed")] = 10.0
     body_timeout_s: Annotated[float, Meta(

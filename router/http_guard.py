@@ -1,14 +1,19 @@
-"""HTTP connection guards: a cap on open connections and deadlines for slow clients.
+"""HTTP connection guards: caps on open connections and deadlines for slow clients.
 
 uvicorn's h11 protocol times out idle keep-alive connections, but it accepts every connection and
 lets a request's headers and body take as long as the client likes: thousands of connections that
 dribble bytes hold their file descriptors for ever, until real requests are refused by the OS. This
-subclass bounds both:
+subclass bounds both, and one client's share of the connections:
 
-    accepted ── over max_connections? ─> 503, closed
+    accepted ── over max_per_client from its address? ─> 429, closed
+       │ over max_connections in all? ─> 503, closed
        │ request headers complete within header_timeout_s, else closed (there is no request to answer)
        │ request body complete within body_timeout_s, else 408, closed
        └─> the app; between requests the keep-alive timeout applies (uvicorn's own)
+
+An answer sent while the client is still sending its body (the app's 413) ends in a lingering close
+(http_linger.py), so that the client can read it. Refusals are logged as summaries (http_peers.py),
+and every answer the guard gives itself is counted like the app's (`count`: model name, status).
 """
 
 from __future__ import annotations
@@ -17,12 +22,18 @@ import asyncio
 import contextlib
 import logging
 import resource
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final
 
 import h11
 import msgspec
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from router.api.answers import note_answered
+from router.http_linger import LingeringTransport
+from router.http_peers import PeerCounts, RefusalLog, peer_key
 
 logger = logging.getLogger(__name__)
 _FD_RESERVE: Final = 256  # descriptors kept for everything but HTTP connections (ZeroMQ, workers, logs)
@@ -33,6 +44,25 @@ class ConnLimits:
     max_connections: int
     header_timeout_s: float
     body_timeout_s: float
+    max_per_client: int = 1 << 30  # open connections from one client address (IPv6: one /64)
+    # Lingering close after an early answer: until the client closes, or at most this long, this long
+    # without a byte from it, or this many bytes discarded.
+    linger_s: float = 10.0
+    linger_idle_s: float = 2.0
+    linger_bytes: int = 256 << 20
+
+
+def _no_count(model: str, status: str) -> None:
+    pass
+
+
+@dataclass
+class ServerGuard:
+    """What the connections of one server share."""
+
+    peers: PeerCounts = field(default_factory=PeerCounts)
+    refusals: RefusalLog = field(default_factory=lambda: RefusalLog(logger))
+    count: Callable[[str, str], None] = _no_count  # (model_name, status) of an answer the guard gave
 
 
 def _error_body(status: int, message: str) -> bytes:
@@ -46,36 +76,103 @@ def _canned(status: int, reason: bytes, message: str) -> bytes:
 
 
 class GuardedH11Protocol(H11Protocol):
+    # Per server (with_limits makes a class per server).
     limits: ClassVar[ConnLimits]
+    guard: ClassVar[ServerGuard]
 
     @classmethod
-    def with_limits(cls, limits: ConnLimits) -> type[GuardedH11Protocol]:
-        return type("GuardedH11Protocol", (cls,), {"limits": limits})
+    def with_limits(cls, limits: ConnLimits,
+                    count: Callable[[str, str], None] = _no_count) -> type[GuardedH11Protocol]:
+        """The protocol class for one server; `count(model_name, status)` counts the guard's answers."""
+        return type("GuardedH11Protocol", (cls,), {"limits": limits, "guard": ServerGuard(count=count)})
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
+        self._peer_key: str | None = None  # counted in `peers` while set
+        self._linger_timer: asyncio.TimerHandle | None = None
+        self._linger_end = self._last_read = 0.0
+        self._discarded = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        self._raw = transport
+        self._front = LingeringTransport(transport, self._close_or_linger)
+        super().connection_made(self._front)
+        if self.client:
+            self._peer_key = peer_key(self.client[0])
+            if self.guard.peers.add(self._peer_key) > self.limits.max_per_client:
+                self._refuse(429, b"Too Many Requests", f"over the per-client limit of {self.limits.max_per_client}",
+                             "too many open connections from your address; close some and try again")
+                return
         if len(self.connections) > self.limits.max_connections:
-            logger.warning("refusing a connection from %s: %d connections are open (the limit)",
-                           self._peer(), self.limits.max_connections)
-            transport.write(_canned(503, b"Service Unavailable", "too many open connections; try again later"))
-            transport.close()
+            self._refuse(503, b"Service Unavailable", f"over the limit of {self.limits.max_connections} open "
+                         "connections", "too many open connections; try again later")
             return
         self._arm_header_timer()
 
+    def _refuse(self, status: int, reason: bytes, why: str, message: str) -> None:
+        self.guard.refusals.refused(self.loop, self._peer_key or "?", why)  # by address: ports differ
+        self.guard.count("", str(status))
+        self._raw.write(_canned(status, reason, message))
+        self._raw.close()  # no lingering: the point is to give the descriptor back
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
+        if self._peer_key is not None:
+            self.guard.peers.remove(self._peer_key)
+            self._peer_key = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._front.lingering:
+            self._discard(len(data))
+            return
         if self.conn.their_state is h11.IDLE and self._header_timer is None:
             self._arm_header_timer()  # the first bytes of the next request on a kept-alive connection
         super().data_received(data)
         self._track_request()
+
+    def send_400_response(self, msg: str) -> None:
+        self.guard.count("", "400")  # a request h11 could not parse: the app never sees it
+        super().send_400_response(msg)
+
+    def _close_or_linger(self) -> None:
+        """Every close of uvicorn's comes here: linger when a complete answer went out while the client
+        is still sending its request body (else the unread body turns the close into a reset)."""
+        cycle = self.cycle
+        if (self._front.lingering or self._raw.is_closing() or cycle is None or not cycle.response_complete
+                or self.conn.their_state is not h11.SEND_BODY):
+            self._raw.close()
+            return
+        self._front.lingering = True
+        self._cancel_timers()  # no 408 for a body nobody waits for
+        if self._raw.can_write_eof():
+            self._raw.write_eof()  # the answer is complete: the client may stop sending
+        self._raw.resume_reading()  # uvicorn may have paused reading while the app did not read
+        self._last_read = now = time.monotonic()
+        self._linger_end = now + self.limits.linger_s
+        self._linger_timer = self.loop.call_later(min(self.limits.linger_idle_s, self.limits.linger_s),
+                                                  self._linger_check)
+
+    def _discard(self, n: int) -> None:
+        self._last_read = time.monotonic()
+        self._discarded += n
+        if self._discarded > self.limits.linger_bytes:
+            self._raw.close()
+
+    def _linger_check(self) -> None:
+        # One timer for both bounds, re-armed here rather than on every read.
+        now = time.monotonic()
+        idle_end = self._last_read + self.limits.linger_idle_s
+        if now >= self._linger_end or now >= idle_end:
+            self._linger_timer = None
+            self._raw.close()
+            return
+        self._linger_timer = self.loop.call_later(min(self._linger_end, idle_end) - now, self._linger_check)
 
     def _track_request(self) -> None:
         their = self.conn.their_state
@@ -103,14 +200,14 @@ class GuardedH11Protocol(H11Protocol):
 
     def _headers_late(self) -> None:
         self._header_timer = None
-        if not self.transport.is_closing():
+        if not self._raw.is_closing():
             logger.debug("closing a connection from %s: no complete request headers within %g s", self._peer(),
                          self.limits.header_timeout_s)
-            self.transport.close()
+            self._raw.close()
 
     def _body_late(self) -> None:
         self._body_timer = None
-        if self.transport.is_closing():
+        if self._raw.is_closing():
             return
         logger.info("closing a connection from %s: its request body was not complete within %g s (408)",
                     self._peer(), self.limits.body_timeout_s)
@@ -123,12 +220,14 @@ class GuardedH11Protocol(H11Protocol):
             with contextlib.suppress(h11.LocalProtocolError):
                 for event in (h11.Response(status_code=408, headers=headers, reason=b"Request Timeout"),
                               h11.Data(data=body), h11.EndOfMessage()):
-                    self.transport.write(self.conn.send(event) or b"")
+                    self._raw.write(self.conn.send(event) or b"")
             cycle.response_started = cycle.response_complete = True
+            self.guard.count("", "408")
+            note_answered(cycle.scope)  # the app's own answer (the client left: 499) goes uncounted
         if cycle is not None:
             cycle.disconnected = True  # the app sees http.disconnect; its own response goes nowhere
             cycle.message_event.set()
-        self.transport.close()
+        self._raw.close()  # no lingering: this client is the slow one
 
 
 def raise_fd_limit() -> int:

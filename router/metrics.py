@@ -224,7 +224,8 @@ class RouterMetrics:
                               buckets=_TOKEN_BUCKETS, registry=r)
         self.e2e = Histogram("sglang:e2e_request_latency_seconds", "End-to-end request latency", m,
                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.requests = Counter("sglang:num_requests", "Finished requests by outcome", [*m, "status"], registry=r)
+        self.requests = Counter("sglang:num_requests", "Requests answered, by outcome: ok, abort, or the HTTP "
+                                "status of a failure or refusal", [*m, "status"], registry=r)
         self.prompt_tokens = Counter("sglang:prompt_tokens", "Prompt tokens of finished requests", m, registry=r)
         self.gen_tokens = Counter("sglang:generation_tokens", "Generated tokens", m, registry=r)
         self.slo_miss = Counter("sglang_ext:slo_miss", "Requests that missed an SLO", [*m, "kind"], registry=r)
@@ -245,6 +246,10 @@ class RouterMetrics:
                               "retried (a failure before the first token), resumed (its KV never came: the "
                               "decode worker recomputed the prompt), on_executor (Adrenaline placement: its KV "
                               "stays on the prefill worker's executor)", [*m, "event"], registry=r)
+
+    def count_answer(self, model: str, status: str) -> None:
+        """A request the core never saw, answered by the HTTP edge (router/api/answers.py)."""
+        self.requests.labels(model, status).inc()
 
     def slo_result(self, model: str, kind: str, met: bool) -> None:
         self.slo_checked.labels(model, kind).inc()

@@ -74,8 +74,10 @@ def try_hint(cfg: RouterConfig, host: str, port: int) -> str:
 
 def uvicorn_config(router: Router, fd_limit: int) -> uvicorn.Config:
     cfg = router.config
-    limits = ConnLimits(connection_cap(cfg.max_connections, fd_limit), cfg.header_timeout_s, cfg.body_timeout_s)
-    return uvicorn.Config(build_app(router), http=GuardedH11Protocol.with_limits(limits), log_level="warning",
+    limits = ConnLimits(connection_cap(cfg.max_connections, fd_limit), cfg.header_timeout_s, cfg.body_timeout_s,
+                        max_per_client=cfg.max_connections_per_client)
+    http = GuardedH11Protocol.with_limits(limits, count=router.metrics.count_answer)
+    return uvicorn.Config(build_app(router), http=http, log_level="warning",
                           access_log=False, timeout_graceful_shutdown=5,
                           timeout_keep_alive=cfg.keep_alive_timeout_s)  # type: ignore[arg-type]
 

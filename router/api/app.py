@@ -11,7 +11,8 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.api import native, openai_api
-from router.api.common import ApiError, ClientGone, error_body
+from router.api.answers import CountAnswers
+from router.api.common import ApiError, ClientGone, clip, error_body
 from router.api.limits import BodyLimit
 from router.core import Router
 
@@ -64,8 +65,9 @@ def build_app(router: Router) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> Response:
-        known = {404: f"no such endpoint: {request.method} {request.url.path}",
-                 405: f"method {request.method} is not allowed on {request.url.path}"}
+        path = clip(request.url.path)
+        known = {404: f"no such endpoint: {request.method} {path}",
+                 405: f"method {request.method} is not allowed on {path}"}
         message = known.get(e.status_code, str(e.detail))
         return err(request, e.status_code, message)
 
@@ -81,5 +83,7 @@ def build_app(router: Router) -> FastAPI:
 
     if router.config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=router.config.api_key)
-    app.add_middleware(BodyLimit, limit=router.config.max_request_bytes)  # outermost: before anything reads
+    app.add_middleware(BodyLimit, limit=router.config.max_request_bytes)  # before anything reads
+    # Outermost: it sees every answer, the 401s and 413s of the middlewares above included.
+    app.add_middleware(CountAnswers, count=router.metrics.count_answer)
     return app

@@ -1,7 +1,9 @@
 """Pieces every endpoint shares: errors, JSON in and out, SSE, and waiting on a Submission.
 
 Errors are raised as `ApiError` and rendered by the app: the OpenAI error object on /v1/*, and
-SGLang's `{"error": {"message": ...}}` elsewhere. Both carry a message that names the problem.
+SGLang's `{"error": {"message": ...}}` elsewhere. Both carry a message that names the problem; input
+quoted in it is clipped (`clip`), and no message is longer than MAX_MESSAGE_CHARS, so a huge bad
+input never comes back as a huge error.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from router.api.json_body import TooDeep, decode_json
 from router.tracker import Failure, Submission
 from sglang_ext.messages import TokenOut
 
@@ -23,10 +26,27 @@ logger = logging.getLogger(__name__)
 _enc = msgspec.json.Encoder()
 DISCONNECT_POLL_S: Final = 0.5
 DONE: Final = b"data: [DONE]\n\n"
+ECHO_CHARS: Final = 200  # of a client's value quoted in an error message
+MAX_MESSAGE_CHARS: Final = 1000  # of a whole error message (library messages may quote input too)
+
+
+def clip(text: str, limit: int = ECHO_CHARS) -> str:
+    """`text` whole when short; else its first `limit` characters and its length."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
+def quote(value: object) -> str:
+    """A client's value for an error message: repr'd, and clipped when long."""
+    if isinstance(value, str) and len(value) > ECHO_CHARS:
+        return f"{value[:ECHO_CHARS]!r}... ({len(value)} characters)"  # no repr of the whole string
+    return clip(repr(value))
 
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        message = clip(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.status = status
         self.message = message
@@ -49,6 +69,7 @@ def error_type(status: int) -> str:
 
 
 def error_body(path: str, status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:
+    message = clip(message, MAX_MESSAGE_CHARS)
     if path.startswith("/v1/") or path == "/v1":
         err = {"message": message, "type": error_type(status), "param": param, "code": code or status}
     else:
@@ -74,7 +95,9 @@ async def read_json(request: Request) -> dict[str, Any]:
                     f"{client.host}:{client.port}" if client else "?")
         raise ClientGone() from None
     try:
-        data = msgspec.json.decode(body)
+        data = decode_json(body)
+    except TooDeep as e:
+        raise ApiError(400, str(e)) from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"malformed JSON body: {e}") from None
     if not isinstance(data, dict):

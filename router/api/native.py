@@ -10,7 +10,8 @@ import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from router.api.common import DONE, ApiError, EventStream, SSEResponse, json_response, read_json, sse
+from router.api.answers import note_submitted
+from router.api.common import DONE, ApiError, EventStream, SSEResponse, clip, json_response, read_json, sse
 from router.api.limits import check_prompt_size
 from router.api.native_protocol import GeneratePlan, parse_generate, resolve_model
 from router.core import NoWorker, Router, prefix_key
@@ -24,13 +25,16 @@ from sglang_ext.sampling.params import SamplingParams
 def submit(router: Router, plan: GeneratePlan) -> Submission:
     dup = [r.rid for r in plan.reqs if r.rid in router.requests]
     if dup or len({r.rid for r in plan.reqs}) != len(plan.reqs):
-        raise ApiError(400, f"duplicate request id(s): {', '.join(dup) or 'repeated in this request'}", param="rid")
+        listed = clip(", ".join(dup)) or "repeated in this request"
+        raise ApiError(400, f"duplicate request id(s): {listed}", param="rid")
     try:
         placement = router.place(plan.model, prefix_key(plan.reqs[0]) if plan.reqs else None)
     except NoWorker as e:
         raise ApiError(503, str(e)) from None
     check_prompt_size(placement.worker.info, plan.reqs)
-    return router.submit(plan.model, plan.reqs, plan.est_tokens, placement)
+    sub = router.submit(plan.model, plan.reqs, plan.est_tokens, placement)
+    note_submitted()  # the core counts it in sglang:num_requests_total from here on
+    return sub
 
 
 async def collect(sub: Submission, request: Request | None) -> list[dict[str, Any]]:

@@ -12,7 +12,8 @@ from typing import Any, Final
 
 import msgspec
 
-from router.api.common import ApiError, convert
+from router.api.answers import note_model
+from router.api.common import ApiError, convert, quote
 from router.api.sampling import estimate_tokens, make_sampling_params
 from router.registry import ModelEntry, Registry
 from sglang_ext.entry.outputs import expand_n
@@ -53,9 +54,10 @@ def resolve_model(registry: Registry, name: str | None) -> ModelEntry:
     if m is None:
         known = ", ".join(sorted(registry.models)) or "none yet"
         if name:
-            raise ApiError(404, f"model {name!r} is not served here (served: {known})", param="model",
+            raise ApiError(404, f"model {quote(name)} is not served here (served: {known})", param="model",
                            code="model_not_found")
         raise ApiError(503, "no model is registered yet; wait for a worker to start")
+    note_model(m.name)  # the model_name of this request's answer in sglang:num_requests_total
     return m
 
 

@@ -11,7 +11,7 @@ from typing import Any, Final
 
 import msgspec
 
-from router.api.common import ApiError
+from router.api.common import ApiError, quote
 from router.api.sampling import check_max_tokens, make_sampling_params
 from router.registry import ModelEntry
 from sglang_ext.sampling.params import SamplingParams
@@ -123,7 +123,7 @@ def response_format(rf: dict[str, Any] | None) -> tuple[str, str] | None:
     if kind == "structural_tag":
         return "structural_tag", msgspec.json.encode(rf).decode()
     raise ApiError(400, f"response_format type must be text, json_object, json_schema or structural_tag; "
-                   f"got {kind!r}", param="response_format")
+                   f"got {quote(kind)}", param="response_format")
 
 
 def completion_prompts(prompt: str | list[Any]) -> list[dict[str, Any]]:
@@ -166,7 +166,7 @@ def chat_messages(body: ChatRequest) -> list[dict[str, Any]]:
     out = []
     for i, m in enumerate(body.messages):
         if m.role not in CHAT_ROLES:
-            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {m.role!r}",
+            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {quote(m.role)}",
                            param="messages")
         content = m.content
         if isinstance(content, list):
