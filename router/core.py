@@ -589,7 +589,7 @@ class Router:
         if out.token_ids:
             if st.first_token is None:
                 st.first_token = now
-                self.resilience.breakers.success(st.worker.worker_id)
+                self.resilience.breakers.success(st.worker.worker_id, counted=False)  # it serves (its end counts)
                 ttft = now - st.arrival
                 if not st.restarted:  # (a restarted request's first token was counted already)
                     self.metrics.ttft.labels(st.model).observe(ttft)

@@ -101,6 +101,12 @@ def test_breaker_failure_rate_over_a_window() -> None:
     assert b.state() is CircuitState.OPEN  # (at a failure) 2 of the 4 within the window failed
     b.reset()  # a new process
     assert b.state() is CircuitState.CLOSED and b.allows()
+    for _ in range(3):
+        b.success(counted=False)  # first outputs: proof it serves, but one outcome per request is its end
+    outcomes(False, False)
+    assert b.state() is CircuitState.CLOSED  # 2 outcomes, not 5
+    outcomes(False, False)
+    assert b.state() is CircuitState.OPEN
     off = CircuitBreaker("w1", BreakerPolicy(failure_threshold=0), clock)
     assert not off.policy.enabled
 

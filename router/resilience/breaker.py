@@ -97,7 +97,9 @@ class CircuitBreaker:
         if self.state() is CircuitState.HALF_OPEN and self.allows():
             self.probe, self._probe_at = rid, self.clock()
 
-    def success(self) -> None:
+    def success(self, counted: bool = True) -> None:
+        """A success; `counted`: one outcome for the failure rate (a request's first output is not
+        counted there, only its end: one outcome per request, as its failure would be)."""
         s = self.state()
         if s is CircuitState.OPEN:
             return  # a request from before it opened: the trial decides
@@ -106,7 +108,8 @@ class CircuitBreaker:
             self._state, self.probe = CircuitState.CLOSED, None
             self._outcomes.clear()
         self.consecutive = 0
-        self._note(True)
+        if counted:
+            self._note(True)
 
     def failure(self, why: str) -> None:
         s = self.state()
@@ -196,9 +199,9 @@ class Breakers:
         if self.policy.enabled:
             self.get(worker_id).dispatched(rid)
 
-    def success(self, worker_id: str) -> None:
+    def success(self, worker_id: str, counted: bool = True) -> None:
         if self.policy.enabled:
-            self.get(worker_id).success()
+            self.get(worker_id).success(counted)
 
     def failure(self, worker_id: str, why: str) -> None:
         if self.policy.enabled:
