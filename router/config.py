@@ -18,6 +18,7 @@ from typing import Annotated, Any, Final, Literal, Union, get_args, get_origin
 import msgspec
 from msgspec import Meta
 
+from router.resilience.spec import ApiKey, ApiKeySpec, LimitSpec, SpecError, check_router, resolve_api_keys
 from sglang_ext.env import API_KEY
 from sglang_ext.server_args import DEFAULT_PORT, ServerArgs
 from sglang_ext.transport.choice import check_served
@@ -66,6 +67,37 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         ge=1, description="give up on a local worker after this many crashes in a row, each soon after start")] = 5
     restart_fast_crash_s: Annotated[float, Meta(
         gt=0, description="a crash within this many seconds of start counts as fast")] = 60.0
+    # Resilience (router/resilience/): retries, circuit breakers, admission limits. docs/configuration.md.
+    max_retries: Annotated[int, Meta(
+        ge=0, description="retries of a request a worker failed before its client got any output (0: none)")] = 2
+    retry_backoff_s: Annotated[float, Meta(
+        ge=0, description="wait before the first retry; multiplied by retry_backoff_multiplier per retry")] = 0.05
+    retry_backoff_max_s: Annotated[float, Meta(ge=0, description="longest wait before a retry")] = 2.0
+    retry_backoff_multiplier: Annotated[float, Meta(ge=1, description="growth of the wait per retry")] = 2.0
+    retry_jitter: Annotated[float, Meta(
+        ge=0, le=1, description="each wait varies randomly by up to this share, up or down")] = 0.2
+    cb_failure_threshold: Annotated[int, Meta(
+        ge=0, description="failures in a row that open a worker's circuit breaker (0: not on a count)")] = 5
+    cb_failure_rate: Annotated[float, Meta(
+        gt=0, le=1, description="also open it when this share of its requests over --cb-window failed")] | None = None
+    cb_window_s: Annotated[float, Meta(gt=0, description="window of --cb-failure-rate")] = 60.0
+    cb_min_requests: Annotated[int, Meta(
+        ge=1, description="requests in the window before --cb-failure-rate applies")] = 20
+    cb_cooldown_s: Annotated[float, Meta(
+        gt=0, description="an open circuit lets a trial request through after this long")] = 30.0
+    max_concurrent_requests: Annotated[int, Meta(
+        ge=1, description="generation requests in flight at most, router-wide (more wait in the queue)")] | None = None
+    rate_limit_rps: Annotated[float, Meta(
+        gt=0, description="new generation requests a second at most, router-wide")] | None = None
+    rate_limit_burst: Annotated[int, Meta(
+        ge=1, description="requests the rate limit admits at once after idling (default: ceil(rate))")] | None = None
+    queue_size: Annotated[int, Meta(
+        ge=0, description="requests waiting for room under a limit at most (more: 429)")] = 100
+    queue_timeout_s: Annotated[float, Meta(
+        gt=0, description="seconds a request waits for room at most (then 429)")] = 30.0
+
+    def __post_init__(self) -> None:
+        check_router(self)
 
     @property
     def max_request_bytes(self) -> int:
@@ -95,6 +127,7 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True):
     args: dict[str, Any] = msgspec.field(default_factory=dict)  # ServerArgs shared by its workers
     workers: list[WorkerSpec] | None = None
     slo: SloSpec | None = None
+    limits: LimitSpec | None = None  # admission limits of this model's requests (router/resilience/)
 
 
 class AdrenalineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -162,6 +195,7 @@ class ClusterSpec(msgspec.Struct, forbid_unknown_fields=True):
     models: list[ModelSpec]
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
     offload: list[OffloadSpec] = msgspec.field(default_factory=list)
+    api_keys: list[ApiKeySpec] = msgspec.field(default_factory=list)  # keys from env / files, with limits
 
 
 @dataclass(frozen=True)
@@ -182,6 +216,8 @@ class Cluster:
     models: tuple[str, ...] = ()  # served names in file order, including models without local workers
     slo: Mapping[str, SloSpec] = field(default_factory=dict)  # per model name
     offload: tuple[OffloadSpec, ...] = ()
+    limits: Mapping[str, LimitSpec] = field(default_factory=dict)  # per model name (the models' `limits:`)
+    api_keys: tuple[ApiKey, ...] = ()  # resolved: the secrets are read at start
 
 
 def model_name(model_path: str | None, served_model_name: str | None = None) -> str:
@@ -207,11 +243,13 @@ def flag_name(field_name: str) -> str:
 def _cli_type(tp: Any) -> tuple[type, str]:
     """The argparse type and help text of a RouterConfig field's annotation."""
     help_text = ""
-    if get_origin(tp) is Annotated:
-        tp, *metas = get_args(tp)
-        help_text = next((m.description for m in metas if isinstance(m, Meta) and m.description), "")
-    if get_origin(tp) in (Union, types.UnionType):
-        tp = next(a for a in get_args(tp) if a is not type(None))
+    # Annotated[T | None, Meta] or Annotated[T, Meta] | None: unwrap both, in either order.
+    while get_origin(tp) in (Annotated, Union, types.UnionType):
+        if get_origin(tp) is Annotated:
+            tp, *metas = get_args(tp)
+            help_text = next((m.description for m in metas if isinstance(m, Meta) and m.description), help_text)
+        else:
+            tp = next(a for a in get_args(tp) if a is not type(None))
     return tp, help_text
 
 
@@ -267,6 +305,7 @@ def build_cluster(spec: ClusterSpec) -> Cluster:
     workers: list[LocalWorker] = []
     names: list[str] = []
     slo: dict[str, SloSpec] = {}
+    limits: dict[str, LimitSpec] = {}
     for i, m in enumerate(spec.models):
         where = f"models[{i}]"
         name = model_name(m.model_path, m.name or m.args.get("served_model_name"))
@@ -275,6 +314,8 @@ def build_cluster(spec: ClusterSpec) -> Cluster:
         names.append(name)
         if m.slo is not None:
             slo[name] = m.slo
+        if m.limits is not None:
+            limits[name] = m.limits
         if m.replicas < 0:
             raise ConfigError(f"{where}.replicas must be >= 0, got {m.replicas}")
         specs = m.workers if m.workers is not None else [WorkerSpec() for _ in range(m.replicas)]
@@ -293,7 +334,11 @@ def build_cluster(spec: ClusterSpec) -> Cluster:
     if dup:
         raise ConfigError(f"worker ids must be unique, repeated: {', '.join(dup)}")
     _check_offload(spec.offload, names, workers, slo)
-    return Cluster(spec.router, tuple(workers), tuple(names), slo, tuple(spec.offload))
+    try:
+        api_keys = resolve_api_keys(spec.api_keys)
+    except SpecError as e:
+        raise ConfigError(str(e)) from None
+    return Cluster(spec.router, tuple(workers), tuple(names), slo, tuple(spec.offload), limits, api_keys)
 
 
 def _disagg_role(where: str, role: str, values: dict[str, Any]) -> str:

@@ -4,6 +4,9 @@
                  <── Submission.sink <── receive task <───────┘
     monitor task: a worker silent for `heartbeat_timeout_s` is marked down and its requests fail (503)
 
+A request a worker fails before its client got any output is placed again, after a backoff, up to
+`max_retries` times; workers whose circuit breaker is open are not placed on (router/resilience/).
+
 Every message is a msgspec Struct, decoded strictly; a malformed one is dropped and logged.
 Nothing here runs per iteration: work happens when a message, a request or a timeout arrives.
 Placement over two workers (prefill/decode) and the links between workers it needs are the placement
@@ -40,7 +43,9 @@ from router.metrics import RouterMetrics
 from router.placement.base import KeptKV, Placement, PlacementStrategy
 from router.placement.strategies import build_strategies
 from router.registry import Balancer, ModelEntry, PrefixAware, Registry
-from router.tracker import Failure, Item, RequestState, Submission, WorkerState
+from router.resilience.hub import Resilience
+from router.resilience.spec import ApiKey, LimitSpec
+from router.tracker import Failure, Item, RequestState, Restart, Submission, WorkerState
 from sglang_ext.messages import (
     AbortReq,
     BatchOut,
@@ -62,7 +67,6 @@ logger = logging.getLogger(__name__)
 _MONITOR_PERIOD_S = 0.25
 _HELLO_REQ_PERIOD_S = 2.0
 _PREFIX_CHARS = 128
-MAX_RETRIES = 2  # a disaggregated request whose worker or pair failed before its first token
 S = TypeVar("S", bound=PlacementStrategy)
 
 
@@ -78,18 +82,27 @@ def prefix_key(req: GenerateReq) -> str | None:
 
 
 class NoWorker(RuntimeError):
-    """No worker of the model is up (HTTP 503)."""
+    """No worker of the model is up (HTTP 503); `retry_after`: seconds until one may take requests
+    again, when that is known (circuit breakers that will let a trial through)."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class Router:
     def __init__(self, config: RouterConfig, balancer: Balancer | None = None,
-                 slo: Mapping[str, SloSpec] | None = None, offload: Sequence[OffloadSpec] = ()) -> None:
+                 slo: Mapping[str, SloSpec] | None = None, offload: Sequence[OffloadSpec] = (),
+                 limits: Mapping[str, LimitSpec] | None = None, api_keys: Sequence[ApiKey] = ()) -> None:
         self.config = config
         self.slo = dict(slo or {})  # per model name (the cluster file's `slo:`)
         self.registry = Registry()
         self.balancer = balancer or PrefixAware()
         self.bus = EventBus()
         self.metrics = RouterMetrics(lambda: self.registry.workers.values())
+        # retries, circuit breakers, admission limits (limits: per model name, the cluster file's `limits:`)
+        self.resilience = Resilience(config, self.metrics.registry, lambda: self.registry.workers.values(),
+                                     limits, api_keys)
         self.requests: dict[str, RequestState] = {}
         self._replies: dict[str, asyncio.Future[ReplyOut]] = {}
         self._ids = itertools.count()
@@ -174,12 +187,14 @@ class Router:
                 w = self.registry.workers.get(worker_id)
                 if w is not None:
                     why = f"worker {worker_id} of model {w.model} is not connected"
+                    if w.inflight:
+                        self.resilience.breakers.failure(worker_id, why)
                     for st in list(w.inflight.values()):
                         if st.decode is not None and not st.handed:
                             self._pair_broken(st.pairing, why)
                         # A request that sent the client nothing goes elsewhere, whole or not: the
                         # router may pick a killed worker in the seconds before its heartbeat lapses.
-                        if not st.handed and self._retry(st, why, suspect=worker_id):
+                        if self._retry(st, why, suspect=worker_id):
                             continue
                         self._fail(st, 503, why)
 
@@ -208,18 +223,29 @@ class Router:
         return f"r-{self._prefix}-{next(self._ids)}"
 
     def pick(self, model: ModelEntry, prefix_key: str | None = None, avoid: Collection[str] = ()) -> WorkerState:
-        """An up worker of the model for a whole request; those in `avoid` only if nothing else is up."""
-        candidates = [w for w in model.up_workers if w.worker_id not in avoid] or model.up_workers
+        """An up worker of the model for a whole request, never one whose circuit is open; those in
+        `avoid` only if nothing else is up."""
+        up = model.up_workers
+        allowed = [w for w in up if self.resilience.breakers.allows(w.worker_id)]
+        candidates = [w for w in allowed if w.worker_id not in avoid] or allowed
         if not candidates:
+            if up:  # all held out by their circuit breakers: open, or half-open with a trial in flight
+                b = self.resilience.breakers
+                wait = max(1.0, b.retry_in(w.worker_id for w in up))
+                states = ", ".join(f"{w.worker_id} {b.state(w.worker_id).name.lower().replace('_', '-')}" for w in up)
+                raise NoWorker(f"every up worker of model {model.name!r} is held out by its circuit breaker after "
+                               f"repeated failures ({states}); try again in {wait:.0f} s", retry_after=wait)
             raise NoWorker(f"no worker of model {model.name!r} is up; try again later")
         return self.balancer.pick(candidates, prefix_key)
 
     def place(self, model: ModelEntry, prefix_key: str | None = None, avoid: Collection[str] = ()) -> Placement:
         """A prefill worker and a decode worker over an active KV pair of the model, or else one worker
         (whatever its role) for the whole request; workers in `avoid` (suspects of a failure) only as a
-        last resort. Raises NoWorker."""
+        last resort; never workers whose circuit is open. Raises NoWorker."""
+        blocked = self.resilience.breakers.blocked(model.workers)
+        strict = {*avoid, *blocked} if blocked else avoid
         for s in self.strategies:
-            pd = s.place(model, self.balancer, prefix_key, avoid)
+            pd = s.place(model, self.balancer, prefix_key, strict)
             if pd is not None:
                 return pd
         return Placement(self.pick(model, prefix_key, avoid))
@@ -250,6 +276,7 @@ class Router:
         req = st.req if st.req.rid == st.rid else msgspec.structs.replace(st.req, rid=st.rid)
         worker.inflight[st.rid] = st
         worker.num_served += 1
+        self.resilience.breakers.dispatched(worker.worker_id, st.rid)
         d = placement.decode
         if d is None:
             self.send(worker.worker_id, req)
@@ -259,6 +286,7 @@ class Router:
             st.prefill, st.decode, st.pairing = worker, d, placement.pairing
             d.inflight[st.rid] = st
             d.num_served += 1
+            self.resilience.breakers.dispatched(d.worker_id, st.rid)
             # Adrenaline placement: its KV may stay on the prefill worker (router/placement/adrenaline.py)
             adr = self._keep_kv(st.rid, worker, d)
             for role, w in (("decode", d), ("prefill", worker)):
@@ -270,38 +298,68 @@ class Router:
                 self.metrics.disagg.labels(st.model, "on_executor").inc()
         self.bus.publish(RequestArrived(st.rid, st.model, worker.worker_id, st.est_prompt_tokens, st.max_new_tokens))
 
-    def _retry(self, st: RequestState, why: str, suspect: str = "") -> bool:
-        """Place a request again from the start (under a new worker-level rid), if nothing of it
-        reached the client yet, away from `suspect` if it can; False if it cannot be retried."""
-        if st.done or st.req is None or st.delivered or st.retries >= MAX_RETRIES:
+    def _retry(self, st: RequestState, why: str, suspect: str = "", fail: Failure | None = None) -> bool:
+        """Place a request again from the start (under a new worker-level rid) after a backoff, away from
+        `suspect` if it can, if its client got nothing of it yet: nothing delivered, or -- not streaming --
+        only output the handler merely collected (discarded with a `Restart`). False if it cannot be
+        retried. If no worker can take it by the last retry, it fails with `fail` (default: 503, `why`)."""
+        if st.done or st.req is None or st.retries >= self.resilience.retry.max_retries:
             return False
-        model = self.registry.models.get(st.model)
-        try:
-            placement = self.place(model, prefix_key(st.req), (suspect,)) if model is not None else None
-        except NoWorker:
-            placement = None
-        if placement is None:
-            return False
+        if st.delivered and st.req.stream:
+            return False  # streamed: the client has tokens of it
         old = st.rid
         for w in {st.prefill, st.decode, st.worker}:
             if w is not None:
                 w.inflight.pop(old, None)
                 if w.up:
                     self.send(w.worker_id, AbortReq(rid=old))
-        self.requests.pop(old, None)
         st.worker.outstanding_tokens -= st.charged
-        was_pd = st.decode is not None
-        st.charged, st.retries = 0, st.retries + 1
-        st.rid = f"{st.req.rid}+retry{st.retries}"
+        if st.decode is not None:
+            self.metrics.disagg.labels(st.model, "retried").inc()
+        st.charged = 0
         st.prefill = st.decode = None
         st.pairing, st.handed, st.early, st.pd_meta = "", False, [], {}
-        self.requests[st.rid] = st
-        if was_pd:
-            self.metrics.disagg.labels(st.model, "retried").inc()
-        logger.warning("request %s: %s; retried from the start as %s on %s", old, why, st.rid,
-                       "+".join(w.worker_id for w in (placement.worker, placement.decode) if w is not None))
-        self._dispatch(st, placement)
+        if st.delivered:  # collected, never sent: the handler drops what it has of this sub-request
+            st.sink.put_nowait((st.index, Restart(why)))
+            st.restarted, st.delivered = True, False
+            st.first_token = st.last_token = st.prompt_tokens = None
+            st.completion_tokens, st.first_token_id, st.resumed = 0, -1, False
+        self._renumber(st)
+        delay = self.resilience.backoff(st.retries)
+        logger.warning("request %s: %s; retrying it from the start as %s in %.2f s", old, why, st.rid, delay)
+        asyncio.get_running_loop().call_later(delay, self._redispatch, st, suspect,
+                                              fail or Failure(503, f"{why}; the request was not completed"))
         return True
+
+    def _renumber(self, st: RequestState) -> None:
+        assert st.req is not None
+        self.requests.pop(st.rid, None)
+        st.retries += 1
+        st.rid = f"{st.req.rid}+retry{st.retries}"
+        self.requests[st.rid] = st
+
+    def _redispatch(self, st: RequestState, suspect: str, fail: Failure) -> None:
+        """A retry's backoff is over: place it, or wait again if no worker can take it now (the suspect
+        may be back by then), or fail it after the last retry."""
+        if st.done or st.req is None:
+            return  # aborted or failed while it waited
+        model = self.registry.models.get(st.model)
+        try:
+            placement = self.place(model, prefix_key(st.req), (suspect,)) if model is not None else None
+        except NoWorker:
+            placement = None
+        if placement is None:
+            if st.retries >= self.resilience.retry.max_retries:
+                self._fail(st, fail.status, fail.message)
+                return
+            self._renumber(st)
+            asyncio.get_running_loop().call_later(self.resilience.backoff(st.retries), self._redispatch, st,
+                                                  suspect, fail)
+            return
+        logger.info("request %s placed on %s", st.rid,
+                    "+".join(w.worker_id for w in (placement.worker, placement.decode) if w is not None))
+        self.resilience.metrics.retries.labels(st.model).inc()
+        self._dispatch(st, placement)
 
     def _resume(self, st: RequestState, ident: str, why: str) -> bool:
         """The first token went out but the prompt's KV never reached the decode worker (the prefill
@@ -336,6 +394,12 @@ class Router:
     def _close(self, st: RequestState, ok: bool, status: str, finish_reason: dict[str, Any] | None) -> None:
         st.done = True
         st.recharge()
+        if ok:
+            self.resilience.breakers.success(st.worker.worker_id)
+        else:
+            for w in (st.worker, st.prefill, st.decode):
+                if w is not None:
+                    self.resilience.breakers.ended(w.worker_id, st.rid)  # a trial that ended with no verdict
         self.requests.pop(st.rid, None)
         st.worker.inflight.pop(st.rid, None)
         for w in (st.prefill, st.decode):
@@ -414,13 +478,19 @@ class Router:
                 return
             if st.decode is not None and st.handed and msg.status == 503 and self._resume(st, ident, msg.message):
                 return
+            failed = Failure(msg.status, msg.message)
             if st.decode is not None and not st.handed and msg.status >= 500:
                 # The pair or one of its workers failed before anything reached the client.
                 self._pair_broken(st.pairing, msg.message)
                 # Each side reports what it saw of the other (a send that failed, KV that never came).
                 assert st.prefill is not None
                 other = st.decode.worker_id if ident == st.prefill.worker_id else st.prefill.worker_id
-                if self._retry(st, f"{ident}: {msg.message}", suspect=other):
+                if self._retry(st, f"{ident}: {msg.message}", suspect=other, fail=failed):
+                    return
+            elif st.decode is None and msg.status >= 500:
+                self.resilience.breakers.failure(ident, msg.message)
+                if self.resilience.retry.retryable(msg.status) and self._retry(
+                        st, f"{ident}: {msg.message}", suspect=ident, fail=failed):
                     return
             self._fail(st, msg.status, msg.message)
         elif isinstance(msg, ReplyOut):
@@ -444,10 +514,13 @@ class Router:
         if old is not None and old.inflight:
             # A restart faster than the heartbeat timeout: the new process knows none of these.
             for st in list(old.inflight.values()):
-                self._fail(st, 503, f"worker {ident} restarted; the request was lost")
+                why = f"worker {ident} restarted; the request was lost"
+                if not self._retry(st, why, suspect=ident, fail=Failure(503, why)):
+                    self._fail(st, 503, why)
         self._hello_asked.pop(ident, None)
         self.metrics.offload.restarted(ident)  # a new process: its cumulative counters start again
         w, known = self.registry.register(msg.info)
+        self.resilience.breakers.reset(ident)  # a new process: the breaker judged the one that is gone
         logger.info("worker %s (%s, model %s, pid %d) %s", ident, w.info.device if w.info else "?", w.model,
                     msg.info.pid, "re-registered" if known else "registered")
         self.bus.publish(WorkerUp(w.model, ident, w.role, known))
@@ -516,11 +589,13 @@ class Router:
         if out.token_ids:
             if st.first_token is None:
                 st.first_token = now
+                self.resilience.breakers.success(st.worker.worker_id, counted=False)  # it serves (its end counts)
                 ttft = now - st.arrival
-                self.metrics.ttft.labels(st.model).observe(ttft)
-                self.bus.publish(FirstToken(st.rid, st.model, st.worker.worker_id, ttft, st.prompt_tokens or 0))
-                if slo is not None and slo.ttft_ms is not None and ttft * 1e3 > slo.ttft_ms:
-                    self._slo_miss(st, "ttft", ttft, slo.ttft_ms / 1e3)
+                if not st.restarted:  # (a restarted request's first token was counted already)
+                    self.metrics.ttft.labels(st.model).observe(ttft)
+                    self.bus.publish(FirstToken(st.rid, st.model, st.worker.worker_id, ttft, st.prompt_tokens or 0))
+                    if slo is not None and slo.ttft_ms is not None and ttft * 1e3 > slo.ttft_ms:
+                        self._slo_miss(st, "ttft", ttft, slo.ttft_ms / 1e3)
             elif st.last_token is not None:
                 gap = now - st.last_token
                 self.metrics.itl.labels(st.model).observe(gap)
@@ -572,10 +647,12 @@ class Router:
     def mark_down(self, w: WorkerState, reason: str) -> None:
         w.up = False
         logger.warning("worker %s of model %s is down: %s", w.worker_id, w.model, reason)
+        if w.inflight:  # once, however many requests it held: one crash under load is one failure
+            self.resilience.breakers.failure(w.worker_id, f"went down ({reason})")
         for st in list(w.inflight.values()):
             why = f"worker {w.worker_id} of model {w.model} went down ({reason})"
-            if st.decode is not None and not st.handed and self._retry(st, why):
+            self.send(w.worker_id, AbortReq(rid=st.rid))  # in case it is alive but slow
+            if self._retry(st, why, suspect=w.worker_id):
                 continue
             self._fail(st, 503, f"{why}; the request was not completed")
-            self.send(w.worker_id, AbortReq(rid=st.rid))  # in case it is alive but slow
         self.bus.publish(WorkerDown(w.model, w.worker_id, reason))

@@ -91,7 +91,7 @@ async def serve_cluster(cluster: Cluster, on_ready: Callable[[Router], Awaitable
     except OSError as e:
         say(f"cannot listen on {cfg.host}:{cfg.port}: {e}")
         return 1
-    router = Router(cfg, slo=cluster.slo, offload=cluster.offload)
+    router = Router(cfg, slo=cluster.slo, offload=cluster.offload, limits=cluster.limits, api_keys=cluster.api_keys)
     await router.start()
     for name in cluster.models:
         router.registry.declare(name)

@@ -24,7 +24,15 @@ class Failure:
     message: str
 
 
-Item = tuple[int, TokenOut | Failure]
+@dataclass(frozen=True)
+class Restart:
+    """A non-streaming sub-request starts over on another attempt (its worker failed): what was
+    collected of it so far is void. Never sent once a stream has output (router/resilience/)."""
+
+    reason: str
+
+
+Item = tuple[int, TokenOut | Failure | Restart]
 
 
 @dataclass
@@ -103,7 +111,8 @@ class RequestState:
     done: bool = False
     req: GenerateReq | None = None  # as the client gave it (a retry sends it again)
     retries: int = 0
-    delivered: bool = False  # something of it reached the client's queue (then it is never retried)
+    delivered: bool = False  # something of it reached the client's queue (then only a non-stream is retried)
+    restarted: bool = False  # retried after output was collected (its first token's metrics were counted)
     # disaggregated: `worker` is the prefill worker until the first token came (`handed`), then the decode one
     prefill: WorkerState | None = None
     decode: WorkerState | None = None

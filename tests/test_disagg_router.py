@@ -68,9 +68,9 @@ async def paired(router: Router, ctx: zmq.asyncio.Context) -> tuple[FakeWorker, 
     return p, d
 
 
-def req(router: Router, max_new: int = 4) -> GenerateReq:
+def req(router: Router, max_new: int = 4, stream: bool = False) -> GenerateReq:
     sp = SamplingParams(max_new_tokens=max_new)
-    return GenerateReq(rid=router.new_rid(), input_ids=[1, 2, 3], sampling_params=sp)
+    return GenerateReq(rid=router.new_rid(), input_ids=[1, 2, 3], sampling_params=sp, stream=stream)
 
 
 async def test_a_request_goes_to_both_and_comes_back_as_one(router: Router, ctx: zmq.asyncio.Context) -> None:
@@ -146,7 +146,7 @@ async def test_decode_worker_down_after_the_first_token_fails_explicitly(router:
                                                                         ctx: zmq.asyncio.Context) -> None:
     p, d = await paired(router, ctx)
     try:
-        r = req(router, max_new=50)
+        r = req(router, max_new=50, stream=True)  # streamed: its client has tokens, it cannot start over
         s = router.submit(router.registry.models["m"], [r], [3])
         await recv(p, GenerateReq)
         await recv(d, GenerateReq)

@@ -29,8 +29,10 @@ def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(tmp: Path) -> Iterator[Server]:
     port = free_port()
     cfg = {
+        # No retries: these tests watch how a worker's failure reaches its clients (a non-streaming request
+        # on a killed worker would otherwise start over on the other replica; tests/test_router_resilience.py).
         "router": {"host": "127.0.0.1", "port": port, "api_key": KEY, "heartbeat_timeout_s": 3.0,
-                   "log_level": "warning"},
+                   "log_level": "warning", "max_retries": 0},
         "models": [
             {"name": "alpha", "args": ARGS, "slo": {"ttft_ms": 0.001, "tpot_ms": 0.001}},
             {"name": "beta", "replicas": 2, "args": ARGS},

@@ -15,16 +15,19 @@ from router.api.answers import CountAnswers
 from router.api.common import ApiError, ClientGone, clip, error_body
 from router.api.limits import BodyLimit
 from router.core import Router
+from router.resilience.admission import KEY_NAME, AdmissionMiddleware
 
 OPEN_PATHS = frozenset({"/health"})
 
 
 class ApiKeyMiddleware:
-    """Requires `Authorization: Bearer <key>` on every path but /health (pure ASGI: streams untouched)."""
+    """Requires `Authorization: Bearer <key>` on every path but /health (pure ASGI: streams untouched).
+    `keys`: (name, key) pairs; the name of the key a request came with goes into its scope, for the
+    key's own limits (router/resilience/admission.py)."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, keys: list[tuple[str, str]]) -> None:
         self.app = app
-        self.key = api_key.encode()
+        self.keys = [(name, key.encode()) for name, key in keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
@@ -32,7 +35,13 @@ class ApiKeyMiddleware:
             return
         auth = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, token = auth.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+        token = token.strip()
+        matched = None
+        for name, key in self.keys:  # every key compared, in constant time: which one matched does not show
+            if hmac.compare_digest(token, key) and matched is None:
+                matched = name
+        if scheme.lower() == b"bearer" and matched is not None:
+            scope[KEY_NAME] = matched
             await self.app(scope, receive, send)
             return
         body = error_body(scope["path"], 401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
@@ -57,7 +66,9 @@ def build_app(router: Router) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> Response:
-        return err(request, e.status, e.message, e.param, e.code)
+        response = err(request, e.status, e.message, e.param, e.code)
+        response.headers.update(e.headers)
+        return response
 
     @app.exception_handler(ClientGone)
     async def client_gone(request: Request, e: ClientGone) -> Response:
@@ -81,8 +92,10 @@ def build_app(router: Router) -> FastAPI:
         # logs it with its traceback (once: not here too).
         return err(request, 500, f"internal error: {type(e).__name__}: {e}")
 
-    if router.config.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=router.config.api_key)
+    app.add_middleware(AdmissionMiddleware)  # releases the admission places a request took, when it ends
+    credentials = router.resilience.credentials(router.config.api_key)
+    if credentials:
+        app.add_middleware(ApiKeyMiddleware, keys=credentials)
     app.add_middleware(BodyLimit, limit=router.config.max_request_bytes)  # before anything reads
     # Outermost: it sees every answer, the 401s and 413s of the middlewares above included.
     app.add_middleware(CountAnswers, count=router.metrics.count_answer)

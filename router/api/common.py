@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, Final
 
 import msgspec
@@ -19,7 +19,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from router.api.json_body import TooDeep, decode_json
-from router.tracker import Failure, Submission
+from router.tracker import Failure, Restart, Submission
 from sglang_ext.messages import TokenOut
 
 logger = logging.getLogger(__name__)
@@ -45,13 +45,15 @@ def quote(value: object) -> str:
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:
         message = clip(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = dict(headers or {})  # e.g. Retry-After on a 429 or 503
 
 
 class ClientGone(Exception):
@@ -63,6 +65,8 @@ def error_type(status: int) -> str:
         return "authentication_error"
     if status == 404:
         return "not_found_error"
+    if status == 429:
+        return "rate_limit_error"
     if status < 500:
         return "invalid_request_error"
     return "service_unavailable" if status == 503 else "internal_error"
@@ -117,10 +121,12 @@ class EventStream:
     """Token outputs of a Submission in arrival order; failures become ApiError, and every way out
     other than finishing (error, client gone) aborts what is still running in the worker."""
 
-    def __init__(self, sub: Submission) -> None:
+    def __init__(self, sub: Submission, on_restart: Callable[[int], None] | None = None) -> None:
         self.sub = sub
         self.left = len(sub.states)
         self._polled = time.monotonic()
+        # A non-streaming sub-request retried after some output: the consumer drops what it collected.
+        self.on_restart = on_restart
 
     async def next(self, request: Request | None = None) -> tuple[int, TokenOut] | None:
         """The next output, or None when all sub-requests finished. With `request`, checks for a
@@ -137,6 +143,10 @@ class EventStream:
             if item is None:
                 continue
             idx, ev = item
+            if isinstance(ev, Restart):
+                if self.on_restart is not None:
+                    self.on_restart(idx)
+                continue
             if isinstance(ev, Failure):
                 self.sub.abort()
                 raise ApiError(ev.status, ev.message)

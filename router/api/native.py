@@ -15,6 +15,7 @@ from router.api.common import DONE, ApiError, EventStream, SSEResponse, clip, js
 from router.api.limits import check_prompt_size
 from router.api.native_protocol import GeneratePlan, parse_generate, resolve_model
 from router.core import NoWorker, Router, prefix_key
+from router.resilience.admission import retry_after_header
 from router.tracker import Submission
 from sglang_ext import __version__
 from sglang_ext.entry.outputs import merge_output, new_result
@@ -30,7 +31,8 @@ def submit(router: Router, plan: GeneratePlan) -> Submission:
     try:
         placement = router.place(plan.model, prefix_key(plan.reqs[0]) if plan.reqs else None)
     except NoWorker as e:
-        raise ApiError(503, str(e)) from None
+        wait = e.retry_after
+        raise ApiError(503, str(e), headers=retry_after_header(wait) if wait is not None else None) from None
     check_prompt_size(placement.worker.info, plan.reqs)
     sub = router.submit(plan.model, plan.reqs, plan.est_tokens, placement)
     note_submitted()  # the core counts it in sglang:num_requests_total from here on
@@ -40,7 +42,7 @@ def submit(router: Router, plan: GeneratePlan) -> Submission:
 async def collect(sub: Submission, request: Request | None) -> list[dict[str, Any]]:
     """Wait for every sub-request; the SGLang result dicts in submission order."""
     results = [new_result() for _ in sub.states]
-    events = EventStream(sub)
+    events = EventStream(sub, on_restart=lambda i: results.__setitem__(i, new_result()))
     while (item := await events.next(request)) is not None:
         i, out = item
         merge_output(results[i], out.text_delta, out.token_ids, out.meta_info)
@@ -53,6 +55,7 @@ def build(router: Router) -> APIRouter:
     @api.post("/generate")
     async def generate(request: Request) -> Response:
         plan = parse_generate(await read_json(request), router.registry, router.new_rid)
+        await router.resilience.admission.admit(request, plan.model.name)  # 429 when over a limit
         sub = submit(router, plan)
         if not plan.stream:
             results = await collect(sub, request)
@@ -148,6 +151,7 @@ def server_info_dict(router: Router) -> dict[str, Any]:
                                  "last_seen_s_ago": round(time.monotonic() - w.last_seen, 3) if w.last_seen else None}
             if w.info is not None:
                 d["info"] = msgspec.to_builtins(w.info)
+            d["circuit"] = router.resilience.breakers.describe(w.worker_id)
             if w.load is not None:
                 d["load"] = w.load.flat()  # the flat names clients read
                 states.append({"model": name, **d["load"]})
@@ -167,7 +171,7 @@ def server_info_dict(router: Router) -> dict[str, Any]:
         "page_size": info.page_size if info else None,
         "host": router.config.host, "port": router.config.port, "worker_addr": router.worker_addr,
         "heartbeat_timeout_s": router.config.heartbeat_timeout_s,
-        "api_key_required": router.config.api_key is not None,
+        "api_key_required": bool(router.resilience.credentials(router.config.api_key)),
         "models": models,
         "internal_states": states,
         "num_inflight_requests": len(router.requests),

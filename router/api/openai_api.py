@@ -160,6 +160,7 @@ class ChatRender(Render):
 
 async def _respond(router: Router, request: Request, plan: GeneratePlan, render: Render, id_prefix: str,
                    n: int, include_usage: bool) -> Response:
+    await router.resilience.admission.admit(request, plan.model.name)  # 429 when over a limit
     sub = submit(router, plan)
     head = {"id": new_id(id_prefix), "object": render.object, "created": now_s(), "model": plan.model.name}
     if not plan.stream:
