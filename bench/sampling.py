@@ -18,9 +18,10 @@ operations (kernels and copies) one call queues, and two checks of the host neve
 The 2026-11-29 table flagged the frequency-penalty and seeded mixes as blocked: then the flag was
 "some call of 50 queued behind one sleep took half the sleep", which also trips when those 50 calls
 fill the device's queue of pending launches (about 1,000): those mixes ran 21-24 aten ops a call
-(the seeded mix's topk several kernels on a GPU), enough to do that without any sync. Each call now faces an empty queue. Two logit distributions: `randn` (standard
-normal: flat, the nucleus holds most of the vocabulary) and `peaked` (normal x 4: closer to a
-trained model's next-token distribution).
+(the seeded mix's topk several kernels on a GPU), enough to do that without any sync. Each call
+now faces an empty queue. Two logit distributions: `randn` (standard normal: flat, the nucleus
+holds most of the vocabulary) and `peaked` (normal x 4: closer to a trained model's next-token
+distribution).
 """
 
 from __future__ import annotations
