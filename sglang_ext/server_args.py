@@ -124,9 +124,9 @@ class ServerArgs:
         "constraints waiting for a compile thread at most, small and large ones each; past that, one that is "
         "not cached gets a 429"))
     grammar_compile_timeout_s: float = field(default=60.0, metadata=_help(
-        "a compilation running longer fails its requests (400) and its thread is abandoned, at most "
-        "--grammar-compile-workers at once (it finishes in the background and caches its grammar); a "
-        "constraint that waited this long for a compile thread gets a 429"))
+        "a compilation running longer fails its requests (400); its thread, which cannot be interrupted, "
+        "is abandoned (replaced while at most --grammar-compile-workers are) and caches its grammar if it "
+        "ends; a constraint that waited this long for a compile thread gets a 429"))
     grammar_max_bytes: int = field(default=65536, metadata=_help(
         "longest regex / json_schema / ebnf / structural_tag in bytes: a longer one is a 400 before "
         "anything compiles (0: no limit)"))

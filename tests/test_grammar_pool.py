@@ -288,7 +288,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessWorker
 
 def _gen(rid: str, **constraint: str) -> GenerateReq:
     return GenerateReq(rid=rid, text="Record: ", sampling_params=SamplingParams(max_new_tokens=12, temperature=0.0,
-                                                                               **constraint))  # type: ignore[arg-type]
+                                                                               **constraint))
 
 
 def _hold(worker: Worker, text: str) -> tuple[threading.Event, threading.Event]:

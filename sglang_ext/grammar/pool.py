@@ -10,9 +10,9 @@ request waited 112 s behind four ~20 KB JSON schemas compiled one after another 
 
     threads     `workers` of them take any job, small ones first; one more takes small ones only,
                 so a small constraint never waits behind large ones, however many are compiling
-    supervisor  a compile running past timeout_s fails its waiters (400) and its thread is abandoned
-                and replaced (at most `workers` abandoned at once; past that, not replaced); a job
-                still queued after timeout_s fails (429)
+    supervisor  a compile running past timeout_s fails its waiters (400) and its thread is abandoned,
+                replaced while at most `workers` are (so at most 2 * workers + 1 compiles ever run at
+                once); a job still queued after timeout_s fails (429)
 
 Threads, not processes: xgrammar releases the GIL for the whole of a compile (its bindings run every
 compile_* call under a GIL release; measured: the interpreter's other threads kept running through a
@@ -20,9 +20,9 @@ compile_* call under a GIL release; measured: the interpreter's other threads ke
 interpreter, and a compiled grammar needs no pickling to come back. A compile cannot be interrupted,
 so one past its time limit is abandoned rather than stopped: its thread finishes it, caches the
 grammar (the same constraint sent again is then a hit) and rejoins the pool, or exits if the pool
-is whole again. Abandoned threads are bounded, so a stream of pathological constraints costs at most
-`workers` extra cores and then only slows large constraints down (they fail with 429); small ones
-keep their own thread.
+is whole again. Replacements are bounded, so a stream of pathological constraints costs at most
+`workers` extra compile threads; past that its compiles take the pool's own threads, and large
+constraints fail with 429 until those end, while small ones keep their own thread.
 """
 
 from __future__ import annotations
