@@ -5,10 +5,23 @@ Llama-3 vocabulary (128,256 tokens), for the parameter mixes of docs/benchmarks.
 
 Each cell: GPU time per call (CUDA events around --iters calls queued behind a long sleep kernel,
 so the host is ahead and the events time the device work alone), the host time of building the
-batch description + launching (what the overlap loop hides under the forward), and whether a call
-blocked the host while the GPU was busy (a hidden sync would). Two
-logit distributions: `randn` (standard normal: flat, the nucleus holds most of the vocabulary)
-and `peaked` (normal x 4: closer to a trained model's next-token distribution).
+batch description + launching (what the overlap loop hides under the forward), the device
+operations (kernels and copies) one call queues, and two checks of the host never waiting:
+
+* `syncs`: one call (batch + sample) under torch's sync debug mode "error", which raises on any
+  synchronising call (item, a blocking copy, a stream or device sync); the exception's text if
+  one did, else null;
+* `host_blocked`: each of a few calls alone behind a ~40 ms sleep kernel; the call returning while
+  the device still sleeps shows it waited for nothing (a hidden wait the debug mode cannot see, a
+  copy from pageable memory say, would make it last the sleep).
+
+The 2026-11-29 table flagged the frequency-penalty and seeded mixes as blocked: then the flag was
+"some call of 50 queued behind one sleep took half the sleep", which also trips when those 50 calls
+fill the device's queue of pending launches (about 1,000): those mixes ran 21-24 aten ops a call
+(the seeded mix's topk several kernels on a GPU), enough to do that without any sync. Each call
+now faces an empty queue. Two logit distributions: `randn` (standard normal: flat, the nucleus
+holds most of the vocabulary) and `peaked` (normal x 4: closer to a trained model's next-token
+distribution).
 """
 
 from __future__ import annotations
@@ -33,6 +46,9 @@ from sglang_ext.sampling.sampler import Sampler
 VOCAB = 128256
 SLEEP_S = 0.2
 SLEEP_CYCLES = int(SLEEP_S * 1.5e9)  # 0.2 s at 1.5 GHz, 0.15 s at the H200's 1.98 GHz
+ALONE_CYCLES = int(0.05 * 1.5e9)  # the sleep each isolated call waits behind: 38 ms at 1.98 GHz
+ALONE_BLOCKED_S = 0.015  # an isolated call this long waited for the device (its host time is ~1 ms)
+ALONE_CALLS = 5
 MIXES: dict[str, dict[str, Any]] = {
     "greedy": {"temperature": 0.0},
     "T1.0": {"temperature": 1.0},
@@ -67,13 +83,50 @@ def measure(sampler: Sampler, logits: torch.Tensor, params: SamplingParams, iter
         once(i)
         host.append(time.perf_counter() - t0)
     e1.record()
-    blocked = max(host) > 0.5 * SLEEP_S  # a call waited for the sleeping device: a sync
     torch.cuda.synchronize()
     gpu_ms = e0.elapsed_time(e1) / iters
+    alone = []
+    for i in range(ALONE_CALLS):  # one call's launches alone in the queue, behind a sleep
+        torch.cuda.synchronize()
+        torch.cuda._sleep(ALONE_CYCLES)
+        t0 = time.perf_counter()
+        once(i)
+        alone.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    out = {"gpu_ms": gpu_ms, "host_ms": statistics.median(host) * 1e3,
+           "host_blocked": max(alone) > ALONE_BLOCKED_S,
+           "syncs": sync_check(once), "device_ops": device_ops(once)}
     for s in slots:
         if s >= 0:
             sampler.penalties.release(s)
-    return {"gpu_ms": gpu_ms, "host_ms": statistics.median(host) * 1e3, "host_blocked": blocked}
+    return out
+
+
+def sync_check(once: Any) -> str | None:
+    """None if one call made no synchronising CUDA call, else the debug mode's complaint."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        once(0)
+        return None
+    except RuntimeError as e:
+        return str(e).splitlines()[0]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+
+
+def device_ops(once: Any) -> int | None:
+    """Kernels and copies one call queues on the device (torch.profiler's CUDA events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            once(0)
+            torch.cuda.synchronize()
+        return sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+    except Exception:  # the profiler is a diagnostic here: its absence must not stop the timings
+        return None
 
 
 def main() -> None:
@@ -100,7 +153,8 @@ def main() -> None:
                 row = {"dist": dist, "bs": bs, "mix": name, **m}
                 res["rows"].append(row)
                 print(f"{dist:7s} bs={bs:4d} {name:22s} gpu {m['gpu_ms']:7.3f} ms  host {m['host_ms']:6.3f} ms"
-                      f"{'  HOST BLOCKED (sync)' if m['host_blocked'] else ''}", flush=True)
+                      f"  {m['device_ops']} device ops{'  HOST BLOCKED' if m['host_blocked'] else ''}"
+                      f"{'  SYNC: ' + m['syncs'] if m['syncs'] else ''}", flush=True)
                 Path(a.out).write_text(json.dumps(res, indent=1))
 
 

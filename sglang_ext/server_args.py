@@ -117,6 +117,21 @@ class ServerArgs:
     disable_grammar_overlap: bool = field(default=False, metadata=_help(
         "decode batches with constrained rows drain the overlap loop (GPU): the next step's masks are "
         "filled with nothing in flight, not while its forward runs"))
+    grammar_compile_workers: int = field(default=2, metadata=_help(
+        "threads compiling grammars of any size; one more compiles only small ones (up to 4 KiB), so a "
+        "short regex never waits behind large schemas"))
+    grammar_compile_queue_size: int = field(default=64, metadata=_help(
+        "constraints waiting for a compile thread at most, small and large ones each; past that, one that is "
+        "not cached gets a 429"))
+    grammar_compile_timeout_s: float = field(default=60.0, metadata=_help(
+        "a compilation running longer fails its requests (400); its thread, which cannot be interrupted, "
+        "is abandoned (replaced while at most --grammar-compile-workers are) and caches its grammar if it "
+        "ends; a constraint that waited this long for a compile thread gets a 429"))
+    grammar_max_bytes: int = field(default=65536, metadata=_help(
+        "longest regex / json_schema / ebnf / structural_tag in bytes: a longer one is a 400 before "
+        "anything compiles (0: no limit)"))
+    grammar_cache_size: int = field(default=512, metadata=_help(
+        "compiled grammars kept per worker, the least recently used dropped first (0: none)"))
     # remote attention (docs/remote_attention.md)
     offload_ratio: float = field(default=0.0, metadata=_help(
         "share of decoding requests whose attention and KV run on an executor (0: none)"))
@@ -192,6 +207,7 @@ class ServerArgs:
                              f"{self.offload_executor!r}")
         self._check_rotation()
         self._check_diagnostics()
+        self._check_grammar()
         if self.disaggregation_mode is not None and self.disaggregation_mode not in get_args(DisaggregationMode):
             raise ValueError(f"disaggregation_mode must be null, 'prefill' or 'decode', "
                              f"got {self.disaggregation_mode!r}")
@@ -223,6 +239,18 @@ class ServerArgs:
             v = getattr(self, name)
             if not 0 <= v < float("inf"):
                 raise ValueError(f"{name} must be >= 0, got {v}")
+
+    def _check_grammar(self) -> None:
+        for name in ("grammar_compile_workers", "grammar_compile_queue_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.grammar_compile_timeout_s < float("inf"):
+            raise ValueError(f"grammar_compile_timeout_s must be a positive number of seconds, "
+                             f"got {self.grammar_compile_timeout_s}")
+        for name in ("grammar_max_bytes", "grammar_cache_size"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: {'no limit' if name == 'grammar_max_bytes' else 'none'}), "
+                                 f"got {getattr(self, name)}")
 
     def _check_diagnostics(self) -> None:
         if not 0.0 <= self.step_log_interval_s < float("inf"):

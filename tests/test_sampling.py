@@ -4,8 +4,11 @@ agreement with the filtered distribution for random draws; batch-independent see
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sglang_ext.sampling.batch import SampleRow
 from sglang_ext.sampling.params import InvalidRequest, SamplingParams, parse_sampling_params
@@ -252,3 +255,90 @@ def test_logit_bias_is_validated() -> None:
         parse_sampling_params({"logit_bias": {"3": 500.0}}).validate(10)
     with pytest.raises(InvalidRequest, match="logit_bias"):
         parse_sampling_params({"logit_bias": {"10": 1.0}}).validate(10)
+
+
+# ---- no host sync, no copy to the device while sampling ------------------------------------------------
+aten = torch.ops.aten
+# ops whose result the host must wait for: a value read back (item, bool, int) or an output whose
+# shape depends on the data
+_READS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.nonzero.default, aten.equal.default,
+          aten.masked_select.default, aten._unique2.default, aten.unique_consecutive.default,
+          aten.repeat_interleave.Tensor}
+
+
+class HostTraffic(TorchDispatchMode):
+    """Records, for every aten op run inside it, the reads of device values and the copies between
+    devices (source, destination)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+        self.copies: list[tuple[str, str]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in _READS:
+            self.reads.append(str(func))  # before the call: on 'meta' the call itself fails
+        out = func(*args, **(kwargs or {}))
+        if func in (aten._to_copy.default, aten.copy_.default):
+            src, dst = (args[0], out) if func is aten._to_copy.default else (args[1], args[0])
+            if src.device != dst.device:
+                self.copies.append((src.device.type, dst.device.type))
+        return out
+
+
+class StubFlashInfer:
+    """FlashInfer's two entry points, as shapes: so the fast draw runs on the CPU test machine too."""
+
+    @staticmethod
+    def top_k_top_p_sampling_from_logits(scaled: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros(scaled.shape[0], dtype=torch.int32, device=scaled.device)
+
+    @staticmethod
+    def sampling_from_logits(scaled: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros(scaled.shape[0], dtype=torch.int32, device=scaled.device)
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["flashinfer", "exact"])
+@pytest.mark.parametrize("mix", ["mixed", "frequency", "seeded"])
+def test_sampling_neither_syncs_nor_copies_to_the_device(fast: bool, mix: str) -> None:
+    """The CPU stand-in for the GPU test's sync debug mode (tests/test_gpu_sampling.py), on the
+    penalty and seeded paths. The sampler runs on torch's 'meta' device, whose tensors have shapes
+    and no data: reading any value back on the host (item, bool, tolist, nonzero, a data-dependent
+    shape) fails there, and HostTraffic lists every copy between devices. A step may copy its two
+    packed buffers to the device (batch) and nothing else; sample copies nothing either way.
+    'mixed' has each draw take some rows (index tensors), the others every row (bench/sampling.py's
+    frequency-penalty and seeded mixes)."""
+    vocab = 1000
+    sampler = Sampler(vocab, "meta", use_flashinfer=False)
+    if fast:
+        sampler.fi = StubFlashInfer()
+    freq = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, frequency_penalty=0.5, presence_penalty=0.2)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=3)
+    params = {
+        "mixed": [SamplingParams(temperature=0.8, top_p=0.9, frequency_penalty=0.5, repetition_penalty=1.1),
+                  SamplingParams(temperature=0.9, top_p=0.8, seed=3, logit_bias={"5": 1.0}, presence_penalty=0.3),
+                  SamplingParams(temperature=0.7, min_p=0.1), SamplingParams(temperature=0.0),
+                  SamplingParams(temperature=1.0)],
+        "frequency": [freq] * 4,
+        "seeded": [seeded] * 4,
+    }[mix]
+    with HostTraffic() as acquiring:
+        slots = [sampler.penalties.acquire([1, 2, 3], [4, 4], p.frequency_penalty, p.presence_penalty)
+                 if p.has_penalties else -1 for p in params]
+    assert not acquiring.reads
+    assert acquiring.copies == [("cpu", "meta")] * sum(s >= 0 for s in slots)  # a slot's tokens: one copy
+    rows = [SampleRow(p, 7, (2, 9) if i == 1 else (), s) for i, (p, s) in enumerate(zip(params, slots, strict=True))]
+    logits = torch.empty(len(rows), vocab, device="meta")
+    for _ in range(2):  # a second step: the penalties recorded by the first are read
+        with HostTraffic() as building:
+            sb = sampler.batch(rows)
+        assert not building.reads and building.copies == [("cpu", "meta")] * 2  # floats, ints
+        with HostTraffic() as sampling:
+            tokens = sampler.sample(logits, sb)
+        assert not sampling.reads and not sampling.copies
+        assert tokens.device.type == "meta" and tokens.shape == (len(rows),) and tokens.dtype == torch.int64
+    draws = (sb.fast_rows, sb.exact_rows)
+    if mix == "mixed":
+        assert all(isinstance(r, torch.Tensor) for r in draws) if fast else isinstance(sb.exact_rows, torch.Tensor)
+    else:
+        assert any(isinstance(r, slice) for r in draws) and sb.pen_all_rows == (mix == "frequency")

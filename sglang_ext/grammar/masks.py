@@ -56,7 +56,9 @@ class GrammarMasks:
             if rows[i].banned:
                 _ban(bits[j], rows[i].banned)
                 rows[i] = rows[i]._replace(banned=())
-        rows_t = None if len(idx) == logits.shape[0] else torch.tensor(idx, dtype=torch.int64)
+        # pinned like the mask: a copy from pageable memory may wait for the stream
+        rows_t = (None if len(idx) == logits.shape[0]
+                  else torch.tensor(idx, dtype=torch.int64, pin_memory=self.device.type == "cuda"))
         if self.device.type == "cuda":
             dev = mask.to(self.device, non_blocking=True)
             rows_t = rows_t.to(self.device, non_blocking=True) if rows_t is not None else None

@@ -25,26 +25,23 @@ from typing import Any
 
 import torch
 
-from sglang_ext.sampling.batch import SampleRow, SamplingBatch
+from sglang_ext.sampling.batch import Rows, SampleRow, SamplingBatch
 from sglang_ext.sampling.penalties import PenaltyTable
 from sglang_ext.sampling.rng import RowRandom
-
-Rows = slice | torch.Tensor
 
 
 def adjust_logits(logits: torch.Tensor, sb: SamplingBatch, table: PenaltyTable | None) -> torch.Tensor:
     """logit_bias, then min_new_tokens bans, then repetition / frequency / presence penalties.
     Never writes to `logits` (the caller may still want the raw values for logprobs)."""
     out = logits
-    vocab = logits.shape[1]
+    assert logits.shape[1] == sb.vocab, "the batch's offsets are into rows of its vocabulary"
     if sb.bias is not None or sb.bans is not None:
         out = logits.clone()
         if sb.bias is not None:
-            rows, ids, vals = sb.bias
-            out.view(-1).index_add_(0, rows * vocab + ids, vals)
+            at, vals = sb.bias
+            out.view(-1).index_add_(0, at, vals)
         if sb.bans is not None:
-            rows, ids = sb.bans
-            out.view(-1).index_fill_(0, rows * vocab + ids, float("-inf"))
+            out.view(-1).index_fill_(0, sb.bans, float("-inf"))
     if sb.pen_rows is not None:
         assert table is not None and sb.pen_slots is not None and sb.repetition is not None
         every = sb.pen_all_rows  # the common case: every row penalised, in order
@@ -122,30 +119,31 @@ class Sampler:
             self.gen = torch.Generator(device=self.device).manual_seed(seed)
 
     def batch(self, rows: Sequence[SampleRow]) -> SamplingBatch:
-        return SamplingBatch.build(rows, self.vocab, self.rng, self.device)
+        return SamplingBatch.build(rows, self.vocab, self.rng, self.device, fast_draw=self.fi is not None)
 
     def sample(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-        """logits [B, V] float32 -> token ids [B] int64 on the device (no host sync)."""
+        """logits [B, V] float32 -> token ids [B] int64 on the device. No host sync and no copy to
+        the device: every index it needs came with `sb` (tests/test_sampling.py checks both)."""
         logits = adjust_logits(logits, sb, self.penalties)
         tokens = torch.argmax(logits, dim=-1)
-        if not sb.all_greedy:
-            fast = [i for i in range(sb.size) if not sb.greedy[i] and self.fi is not None and not sb.exact_only[i]]
-            exact = [i for i in range(sb.size) if not sb.greedy[i] and (self.fi is None or sb.exact_only[i])]
-            for rows, draw in ((fast, self._draw_flashinfer), (exact, self._draw_exact)):
-                if rows:
-                    self._draw_rows(tokens, logits, rows, sb, draw)
+        if sb.fast_rows is not None:
+            assert self.fi is not None, "a batch built for FlashInfer, sampled without it"
+            self._draw_rows(tokens, logits, sb.fast_rows, sb, self._draw_flashinfer)
+        if sb.exact_rows is not None:
+            self._draw_rows(tokens, logits, sb.exact_rows, sb, self._draw_exact)
         if sb.pen_rows is not None:
-            assert sb.pen_slots is not None
-            self.penalties.record(sb.pen_slots, tokens[sb.pen_rows])
+            assert sb.pen_offsets is not None and sb.pen_again is not None and sb.pen_first is not None
+            drawn = tokens if sb.pen_all_rows else tokens.index_select(0, sb.pen_rows)
+            self.penalties.record(sb.pen_offsets, drawn, sb.pen_again, sb.pen_first)
         return tokens
 
-    def _draw_rows(self, tokens: torch.Tensor, logits: torch.Tensor, rows: list[int], sb: SamplingBatch,
+    @staticmethod
+    def _draw_rows(tokens: torch.Tensor, logits: torch.Tensor, rows: Rows, sb: SamplingBatch,
                    draw: Callable[[torch.Tensor, Rows, SamplingBatch], torch.Tensor]) -> None:
-        if len(rows) == sb.size:
-            tokens.copy_(draw(logits, slice(None), sb))
-            return
-        idx = torch.tensor(rows, dtype=torch.int64).to(tokens.device, non_blocking=True)
-        tokens.index_copy_(0, idx, draw(logits[idx], idx, sb))
+        if isinstance(rows, slice):
+            tokens.copy_(draw(logits, rows, sb))
+        else:
+            tokens.index_copy_(0, rows, draw(logits.index_select(0, rows), rows, sb))
 
     @staticmethod
     def _draw_exact(logits: torch.Tensor, rows: Rows, sb: SamplingBatch) -> torch.Tensor:

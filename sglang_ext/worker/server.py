@@ -4,11 +4,13 @@ router down. Every scheduler call happens on the one forward thread, in order; p
 on two lanes before (short ones and long ones, so a multi-MB prompt delays neither the running
 requests nor a short prompt behind it). Details: docs/architecture.md, "Worker".
 
-    recv ─┬─ text/messages ──> tokenize lane (short | long) ──> grammar lane (constrained only) ─┐
+    recv ─┬─ text/messages ──> tokenize lane (short | long) ──> grammar pool (constrained only) ─┐
           └─ input_ids, abort, flush, shutdown ──────────────────────────────────────────────────┴─> inbox
     inbox ─> forward thread: Worker.step
 
-A constrained request takes the lanes even with input_ids (its grammar compiles on the grammar lane).
+A constrained request takes the lanes even with input_ids (its grammar compiles on the grammar pool,
+grammar/pool.py: several threads, small constraints never behind large ones, cache hits at once; the
+compiled grammar goes with the request to the forward thread, which never compiles).
 An exception out of `Worker.step` is fatal: every request gets an explicit error and the process
 exits 1, for its supervisor to restart it.
 """
@@ -29,6 +31,7 @@ import zmq.asyncio
 
 from sglang_ext.engine.model_runner import bind_device
 from sglang_ext.grammar.backend import constraint_of
+from sglang_ext.grammar.pool import GrammarBusy
 from sglang_ext.messages import (
     AbortReq,
     ErrorOut,
@@ -76,8 +79,6 @@ class WorkerServer:
         # that tokenizing takes to one long prompt's.
         self.short_lane = ThreadPoolExecutor(1, thread_name_prefix="tokenize-short")
         self.long_lane = ThreadPoolExecutor(1, thread_name_prefix="tokenize-long")
-        # Grammars compile here (cached), so a constrained request never stalls the forward thread.
-        self.grammar_lane = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self.tokenizing: dict[str, bool] = {}  # rid -> aborted meanwhile
         self.tasks: set[asyncio.Task[None]] = set()
         self.parent_pid = os.getppid()
@@ -132,12 +133,15 @@ class WorkerServer:
     async def _tokenize(self, msg: GenerateReq | TokenizeReq, lane: ThreadPoolExecutor) -> None:
         loop = asyncio.get_running_loop()
         fn = self.worker.prepare if isinstance(msg, GenerateReq) else self.worker.reply_tokenize
+        grammar = None
         try:
             result: ToWorker | FromWorker = await loop.run_in_executor(lane, fn, msg)  # type: ignore[arg-type]
-            if isinstance(result, GenerateReq) and constraint_of(result.sampling_params) is not None:
-                await loop.run_in_executor(self.grammar_lane, self.worker.compile_grammar, result)
+            if isinstance(result, GenerateReq) and (pending := self.worker.submit_grammar(result)) is not None:
+                grammar = await asyncio.wrap_future(pending)  # a cache hit is done already
         except InvalidRequest as e:
             result = ErrorOut(rid=msg.rid, message=str(e), status=400)
+        except GrammarBusy as e:  # the compile pool is full: this request may be retried
+            result = ErrorOut(rid=msg.rid, message=str(e), status=429)
         except Exception as e:  # a bug or a broken tokenizer, not the client's input: 500, logged
             logger.exception("tokenizing request %s failed", msg.rid)
             result = ErrorOut(rid=msg.rid, message=f"internal error while tokenizing: {type(e).__name__}: {e}",
@@ -145,6 +149,8 @@ class WorkerServer:
         if self.tokenizing.pop(msg.rid, True):
             return  # aborted meanwhile (or the worker is failing and has answered it already)
         if isinstance(result, GenerateReq):
+            if grammar is not None:
+                self.worker.compiled_grammars[result.rid] = grammar
             self.inbox.append(result)
             self.wake.set()
         else:
@@ -187,8 +193,10 @@ class WorkerServer:
             for t in tasks:
                 t.cancel()
             self.pool.shutdown(wait=False)
-            for lane in (self.short_lane, self.long_lane, self.grammar_lane):
+            for lane in (self.short_lane, self.long_lane):
                 lane.shutdown(wait=False, cancel_futures=True)
+            if self.worker.grammars is not None:
+                self.worker.grammars.pool.close()
             self.sock.close()
             self.ctx.term()
         return code

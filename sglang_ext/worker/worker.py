@@ -12,6 +12,7 @@ import functools
 import logging
 import os
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,7 @@ import msgspec
 from sglang_ext.disagg.transfer import KVArrival
 from sglang_ext.engine.model_runner import ModelRunner, StartupTimer
 from sglang_ext.grammar.backend import GrammarBackend, GrammarState, constraint_of
+from sglang_ext.grammar.pool import GrammarBusy
 from sglang_ext.messages import (
     AbortReq,
     BatchOut,
@@ -121,8 +123,16 @@ class Worker:
         # Nothing of xgrammar is loaded until a constrained request comes (grammar/backend.py).
         self.grammars = None
         if self.tokenizer is not None and args.grammar_backend != "none":
-            self.grammars = GrammarBackend(self.tokenizer.hf, self.cfg.vocab_size, eos,
-                                           any_whitespace=not args.constrained_json_disable_any_whitespace)
+            self.grammars = GrammarBackend(
+                self.tokenizer.hf, self.cfg.vocab_size, eos,
+                any_whitespace=not args.constrained_json_disable_any_whitespace,
+                workers=args.grammar_compile_workers, max_bytes=args.grammar_max_bytes,
+                timeout_s=args.grammar_compile_timeout_s, cache_size=args.grammar_cache_size,
+                queue_size=args.grammar_compile_queue_size)
+        # rid -> its compiled grammar, put there by the server (compiled on the grammar pool) right
+        # before the request enters the inbox, taken by _add on the forward thread: the forward thread
+        # never compiles for a request that came through the server, even if the cache dropped it.
+        self.compiled_grammars: dict[str, Any] = {}
         self.live: dict[str, _Live] = {}
         self.last_step_ms = 0.0
         self.step_log = make_step_log(args, worker_id)
@@ -202,9 +212,10 @@ class Worker:
             return m
         return msgspec.structs.replace(m, input_ids=self.tokenize(m.text, m.messages), text=None, messages=None)
 
-    def compile_grammar(self, m: GenerateReq) -> GrammarState | None:
-        """A fresh matcher for the request's constraint (None without one). Compiling is cached: the
-        server calls this on its grammar thread first, so the forward thread finds it compiled."""
+    def submit_grammar(self, m: GenerateReq) -> Future[Any] | None:
+        """The request's constraint submitted to the compile pool (None without one): a future of its
+        compiled grammar, already done when cached. InvalidRequest (400) or GrammarBusy (429) at once
+        when it cannot be compiled here; the future may fail with either too (grammar/pool.py)."""
         c = constraint_of(m.sampling_params)
         if c is None:
             return None
@@ -212,7 +223,17 @@ class Worker:
             why = ("this server was started with --grammar-backend none" if self.tokenizer is not None
                    else "it needs a tokenizer and this server was started with --skip-tokenizer-init")
             raise InvalidRequest(f"sampling_params.{c.kind}: structured output is not available: {why}")
-        return self.grammars.new_state(c)
+        return self.grammars.submit(c)
+
+    def compile_grammar(self, m: GenerateReq, compiled: Any = None) -> GrammarState | None:
+        """A fresh matcher for the request's constraint (None without one), of `compiled` when the
+        server compiled it already, else compiled here and waited for (callers without a server)."""
+        if compiled is None:
+            pending = self.submit_grammar(m)
+            if pending is None:
+                return None
+            compiled = pending.result()
+        return GrammarBackend.state(compiled)
 
     def reply_tokenize(self, m: TokenizeReq) -> ReplyOut:
         ids = self.tokenize(m.text, m.messages, m.add_generation_prompt)
@@ -247,15 +268,17 @@ class Worker:
                 self.offload.set_ratio(msg, self.scheduler)
             elif isinstance(msg, ShutdownReq):
                 self.stopped = True
-        except (InvalidRequest, PairGone) as e:
+        except (InvalidRequest, PairGone, GrammarBusy) as e:
             rid = getattr(msg, "rid", "")
             self.live.pop(rid, None)
             if isinstance(msg, GenerateReq) and msg.disagg is not None and msg.disagg.role == "decode":
                 self.disagg.refused(msg.disagg)
-            return [ErrorOut(rid=rid, message=str(e), status=400 if isinstance(e, InvalidRequest) else 503)]
+            status = 400 if isinstance(e, InvalidRequest) else 429 if isinstance(e, GrammarBusy) else 503
+            return [ErrorOut(rid=rid, message=str(e), status=status)]
         return []
 
     def _add(self, m: GenerateReq) -> None:
+        compiled = self.compiled_grammars.pop(m.rid, None)  # first: taken whatever happens below
         if m.rid in self.live:
             raise InvalidRequest(f"duplicate request id {m.rid!r}")
         m = self.prepare(m)  # a no-op for what the server prepared on its tokenizer thread
@@ -268,7 +291,7 @@ class Worker:
         self.live[m.rid] = _Live(m, time.monotonic(), detok)
         assert m.input_ids is not None
         req = Req(m.rid, list(m.input_ids), p, m.return_logprob, m.logprob_start_len, m.top_logprobs_num)
-        req.grammar = self.compile_grammar(m)
+        req.grammar = self.compile_grammar(m, compiled)
         d = m.disagg
         if d is not None and d.role == "decode":
             self.scheduler.validate(req)
