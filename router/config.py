@@ -62,9 +62,11 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # Supervision of the workers the launcher starts.
     restart_backoff_s: Annotated[float, Meta(
         gt=0, description="wait before restarting a crashed local worker; doubles per fast crash")] = 1.0
-    restart_backoff_max_s: Annotated[float, Meta(gt=0, description="longest wait between restarts")] = 30.0
+    restart_backoff_max_s: Annotated[float, Meta(gt=0, description="longest wait between restarts")] = 60.0
+    # Restarts never stop (the launcher stays up, so it keeps trying); this only says when to call it a loop.
     restart_max_fast_crashes: Annotated[int, Meta(
-        ge=1, description="give up on a local worker after this many crashes in a row, each soon after start")] = 5
+        ge=1, description="log an error once a local worker crashed this many times in a row, each soon after "
+                          "its start (it is still restarted)")] = 5
     restart_fast_crash_s: Annotated[float, Meta(
         gt=0, description="a crash within this many seconds of start counts as fast")] = 60.0
     # Resilience (router/resilience/): retries, circuit breakers, admission limits. docs/configuration.md.

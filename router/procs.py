@@ -2,10 +2,13 @@
 
 Children connect back to the router's ZeroMQ socket like any remote worker. A child that exits
 (SIGKILL, OOM, a crash) is marked down at once (its requests fail with 503) and started again after
-a backoff that doubles with each crash soon after a start (1 s, 2 s, 4 s, ... up to 30 s by default).
-After several such fast crashes in a row the launcher gives up on it, with one log line; a crash after
-a long enough run starts the count afresh. A worker also exits by itself when its parent dies (it
-checks getppid with each heartbeat), so even a SIGKILLed launcher leaves no orphans behind.
+a backoff that doubles with each crash soon after a start (1 s, 2 s, 4 s, ... up to 60 s by default);
+a crash after a long enough run starts the count afresh. Supervision never gives up on a crashing
+worker: the launcher stays up while one of its workers is away, so it keeps trying, and says so
+(/health, /readiness; one error line once the crashes in a row reach `restart_max_fast_crashes`).
+Only a configuration error at a worker's first start (exit code 2: a bad model path) stops the
+restarts, since every attempt would fail the same way. A worker also exits by itself when its parent
+dies (it checks getppid with each heartbeat), so even a SIGKILLed launcher leaves no orphans behind.
 """
 
 from __future__ import annotations
@@ -25,6 +28,14 @@ from sglang_ext.worker.server import EXIT_STARTUP
 
 logger = logging.getLogger(__name__)
 _POLL_S = 0.2
+
+
+def restart_delay(policy: RouterConfig, fast_crashes: int) -> float:
+    """The wait before the next start: `restart_backoff_s` doubled with each fast crash in a row after
+    the first, capped at `restart_backoff_max_s` (so a worker that never stays up costs one start a
+    minute, by default, not a busy loop)."""
+    exponent = min(max(0, fast_crashes - 1), 62)  # 2.0 ** n overflows a float past ~1023; far past any cap
+    return min(policy.restart_backoff_max_s, policy.restart_backoff_s * 2.0 ** exponent)
 
 
 class LocalWorkers:
@@ -93,18 +104,23 @@ class LocalWorkers:
         if w.up:
             self.router.mark_down(w, f"its process {how}")
         sup.fast_crashes = sup.fast_crashes + 1 if ran < p.restart_fast_crash_s else 0
-        if config_error or sup.fast_crashes >= p.restart_max_fast_crashes:
+        if config_error and not sup.ever_up:
+            # Its arguments never worked: every restart would fail the same way. (Once up, the same exit
+            # is more likely something it needs gone for a while, a model directory on a network mount:
+            # restarted like any crash.)
             sup.state = "gave up"
-            sup.gave_up_detail = (
-                f"a configuration error at startup ({how}): restarting would fail the same way" if config_error
-                else f"{sup.fast_crashes} crashes in a row, each within {p.restart_fast_crash_s:g} s of its start "
-                     f"(the last one {how})")
+            sup.gave_up_detail = f"a configuration error at startup ({how}): restarting would fail the same way"
             logger.error("worker %s: not restarting it again after %s; see its output above, fix the cause and "
                          "start it by hand: python -m sglang_ext.launch worker --router %s --worker-id %s [server "
                          "flags]", w.worker_id, sup.gave_up_detail, self.router.worker_addr, w.worker_id)
             return
-        delay = min(p.restart_backoff_max_s, p.restart_backoff_s * 2 ** max(0, sup.fast_crashes - 1))
+        delay = restart_delay(p, sup.fast_crashes)
         sup.state, sup.restart_at = "restarting", now + delay
+        if sup.fast_crashes == p.restart_max_fast_crashes:
+            # Once per crash loop: the warnings below go on with each restart, this says it is a loop.
+            logger.error("worker %s keeps crashing: %d crashes in a row, each within %g s of its start (the last "
+                         "one %s); restarting it every %.0f s at most until it stays up; see its output above",
+                         w.worker_id, sup.fast_crashes, p.restart_fast_crash_s, how, p.restart_backoff_max_s)
         logger.warning("worker %s %s after %.1f s; restarting it in %.1f s", w.worker_id, how, ran, delay)
 
     async def stop_supervising(self) -> None:

@@ -20,6 +20,7 @@ from sglang_ext.messages import WorkerInfo
 class ModelEntry:
     name: str
     workers: dict[str, WorkerState] = field(default_factory=dict)
+    declared: bool = False  # named by the configuration (not only by a worker that joined): /readiness waits for it
 
     @property
     def up_workers(self) -> list[WorkerState]:
@@ -97,7 +98,9 @@ class Registry:
 
     def declare(self, model: str) -> ModelEntry:
         """Make a model known before any worker of it registers (503 until one does, not 404)."""
-        return self._entry(model)
+        entry = self._entry(model)
+        entry.declared = True
+        return entry
 
     def _entry(self, model: str) -> ModelEntry:
         if model not in self.models:

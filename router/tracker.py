@@ -39,7 +39,7 @@ Item = tuple[int, TokenOut | Failure | Restart]
 class Supervision:
     """A worker this launcher started, as a process (`procs.LocalWorkers` keeps it up to date)."""
 
-    state: str = "running"  # running | restarting | gave up
+    state: str = "running"  # running | restarting | gave up (a configuration error at its first start only)
     restarts: int = 0
     fast_crashes: int = 0  # crashes in a row, each soon after its start
     ever_up: bool = False
@@ -88,7 +88,8 @@ class WorkerState:
             return f"starting (restart {sup.restarts})" if sup.restarts else "starting"
         if state == "restarting":
             wait = max(0.0, sup.restart_at - time.monotonic())
-            return f"restarting (restart {sup.restarts + 1} in {wait:.1f} s; it {sup.last_exit})"
+            loop = f", {sup.fast_crashes} crashes in a row" if sup.fast_crashes > 1 else ""
+            return f"restarting (restart {sup.restarts + 1} in {wait:.1f} s; it {sup.last_exit}{loop})"
         return f"gave up: {sup.gave_up_detail}"
 
 

@@ -24,6 +24,8 @@ class EnvVar(Generic[T]):
     name: str
     help: str
     parse: Callable[[str], T]
+    # The router's alone (a secret): never in a worker's environment (`worker_environ`).
+    router_only: bool = False
 
     def get(self, environ: Mapping[str, str] | None = None) -> T | None:
         """The parsed value from `environ` (default: this process's environment); None when unset or empty."""
@@ -38,9 +40,23 @@ CACHE: Final = EnvVar(
 API_KEY: Final = EnvVar(
     "SGLANG_EXT_API_KEY",
     "the launcher's API key when neither --api-key nor --api-key-file (router api_key / api_key_file) gives "
-    "one; keeps the key out of the process list (unset: no key)",
-    str)
+    "one; keeps the key out of the process list (unset: no key); never passed on to workers",
+    str, router_only=True)
 
 ALL: Final[tuple[EnvVar[Any], ...]] = (CACHE, API_KEY)
 
-__all__ = ["ALL", "API_KEY", "CACHE", "EnvVar"]
+
+def worker_environ(extra: Mapping[str, str] | None = None, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a worker process: `environ` (default: this process's) with `extra` (a worker's
+    `env:` in the cluster file) added, less every router-only variable. A child inherits its parent's
+    environment whole, and a worker needs none of the router's secrets: there they would be readable in
+    /proc/PID/environ, in its crash reports, and by whatever it starts (compilers, tokenizer downloads).
+    Dropped even when `extra` names them: no worker reads them."""
+    env = {**(os.environ if environ is None else environ), **(extra or {})}
+    for var in ALL:
+        if var.router_only:
+            env.pop(var.name, None)
+    return env
+
+
+__all__ = ["ALL", "API_KEY", "CACHE", "EnvVar", "worker_environ"]

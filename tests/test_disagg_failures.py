@@ -12,19 +12,32 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
-from _router_util import Server, free_port, serve, sse_events, wait_for
+from _router_util import ROOT, Server, free_port, serve, sse_events, wait_for
 from test_disagg_served import LONG, PROMPTS, cluster, generate, pair_state
+
+HOOKS = ROOT / "tests" / "hooks"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def gate(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """While this file exists, pd-prefill holds in the middle of a prefill (tests/hooks/prefill_gate)."""
+    return tmp_path_factory.mktemp("gate") / "prefill-gate"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, gate: Path) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("disagg-fail")
     port = free_port()
+    # The hook first, then the repository (the hook imports the worker before `-m` puts the working
+    # directory on the path; an installed copy elsewhere must not win), then whatever was there.
+    path = os.pathsep.join([str(HOOKS / "prefill_gate"), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = {"SGLANG_EXT_TEST_PREFILL_GATE": str(gate), "PYTHONPATH": path}
     # Small prefill chunks: a long prompt stays in prefill over many steps (to kill its worker there).
-    with serve(tmp, ["--config", cluster(tmp, port, {"chunked_prefill_size": 32})], workers=3, port=port) as srv:
+    with serve(tmp, ["--config", cluster(tmp, port, {"chunked_prefill_size": 32}, env)], workers=3, port=port) as srv:
         wait_for(lambda: pair_state(srv) == "active", 60, "the KV pair opened")
         yield srv
 
@@ -93,19 +106,29 @@ def test_prefill_worker_killed_mid_stream(server: Server) -> None:
     disaggregated_again(server, "pd-prefill", pid)
 
 
-def test_prefill_worker_killed_before_the_first_token(server: Server) -> None:
+def test_prefill_worker_killed_before_the_first_token(server: Server, gate: Path) -> None:
     """A request still in prefill is retried from the start, on the decode worker (served whole), and
-    its output is unchanged; the client sees one normal response."""
-    prompt = " ".join([LONG] * 50)  # ~1800 tokens: ~60 prefill steps of 32 tokens (the load report comes every 0.5 s)
+    its output is unchanged; the client sees one normal response.
+
+    The prefill worker is held in the middle of the prompt's prefill (the gate, tests/hooks/prefill_gate)
+    until it is killed: a fast host prefills the whole prompt before a load report (every 0.5 s) could
+    show it running, so racing it killed the worker after its first token 2 times in 3 on an H200 host."""
+    prompt = " ".join([LONG] * 50)  # ~1800 tokens: ~60 prefill steps of 32 tokens
     want = generate(server, "ref", prompt, max_new=8)
+    held = gate.with_name(gate.name + ".held")
+    held.unlink(missing_ok=True)
+    gate.touch()
     result: list[Any] = []
     t = threading.Thread(target=lambda: result.append(generate(server, "default", prompt, max_new=8)))
     t.start()
     try:
+        wait_for(held.exists, 60, "pd-prefill holding the prompt in prefill", poll=0.02)
+        # Held there: its load reports go on and show the prompt running, however fast the host.
         wait_for(lambda: server.worker("pd-prefill").get("load", {}).get("num_running"), 30,
                  "the prompt in prefill on pd-prefill", poll=0.02)
         kill(server, "pd-prefill")
     finally:
+        gate.unlink(missing_ok=True)  # before its restart: the new process must not hold
         t.join(60)
     assert not t.is_alive() and result, server.log()[-4000:]
     out = result[0]

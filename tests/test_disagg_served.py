@@ -33,9 +33,11 @@ PROMPTS = ["The weather today is", "The weather today is sunny and the", "Once u
            LONG + ", dates and"]  # the last two share more than a page (16 tokens)
 
 
-def cluster(tmp: Any, port: int, prefill_args: dict[str, Any] | None = None) -> str:
+def cluster(tmp: Any, port: int, prefill_args: dict[str, Any] | None = None,
+            prefill_env: dict[str, str] | None = None) -> str:
+    prefill = {"id": "pd-prefill", "role": "prefill", "args": prefill_args or {}, "env": prefill_env or {}}
     cfg = {"router": {"port": port, "log_level": "info"},
-           "models": [{"args": ARGS, "workers": [{"id": "pd-prefill", "role": "prefill", "args": prefill_args or {}},
+           "models": [{"args": ARGS, "workers": [prefill,
                                                  {"id": "pd-decode", "role": "decode", "device": DECODE_DEVICE}]},
                       {"name": "ref", "args": ARGS}]}
     path = tmp / "cluster.yaml"

@@ -42,3 +42,30 @@ def test_no_other_module_reads_the_environment() -> None:
     readers = [str(p.relative_to(root)) for d in ("sglang_ext", "router") for p in sorted((root / d).rglob("*.py"))
                if any(s in p.read_text() for s in ("os.environ.get", "os.getenv", "os.environ["))]
     assert [r for r in readers if not r.startswith(("sglang_ext/offload/", "sglang_ext/disagg/"))] == []
+
+
+def test_a_worker_gets_the_environment_without_the_routers_secrets() -> None:
+    base = {env.API_KEY.name: "sekret", env.CACHE.name: "/c", "PATH": "/bin"}
+    assert env.worker_environ({"CUDA_VISIBLE_DEVICES": "1"}, base) == {env.CACHE.name: "/c", "PATH": "/bin",
+                                                                      "CUDA_VISIBLE_DEVICES": "1"}
+    # not even when a worker's own `env:` names it: no worker reads it
+    assert env.API_KEY.name not in env.worker_environ({env.API_KEY.name: "again"}, base)
+    assert [v.name for v in env.ALL if v.router_only] == [env.API_KEY.name]
+
+
+def test_spawned_workers_get_that_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    from sglang_ext.entry import engine
+
+    seen: dict[str, object] = {}
+
+    def popen(cmd: list[str], **kw: object) -> object:
+        seen.update(kw)
+        return object()
+
+    monkeypatch.setenv(env.API_KEY.name, "sekret")
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    engine.spawn_worker(ServerArgs(), "tcp://127.0.0.1:1", "w0", {"X": "1"})
+    spawned = seen["env"]
+    assert isinstance(spawned, dict) and spawned["X"] == "1" and env.API_KEY.name not in spawned

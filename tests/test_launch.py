@@ -232,8 +232,9 @@ def test_killed_worker_is_restarted_and_health_tells_the_truth(tmp_path: Path) -
 
 def test_worker_with_a_configuration_error_is_given_up_at_once(tmp_path: Path) -> None:
     """A bad model path stops the worker with exit code 2 (a startup configuration error):
-    restarting would fail the same way, so supervision gives up on the first exit. (Repeated
-    runtime crashes are given up after restart_max_fast_crashes: tests/test_router_procs.py.)"""
+    restarting would fail the same way, so supervision gives up on the first exit. (Runtime crashes
+    are restarted for ever, with a capped backoff: tests/test_router_procs.py.) The launcher serves
+    the other model; /health says it is degraded, /readiness that it is not ready, and why."""
     port = free_port()
     args = {"max_total_tokens": 16384, "dtype": "float32", "device": "cpu", "log_level": "warning"}
     cfg = tmp_path / "cluster.yaml"
@@ -249,7 +250,12 @@ def test_worker_with_a_configuration_error_is_given_up_at_once(tmp_path: Path) -
         time.sleep(1.0)
         assert srv.worker("bad-0")["restarts"] == 0  # no more attempts
         assert srv.log().count("not restarting it again") == 1
-        assert httpx.get(srv.url + "/health").status_code == 200  # "good" is up
+        health = httpx.get(srv.url + "/health")
+        assert health.status_code == 200  # "good" is up
+        assert health.json()["status"] == "degraded" and [w["worker_id"] for w in health.json()["workers"]] == ["bad-0"]
+        ready = httpx.get(srv.url + "/readiness")
+        assert ready.status_code == 503 and ready.json()["workers"][0]["state"].startswith("gave up: a configuration")
+        assert ready.json()["models"] == [{"model": "bad", "state": "no worker is up"}]
         r = httpx.post(srv.url + "/generate", json={"model": "bad", "text": "x"})
         assert r.status_code == 503
         r = httpx.post(srv.url + "/generate", json={"model": "good", "text": "x",
@@ -291,5 +297,9 @@ def test_api_key_from_the_environment(tmp_path: Path) -> None:
         srv.wait_workers(1)
         assert httpx.get(srv.url + "/v1/models").status_code == 401
         assert httpx.get(srv.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        # The router's secret stays with the router: not in its worker's environment either.
+        environ = Path(f"/proc/{srv.worker('default-0')['info']['pid']}/environ").read_bytes().split(b"\0")
+        assert not [v for v in environ if v.startswith(b"SGLANG_EXT_API_KEY=") or key.encode() in v]
+        assert b"PYTHONUNBUFFERED=1" in environ  # (the rest of it is inherited as before)
     finally:
         srv.stop()

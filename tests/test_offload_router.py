@@ -4,6 +4,8 @@ counters made monotonic from workers' cumulative figures, and strict decoding of
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,6 +21,8 @@ from router.config import ClusterSpec, ConfigError, OffloadSpec, RouterConfig, b
 from router.core import Router
 from router.metrics import OffloadTotals
 from router.placement.offload import OffloadPlacement
+from router.placement.startup import STARTUP_GRACE_S
+from router.tracker import Supervision
 from sglang_ext.messages import (
     ExecutorOpen,
     LoadReport,
@@ -299,3 +303,53 @@ async def test_a_forced_cuda_ipc_across_nodes_fails_at_pairing(router: Router, f
                                        "hot-0 runs on n1 and cold-0 on n2")
     with pytest.raises(TimeoutError):  # nothing was asked of the host
         await next_of(h, ExecutorOpen, timeout=0.5)
+
+
+# ---- log levels while the cluster starts ----------------------------------------------------------------
+def waits(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == level and ": waiting: " in r.getMessage()]
+
+
+async def test_a_wait_for_a_host_is_quiet_while_the_cluster_starts(router: Router, fleet: Fleet,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Senders are often up before their hosts at every start: that wait is INFO, not a WARNING; once the
+    startup is over and still no host came, it is logged again as a WARNING, once."""
+    caplog.set_level(logging.INFO, logger="router.placement.offload")
+    await fleet.sender("hot-0")
+    await until(lambda: states(router).get("hot-0", "").startswith("waiting"))
+    assert waits(caplog, logging.INFO) == ["offload hot-0 -> ?: waiting: no up worker of 'cold' offers executor memory"]
+    await asyncio.sleep(0.5)  # tried again on each load report: still quiet, and not repeated
+    assert len(waits(caplog, logging.INFO)) == 1 and waits(caplog, logging.WARNING) == []
+    off = router.strategy(OffloadPlacement)
+    assert off is not None
+    off.quiet.born -= STARTUP_GRACE_S  # the startup is over, and no host came
+    await until(lambda: len(waits(caplog, logging.WARNING)) == 1)
+    await asyncio.sleep(0.5)
+    assert len(waits(caplog, logging.WARNING)) == 1
+
+
+async def test_a_wait_after_a_host_was_up_is_a_warning_at_once(router: Router, fleet: Fleet,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="router.placement.offload")
+    s = await fleet.sender("hot-0")
+    h = await fleet.host("cold-0")
+    await serve_open(h)
+    await next_of(s, OffloadDirective)
+    await until(lambda: states(router) == {"hot-0": "active"})
+    h.stop_heartbeat()  # the only host goes: well within the startup grace, but a host was up
+    await until(lambda: waits(caplog, logging.WARNING) != [], timeout=5)
+    assert waits(caplog, logging.INFO) == []
+
+
+async def test_a_launcher_host_on_its_first_start_keeps_the_wait_quiet(router: Router) -> None:
+    """Past the grace, a wait is still the startup's while one of the launcher's workers of the host model
+    loads for the first time (a large model takes minutes); no longer once that worker was up or restarted."""
+    off = router.strategy(OffloadPlacement)
+    assert off is not None
+    off.quiet.born -= STARTUP_GRACE_S
+    assert off.quiet.level("cold") == logging.WARNING  # nobody is coming
+    w = router.registry.expect("cold-0", "cold")
+    w.supervision = Supervision(started_at=time.monotonic())
+    assert off.quiet.level("cold") == logging.INFO  # loading
+    w.supervision.restarts = 1
+    assert off.quiet.level("cold") == logging.WARNING  # it crashed once already: no longer the startup

@@ -10,18 +10,18 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router.api import native, openai_api
+from router.api import native, openai_api, probes
 from router.api.answers import CountAnswers
 from router.api.common import ApiError, ClientGone, clip, error_body
 from router.api.limits import BodyLimit
 from router.core import Router
 from router.resilience.admission import KEY_NAME, AdmissionMiddleware
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/readiness"})  # orchestrators' probes carry no key
 
 
 class ApiKeyMiddleware:
-    """Requires `Authorization: Bearer <key>` on every path but /health (pure ASGI: streams untouched).
+    """Requires `Authorization: Bearer <key>` on every path but the probes (pure ASGI: streams untouched).
     `keys`: (name, key) pairs; the name of the key a request came with goes into its scope, for the
     key's own limits (router/resilience/admission.py)."""
 
@@ -55,6 +55,7 @@ def build_app(router: Router) -> FastAPI:
     app = FastAPI(title="sglang_ext router", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
     app.include_router(native.build(router))
+    app.include_router(probes.build(router))
     app.include_router(openai_api.build(router))
 
     def err(request: Request, status: int, message: str, param: str | None = None,

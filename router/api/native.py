@@ -10,6 +10,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from router.api import probes
 from router.api.answers import note_submitted
 from router.api.common import DONE, ApiError, EventStream, SSEResponse, clip, json_response, read_json, sse
 from router.api.limits import check_prompt_size
@@ -109,12 +110,7 @@ def build(router: Router) -> APIRouter:
 
     @api.get("/health")
     async def health() -> Response:
-        workers = router.registry.workers.values()
-        if any(w.up for w in workers):
-            return Response(status_code=200)
-        if not workers:
-            raise ApiError(503, "no worker is up yet")
-        raise ApiError(503, "no worker is up: " + "; ".join(f"{w.worker_id} {w.describe()}" for w in workers))
+        return probes.health(router)  # and /readiness beside it: router/api/probes.py
 
     @api.get("/health_generate")
     async def health_generate(request: Request, model: str | None = None) -> Response:

@@ -33,6 +33,7 @@ from router.placement.adrenaline import AdrenalinePlacer
 from router.placement.base import KeptKV, PlacementStrategy, RouterHandle
 from router.placement.metrics import PlanningMetrics
 from router.placement.pairing import RETRY_S, Pairing
+from router.placement.startup import StartupQuiet
 from router.placement.steer import EVENTS, Steering
 from router.tracker import WorkerState
 from sglang_ext.messages import ExecutorOpen, OffloadDirective, ReplyOut, WorkerInfo
@@ -57,6 +58,7 @@ class OffloadPlacement(PlacementStrategy):
         self._ids = itertools.count(1)
         self.steering = Steering(router, self.pairings, self.hosts_of)
         self.adrenaline = AdrenalinePlacer(self.pairings)  # from == to entries: requests placed at prefill
+        self.quiet = StartupQuiet(router.registry)  # waits for a host while the cluster starts: INFO, not WARNING
         router.metrics.registry.register(PlanningMetrics(self.pairings))
 
     def close(self) -> None:
@@ -87,6 +89,9 @@ class OffloadPlacement(PlacementStrategy):
     # ---- events -----------------------------------------------------------------------------------
     # Each hook ends with the policies' decisions (Steering), for every event it listens to.
     def on_worker_up(self, ev: WorkerUp) -> None:
+        w = self.router.registry.workers.get(ev.worker_id)
+        if ev.model in self.hosts_of and w is not None and w.info is not None and w.info.executor_mem_bytes > 0:
+            self.quiet.host_up(ev.model)
         if ev.model in self.rules and self._is(ev.worker_id, self.rules[ev.model], "decode"):
             p = self._pairing(ev.worker_id, ev.model)
             if ev.fresh or p.state not in _LIVE:
@@ -140,10 +145,18 @@ class OffloadPlacement(PlacementStrategy):
 
     def _set(self, p: Pairing, state: str) -> None:
         p.state = state
-        if state != p.logged and state != "opening":
-            p.logged = state
-            log = logger.info if state in ("active", "sender down") else logger.warning
-            log("offload %s -> %s: %s", p.sender, p.executor or "?", state)
+        if state == "opening":
+            return
+        if state in ("active", "sender down"):
+            level = logging.INFO
+        elif state.startswith("waiting:"):
+            level = self.quiet.level(p.rule.to)  # no host up yet: expected while the cluster starts
+        else:
+            level = logging.WARNING
+        # Logged once per state, and once more if a startup wait outlasts the startup.
+        if state != p.logged or level > p.logged_level:
+            p.logged, p.logged_level = state, level
+            logger.log(level, "offload %s -> %s: %s", p.sender, p.executor or "?", state)
 
     def _cancel(self, p: Pairing) -> None:
         if p.task is not None and not p.task.done():

@@ -23,6 +23,7 @@ class Pairing:
     last_try: float = -RETRY_S
     task: asyncio.Task[None] | None = None
     logged: str = ""  # the last state logged (a retry that fails the same way is not logged again)
+    logged_level: int = 0  # its level: a wait logged at INFO during startup is logged again as a WARNING after
     transport: str = ""  # the data plane the host serves (torch_dist | cuda_ipc)
     # planning (router/placement/steer.py): the entry's policy, its latest decision, what was sent
     policy: Policy = field(init=False)

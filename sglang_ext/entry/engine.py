@@ -22,6 +22,7 @@ import zmq
 
 from sglang_ext.entry.outputs import expand_n
 from sglang_ext.entry.outputs import merge_output as _merge
+from sglang_ext.env import worker_environ
 from sglang_ext.messages import (
     AbortReq,
     BatchOut,
@@ -247,9 +248,9 @@ class Engine:
 def spawn_worker(args: ServerArgs, addr: str, worker_id: str,
                  env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
     """Start `python -m sglang_ext.worker` connected to `addr`, with `env` added to this process's
-    environment; it exits when its parent does."""
+    environment and the router's secrets (the API key) taken out of it; it exits when its parent does."""
     cmd = [sys.executable, "-m", "sglang_ext.worker", addr, worker_id, msgspec.json.encode(args).decode()]
-    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env={**os.environ, **env} if env else None)
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=worker_environ(env))
 
 
 __all__ = ["Engine", "SamplingParams", "WorkerDied"]

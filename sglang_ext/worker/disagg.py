@@ -39,6 +39,7 @@ from sglang_ext.worker.adrenaline import Placer, drop_placed
 logger = logging.getLogger(__name__)
 LOST_STATUS: Final = 503
 ORPHAN_S: Final = 120.0  # KV that landed for a request this worker never got (or that was aborted)
+CLOSE_GRACE_S: Final = 2.0  # at exit: how long pair threads get to end (a peer's Close takes a round trip)
 
 
 class PairGone(RuntimeError):
@@ -247,8 +248,27 @@ class WorkerDisagg:
         for key in [k for k, t in self.dropped.items() if t < old]:
             del self.dropped[key]
 
-    def close(self) -> None:
+    def close(self, grace_s: float = CLOSE_GRACE_S) -> bool:
+        """At exit: end every pair and wait up to `grace_s` for their threads. Returns True when all
+        ended; False when one is still blocked in a torch.distributed wait (a receiver whose prefill
+        worker stays up and silent, a send to a hung peer). Such a thread must not outlive the
+        interpreter's teardown: CPython ends a daemon thread that wakes then with pthread_exit, whose
+        forced unwind through torch's C++ frames (pybind11 releasing the GIL) calls std::terminate --
+        `terminate called without an active exception` and SIGABRT at every PD shutdown. Nor can it
+        be woken: neither dropping nor aborting a gloo group ends a receive posted on it; only the
+        peer's Close or its exit does. So the caller skips the teardown when this returns False."""
         for s in self.senders.values():
-            s.close()
+            s.close()  # its thread sends Close after what is queued: the peer's receiver ends cleanly
+        # A receiver ends at its prefill worker's Close (that worker stops too, in a cluster shutdown) or
+        # when that worker's process goes (its sockets close).
+        deadline = time.monotonic() + grace_s
+        threads = [x.thread for x in self.senders.values()] + [x.thread for x in self.receivers.values()]
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
         for r in self.receivers.values():
             r.close()
+        stuck = [t.name for t in threads if t.is_alive()]
+        if stuck:
+            logger.info("KV pair threads still waiting on their peers after %.1f s: %s; exiting without "
+                        "interpreter teardown", grace_s, ", ".join(stuck))
+        return not stuck

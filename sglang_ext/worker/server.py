@@ -47,6 +47,7 @@ from sglang_ext.messages import (
 from sglang_ext.sampling.params import InvalidRequest
 from sglang_ext.server_args import ServerArgs
 from sglang_ext.transport.link import local_address_toward
+from sglang_ext.worker.disagg import CLOSE_GRACE_S
 from sglang_ext.worker.tokenizer import StartupError
 from sglang_ext.worker.worker import Worker
 
@@ -190,6 +191,9 @@ class WorkerServer:
                     break
                 await self.send(out)
         finally:
+            # Pair threads that end after the loop has closed must not wake it (call_soon_threadsafe
+            # would raise in them).
+            self.worker.disagg.notify = lambda: None
             for t in tasks:
                 t.cancel()
             self.pool.shutdown(wait=False)
@@ -235,11 +239,22 @@ def run_worker(args: ServerArgs, router_addr: str, worker_id: str) -> None:
         logger.error("cannot start: %s", e)
         sys.exit(EXIT_STARTUP)
     code = asyncio.run(WorkerServer(worker, router_addr).run())
-    worker.disagg.close()
+    finish(worker, code)
+
+
+def finish(worker: Worker, code: int) -> None:
+    """After serving: close the worker's pairs, then return (a normal exit, with interpreter teardown)
+    or, when that teardown could hang or abort, exit at once with `code`."""
+    # After a fatal error the process exits at once anyway: no grace for goodbyes.
+    pairs_ended = worker.disagg.close(grace_s=0.0 if code else CLOSE_GRACE_S)
     busy = worker.offload.close(worker.scheduler)
-    if code or busy:
+    if code or busy or not pairs_ended:
         # Skip interpreter teardown: after a device fault, joining threads or freeing CUDA memory
         # can hang, and the process must go so that its supervisor can restart it. Executor threads
-        # still waiting on their senders cannot be interrupted either (their sockets close with us).
+        # still waiting on their senders, and KV pair threads on their peers, cannot be interrupted
+        # either (their sockets close with us); left running into the teardown they would abort it
+        # (WorkerDisagg.close says why).
         logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(code)
