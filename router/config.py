@@ -19,6 +19,17 @@ import msgspec
 from msgspec import Meta
 
 from router.resilience.spec import ApiKey, ApiKeySpec, LimitSpec, SpecError, check_router, resolve_api_keys
+from router.routing.settings import (
+    BalanceAbs,
+    BalanceRel,
+    CacheAwareSpec,
+    CacheThreshold,
+    MaxPrefixChars,
+    PolicyName,
+    RoutingSettings,
+    model_routing,
+)
+from router.upstream.spec import UpstreamSpec, UrlWorker, url_worker
 from sglang_ext.env import API_KEY
 from sglang_ext.server_args import DEFAULT_PORT, ServerArgs
 from sglang_ext.transport.choice import check_served
@@ -29,6 +40,7 @@ Role = Literal["serve", "hot", "cold", "prefill", "decode"]
 SERVER_FLAG_FIELDS: Final = frozenset({"host", "port", "api_key", "log_level"})
 OFFLOAD_POLICIES: Final = ("fixed", "adrenaline", "adaptive")
 ADAPTIVE_START: Final = 0.45  # WEAVER's default ratio
+ROUTING: Final = RoutingSettings()  # the routing defaults (router/routing/settings.py says why these)
 
 
 class ConfigError(ValueError):
@@ -48,6 +60,12 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     heartbeat_timeout_s: Annotated[float, Meta(
         gt=0, description="seconds of worker silence before it is marked down")] = 3.0
     log_level: str = "info"  # (`--log-level`)
+    # Routing over a model's replicas (router/routing/): defaults for models without their own `routing:`.
+    routing: PolicyName = ROUTING.policy
+    cache_threshold: CacheThreshold = ROUTING.cache_threshold
+    balance_abs_threshold: BalanceAbs = ROUTING.balance_abs_threshold
+    balance_rel_threshold: BalanceRel = ROUTING.balance_rel_threshold
+    max_prefix_chars: MaxPrefixChars = ROUTING.max_prefix_chars
     # HTTP hardening: bounded request size, connections and time per connection.
     max_request_mb: Annotated[float, Meta(gt=0, description="largest HTTP request body in MiB (larger: 413)")] = 32.0
     max_connections: Annotated[int, Meta(ge=1, description="open HTTP connections at most (more: 503)")] = 4096
@@ -105,6 +123,11 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     def max_request_bytes(self) -> int:
         return int(self.max_request_mb * (1 << 20))
 
+    @property
+    def routing_defaults(self) -> RoutingSettings:
+        return RoutingSettings(self.routing, self.cache_threshold, self.balance_abs_threshold,
+                               self.balance_rel_threshold, self.max_prefix_chars)
+
 
 class SloSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     ttft_ms: Annotated[float, Meta(gt=0)] | None = None
@@ -120,6 +143,8 @@ class WorkerSpec(msgspec.Struct, forbid_unknown_fields=True):
     args: dict[str, Any] = msgspec.field(default_factory=dict)  # any other ServerArgs field
     # set in this worker's environment only (e.g. CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: its SM share under MPS)
     env: dict[str, str] = msgspec.field(default_factory=dict)
+    url: str | None = None  # a server reached over HTTP instead of a process started here (router/upstream/)
+    upstream: UpstreamSpec | None = None  # a `url:` worker's settings
 
 
 class ModelSpec(msgspec.Struct, forbid_unknown_fields=True):
@@ -130,6 +155,8 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True):
     workers: list[WorkerSpec] | None = None
     slo: SloSpec | None = None
     limits: LimitSpec | None = None  # admission limits of this model's requests (router/resilience/)
+    routing: PolicyName | None = None  # default: the router's `routing`
+    cache_aware: CacheAwareSpec | None = None  # overrides of the router's cache_aware settings
 
 
 class AdrenalineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -220,6 +247,8 @@ class Cluster:
     offload: tuple[OffloadSpec, ...] = ()
     limits: Mapping[str, LimitSpec] = field(default_factory=dict)  # per model name (the models' `limits:`)
     api_keys: tuple[ApiKey, ...] = ()  # resolved: the secrets are read at start
+    routing: Mapping[str, RoutingSettings] = field(default_factory=dict)  # per model name
+    upstreams: tuple[UrlWorker, ...] = ()  # `url:` workers
 
 
 def model_name(model_path: str | None, served_model_name: str | None = None) -> str:
@@ -305,9 +334,11 @@ def build_cluster(spec: ClusterSpec) -> Cluster:
     if not spec.models:
         raise ConfigError("models: list at least one model")
     workers: list[LocalWorker] = []
+    upstreams: list[UrlWorker] = []
     names: list[str] = []
     slo: dict[str, SloSpec] = {}
     limits: dict[str, LimitSpec] = {}
+    routing: dict[str, RoutingSettings] = {}
     for i, m in enumerate(spec.models):
         where = f"models[{i}]"
         name = model_name(m.model_path, m.name or m.args.get("served_model_name"))
@@ -318,10 +349,17 @@ def build_cluster(spec: ClusterSpec) -> Cluster:
             slo[name] = m.slo
         if m.limits is not None:
             limits[name] = m.limits
+        try:
+            routing[name] = model_routing(where, spec.router.routing_defaults, m.routing, m.cache_aware)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if m.replicas < 0:
             raise ConfigError(f"{where}.replicas must be >= 0, got {m.replicas}")
         specs = m.workers if m.workers is not None else [WorkerSpec() for _ in range(m.replicas)]
         for j, w in enumerate(specs):
+            if w.url is not None or w.upstream is not None:
+                upstreams.append(_url_worker(f"{where}.workers[{j}]", w, w.id or f"{name}-{j}", name))
+                continue
             # The model's SLOs are its workers' (lvf schedules by them) unless a worker's args say otherwise.
             values = {**_slo_args(m.slo), **m.args, "model_path": m.model_path, "served_model_name": name}
             for key in ("device", "mem_fraction_static", "max_total_tokens"):
@@ -331,7 +369,7 @@ def build_cluster(spec: ClusterSpec) -> Cluster:
             role = _disagg_role(f"{where}.workers[{j}]", w.role, values)
             args = _server_args(f"{where}.workers[{j}]", values)
             workers.append(LocalWorker(w.id or f"{name}-{j}", name, role, args, tuple(w.env.items())))
-    ids = [w.worker_id for w in workers]
+    ids = [w.worker_id for w in workers] + [u.worker_id for u in upstreams]
     dup = sorted({x for x in ids if ids.count(x) > 1})
     if dup:
         raise ConfigError(f"worker ids must be unique, repeated: {', '.join(dup)}")
@@ -340,7 +378,25 @@ def build_cluster(spec: ClusterSpec) -> Cluster:
         api_keys = resolve_api_keys(spec.api_keys)
     except SpecError as e:
         raise ConfigError(str(e)) from None
-    return Cluster(spec.router, tuple(workers), tuple(names), slo, tuple(spec.offload), limits, api_keys)
+    return Cluster(spec.router, tuple(workers), tuple(names), slo, tuple(spec.offload), limits=limits,
+                   api_keys=api_keys, routing=routing, upstreams=tuple(upstreams))
+
+
+def _url_worker(where: str, w: WorkerSpec, worker_id: str, model: str) -> UrlWorker:
+    """A `url:` worker: a server running elsewhere, so none of the keys that start a process apply."""
+    if w.url is None:
+        raise ConfigError(f"{where}.upstream: settings of a `url:` worker, but the worker has no url")
+    started = [k for k in ("device", "mem_fraction_static", "max_total_tokens") if getattr(w, k) is not None]
+    started += [k for k in ("args", "env") if getattr(w, k)]
+    if w.role != "serve":
+        started.append("role")
+    if started:
+        raise ConfigError(f"{where}: {', '.join(started)} configure a worker process started here; a `url:` "
+                          "worker runs elsewhere (configure it there)")
+    try:
+        return url_worker(where, worker_id, model, w.url, w.upstream)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _disagg_role(where: str, role: str, values: dict[str, Any]) -> str:

@@ -42,9 +42,11 @@ from router.events import (
 from router.metrics import RouterMetrics
 from router.placement.base import KeptKV, Placement, PlacementStrategy
 from router.placement.strategies import build_strategies
-from router.registry import Balancer, ModelEntry, PrefixAware, Registry
+from router.registry import Balancer, ModelEntry, Registry
 from router.resilience.hub import Resilience
 from router.resilience.spec import ApiKey, LimitSpec
+from router.routing.balancer import ModelRouting
+from router.routing.keys import route_key
 from router.tracker import Failure, Item, RequestState, Restart, Submission, WorkerState
 from sglang_ext.messages import (
     AbortReq,
@@ -66,19 +68,12 @@ from sglang_ext.messages import (
 logger = logging.getLogger(__name__)
 _MONITOR_PERIOD_S = 0.25
 _HELLO_REQ_PERIOD_S = 2.0
-_PREFIX_CHARS = 128
 S = TypeVar("S", bound=PlacementStrategy)
 
 
 def prefix_key(req: GenerateReq) -> str | None:
-    """The first few dozen tokens' worth of a prompt, as a key for prefix-aware placement."""
-    if req.text is not None:
-        return "t:" + req.text[:_PREFIX_CHARS]
-    if req.input_ids is not None:
-        return "i:" + ",".join(map(str, req.input_ids[: _PREFIX_CHARS // 4]))
-    if req.messages:
-        return "m:" + repr(req.messages)[:_PREFIX_CHARS]
-    return None
+    """The prompt as a routing key, for the balancer's policy (router/routing/keys.py)."""
+    return route_key(req)
 
 
 class NoWorker(RuntimeError):
@@ -97,7 +92,8 @@ class Router:
         self.config = config
         self.slo = dict(slo or {})  # per model name (the cluster file's `slo:`)
         self.registry = Registry()
-        self.balancer = balancer or PrefixAware()
+        # The cluster file's per-model routing comes in `balancer` (server.py); else the router-wide one.
+        self.balancer = balancer or ModelRouting(config.routing_defaults)
         self.bus = EventBus()
         self.metrics = RouterMetrics(lambda: self.registry.workers.values())
         # retries, circuit breakers, admission limits (limits: per model name, the cluster file's `limits:`)
@@ -117,6 +113,9 @@ class Router:
         self.strategies = build_strategies(self, offload)  # offload: the cluster file's entries
         self._unsubscribe: list[Callable[[], None]] = []
         self._rooms = itertools.count(1)  # names a request's KV transfer on its pair's wire
+        # Workers reached otherwise than over the socket (`url:` workers, router/upstream/): how to send to
+        # each; they answer through `receive`, and their health is their own (no heartbeats).
+        self.links: dict[str, Callable[[msgspec.Struct], None]] = {}
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -173,6 +172,10 @@ class Router:
     # ---- sending ------------------------------------------------------------------------------
     def send(self, worker_id: str, msg: msgspec.Struct) -> None:
         """Queue a message; never blocks, so it is safe in `finally` blocks of cancelled handlers."""
+        link = self.links.get(worker_id)
+        if link is not None:
+            link(msg)
+            return
         self._outbox.put_nowait((worker_id, encode(msg)))
 
     async def _send_loop(self) -> None:
@@ -464,6 +467,13 @@ class Router:
             except Exception:  # one bad message must not stop the router
                 logger.exception("error handling %s from %s", type(msg).__name__, ident)
 
+    def receive(self, ident: str, msg: Any) -> None:
+        """A message from a worker on a link (`self.links`), handled as if it came over the socket."""
+        try:
+            self._handle(ident, msg)
+        except Exception:
+            logger.exception("error handling %s from %s", type(msg).__name__, ident)
+
     def _handle(self, ident: str, msg: Any) -> None:
         if isinstance(msg, BatchOut):
             self._touch(ident)
@@ -641,7 +651,7 @@ class Router:
             await asyncio.sleep(_MONITOR_PERIOD_S)
             now = time.monotonic()
             for w in list(self.registry.workers.values()):
-                if w.up and now - w.last_seen > timeout:
+                if w.up and now - w.last_seen > timeout and w.worker_id not in self.links:
                     self.mark_down(w, f"no heartbeat for {now - w.last_seen:.1f} s")
 
     def mark_down(self, w: WorkerState, reason: str) -> None:

@@ -21,6 +21,8 @@ from router.config import Cluster, RouterConfig
 from router.core import Router
 from router.http_guard import ConnLimits, GuardedH11Protocol, connection_cap, raise_fd_limit
 from router.procs import LocalWorkers
+from router.routing.balancer import ModelRouting
+from router.upstream.pool import Upstreams
 from sglang_ext.env import API_KEY
 
 logger = logging.getLogger(__name__)
@@ -91,10 +93,13 @@ async def serve_cluster(cluster: Cluster, on_ready: Callable[[Router], Awaitable
     except OSError as e:
         say(f"cannot listen on {cfg.host}:{cfg.port}: {e}")
         return 1
-    router = Router(cfg, slo=cluster.slo, offload=cluster.offload, limits=cluster.limits, api_keys=cluster.api_keys)
+    router = Router(cfg, balancer=ModelRouting(cfg.routing_defaults, cluster.routing), slo=cluster.slo,
+                    offload=cluster.offload, limits=cluster.limits, api_keys=cluster.api_keys)
     await router.start()
     for name in cluster.models:
         router.registry.declare(name)
+    upstreams = Upstreams(router, cluster.upstreams)  # `url:` workers: up at their first good health check
+    upstreams.start()
     workers = LocalWorkers(router, cluster.workers)
     workers.start()
     host, port = http_sock.getsockname()[:2]
@@ -133,6 +138,7 @@ async def serve_cluster(cluster: Cluster, on_ready: Callable[[Router], Awaitable
             with contextlib.suppress(Exception):
                 await serve_task
         await workers.stop_supervising()  # workers told to shut down must not be restarted
+        await upstreams.stop()
         await router.stop(shutdown=[w.worker_id for w in cluster.workers])
         await workers.stop()
         http_sock.close()

@@ -17,6 +17,7 @@ from router.api.limits import check_prompt_size
 from router.api.native_protocol import GeneratePlan, parse_generate, resolve_model
 from router.core import NoWorker, Router, prefix_key
 from router.resilience.admission import retry_after_header
+from router.routing.balancer import ModelRouting
 from router.tracker import Submission
 from sglang_ext import __version__
 from sglang_ext.entry.outputs import merge_output, new_result
@@ -173,5 +174,6 @@ def server_info_dict(router: Router) -> dict[str, Any]:
         "num_inflight_requests": len(router.requests),
         "offload": placement.get("offload", []),
         "disaggregation": placement.get("disaggregation", []),
+        "routing": router.balancer.describe() if isinstance(router.balancer, ModelRouting) else {},
         "uptime_s": round(time.time() - router.started, 3),
     }
