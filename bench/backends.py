@@ -131,6 +131,8 @@ def handle_sglang_chunk(chunk: dict[str, Any], tracker: StreamTracker, now: floa
         count = len(chunk.get("output_ids") or [])
     if meta.get("prompt_tokens"):
         tracker.result.input_len = int(meta["prompt_tokens"])
+    if meta.get("cached_tokens") is not None:
+        tracker.result.cached_tokens = int(meta["cached_tokens"])
     tracker.observe(int(count), now)
 
 
@@ -142,6 +144,9 @@ def handle_openai_chunk(chunk: dict[str, Any], tracker: StreamTracker, now: floa
     result = tracker.result
     if usage.get("prompt_tokens"):
         result.input_len = int(usage["prompt_tokens"])
+    details = usage.get("prompt_tokens_details") or {}
+    if details.get("cached_tokens") is not None:
+        result.cached_tokens = int(details["cached_tokens"])
     reported = usage.get("completion_tokens")
     if choices and choices[0].get("text"):
         tracker.observe(max(int(reported or 0), result.output_tokens + 1), now)

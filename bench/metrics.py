@@ -38,6 +38,7 @@ class RequestResult:
     ttft_s: float | None = None
     e2e_s: float | None = None
     output_tokens: int = 0
+    cached_tokens: int | None = None  # prompt tokens the server's prefix cache held (when it says)
     itls_s: list[float] = field(default_factory=list)
     chunk_times_s: list[float] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)
@@ -131,6 +132,8 @@ def compute_metrics(results: Sequence[RequestResult], duration_s: float, slo: Sl
     total_out = sum(r.output_tokens for r in ok)
     e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
     tpots = [t for t in (tpot(r) for r in ok) if t is not None]
+    told = [r for r in ok if r.cached_tokens is not None]
+    told_in = sum(r.input_len for r in told)
 
     def per_s(x: float) -> float | None:
         return x / duration_s if duration_s > 0 else None
@@ -147,6 +150,8 @@ def compute_metrics(results: Sequence[RequestResult], duration_s: float, slo: Sl
         "output_throughput_tok_s": per_s(total_out),
         "total_throughput_tok_s": per_s(total_in + total_out),
         "concurrency": per_s(sum(e2e)),
+        # Prompt tokens served from a prefix cache, over the prompt tokens of requests whose server said.
+        "prefix_cache_hit_rate": sum(r.cached_tokens or 0 for r in told) / told_in if told_in else None,
         "ttft_ms": describe([r.ttft_s for r in ok if r.ttft_s is not None]),
         "tpot_ms": describe(tpots),
         "itl_ms": describe([g for r in ok for g in r.itls_s]),
@@ -271,6 +276,8 @@ def format_summary(m: dict[str, object], title: str = "Serving Benchmark Result"
         ("Concurrency", "concurrency"),
     ):
         lines.append(f"{label:<40}{_fmt(m[key])}")
+    if m.get("prefix_cache_hit_rate") is not None:
+        lines.append(f"{'Prefix cache hit rate':<40}{_fmt(m['prefix_cache_hit_rate'], 3)}")
     lines.append(f"{' Latency ':-^73}")
     lines.extend(_latency_rows(m))
     slo = m["slo"]

@@ -1,7 +1,8 @@
 """The router: HTTP in (SGLang-native and OpenAI APIs), ZeroMQ to workers, events for planners.
 
 Layout: `core` (socket, dispatch, health), `tracker` (worker and request state), `registry` (models,
-balancing), `placement/` (strategies over several workers: PD, offload), `events` (the bus strategies and
+replicas), `routing/` (the per-model policies that pick a replica), `upstream/` (`url:` workers reached
+over HTTP), `placement/` (strategies over several workers: PD, offload), `events` (the bus strategies and
 planners listen to), `metrics` (Prometheus), `api/` (HTTP), `server`
 (uvicorn + signals), `http_guard` (connection cap, slow-client timeouts), `procs` (local worker
 processes and their supervision), `config` (settings and cluster YAML).

@@ -20,7 +20,10 @@ def route_key(req: GenerateReq) -> str | None:
     if req.text is not None:
         return "t:" + req.text
     if req.input_ids is not None:
-        return "i:" + "".join(chr(t % _CODE_POINTS) for t in req.input_ids)
+        try:
+            return "i:" + "".join(map(chr, req.input_ids))
+        except (ValueError, OverflowError):  # an id no vocabulary has: the worker refuses it; the key need not
+            return "i:" + "".join(chr(t % _CODE_POINTS) for t in req.input_ids)
     if req.messages:
         return "m:" + msgspec.json.encode(req.messages).decode()
     return None

@@ -4,9 +4,9 @@
                      the shortest queue when it is not (or when no replica knows enough of the prompt)
     shortest_queue   fewest requests in flight (then fewest tokens still to compute)
     round_robin      each replica in turn
-    prefix_affinity  least outstanding tokens, except that a prompt whose first 128 characters were seen
-                     goes back to the same replica within 1024 tokens of slack (the default: the router's
-                     behaviour before policies were selectable)
+    prefix_affinity  least outstanding tokens, except that a prompt whose first 128 characters (32 token
+                     ids) were seen goes back to the same replica within 1024 tokens of slack (the default:
+                     the router's behaviour before policies were selectable)
 
 Load is the router's own count of a replica's requests in flight: it moves the moment a request is
 placed, where a replica's load report lags by up to its period.
@@ -22,7 +22,9 @@ from router.routing.settings import RoutingSettings
 from router.tracker import WorkerState
 from sglang_ext.messages import WorkerInfo
 
-_LEGACY_KEY_CHARS = 130  # prefix_affinity keys on a prompt's first 128 characters, after the 2-character tag
+# prefix_affinity keys on a prompt's first 128 characters (32 token ids), after the 2-character kind tag
+_LEGACY_KEY_CHARS = 2 + 128
+_LEGACY_KEY_IDS = 2 + 32
 
 
 def queue(w: WorkerState) -> tuple[int, int, int]:
@@ -53,7 +55,9 @@ class PrefixAffinity(Balancer):
         self._inner = PrefixAware()
 
     def pick(self, candidates: list[WorkerState], prefix_key: str | None = None) -> WorkerState:
-        return self._inner.pick(candidates, None if prefix_key is None else prefix_key[:_LEGACY_KEY_CHARS])
+        if prefix_key is not None:
+            prefix_key = prefix_key[:_LEGACY_KEY_IDS if prefix_key.startswith("i:") else _LEGACY_KEY_CHARS]
+        return self._inner.pick(candidates, prefix_key)
 
 
 @dataclass

@@ -134,6 +134,9 @@ class UpstreamLink:
             self._send(ErrorOut(rid=req.rid, message=f"{where} cannot be reached: {e}", status=503))
         except (httpx.HTTPError, UpstreamError) as e:
             self._send(ErrorOut(rid=req.rid, message=f"{where}: {type(e).__name__}: {e}", status=502))
+        except Exception as e:  # a bug: the request must still end (its client waits on it)
+            logger.exception("upstream %s: request %s failed", self.w.url, req.rid)
+            self._send(ErrorOut(rid=req.rid, message=f"{where}: internal error: {type(e).__name__}: {e}", status=500))
         finally:
             self.tasks.pop(req.rid, None)
 
