@@ -18,6 +18,7 @@ from typing import Annotated, Any, Final, Literal, Union, get_args, get_origin
 import msgspec
 from msgspec import Meta
 
+from router.keyfile import read_key_file
 from router.resilience.spec import ApiKey, ApiKeySpec, LimitSpec, SpecError, check_router, resolve_api_keys
 from router.routing.settings import (
     BalanceAbs,
@@ -308,8 +309,8 @@ def resolve_api_key(cfg: RouterConfig, environ: Mapping[str, str] | None = None)
     key = cfg.api_key
     if cfg.api_key_file is not None:
         try:
-            key = Path(cfg.api_key_file).read_text().strip()
-        except (OSError, UnicodeDecodeError) as e:
+            key = read_key_file(cfg.api_key_file)
+        except OSError as e:
             raise ConfigError(f"cannot read the API key file: {e}") from None
         if not key:
             raise ConfigError(f"the API key file {cfg.api_key_file} is empty")

@@ -24,6 +24,8 @@ from typing import Annotated, Final, Protocol
 import msgspec
 from msgspec import Meta
 
+from router.keyfile import read_key_file
+
 PRIMARY_KEY_NAME: Final = "default"  # how logs and metrics name the router's own `api_key`
 
 
@@ -89,8 +91,8 @@ def resolve_api_keys(specs: Sequence[ApiKeySpec], environ: Mapping[str, str] | N
         else:
             assert s.key_file is not None
             try:
-                secret = Path(s.key_file).read_text().strip()
-            except (OSError, UnicodeDecodeError) as e:
+                secret = read_key_file(s.key_file)
+            except OSError as e:
                 raise SpecError(f"{where}: cannot read the key file: {e}") from None
             if not secret:
                 raise SpecError(f"{where}: the key file {s.key_file} is empty")

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Annotated
 from urllib.parse import urlsplit
 
 import msgspec
 from msgspec import Meta
+
+from router.keyfile import read_key_file
 
 
 class UpstreamSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -46,8 +47,8 @@ def url_worker(where: str, worker_id: str, model: str, url: str, spec: UpstreamS
     key = None
     if spec.api_key_file is not None:
         try:
-            key = Path(spec.api_key_file).read_text().strip()
-        except (OSError, UnicodeDecodeError) as e:
+            key = read_key_file(spec.api_key_file)
+        except OSError as e:
             raise ValueError(f"{where}.upstream.api_key_file: cannot read it: {e}") from None
         if not key:
             raise ValueError(f"{where}.upstream.api_key_file: {spec.api_key_file} is empty")
