@@ -2,7 +2,7 @@
 # One device session for the GPU fast path (the run behind docs/benchmarks.md's GPU section).
 # Needs the carried wheel folder .whl (bash bench/fetch_wheels.sh). Writes logs and JSON to $OUT.
 #   bash bench/gpu_session.sh [test] [gputests] [serving] [bench] [cputests] [sampling] [offload] [ipc] [served]
-#                             [structured] [rotation] [rotation_e2e] [gated] [goodput]
+#                             [structured] [rotation] [rotation_e2e] [gated] [goodput] [disagg] [routing]
 # On the two-GPU kind export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 first.
 # served and the two-GPU cases of gputests need two GPUs (the executor sits on cuda:1).
 # rotation_e2e replays the Azure conversation trace in bench/data/traces.
@@ -61,6 +61,16 @@ for s in $steps; do
            --transport cuda_ipc --out "$OUT/remote_step_ipc.json" ${IPC_ARGS:-} 2>&1 | tee "$OUT/remote_step_ipc.log" ;;
     goodput) PYTHONPATH=$BASE:/tmp/fi OUT=$OUT/goodput timeout ${GOODPUT_TIMEOUT:-560} bash bench/goodput_sweep.sh \
             ${GOODPUT_RUNS:-} 2>&1 | tee "$OUT/goodput.log" ;;  # SHARE, RATES, SECONDS, TRACE, ARRIVAL, ...: goodput_sweep.sh
+    disagg) for i in $(seq ${DISAGG_REPEATS:-3}); do  # the served PD failure tests (CPU workers), repeated: races show
+            PYTHONPATH=$BASE timeout 300 python3 -m pytest -q -rfs -p no:cacheprovider tests/test_disagg_failures.py \
+              2>&1 | tail -4 | tee "$OUT/disagg_failures_$i.log"
+          done ;;
+    routing) PYTHONPATH=$BASE:/tmp/fi timeout ${ROUTING_TIMEOUT:-560} python3 bench/routing.py \
+            --policies ${ROUTING_POLICIES:-cache_aware,round_robin,shortest_queue} --sessions-from ${ROUTING_SESSIONS:-500} \
+            --server-args "--model-path preset:llama-3-8b --load-format dummy --device cuda --dtype bfloat16 \
+            --max-total-tokens ${ROUTING_TOKENS:-200000}" --out "$OUT/routing.json" -- --trace mooncake \
+            --num-requests ${ROUTING_N:-141} --arrival poisson --request-rate ${ROUTING_RATE:-4} --ttft-slo 5 \
+            --max-input-len 7680 --max-output-len 64 --vocab-size 32000 ${ROUTING_EXTRA:-} 2>&1 | tee "$OUT/routing.log" ;;
     cputests) SGLANG_EXT_TEST_DEVICE=cuda PYTHONPATH=$BASE timeout 240 python3 -m pytest -q -p no:cacheprovider \
             --continue-on-collection-errors tests -k "engine or scheduler or models or overlap" 2>&1 | tee "$OUT/cpu_tests_on_cuda.log" ;;
   esac
