@@ -6,6 +6,10 @@ rate of the sweep at which at least `--target` (0.9) of the requests met both SL
 never sent or that failed count as misses, so a run cut short cannot look better than it was.
 
   python bench/goodput.py RESULTS_DIR [--target 0.9] [--plot goodput.png] [--out goodput.json]
+  python bench/goodput.py "1/4 share=DIR1" "1/2 share=DIR2" ... --plot grid.png   (one panel per setting)
+
+With several folders (each optionally TITLE=DIR), each is one setting: a table each, and the plot has
+one panel per setting; `--out` then maps each title to its runs.
 """
 
 from __future__ import annotations
@@ -87,13 +91,28 @@ def table(runs: dict[str, list[Point]], target: float) -> str:
     return "\n".join(lines)
 
 
-def plot(runs: dict[str, list[Point]], target: float, path: Path) -> None:
+def plot(panels: dict[str, dict[str, list[Point]]], target: float, path: Path) -> None:
+    """One panel per setting (title -> its runs), attainment against rate."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 if cols == 1 else 4.5 * cols, 4 * rows), squeeze=False)
+    for ax, (title, runs) in zip(axes.flat, panels.items(), strict=False):
+        _panel(ax, runs, target)
+        if title:
+            ax.set_title(title, fontsize=9)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _panel(ax: Any, runs: dict[str, list[Point]], target: float) -> None:
     for label, pts in runs.items():
         ax.plot([p.rate for p in pts], [100 * p.attainment for p in pts], marker="o", label=label)
     ax.axhline(100 * target, color="grey", linestyle="--", linewidth=1)
@@ -102,34 +121,38 @@ def plot(runs: dict[str, list[Point]], target: float, path: Path) -> None:
     ax.set_ylim(0, 102)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+
+
+def _doc(runs: dict[str, list[Point]], target: float) -> dict[str, Any]:
+    return {label: {"goodput_rps": goodput(pts, target),
+                    "points": [{**asdict(pt), "attainment": pt.attainment} for pt in pts]}
+            for label, pts in runs.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("results_dir", type=Path)
+    p.add_argument("results_dir", nargs="+", help="a sweep's folder, or several as TITLE=DIR (one setting each)")
     p.add_argument("--target", type=float, default=0.9, help="attainment that counts as meeting the SLOs")
     p.add_argument("--plot", type=Path, default=None, help="PNG of attainment against rate")
     p.add_argument("--out", type=Path, default=None, help="JSON with every point and each run's goodput")
     args = p.parse_args(argv)
-    runs = load(args.results_dir)
-    if not runs:
-        print(f"error: no gp_<label>_r<rate>.json reports in {args.results_dir}", file=sys.stderr)
-        return 2
-    print(table(runs, args.target))
+    panels: dict[str, dict[str, list[Point]]] = {}
+    for spec in args.results_dir:
+        title, sep, folder = spec.rpartition("=")
+        runs = load(Path(folder))
+        if not runs:
+            print(f"error: no gp_<label>_r<rate>.json reports in {folder}", file=sys.stderr)
+            return 2
+        panels[title if sep else ("" if len(args.results_dir) == 1 else folder)] = runs
+    for title, runs in panels.items():
+        print(f"== {title}\n{table(runs, args.target)}" if title else table(runs, args.target))
     if args.plot:
-        plot(runs, args.target, args.plot)
+        plot(panels, args.target, args.plot)
     if args.out:
-        doc = {
-            "target": args.target,
-            "runs": {
-                label: {"goodput_rps": goodput(pts, args.target),
-                        "points": [{**asdict(pt), "attainment": pt.attainment} for pt in pts]}
-                for label, pts in runs.items()
-            },
-        }
+        if len(panels) == 1:
+            doc: dict[str, Any] = {"target": args.target, "runs": _doc(next(iter(panels.values())), args.target)}
+        else:
+            doc = {"target": args.target, "settings": {t: _doc(r, args.target) for t, r in panels.items()}}
         args.out.write_text(json.dumps(doc, indent=2) + "\n")
     return 0
 

@@ -54,3 +54,20 @@ def test_cli_writes_table_plot_and_json(tmp_path: Path, capsys) -> None:
 
 def test_cli_empty_folder_is_an_error(tmp_path: Path) -> None:
     assert main([str(tmp_path)]) == 2
+
+
+def test_cli_several_settings_one_panel_each(tmp_path: Path, capsys) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    _write(a, "fcfs-recompute", 2.0, 10, 10, 1.0)
+    _write(b, "fcfs-recompute", 4.0, 10, 10, 0.5)
+    out, png = tmp_path / "g.json", tmp_path / "g.png"
+    assert main([f"1/4 share={a}", f"1/2 share={b}", "--out", str(out), "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "== 1/4 share" in text and "== 1/2 share" in text
+    doc = json.loads(out.read_text())["settings"]
+    assert doc["1/4 share"]["fcfs-recompute"]["goodput_rps"] == 2.0
+    assert doc["1/2 share"]["fcfs-recompute"]["goodput_rps"] == 0.0
+    assert png.stat().st_size > 0
+    assert main([f"x={tmp_path / 'none'}"]) == 2
