@@ -39,6 +39,10 @@ class FakeOpenAI:
             time.sleep(0.02)
         return self
 
+    def token_id(self, word: str) -> int:
+        """The id this server gives a word of its reply (its vocabulary is its reply's words)."""
+        return 1000 + self.words.index(word)
+
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
@@ -104,8 +108,11 @@ class FakeOpenAI:
                 text = w if i == 0 else " " + w
                 last = i == len(words) - 1
                 reason = ("length" if limit < len(self.words) else "stop") if last else None
-                yield chunk({"index": 0, "delta": {"content": text}, "finish_reason": reason} if chat else
-                            {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
+                choice: dict[str, Any] = ({"index": 0, "delta": {"content": text}, "finish_reason": reason} if chat
+                                          else {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
+                if body.get("return_token_ids"):  # as vLLM: the ids of the chunk's tokens
+                    choice["token_ids"] = [self.token_id(w)]
+                yield chunk(choice)
             yield chunk(None, {"prompt_tokens": len(prompt) // 4, "completion_tokens": len(words),
                                "total_tokens": len(prompt) // 4 + len(words),
                                "prompt_tokens_details": {"cached_tokens": 3}})

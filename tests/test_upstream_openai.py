@@ -26,6 +26,8 @@ def test_request_bodies() -> None:
     assert path == "/v1/chat/completions" and body["messages"] == msgs
     assert "max_tokens" not in body  # "until the context is full": the upstream's own limit applies
     assert body["logprobs"] is True and body["top_logprobs"] == 2
+    assert "return_token_ids" not in body  # a strict OpenAI server would refuse it
+    assert request_body(chat, "up-model", 4096, token_ids=True)[1]["return_token_ids"] is True
 
 
 def lines(*chunks: object) -> list[str]:
@@ -72,3 +74,24 @@ def test_a_chat_stream_and_its_endings() -> None:
 def test_errors_in_a_stream(line: str, error: str) -> None:
     with pytest.raises(UpstreamError, match=error):
         StreamParser("r", chat=False).feed(line)
+
+
+def test_token_ids_the_upstream_sends_are_the_outputs_ids() -> None:
+    """vLLM with `return_token_ids`: each choice carries its tokens' ids (a chunk may hold several, or
+    ids without text); they become output ids and logprob ids, and count the tokens if usage is missing."""
+    p = StreamParser("r", chat=False)
+    outs = [o for line in lines(
+        {"choices": [{"index": 0, "text": "Hel", "token_ids": [9906],
+                      "logprobs": {"tokens": ["Hel"], "token_logprobs": [-0.5], "top_logprobs": [{"Hel": -0.5}]}}]},
+        {"choices": [{"index": 0, "text": "", "token_ids": [128]}]},  # an incomplete UTF-8 character
+        {"choices": [{"index": 0, "text": "lo!", "token_ids": [385, 0], "finish_reason": "length"}]},
+    ) if (o := p.feed(line)) is not None]
+    assert [o.token_ids for o in outs] == [[9906], [128], [385, 0]]
+    assert outs[0].meta_info["output_token_logprobs"] == [[-0.5, 9906, "Hel"]]
+    assert outs[0].meta_info["output_top_logprobs"] == [[[-0.5, PLACEHOLDER_ID, "Hel"]]]  # not in the stream
+    assert p.last().meta_info["completion_tokens"] == 4
+    chat = StreamParser("c", chat=True)
+    out = chat.feed("data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": "ok"}, "token_ids": [564],
+                                                        "logprobs": {"content": [{"token": "ok", "logprob": -0.1}]}}]}))
+    assert out is not None and out.token_ids == [564]
+    assert out.meta_info["output_token_logprobs"] == [[-0.1, 564, "ok"]]

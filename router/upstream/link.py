@@ -111,7 +111,7 @@ class UpstreamLink:
         return httpx.Timeout(self.w.spec.timeout_s, connect=self.w.spec.health_timeout_s)
 
     async def _generate(self, req: GenerateReq) -> None:
-        path, body = request_body(req, self.model_id, self.context_length)
+        path, body = request_body(req, self.model_id, self.context_length, self.w.spec.return_token_ids)
         parser = StreamParser(req.rid, chat=req.messages is not None)
         where = f"upstream {self.w.url}"
         try:

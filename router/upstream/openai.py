@@ -7,9 +7,11 @@ folds the outputs for a client that does not. Sampling parameters beyond OpenAI'
 repetition_penalty, ignore_eos, regex, ...) are sent only when they differ from their defaults, so a
 plain request suits a strict OpenAI server, and SGLang or vLLM take the rest.
 
-What an OpenAI stream does not carry: token ids (each streamed chunk counts as one token and has the id
--1, so /generate's `output_ids` from such a worker are placeholders), prompt logprobs (echo), and the
-chunks of tool calls and reasoning (only `content` is relayed).
+What a plain OpenAI stream does not carry: token ids, prompt logprobs (echo), and the chunks of tool
+calls and reasoning (only `content` is relayed). Token ids come when the upstream sends them with each
+choice (`token_ids`, as vLLM does when asked with `return_token_ids`: the worker's
+`upstream.return_token_ids`); otherwise each streamed chunk counts as one token with the id -1, so
+/generate's `output_ids` from such a worker are placeholders.
 """
 
 from __future__ import annotations
@@ -30,11 +32,14 @@ _EXTRAS: Final = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "skip_sp
 _dec = msgspec.json.Decoder()
 
 
-def request_body(req: GenerateReq, model: str, context_length: int) -> tuple[str, dict[str, Any]]:
-    """The path and JSON body of `req` upstream."""
+def request_body(req: GenerateReq, model: str, context_length: int,
+                 token_ids: bool = False) -> tuple[str, dict[str, Any]]:
+    """The path and JSON body of `req` upstream; `token_ids`: ask for the sampled tokens' ids."""
     sp = req.sampling_params
     body: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True},
                             "temperature": sp.temperature, "top_p": sp.top_p}
+    if token_ids:
+        body["return_token_ids"] = True
     # A limit the size of the context is the router's "until the context is full" (chat without
     # max_tokens): the upstream knows the prompt's length, so it applies its own.
     if sp.max_new_tokens < context_length:
@@ -63,24 +68,31 @@ def request_body(req: GenerateReq, model: str, context_length: int) -> tuple[str
     return "/v1/completions", body
 
 
-def _triple(lp: Any, text: Any) -> list[Any]:
-    """An SGLang logprob entry, [logprob, token id, token text]; the id is not in an OpenAI stream."""
-    return [lp, PLACEHOLDER_ID, text]
+def _triple(lp: Any, text: Any, token_id: int = PLACEHOLDER_ID) -> list[Any]:
+    """An SGLang logprob entry, [logprob, token id, token text]; the id is -1 where the stream has none."""
+    return [lp, token_id, text]
 
 
-def _completion_logprobs(lp: dict[str, Any]) -> dict[str, Any]:
-    meta: dict[str, Any] = {"output_token_logprobs": [_triple(v, t) for v, t in
-                                                      zip(lp.get("token_logprobs") or [], lp.get("tokens") or [],
-                                                          strict=False)]}
+def _ids_for(ids: list[int] | None, n: int) -> list[int]:
+    """The chunk's token ids for its n logprob entries, if they are as many; else placeholders."""
+    return ids if ids is not None and len(ids) == n else [PLACEHOLDER_ID] * n
+
+
+def _completion_logprobs(lp: dict[str, Any], ids: list[int] | None) -> dict[str, Any]:
+    values, texts = lp.get("token_logprobs") or [], lp.get("tokens") or []
+    n = min(len(values), len(texts))
+    meta: dict[str, Any] = {"output_token_logprobs": [_triple(v, t, i) for v, t, i in
+                                                      zip(values[:n], texts[:n], _ids_for(ids, n), strict=True)]}
     tops = lp.get("top_logprobs")
     if tops:
         meta["output_top_logprobs"] = [[_triple(v, t) for t, v in (row or {}).items()] for row in tops]
     return meta
 
 
-def _chat_logprobs(lp: dict[str, Any]) -> dict[str, Any]:
+def _chat_logprobs(lp: dict[str, Any], ids: list[int] | None) -> dict[str, Any]:
     content = lp.get("content") or []
-    meta: dict[str, Any] = {"output_token_logprobs": [_triple(c.get("logprob"), c.get("token")) for c in content]}
+    meta: dict[str, Any] = {"output_token_logprobs": [_triple(c.get("logprob"), c.get("token"), i) for c, i in
+                                                      zip(content, _ids_for(ids, len(content)), strict=True)]}
     if any(c.get("top_logprobs") for c in content):
         meta["output_top_logprobs"] = [[_triple(t.get("logprob"), t.get("token")) for t in c.get("top_logprobs") or []]
                                        for c in content]
@@ -101,6 +113,7 @@ class StreamParser:
     matched: Any = None
     usage: dict[str, Any] = field(default_factory=dict)
     chunks: int = 0
+    tokens: int = 0  # token ids the upstream sent (0 if it sends none)
     done: bool = False
 
     def feed(self, line: str) -> TokenOut | None:
@@ -129,16 +142,21 @@ class StreamParser:
         if c.get("finish_reason"):
             self.finish, self.matched = c["finish_reason"], c.get("matched_stop")
         text = ((c.get("delta") or {}).get("content") if self.chat else c.get("text")) or ""
+        raw = c.get("token_ids")
+        ids = [int(t) for t in raw if isinstance(t, int)] if isinstance(raw, list) else None
         lp = c.get("logprobs")
-        meta = (_chat_logprobs(lp) if self.chat else _completion_logprobs(lp)) if isinstance(lp, dict) else {}
-        if not text and not meta:
+        meta = ((_chat_logprobs(lp, ids) if self.chat else _completion_logprobs(lp, ids)) if isinstance(lp, dict)
+                else {})
+        if not text and not meta and not ids:
             return None
         self.chunks += 1
-        return TokenOut(rid=self.rid, text_delta=text, token_ids=[PLACEHOLDER_ID], finished=False, meta_info=meta)
+        self.tokens += len(ids or ())
+        return TokenOut(rid=self.rid, text_delta=text, token_ids=ids if ids is not None else [PLACEHOLDER_ID],
+                        finished=False, meta_info=meta)
 
     def last(self) -> TokenOut:
         """The closing output, once the stream ended: finish reason and token counts."""
-        completion = int(self.usage.get("completion_tokens") or self.chunks)
+        completion = int(self.usage.get("completion_tokens") or self.tokens or self.chunks)
         if self.finish == "stop":
             reason: dict[str, Any] = {"type": "stop", "matched": self.matched}
         elif self.finish == "length":

@@ -21,6 +21,9 @@ class UpstreamSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     timeout_s: Annotated[float, Meta(gt=0)] = 300.0  # longest wait for the upstream's next bytes of a request
     api_key_file: str | None = None  # sent as `Authorization: Bearer` (a file keeps it out of the cluster file)
     context_length: Annotated[int, Meta(ge=1)] | None = None  # default: the upstream's max_model_len, else 131072
+    # Ask for the sampled tokens' ids (`return_token_ids`, vLLM >= 0.10.2): /generate's output_ids are then
+    # real. Off by default: a strict OpenAI server refuses parameters it does not know.
+    return_token_ids: bool = False
 
 
 @dataclass(frozen=True)
