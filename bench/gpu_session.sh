@@ -34,7 +34,7 @@ for s in $steps; do
             | grep -v '^offline bench' | tee "$OUT/bench.log" ;;
     sampling) PYTHONPATH=$BASE:/tmp/fi timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_sampling.py \
             2>&1 | tee "$OUT/gpu_sampling_test.log"
-          PYTHONPATH=$BASE:/tmp/fi timeout 300 python3 bench/sampling.py --out "$OUT/sampling.json" 2>&1 \
+          PYTHONPATH=$BASE:/tmp/fi timeout 300 python3 bench/sampling.py --out "$OUT/sampling.json" ${SAMPLING_ARGS:-} 2>&1 \
             | tee "$OUT/sampling.log" ;;
     structured) voc=(); v=$(ls .vocab/mistral_common-*.whl 2>/dev/null | head -1); [ -n "$v" ] && voc=(--vocab-file "$v")
           PYTHONPATH=$BASE:/tmp/fi timeout 500 python3 bench/structured.py --out "$OUT/structured.json" \

@@ -60,7 +60,7 @@ MIXES: dict[str, dict[str, Any]] = {
 }
 
 
-def measure(sampler: Sampler, logits: torch.Tensor, params: SamplingParams, iters: int) -> dict[str, float]:
+def measure(sampler: Sampler, logits: torch.Tensor, params: SamplingParams, iters: int) -> dict[str, Any]:
     bs = logits.shape[0]
     slots = [-1] * bs
     if params.has_penalties:
@@ -134,6 +134,8 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="64,256")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out", default="sampling.json")
+    p.add_argument("--top-k-window", type=int, default=0,
+                   help="also time the top-k window draw (Sampler(top_k_window=N)) on the mixes it takes")
     a = p.parse_args()
     res: dict[str, Any] = {"env": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                                    "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}, "rows": []}
@@ -143,19 +145,27 @@ def main() -> None:
         res["env"]["flashinfer"] = flashinfer.__version__
     except ImportError:
         res["env"]["flashinfer"] = None
-    sampler = Sampler(VOCAB, "cuda")
+    res["env"]["top_k_window"] = a.top_k_window
+    samplers = {"": Sampler(VOCAB, "cuda")}
+    if a.top_k_window > 0:
+        samplers["+window"] = Sampler(VOCAB, "cuda", top_k_window=a.top_k_window)
     g = torch.Generator(device="cuda").manual_seed(0)
     for dist, scale in (("randn", 1.0), ("peaked", 4.0)):
         for bs in (int(x) for x in a.batch_sizes.split(",")):
             logits = torch.randn(bs, VOCAB, device="cuda", generator=g) * scale
             for name, kw in MIXES.items():
-                m = measure(sampler, logits, SamplingParams(**kw), a.iters)
-                row = {"dist": dist, "bs": bs, "mix": name, **m}
-                res["rows"].append(row)
-                print(f"{dist:7s} bs={bs:4d} {name:22s} gpu {m['gpu_ms']:7.3f} ms  host {m['host_ms']:6.3f} ms"
-                      f"  {m['device_ops']} device ops{'  HOST BLOCKED' if m['host_blocked'] else ''}"
-                      f"{'  SYNC: ' + m['syncs'] if m['syncs'] else ''}", flush=True)
-                Path(a.out).write_text(json.dumps(res, indent=1))
+                params = SamplingParams(**kw)
+                for suffix, sampler in samplers.items():
+                    if suffix and not sampler.batch([SampleRow(params, 0)]).fast_in_window:
+                        continue  # a mix the window does not take: the same draw as above
+                    m = measure(sampler, logits, params, a.iters)
+                    row = {"dist": dist, "bs": bs, "mix": name + suffix, **m}
+                    res["rows"].append(row)
+                    print(f"{dist:7s} bs={bs:4d} {name + suffix:29s} gpu {m['gpu_ms']:7.3f} ms  host "
+                          f"{m['host_ms']:6.3f} ms  {m['device_ops']} device ops"
+                          f"{'  HOST BLOCKED' if m['host_blocked'] else ''}"
+                          f"{'  SYNC: ' + m['syncs'] if m['syncs'] else ''}", flush=True)
+                    Path(a.out).write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

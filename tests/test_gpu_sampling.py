@@ -46,6 +46,40 @@ def test_flashinfer_rows_follow_the_filtered_distribution(kw: dict) -> None:
     assert chi2_pvalue(counts, ref_filtered(row, p)) > 1e-4
 
 
+@pytest.mark.parametrize("kw", [
+    {"temperature": 0.7, "top_k": 5},
+    {"temperature": 0.8, "top_p": 0.9, "top_k": 12},
+])
+def test_window_rows_follow_the_filtered_distribution(kw: dict) -> None:
+    """The top-k window draw (`top_k_window`, FlashInfer's softmax and radix top-k) on the GPU."""
+    row = torch.randn(1, V, generator=torch.Generator().manual_seed(3))[0] * 2.0
+    p = SamplingParams(**kw)
+    sampler = Sampler(V, "cuda", seed=5, top_k_window=256)
+    assert sampler.batch([SampleRow(p, 0)]).fast_in_window
+    counts = torch.zeros(V, dtype=torch.float64)
+    logits = row.expand(1000, V).contiguous().cuda()
+    for _ in range(10):
+        for t in _draw(sampler, logits, [p] * 1000, [0] * 1000):
+            counts[t] += 1
+    assert chi2_pvalue(counts, ref_filtered(row, p)) > 1e-4
+
+
+def test_window_draw_never_syncs_the_host() -> None:
+    sampler = Sampler(128256, "cuda", top_k_window=256)
+    rows = [SampleRow(SamplingParams(temperature=0.8, top_p=0.9, top_k=50), 0) for _ in range(8)]
+    logits = torch.randn(8, 128256, device="cuda")
+    assert sampler.batch(rows).fast_in_window
+    sampler.sample(logits, sampler.batch(rows))  # warm-up (JIT, allocator)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens = sampler.sample(logits, sampler.batch(rows))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    top50 = torch.topk(logits, 50, dim=-1).indices
+    assert bool((top50 == tokens.unsqueeze(1)).any(dim=1).all())  # every token within its row's top 50
+
+
 def test_seeded_rows_match_cpu_and_ignore_their_batch() -> None:
     logits = torch.randn(6, 128256, generator=torch.Generator().manual_seed(1)) * 3
     mine = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=77)

@@ -142,6 +142,71 @@ def test_draws_follow_the_filtered_distribution(kw: dict) -> None:
     assert chi2_pvalue(counts, ref_filtered(row, p)) > 1e-4
 
 
+def _window_sampler(vocab: int, seed: int = 5, window: int = 256) -> Sampler:
+    """A CPU sampler whose unseeded rows take the fast draw with the top-k window on (FlashInfer's
+    softmax and top-k done by torch, a CPU generator)."""
+    sampler = Sampler(vocab, "cpu", seed=seed, use_flashinfer=False, top_k_window=window)
+    sampler.fi = sampler.fi_topk = StubFlashInfer()
+    sampler.gen = torch.Generator().manual_seed(seed)
+    return sampler
+
+
+@pytest.mark.parametrize("kw", [
+    {"temperature": 0.7, "top_k": 5},
+    {"temperature": 0.8, "top_p": 0.9, "top_k": 12},
+    {"temperature": 1.0, "top_p": 0.6, "top_k": 20},
+    {"temperature": 1.2, "top_p": 0.95, "top_k": 39},  # a window of all tokens but one
+])
+def test_window_draws_follow_the_filtered_distribution(kw: dict) -> None:
+    """10,000 window draws against the sort-based reference."""
+    row = _logits(1, seed=3)[0]
+    p = SamplingParams(**kw)
+    sampler = _window_sampler(V)
+    assert sampler.batch([SampleRow(p, 0)]).fast_in_window
+    counts = torch.zeros(V, dtype=torch.float64)
+    for _ in range(20):
+        for t in _sample(row.expand(500, V).contiguous(), [p] * 500, sampler):
+            counts[t] += 1
+    assert chi2_pvalue(counts, ref_filtered(row, p)) > 1e-4
+
+
+def test_window_draw_rows_keep_their_own_filters() -> None:
+    """Rows with different top-k / top-p in one batch (the window is the largest k), greedy rows among
+    them: each sampled row follows its own filtered distribution, greedy rows take the argmax."""
+    rows = _logits(3, seed=8)
+    ps = [SamplingParams(temperature=0.9, top_k=3), SamplingParams(temperature=0.0),
+          SamplingParams(temperature=1.1, top_k=15, top_p=0.7)]
+    sampler = _window_sampler(V, seed=2)
+    logits = rows.repeat(400, 1)
+    counts = torch.zeros(3, V, dtype=torch.float64)
+    for _ in range(10):
+        sb = sampler.batch([SampleRow(p, 0) for p in ps] * 400)
+        assert sb.fast_in_window and sb.max_top_k == 15
+        toks = sampler.sample(logits, sb).view(400, 3)
+        for j in range(3):
+            counts[j] += torch.bincount(toks[:, j], minlength=V).double()
+    assert counts[1, int(rows[1].argmax())] == 4000
+    for j in (0, 2):
+        assert chi2_pvalue(counts[j], ref_filtered(rows[j], ps[j])) > 1e-4
+
+
+@pytest.mark.parametrize(("ks", "window", "taken"), [
+    ([50, 50], 256, True),
+    ([50, 256], 256, True),
+    ([50, 257], 256, False),  # a wider top-k: FlashInfer's rejection kernels
+    ([50, -1], 256, False),  # a row without top-k: the whole row counts
+    ([50, 50], 0, False),  # the window off (the default)
+])
+def test_which_batches_take_the_window_draw(ks: list[int], window: int, taken: bool) -> None:
+    sampler = _window_sampler(1000, window=window)
+    rows = [SampleRow(SamplingParams(temperature=0.8, top_p=0.9, top_k=k), 0) for k in ks]
+    assert sampler.batch(rows).fast_in_window == taken
+    # seeded rows take the exact draw: one without a top-k keeps no one from the window
+    exact = SampleRow(SamplingParams(temperature=0.8, top_p=0.9, seed=1), 0)
+    assert sampler.batch([rows[0], exact]).fast_in_window == (window > 0)
+    assert not Sampler(1000, "cpu", top_k_window=256).batch(rows[:1]).fast_in_window  # no fast draw on CPU
+
+
 def test_seeded_rows_do_not_depend_on_their_batch() -> None:
     logits = _logits(8, seed=1)
     mine = SamplingParams(temperature=0.9, top_p=0.95, top_k=30, seed=1234)
@@ -287,7 +352,18 @@ class HostTraffic(TorchDispatchMode):
 
 
 class StubFlashInfer:
-    """FlashInfer's two entry points, as shapes: so the fast draw runs on the CPU test machine too."""
+    """FlashInfer's entry points, the drawing ones as shapes: so the fast draw runs on the CPU test
+    machine too. softmax and top_k compute (torch), so the window draw's tokens are real."""
+
+    @staticmethod
+    def softmax(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
+
+    @staticmethod
+    def top_k(probs: torch.Tensor, k: int, sorted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        assert sorted, "the window draw needs its window in descending order"
+        vals, ids = torch.topk(probs, k, dim=-1)
+        return vals, ids
 
     @staticmethod
     def top_k_top_p_sampling_from_logits(scaled: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -298,9 +374,9 @@ class StubFlashInfer:
         return torch.zeros(scaled.shape[0], dtype=torch.int32, device=scaled.device)
 
 
-@pytest.mark.parametrize("fast", [True, False], ids=["flashinfer", "exact"])
+@pytest.mark.parametrize("fast", ["flashinfer", "window", ""], ids=["flashinfer", "window", "exact"])
 @pytest.mark.parametrize("mix", ["mixed", "frequency", "seeded"])
-def test_sampling_neither_syncs_nor_copies_to_the_device(fast: bool, mix: str) -> None:
+def test_sampling_neither_syncs_nor_copies_to_the_device(fast: str, mix: str) -> None:
     """The CPU stand-in for the GPU test's sync debug mode (tests/test_gpu_sampling.py), on the
     penalty and seeded paths. The sampler runs on torch's 'meta' device, whose tensors have shapes
     and no data: reading any value back on the host (item, bool, tolist, nonzero, a data-dependent
@@ -309,9 +385,9 @@ def test_sampling_neither_syncs_nor_copies_to_the_device(fast: bool, mix: str) -
     'mixed' has each draw take some rows (index tensors), the others every row (bench/sampling.py's
     frequency-penalty and seeded mixes)."""
     vocab = 1000
-    sampler = Sampler(vocab, "meta", use_flashinfer=False)
+    sampler = Sampler(vocab, "meta", use_flashinfer=False, top_k_window=256 if fast == "window" else 0)
     if fast:
-        sampler.fi = StubFlashInfer()
+        sampler.fi = sampler.fi_topk = StubFlashInfer()
     freq = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, frequency_penalty=0.5, presence_penalty=0.2)
     seeded = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=3)
     params = {
@@ -337,6 +413,7 @@ def test_sampling_neither_syncs_nor_copies_to_the_device(fast: bool, mix: str) -
             tokens = sampler.sample(logits, sb)
         assert not sampling.reads and not sampling.copies
         assert tokens.device.type == "meta" and tokens.shape == (len(rows),) and tokens.dtype == torch.int64
+    assert sb.fast_in_window == (fast == "window" and mix == "frequency")  # every fast row with a top-k
     draws = (sb.fast_rows, sb.exact_rows)
     if mix == "mixed":
         assert all(isinstance(r, torch.Tensor) for r in draws) if fast else isinstance(sb.exact_rows, torch.Tensor)

@@ -50,6 +50,7 @@ class SamplingBatch:
     any_top_p: bool
     top_p_sorts: bool  # host: a top-p row has no top-k, so its threshold needs the whole row sorted
     any_min_p: bool
+    fast_in_window: bool = False  # host: the fast rows take the top-k window draw (Sampler.top_k_window)
     # logit_bias and bans as offsets into the flattened [B, V] logits (row * V + token id), so that
     # applying them is one kernel each
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # offsets, values
@@ -73,8 +74,9 @@ class SamplingBatch:
 
     @classmethod
     def build(cls, rows: Sequence[SampleRow], vocab_size: int, rng: RowRandom,
-              device: torch.device | str, fast_draw: bool = False) -> SamplingBatch:
-        """`fast_draw`: the sampler has FlashInfer, which takes the unseeded rows without min-p."""
+              device: torch.device | str, fast_draw: bool = False, top_k_window: int = 0) -> SamplingBatch:
+        """`fast_draw`: the sampler has FlashInfer, which takes the unseeded rows without min-p;
+        `top_k_window`: those rows take the window draw when each has a top-k of at most this."""
         device = torch.device(device)
         b = len(rows)
         ps = [r.params for r in rows]
@@ -127,6 +129,8 @@ class SamplingBatch:
             top_p_sorts=any(p.top_p < 1.0 and not 0 < p.top_k < vocab_size for p in sampled),
             any_min_p=any(p.min_p > 0.0 for p in sampled),
         )
+        sb.fast_in_window = bool(fast) and 0 < sb.max_top_k <= top_k_window and all(
+            0 < ps[i].top_k < vocab_size for i in fast)
         o = b
         if bias_at:
             sb.bias = (n[o : o + len(bias_at)], f[4 * b : fp])

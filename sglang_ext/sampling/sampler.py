@@ -11,7 +11,10 @@ distribution, and a token survives all three; ties at a threshold survive. Two w
   depends on its own logits and seed alone, never on its batch. Top-p needs the row sorted.
 * FlashInfer (GPU, unseeded rows without min-p): its sorting-free rejection kernels, drawing
   from the worker's device generator. Its Philox streams are keyed by the row's place in the
-  batch, which is why seeded rows never take this path.
+  batch, which is why seeded rows never take this path. With `top_k_window` > 0, such rows that
+  all have a top-k of at most that many take `window_draw` instead: FlashInfer's fused softmax and
+  radix top-k, then work on [B, k] only (the rejection kernels need more rounds the flatter the
+  distribution). Off by default until a GPU run says it is faster (bench/sampling.py --window).
 
 Greedy rows are exactly the argmax of the adjusted logits. Penalty statistics are updated on the
 device as the tokens are drawn (`penalties.py`).
@@ -67,19 +70,50 @@ def filter_threshold(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     the top-p boundary is looked for among the `max_top_k` largest only (no full sort): if it lies
     beyond them, the top-k threshold is the higher one anyway."""
     t = torch.zeros(probs.shape[0], 1, dtype=probs.dtype, device=probs.device)
-    top = None
-    if max_top_k > 0:
-        top = torch.topk(probs, max_top_k, dim=-1).values  # sorted, as many as the largest k
-        kth = top.gather(1, (top_k.clamp(max=max_top_k) - 1).unsqueeze(1))
-        t = torch.where(top_k.unsqueeze(1) <= max_top_k, kth, t)  # rows without top-k keep 0
-    if any_top_p:
-        sorted_p = torch.sort(probs, dim=-1, descending=True)[0] if top_p_sorts or top is None else top
-        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly above each token
-        last = (before <= top_p.unsqueeze(1)).sum(-1, keepdim=True).clamp(min=1) - 1
-        t = torch.maximum(t, sorted_p.gather(1, last))
+    top = torch.topk(probs, max_top_k, dim=-1).values if max_top_k > 0 else None  # sorted, as many as the largest k
+    if top is not None or any_top_p:
+        sorted_p = torch.sort(probs, dim=-1, descending=True)[0] if any_top_p and (top_p_sorts or top is None) else None
+        t = sorted_threshold(top, sorted_p, top_k, top_p, max_top_k, any_top_p)
     if any_min_p:
         t = torch.maximum(t, min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values)
     return t
+
+
+def sorted_threshold(top: torch.Tensor | None, sorted_p: torch.Tensor | None, top_k: torch.Tensor,
+                     top_p: torch.Tensor, max_top_k: int, any_top_p: bool) -> torch.Tensor:
+    """The top-k and top-p part of `filter_threshold` ([B, 1]) from each row's `max_top_k` largest
+    probabilities (`top`, descending; None without top-k) and, for top-p, all its probabilities in
+    descending order (`sorted_p`; None when `top` suffices: every top-p row has a top-k)."""
+    ref = top if top is not None else sorted_p
+    assert ref is not None, "a threshold of neither top-k nor top-p"
+    t = torch.zeros(ref.shape[0], 1, dtype=ref.dtype, device=ref.device)
+    if top is not None:
+        kth = top.gather(1, (top_k.clamp(max=max_top_k) - 1).unsqueeze(1))
+        t = torch.where(top_k.unsqueeze(1) <= max_top_k, kth, t)  # rows without top-k keep 0
+    if any_top_p:
+        sp = sorted_p if sorted_p is not None else ref
+        before = torch.cumsum(sp, dim=-1) - sp  # mass strictly above each token
+        last = (before <= top_p.unsqueeze(1)).sum(-1, keepdim=True).clamp(min=1) - 1
+        t = torch.maximum(t, sp.gather(1, last))
+    return t
+
+
+TopK = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]  # (values, indices), descending
+
+
+def window_draw(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, max_top_k: int, any_top_p: bool,
+                generator: torch.Generator | None, topk: TopK) -> torch.Tensor:
+    """Token ids [B] drawn from `probs` (the whole row's softmax) filtered by top-k and top-p, for rows
+    that all have a top-k of at most `max_top_k`: only each row's `max_top_k` largest probabilities are
+    looked at. They are the full row's probabilities, so top-p's mass is the same as on the whole row,
+    and the kept tokens are exactly `filtered_probs`' (up to ties at the window's edge). The draw is an
+    exponential race (argmax of p / Exp(1)): a token wins with probability proportional to p."""
+    vals, ids = topk(probs, max_top_k)
+    t = sorted_threshold(vals, None, top_k, top_p, max_top_k, any_top_p)
+    # a draw of exactly 0 would make 0 / 0 of a filtered token: floor it at the smallest normal float
+    race = torch.where(vals >= t, vals, torch.zeros_like(vals)) / torch.empty_like(vals).exponential_(
+        generator=generator).clamp_(min=torch.finfo(vals.dtype).tiny)
+    return ids.gather(1, race.argmax(dim=-1, keepdim=True)).squeeze(1)
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -103,23 +137,31 @@ def invert_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device | str, seed: int = 0,
-                 use_flashinfer: bool | None = None) -> None:
+                 use_flashinfer: bool | None = None, top_k_window: int = 0) -> None:
+        """`top_k_window`: FlashInfer's rows whose top-ks are all at most this take `window_draw` (0: never)."""
         self.vocab = vocab_size
+        self.top_k_window = top_k_window
         self.device = torch.device(device)
         self.rng = RowRandom(seed)
         self.penalties = PenaltyTable(vocab_size, self.device)
         if use_flashinfer is None:
             use_flashinfer = self.device.type == "cuda" and importlib.util.find_spec("flashinfer") is not None
         self.fi: Any = None
+        self.fi_topk: Any = None
         self.gen: torch.Generator | None = None
         if use_flashinfer:
             import flashinfer.sampling
 
             self.fi = flashinfer.sampling
+            if top_k_window > 0:
+                import flashinfer.topk
+
+                self.fi_topk = flashinfer.topk
             self.gen = torch.Generator(device=self.device).manual_seed(seed)
 
     def batch(self, rows: Sequence[SampleRow]) -> SamplingBatch:
-        return SamplingBatch.build(rows, self.vocab, self.rng, self.device, fast_draw=self.fi is not None)
+        return SamplingBatch.build(rows, self.vocab, self.rng, self.device, fast_draw=self.fi is not None,
+                                   top_k_window=self.top_k_window)
 
     def sample(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         """logits [B, V] float32 -> token ids [B] int64 on the device. No host sync and no copy to
@@ -152,6 +194,10 @@ class Sampler:
         return invert_cdf(probs, sb.uniforms[rows])
 
     def _draw_flashinfer(self, logits: torch.Tensor, rows: Rows, sb: SamplingBatch) -> torch.Tensor:
+        if sb.fast_in_window:
+            probs = self.fi.softmax(logits, temperature=sb.temperature[rows])  # one fused kernel
+            return window_draw(probs, sb.top_k[rows], sb.top_p[rows], sb.max_top_k, sb.any_top_p, self.gen,
+                               self._radix_topk)
         scaled = logits / sb.temperature[rows].unsqueeze(1)
         if sb.max_top_k > 0 or sb.any_top_p:
             out = self.fi.top_k_top_p_sampling_from_logits(
@@ -160,6 +206,11 @@ class Sampler:
         else:
             out = self.fi.sampling_from_logits(scaled, generator=self.gen)
         return out.long()
+
+    def _radix_topk(self, probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """FlashInfer's radix top-k (one pass over the row, where torch.topk runs several kernels)."""
+        vals, ids = self.fi_topk.top_k(probs, k, sorted=True)
+        return vals, ids
 
 
 def logprobs_of(
