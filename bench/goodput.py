@@ -7,6 +7,7 @@ never sent or that failed count as misses, so a run cut short cannot look better
 
   python bench/goodput.py RESULTS_DIR [--target 0.9] [--plot goodput.png] [--out goodput.json]
   python bench/goodput.py "1/4 share=DIR1" "1/2 share=DIR2" ... --plot grid.png   (one panel per setting)
+  python bench/goodput.py DIR --model hot     (one model of multi-model runs: bench/weaver_e2e.sh RATES=...)
 
 With several folders (each optionally TITLE=DIR), each is one setting: a table each, and the plot has
 one panel per setting; `--out` then maps each title to its runs.
@@ -43,10 +44,20 @@ class Point:
         return self.both_met / self.scheduled if self.scheduled else 0.0
 
 
-def point_from_report(label: str, rate: float, report: dict[str, Any]) -> Point:
-    m = report["metrics"]
-    sent = int(m["sent"])
-    scheduled = int(report["workload"].get("scheduled", sent))
+def point_from_report(label: str, rate: float, report: dict[str, Any], model: str | None = None) -> Point:
+    """`model`: that model's requests alone (a multi-model run's `per_model` section); the requests the
+    client never sent count as misses of every model, not knowing whose they were."""
+    if model is None:
+        m = report["metrics"]
+        sent = int(m["sent"])
+        scheduled = int(report["workload"].get("scheduled", sent))
+    else:
+        per_model = report.get("per_model") or {}
+        if model not in per_model:
+            raise KeyError(model)
+        m = per_model[model]
+        sent = int(m["sent"])
+        scheduled = sent + int(report["workload"].get("not_sent", 0))
     both = m["slo"]["both_attainment"]
     if both is None:
         raise ValueError(f"{label} at {rate}: the run set no SLO (pass --ttft-slo/--tbt-slo to serving.py)")
@@ -61,15 +72,21 @@ def point_from_report(label: str, rate: float, report: dict[str, Any]) -> Point:
     )
 
 
-def load(results_dir: Path) -> dict[str, list[Point]]:
-    """Every sweep report in the folder, grouped by run label, sorted by rate."""
+def load(results_dir: Path, model: str | None = None) -> dict[str, list[Point]]:
+    """Every sweep report in the folder, grouped by run label, sorted by rate (of `model` alone if given)."""
     runs: dict[str, list[Point]] = {}
     for path in sorted(results_dir.glob("gp_*.json")):
         match = NAME.match(path.name)
         if match is None:
             continue
         label, rate = match["label"], float(match["rate"])
-        runs.setdefault(label, []).append(point_from_report(label, rate, json.loads(path.read_text())))
+        try:
+            runs.setdefault(label, []).append(point_from_report(label, rate, json.loads(path.read_text()), model))
+        except KeyError:  # the model had no request at this point (a small share of a short one)
+            continue
+    if model is not None and not any(runs.values()):
+        raise ValueError(f"no report in {results_dir} has requests of model {model!r}")
+    runs = {label: pts for label, pts in runs.items() if pts}
     for points in runs.values():
         points.sort(key=lambda p: p.rate)
     return runs
@@ -135,11 +152,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", type=float, default=0.9, help="attainment that counts as meeting the SLOs")
     p.add_argument("--plot", type=Path, default=None, help="PNG of attainment against rate")
     p.add_argument("--out", type=Path, default=None, help="JSON with every point and each run's goodput")
+    p.add_argument("--model", default=None,
+                   help="one model's requests of multi-model runs (weaver_e2e.sh's hot or cold), not all of them")
     args = p.parse_args(argv)
     panels: dict[str, dict[str, list[Point]]] = {}
     for spec in args.results_dir:
         title, sep, folder = spec.rpartition("=")
-        runs = load(Path(folder))
+        try:
+            runs = load(Path(folder), args.model)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         if not runs:
             print(f"error: no gp_<label>_r<rate>.json reports in {folder}", file=sys.stderr)
             return 2

@@ -17,7 +17,11 @@
 #      GPU under MPS), BW_SHARE (0.5) and B_MAX (256): the adrenaline policy's bandwidth_share and b_max
 #      (a prefill worker's GPU is compute-bound, so most of its HBM bandwidth is idle: try 0.8-1.0),
 #      RESERVED_SMS (the prefill worker's executor_reserved_sms in the offloading runs; empty: none),
-#      WORKER_ARGS (more server arguments for every worker, in YAML flow form, e.g. "step_log_interval_s: 5").
+#      WORKER_ARGS (more server arguments for every worker, in YAML flow form, e.g. "step_log_interval_s: 5"),
+#      PREFILL_MEM / DECODE_MEM (a fair pool: mem_fraction_static of the worker's GPU instead of
+#      PREFILL_TOKENS / DECODE_TOKENS, e.g. 0.9; the executor's EXEC_GB comes out of the prefill worker's share),
+#      RATES (a rate sweep on one cluster per run, fresh trace rows per rate, gp_pd-<run>_r<rate>.json for
+#      `bench/goodput.py OUT`; unset: the single RATE), TRACE (azure-conv).
 # On the two-GPU kind keep NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 set.
 set -uo pipefail
 source "$(dirname "$0")/cluster_run.sh"
@@ -40,8 +44,10 @@ for run in $runs; do
     echo "    args: {${fmt%, }}"
     echo "    slo: {ttft_ms: $(ms "$TTFT"), tpot_ms: $(ms "$TBT")}"
     echo "    workers:"
-    echo "      - {id: prefill-0, device: ${PREFILL_DEV:-cuda:0}, role: prefill, max_total_tokens: ${PREFILL_TOKENS:-65536}, args: {executor_mem_gb: ${EXEC_GB:-32}$part}$env}"
-    echo "      - {id: decode-0, device: ${DECODE_DEV:-cuda:1}, role: decode, max_total_tokens: ${DECODE_TOKENS:-32768}}"
+    ppool="max_total_tokens: ${PREFILL_TOKENS:-65536}"; [ -n "${PREFILL_MEM:-}" ] && ppool="mem_fraction_static: $PREFILL_MEM"
+    dpool="max_total_tokens: ${DECODE_TOKENS:-32768}"; [ -n "${DECODE_MEM:-}" ] && dpool="mem_fraction_static: $DECODE_MEM"
+    echo "      - {id: prefill-0, device: ${PREFILL_DEV:-cuda:0}, role: prefill, $ppool, args: {executor_mem_gb: ${EXEC_GB:-32}$part}$env}"
+    echo "      - {id: decode-0, device: ${DECODE_DEV:-cuda:1}, role: decode, $dpool}"
     case $run in
       fixed) echo "offload: [{from: m, to: m, policy: fixed, ratio: ${RATIO:-0.5}}]" ;;
       adrenaline) echo "offload: [{from: m, to: m, policy: adrenaline, adrenaline: {bandwidth_share: ${BW_SHARE:-0.5}, b_max: ${B_MAX:-256}}}]" ;;
@@ -50,11 +56,17 @@ for run in $runs; do
   } > "$cfg"
   cluster_up "$cfg" "$OUT/pd_router_$run.log" "$PORT"
   echo "== $run (ready=$READY)"
-  timeout -s KILL $(( ${MAXDUR:-120} + 120 )) python3 bench/serving.py --trace azure-conv --num-requests "$N" \
-    --arrival "${ARRIVAL:-poisson}" ${RAMP_ARGS:-} --traces-dir "${TRACES:-bench/data/traces}" --request-rate "$RATE" \
-    --max-input-len "${MAX_IN:-2048}" --max-output-len "${MAX_OUT:-256}" --ttft-slo "$TTFT" --tbt-slo "$TBT" \
-    --tbt-stat "${TBT_STAT:-mean}" --vocab-size "${VOCAB:-32000}" --base-url "http://127.0.0.1:$PORT" \
-    --max-duration "${MAXDUR:-120}" --disable-tqdm --output-json "$OUT/pd_$run.json" 2>&1 | tail -30 | tee "$OUT/pd_$run.log"
+  offset=0
+  for rate in ${RATES:-$RATE}; do
+    out=pd_$run; n=$N
+    if [ -n "${RATES:-}" ]; then out=gp_pd-${run}_r$rate; n=$(python3 -c "print(max(8, round($rate*${SECONDS_PER_RATE:-30})))"); fi
+    timeout -s KILL $(( ${MAXDUR:-120} + 120 )) python3 bench/serving.py --trace "${TRACE:-azure-conv}" --num-requests "$n" \
+      --trace-offset "$offset" --arrival "${ARRIVAL:-poisson}" ${RAMP_ARGS:-} --traces-dir "${TRACES:-bench/data/traces}" \
+      --request-rate "$rate" --max-input-len "${MAX_IN:-2048}" --max-output-len "${MAX_OUT:-256}" --ttft-slo "$TTFT" \
+      --tbt-slo "$TBT" --tbt-stat "${TBT_STAT:-mean}" --vocab-size "${VOCAB:-32000}" --base-url "http://127.0.0.1:$PORT" \
+      --max-duration "${MAXDUR:-120}" --disable-tqdm --output-json "$OUT/$out.json" 2>&1 | tail -30 | tee "$OUT/$out.log"
+    offset=$((offset + n))
+  done
   cluster_scrape "$PORT" "^sglang_ext:(offload|offloaded|executor|slo|kv_transfer|disagg)" "$OUT/pd_metrics_$run.txt" "$OUT/pd_info_$run.json"
   cluster_down
 done

@@ -15,7 +15,11 @@
 #      ARRIVAL (poisson | ramp: RATE is then the peak of a ServeGen rate series, shaped by RAMP_ARGS, e.g.
 #      "--ramp-windows 144 --ramp-window-s 1": a day in 144 s), RESERVED_SMS (the cold worker's
 #      executor_reserved_sms in the offloading runs: its model runs on the other SMs; empty: none), WORKER_ARGS
-#      (more server arguments for every worker, in YAML flow form, e.g. "step_log_interval_s: 5"). Plot the
+#      (more server arguments for every worker, in YAML flow form, e.g. "step_log_interval_s: 5"),
+#      HOT_MEM / COLD_MEM (a fair pool: mem_fraction_static of the worker's GPU instead of HOT_TOKENS /
+#      COLD_TOKENS, e.g. 0.9 = the whole GPU; the executor's EXEC_GB comes out of the cold worker's share),
+#      RATES (a rate sweep on one cluster per run: each rate replays fresh trace rows and writes
+#      gp_weaver-<run>_r<rate>.json, for `bench/goodput.py OUT --model hot`; unset: the single RATE). Plot the
 #      runs' SLO attainment over time with
 #      python bench/plot_slo_timeline.py fixed=OUT/weaver_fixed.json adaptive=OUT/weaver_adaptive.json
 # On the two-GPU kind keep NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 set.
@@ -38,13 +42,15 @@ for run in $runs; do
     echo "models:"
     echo "  - name: hot"
     [ -n "$path" ] && echo "$path"
-    echo "    args: {${fmt}max_total_tokens: ${HOT_TOKENS:-32768}}"
+    hot_pool="max_total_tokens: ${HOT_TOKENS:-32768}"; [ -n "${HOT_MEM:-}" ] && hot_pool="mem_fraction_static: $HOT_MEM"
+    cold_pool="max_total_tokens: ${COLD_TOKENS:-65536}"; [ -n "${COLD_MEM:-}" ] && cold_pool="mem_fraction_static: $COLD_MEM"
+    echo "    args: {${fmt}$hot_pool}"
     echo "    slo: {ttft_ms: $(ms "$TTFT"), tpot_ms: $(ms "$TBT")}"
     echo "    workers: [{id: hot-0, device: ${HOT_DEV:-cuda:0}, role: hot}]"
     echo "  - name: cold"
     [ -n "$path" ] && echo "$path"
     part=""; [ -n "${RESERVED_SMS:-}" ] && [ "$run" != dedicated ] && part=", executor_reserved_sms: $RESERVED_SMS"
-    echo "    args: {${fmt}max_total_tokens: ${COLD_TOKENS:-65536}, executor_mem_gb: ${EXEC_GB:-32}$part}"
+    echo "    args: {${fmt}$cold_pool, executor_mem_gb: ${EXEC_GB:-32}$part}"
     echo "    slo: {ttft_ms: $(ms "$TTFT"), tpot_ms: $(ms "$TBT")}"
     echo "    workers: [{id: cold-0, device: ${COLD_DEV:-cuda:1}, role: cold}]"
     case $run in
@@ -54,13 +60,20 @@ for run in $runs; do
   } > "$cfg"
   cluster_up "$cfg" "$OUT/weaver_router_$run.log" "$PORT"
   echo "== $run (ready=$READY)"
-  timeout -s KILL $(( ${MAXDUR:-120} + 120 )) python3 bench/serving.py --trace azure-conv --num-requests "$N" --arrival "${ARRIVAL:-poisson}" ${RAMP_ARGS:-} \
-    --traces-dir "${TRACES:-bench/data/traces}" --request-rate "$RATE" --models hot,cold \
-    --model-weights "$HOT_SHARE,$(python3 -c "print(round(1-$HOT_SHARE, 6))")" \
-    --max-input-len "${MAX_IN:-2048}" --max-output-len "${MAX_OUT:-256}" --ttft-slo "$TTFT" --tbt-slo "$TBT" \
-    --tbt-stat "${TBT_STAT:-mean}" --vocab-size "${VOCAB:-32000}" --base-url "http://127.0.0.1:$PORT" \
-    --max-duration "${MAXDUR:-120}" --disable-tqdm --output-json "$OUT/weaver_$run.json" 2>&1 \
-    | tail -60 | tee "$OUT/weaver_$run.log"
+  offset=0
+  for rate in ${RATES:-$RATE}; do
+    out=weaver_$run; n=$N
+    if [ -n "${RATES:-}" ]; then out=gp_weaver-${run}_r$rate; n=$(python3 -c "print(max(8, round($rate*${SECONDS_PER_RATE:-30})))"); fi
+    timeout -s KILL $(( ${MAXDUR:-120} + 120 )) python3 bench/serving.py --trace "${TRACE:-azure-conv}" --num-requests "$n" \
+      --trace-offset "$offset" --arrival "${ARRIVAL:-poisson}" ${RAMP_ARGS:-} \
+      --traces-dir "${TRACES:-bench/data/traces}" --request-rate "$rate" --models hot,cold \
+      --model-weights "$HOT_SHARE,$(python3 -c "print(round(1-$HOT_SHARE, 6))")" \
+      --max-input-len "${MAX_IN:-2048}" --max-output-len "${MAX_OUT:-256}" --ttft-slo "$TTFT" --tbt-slo "$TBT" \
+      --tbt-stat "${TBT_STAT:-mean}" --vocab-size "${VOCAB:-32000}" --base-url "http://127.0.0.1:$PORT" \
+      --max-duration "${MAXDUR:-120}" --disable-tqdm --output-json "$OUT/$out.json" 2>&1 \
+      | tail -60 | tee "$OUT/$out.log"
+    offset=$((offset + n))
+  done
   cluster_scrape "$PORT" "^sglang_ext:(offload|offloaded|executor|slo|num_running|kv_used)" "$OUT/weaver_metrics_$run.txt" "$OUT/weaver_info_$run.json"
   cluster_down
 done

@@ -71,3 +71,24 @@ def test_cli_several_settings_one_panel_each(tmp_path: Path, capsys) -> None:
     assert doc["1/2 share"]["fcfs-recompute"]["goodput_rps"] == 0.0
     assert png.stat().st_size > 0
     assert main([f"x={tmp_path / 'none'}"]) == 2
+
+
+def test_one_model_of_a_multi_model_run(tmp_path: Path, capsys) -> None:
+    """--model: that model's attainment (weaver_e2e.sh's hot model), unsent requests counted as its misses."""
+    def per(sent: int, both: float) -> dict[str, object]:
+        return {"sent": sent, "request_throughput_rps": 1.0, "ttft_ms": {"p99": 1.0}, "tpot_ms": {"p99": 1.0},
+                "slo": {"both_attainment": both}}
+
+    for rate, hot, cold in ((4, 1.0, 1.0), (8, 0.8, 1.0)):
+        report = {**_report(20, 21, 0.9), "workload": {"scheduled": 21, "not_sent": 1},
+                  "per_model": {"hot": per(18, hot), "cold": per(2, cold)}}
+        (tmp_path / f"gp_weaver-fixed_r{rate}.json").write_text(json.dumps(report))
+    only_hot = {**_report(5, 5, 1.0), "workload": {"scheduled": 5, "not_sent": 0}, "per_model": {"hot": per(5, 1.0)}}
+    (tmp_path / "gp_weaver-fixed_r1.json").write_text(json.dumps(only_hot))
+    assert [p.rate for p in load(tmp_path, "cold")["weaver-fixed"]] == [4, 8]  # no cold request at 1 req/s
+    hot = load(tmp_path, "hot")["weaver-fixed"][1:]
+    assert [p.scheduled for p in hot] == [19, 19] and [p.both_met for p in hot] == [18, 14]
+    assert goodput(hot, 0.9) == 4.0
+    assert goodput(load(tmp_path, "cold")["weaver-fixed"], 0.9) == 0.0  # 2 of 3 (the unsent one counts)
+    assert main([str(tmp_path), "--model", "warm"]) == 2
+    assert "of model 'warm'" in capsys.readouterr().err
