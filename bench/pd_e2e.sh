@@ -8,7 +8,10 @@
 # bound), adaptive (steered by the prefill worker's P99 TTFT against TTFT).
 # Each run writes pd_<run>.json / .log, pd_metrics_<run>.txt, pd_info_<run>.json, pd_router_<run>.log and
 # pd_cluster_<run>.yaml to OUT.
-# Env: RATE (req/s, 16), N (600), DECODE_TOKENS (decode worker's KV pool, 32768), PREFILL_TOKENS (65536),
+# Env: RATE (req/s, 16), N (600), PREFILL_MEM / DECODE_MEM (each worker's mem_fraction_static of its GPU, 0.9:
+#      the whole GPU, so no baseline runs starved; the executor's EXEC_GB comes out of the prefill worker's
+#      share), PREFILL_TOKENS / DECODE_TOKENS (a pool of that many tokens instead, as the runs before
+#      2026-12-02, whose defaults were 65536 / 32768),
 #      EXEC_GB (executor memory the prefill worker offers, 32), RATIO (0.5; adaptive: the start), MAX_RATIO
 #      (adaptive's max_ratio, 1.0), TTFT (s, 2), TBT (s, 0.1),
 #      MAXDUR (s, 120), MODEL (preset:llama-3-8b; empty: the embedded model), PREFILL_DEV (cuda:0),
@@ -18,8 +21,6 @@
 #      (a prefill worker's GPU is compute-bound, so most of its HBM bandwidth is idle: try 0.8-1.0),
 #      RESERVED_SMS (the prefill worker's executor_reserved_sms in the offloading runs; empty: none),
 #      WORKER_ARGS (more server arguments for every worker, in YAML flow form, e.g. "step_log_interval_s: 5"),
-#      PREFILL_MEM / DECODE_MEM (a fair pool: mem_fraction_static of the worker's GPU instead of
-#      PREFILL_TOKENS / DECODE_TOKENS, e.g. 0.9; the executor's EXEC_GB comes out of the prefill worker's share),
 #      RATES (a rate sweep on one cluster per run, fresh trace rows per rate, gp_pd-<run>_r<rate>.json for
 #      `bench/goodput.py OUT`; unset: the single RATE), TRACE (azure-conv).
 # On the two-GPU kind keep NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 set.
@@ -44,8 +45,8 @@ for run in $runs; do
     echo "    args: {${fmt%, }}"
     echo "    slo: {ttft_ms: $(ms "$TTFT"), tpot_ms: $(ms "$TBT")}"
     echo "    workers:"
-    ppool="max_total_tokens: ${PREFILL_TOKENS:-65536}"; [ -n "${PREFILL_MEM:-}" ] && ppool="mem_fraction_static: $PREFILL_MEM"
-    dpool="max_total_tokens: ${DECODE_TOKENS:-32768}"; [ -n "${DECODE_MEM:-}" ] && dpool="mem_fraction_static: $DECODE_MEM"
+    ppool="mem_fraction_static: ${PREFILL_MEM:-0.9}"; [ -n "${PREFILL_TOKENS:-}" ] && ppool="max_total_tokens: $PREFILL_TOKENS"
+    dpool="mem_fraction_static: ${DECODE_MEM:-0.9}"; [ -n "${DECODE_TOKENS:-}" ] && dpool="max_total_tokens: $DECODE_TOKENS"
     echo "      - {id: prefill-0, device: ${PREFILL_DEV:-cuda:0}, role: prefill, $ppool, args: {executor_mem_gb: ${EXEC_GB:-32}$part}$env}"
     echo "      - {id: decode-0, device: ${DECODE_DEV:-cuda:1}, role: decode, $dpool}"
     case $run in

@@ -8,16 +8,16 @@
 # RATIO, bounded by MAX_RATIO, steered by the cold model's P99 TPOT against TBT).
 # Each run writes weaver_<run>.json / .log, weaver_metrics_<run>.txt, weaver_info_<run>.json,
 # weaver_router_<run>.log and weaver_cluster_<run>.yaml to OUT.
-# Env: RATE (total req/s, 16), N (requests, 600), HOT_SHARE (0.9), HOT_TOKENS (hot KV pool tokens, 32768),
-#      COLD_TOKENS (65536), EXEC_GB (executor memory the cold worker offers, 32), RATIO (0.45),
+# Env: RATE (total req/s, 16), N (requests, 600), HOT_SHARE (0.9), HOT_MEM / COLD_MEM (each worker's
+#      mem_fraction_static of its GPU, 0.9: the whole GPU, so no baseline runs starved; the executor's EXEC_GB
+#      comes out of the cold worker's share), HOT_TOKENS / COLD_TOKENS (a pool of that many tokens instead,
+#      as the runs before 2026-12-02, whose defaults were 32768 / 65536), EXEC_GB (executor memory the cold worker offers, 32), RATIO (0.45),
 #      MAX_RATIO (0.6), TTFT (s, 2), TBT (s, 0.1), MAXDUR (s, 120), MODEL (preset:llama-3-8b; empty: the
 #      embedded model), HOT_DEV (cuda:0), COLD_DEV (cuda:1), DTYPE (bfloat16), TRACES, OUT, PORT (31100),
 #      ARRIVAL (poisson | ramp: RATE is then the peak of a ServeGen rate series, shaped by RAMP_ARGS, e.g.
 #      "--ramp-windows 144 --ramp-window-s 1": a day in 144 s), RESERVED_SMS (the cold worker's
 #      executor_reserved_sms in the offloading runs: its model runs on the other SMs; empty: none), WORKER_ARGS
 #      (more server arguments for every worker, in YAML flow form, e.g. "step_log_interval_s: 5"),
-#      HOT_MEM / COLD_MEM (a fair pool: mem_fraction_static of the worker's GPU instead of HOT_TOKENS /
-#      COLD_TOKENS, e.g. 0.9 = the whole GPU; the executor's EXEC_GB comes out of the cold worker's share),
 #      RATES (a rate sweep on one cluster per run: each rate replays fresh trace rows and writes
 #      gp_weaver-<run>_r<rate>.json, for `bench/goodput.py OUT --model hot`; unset: the single RATE). Plot the
 #      runs' SLO attainment over time with
@@ -42,8 +42,8 @@ for run in $runs; do
     echo "models:"
     echo "  - name: hot"
     [ -n "$path" ] && echo "$path"
-    hot_pool="max_total_tokens: ${HOT_TOKENS:-32768}"; [ -n "${HOT_MEM:-}" ] && hot_pool="mem_fraction_static: $HOT_MEM"
-    cold_pool="max_total_tokens: ${COLD_TOKENS:-65536}"; [ -n "${COLD_MEM:-}" ] && cold_pool="mem_fraction_static: $COLD_MEM"
+    hot_pool="mem_fraction_static: ${HOT_MEM:-0.9}"; [ -n "${HOT_TOKENS:-}" ] && hot_pool="max_total_tokens: $HOT_TOKENS"
+    cold_pool="mem_fraction_static: ${COLD_MEM:-0.9}"; [ -n "${COLD_TOKENS:-}" ] && cold_pool="max_total_tokens: $COLD_TOKENS"
     echo "    args: {${fmt}$hot_pool}"
     echo "    slo: {ttft_ms: $(ms "$TTFT"), tpot_ms: $(ms "$TBT")}"
     echo "    workers: [{id: hot-0, device: ${HOT_DEV:-cuda:0}, role: hot}]"
