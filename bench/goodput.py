@@ -8,6 +8,7 @@ never sent or that failed count as misses, so a run cut short cannot look better
   python bench/goodput.py RESULTS_DIR [--target 0.9] [--plot goodput.png] [--out goodput.json]
   python bench/goodput.py "1/4 share=DIR1" "1/2 share=DIR2" ... --plot grid.png   (one panel per setting)
   python bench/goodput.py DIR --model hot     (one model of multi-model runs: bench/weaver_e2e.sh RATES=...)
+  python bench/goodput.py DIR --ttft-slo 2 --tpot-slo 0.1   (the same runs scored against other SLOs)
 
 With several folders (each optionally TITLE=DIR), each is one setting: a table each, and the plot has
 one panel per setting; `--out` then maps each title to its runs.
@@ -23,6 +24,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository's bench package
+
+from bench.metrics import SloConfig, meets
 
 NAME = re.compile(r"^gp_(?P<label>.+)_r(?P<rate>[0-9.]+)\.json$")
 
@@ -44,9 +49,13 @@ class Point:
         return self.both_met / self.scheduled if self.scheduled else 0.0
 
 
-def point_from_report(label: str, rate: float, report: dict[str, Any], model: str | None = None) -> Point:
+def point_from_report(label: str, rate: float, report: dict[str, Any], model: str | None = None,
+                      slo: SloConfig | None = None) -> Point:
     """`model`: that model's requests alone (a multi-model run's `per_model` section); the requests the
-    client never sent count as misses of every model, not knowing whose they were."""
+    client never sent count as misses of every model, not knowing whose they were. `slo`: score the
+    report's per-request `slo_records` against these SLOs instead of the ones the run used."""
+    if slo is not None:
+        return _rescored(label, rate, report, model, slo)
     if model is None:
         m = report["metrics"]
         sent = int(m["sent"])
@@ -72,8 +81,26 @@ def point_from_report(label: str, rate: float, report: dict[str, Any], model: st
     )
 
 
-def load(results_dir: Path, model: str | None = None) -> dict[str, list[Point]]:
-    """Every sweep report in the folder, grouped by run label, sorted by rate (of `model` alone if given)."""
+def _rescored(label: str, rate: float, report: dict[str, Any], model: str | None, slo: SloConfig) -> Point:
+    records = report.get("slo_records")
+    if records is None:
+        raise ValueError(f"{label} at {rate}: the report has no slo_records (written by serving.py since "
+                         "2026-12-02) to score against other SLOs")
+    mine = [r for r in records if model is None or r[0] == model]
+    if model is not None and not mine:
+        raise KeyError(model)
+    work = report["workload"]
+    sent = len(mine)
+    scheduled = sent + int(work.get("not_sent", 0)) if model is not None else int(work.get("scheduled", sent))
+    m = report["per_model"][model] if model is not None else report["metrics"]
+    return Point(label=label, rate=rate, scheduled=scheduled, both_met=sum(meets(r, slo) for r in mine),
+                 throughput_rps=float(m["request_throughput_rps"] or 0.0), ttft_p99_ms=m["ttft_ms"].get("p99"),
+                 tpot_p99_ms=m["tpot_ms"].get("p99"))
+
+
+def load(results_dir: Path, model: str | None = None, slo: SloConfig | None = None) -> dict[str, list[Point]]:
+    """Every sweep report in the folder, grouped by run label, sorted by rate (of `model` alone if given,
+    scored against `slo` if given)."""
     runs: dict[str, list[Point]] = {}
     for path in sorted(results_dir.glob("gp_*.json")):
         match = NAME.match(path.name)
@@ -81,7 +108,7 @@ def load(results_dir: Path, model: str | None = None) -> dict[str, list[Point]]:
             continue
         label, rate = match["label"], float(match["rate"])
         try:
-            runs.setdefault(label, []).append(point_from_report(label, rate, json.loads(path.read_text()), model))
+            runs.setdefault(label, []).append(point_from_report(label, rate, json.loads(path.read_text()), model, slo))
         except KeyError:  # the model had no request at this point (a small share of a short one)
             continue
     if model is not None and not any(runs.values()):
@@ -154,12 +181,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="JSON with every point and each run's goodput")
     p.add_argument("--model", default=None,
                    help="one model's requests of multi-model runs (weaver_e2e.sh's hot or cold), not all of them")
+    p.add_argument("--ttft-slo", type=float, default=None, metavar="S",
+                   help="score against this TTFT SLO (and --tpot-slo) instead of the run's own, from the reports' "
+                        "per-request slo_records")
+    p.add_argument("--tpot-slo", type=float, default=None, metavar="S", help="see --ttft-slo")
+    p.add_argument("--tbt-stat", default="mean", choices=["mean", "p99", "max"],
+                   help="what --tpot-slo bounds per request: its TPOT (mean gap, the default), P99 or max gap")
     args = p.parse_args(argv)
+    slo = (SloConfig(args.ttft_slo, args.tpot_slo, args.tbt_stat)
+           if args.ttft_slo is not None or args.tpot_slo is not None else None)
     panels: dict[str, dict[str, list[Point]]] = {}
     for spec in args.results_dir:
         title, sep, folder = spec.rpartition("=")
         try:
-            runs = load(Path(folder), args.model)
+            runs = load(Path(folder), args.model, slo)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

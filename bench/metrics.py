@@ -18,6 +18,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -124,6 +125,27 @@ def slo_attainment(results: Sequence[RequestResult], slo: SloConfig, duration_s:
         "goodput_rps": n_both / duration_s if any_set and duration_s > 0 else None,
         "definition": slo.definition(),
     }
+
+
+SloRecord = tuple[str | None, bool, float | None, float | None, float | None, float | None]
+
+
+def slo_records(results: Sequence[RequestResult]) -> list[SloRecord]:
+    """Per request (model, success, TTFT, TPOT, P99 and max inter-token gap), in seconds: what scoring it
+    against any TTFT / TBT SLO later needs (`meets`), in a few numbers instead of its whole record."""
+    return [(r.model, r.success, r.ttft_s, request_tbt(r, "mean"), request_tbt(r, "p99"), request_tbt(r, "max"))
+            for r in results]
+
+
+_TBT_FIELD = {"mean": 3, "p99": 4, "max": 5}
+
+
+def meets(record: Sequence[Any], slo: SloConfig) -> bool:
+    """Whether a `slo_records` entry meets every SLO of `slo` (the rules of `slo_attainment`)."""
+    success, ttft, tbt = bool(record[1]), record[2], record[_TBT_FIELD[slo.tbt_stat]]
+    ttft_ok = slo.ttft_s is None or (ttft is not None and ttft <= slo.ttft_s)
+    tbt_ok = slo.tbt_s is None or tbt is None or tbt <= slo.tbt_s
+    return success and ttft_ok and tbt_ok
 
 
 def compute_metrics(results: Sequence[RequestResult], duration_s: float, slo: SloConfig) -> dict[str, object]:

@@ -369,6 +369,7 @@ def build_report(
         "metrics": M.compute_metrics(results, duration, slo),
         "per_model": M.per_model_metrics(results, duration, slo) if len(args.models) > 1 else {},
         "errors": M.error_counts(results),
+        "slo_records": M.slo_records(results),  # bench/goodput.py scores them against other SLOs
         "timeline": M.timeline(results, duration),
         "slo_timeline": M.slo_timeline(results, duration, slo),
     }

@@ -92,3 +92,21 @@ def test_one_model_of_a_multi_model_run(tmp_path: Path, capsys) -> None:
     assert goodput(load(tmp_path, "cold")["weaver-fixed"], 0.9) == 0.0  # 2 of 3 (the unsent one counts)
     assert main([str(tmp_path), "--model", "warm"]) == 2
     assert "of model 'warm'" in capsys.readouterr().err
+
+
+def test_runs_scored_against_other_slos(tmp_path: Path, capsys) -> None:
+    """--ttft-slo / --tpot-slo: the reports' per-request records scored anew (one sweep, two SLO settings)."""
+    records = [["m", True, 1.0, 0.05, 0.1, 0.2], ["m", True, 3.0, 0.05, 0.1, 0.2], ["m", True, 4.0, 0.2, 0.3, 0.4],
+               ["m", False, None, None, None, None]]
+    report = {**_report(4, 5, 0.5), "slo_records": records}
+    (tmp_path / "gp_lvf-rotate_r6.json").write_text(json.dumps(report))
+    assert main([str(tmp_path), "--ttft-slo", "5", "--tpot-slo", "0.1", "--out", str(tmp_path / "a.json")]) == 0
+    point = json.loads((tmp_path / "a.json").read_text())["runs"]["lvf-rotate"]["points"][0]
+    assert (point["both_met"], point["scheduled"]) == (2, 5)  # the unsent fifth counts as a miss
+    assert main([str(tmp_path), "--ttft-slo", "2", "--tpot-slo", "0.1", "--out", str(tmp_path / "b.json")]) == 0
+    assert json.loads((tmp_path / "b.json").read_text())["runs"]["lvf-rotate"]["points"][0]["both_met"] == 1
+    assert main([str(tmp_path), "--tpot-slo", "0.25", "--tbt-stat", "max", "--out", str(tmp_path / "c.json")]) == 0
+    assert json.loads((tmp_path / "c.json").read_text())["runs"]["lvf-rotate"]["points"][0]["both_met"] == 2
+    (tmp_path / "gp_old_r6.json").write_text(json.dumps(_report(4, 4, 1.0)))  # before slo_records
+    assert main([str(tmp_path), "--ttft-slo", "2"]) == 2
+    assert "no slo_records" in capsys.readouterr().err

@@ -18,7 +18,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import serving
 from bench.backends import check_base_url, is_loopback_url
-from bench.metrics import RequestResult, SloConfig, compute_metrics, request_tbt, tpot
+from bench.metrics import (
+    RequestResult,
+    SloConfig,
+    compute_metrics,
+    meets,
+    request_tbt,
+    slo_attainment,
+    slo_records,
+    tpot,
+)
 from bench.traces import (
     PromptBuilder,
     TraceRow,
@@ -271,6 +280,19 @@ def test_metrics_math() -> None:
     assert slo["both_attainment"] == 0.25 and slo["goodput_rps"] == pytest.approx(0.5)
     p99 = compute_metrics([a], 1.0, SloConfig(tbt_s=0.1, tbt_stat="p99"))["slo"]
     assert p99["tbt_attainment"] == 0.0  # p99 of [0.01, 0.01, 0.5] interpolates to ~0.49
+
+
+@pytest.mark.parametrize("slo", [SloConfig(ttft_s=0.25, tbt_s=0.1, tbt_stat="max"),
+                                 SloConfig(ttft_s=0.15, tbt_s=0.2, tbt_stat="mean"),
+                                 SloConfig(tbt_s=0.1, tbt_stat="p99"), SloConfig(ttft_s=0.2)])
+def test_slo_records_score_as_the_full_results(slo: SloConfig) -> None:
+    """The compact per-request records a report keeps give the same attainment as the full results."""
+    rs = [_result(0.1, [0.01, 0.01, 0.5], 4), _result(0.3, [0.02] * 200, 201), _result(0.2, [], 1),
+          _result(0.0, [], 0, ok=False), _result(0.12, [0.15, 0.15], 3)]
+    records = slo_records(rs)
+    want = slo_attainment(rs, slo, 1.0)["both_attainment"]
+    assert sum(meets(r, slo) for r in records) / len(rs) == pytest.approx(want)
+    assert json.loads(json.dumps(records))[0][:3] == [None, True, 0.1]  # what a report holds
 
 
 # ------------------------------------------------------------------------------------------- workloads
