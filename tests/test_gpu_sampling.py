@@ -27,6 +27,18 @@ def _draw(sampler: Sampler, logits: torch.Tensor, params: list[SamplingParams], 
     return sampler.sample(logits, sb).tolist()
 
 
+def _sample_without_sync(sampler: Sampler, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """One step after a warm-up (JIT, allocator), under torch's sync debug mode: it raises on any
+    synchronising call."""
+    sampler.sample(logits, sampler.batch(rows))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return sampler.sample(logits, sampler.batch(rows))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 @pytest.mark.parametrize("kw", [
     {"temperature": 1.0},
     {"temperature": 0.8, "top_p": 0.6},
@@ -69,13 +81,7 @@ def test_window_draw_never_syncs_the_host() -> None:
     rows = [SampleRow(SamplingParams(temperature=0.8, top_p=0.9, top_k=50), 0) for _ in range(8)]
     logits = torch.randn(8, 128256, device="cuda")
     assert sampler.batch(rows).fast_in_window
-    sampler.sample(logits, sampler.batch(rows))  # warm-up (JIT, allocator)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        tokens = sampler.sample(logits, sampler.batch(rows))
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    tokens = _sample_without_sync(sampler, logits, rows)
     top50 = torch.topk(logits, 50, dim=-1).indices
     assert bool((top50 == tokens.unsqueeze(1)).any(dim=1).all())  # every token within its row's top 50
 
@@ -111,12 +117,5 @@ def test_sampling_never_syncs_the_host() -> None:
             SampleRow(SamplingParams(temperature=0.9, top_p=0.8, seed=3, logit_bias={"5": 1.0}), 0, (2,)),
             SampleRow(SamplingParams(temperature=0.7, min_p=0.1), 0),
             SampleRow(SamplingParams(temperature=0.0), 0)]
-    logits = torch.randn(4, 128256, device="cuda")
-    sampler.sample(logits, sampler.batch(rows))  # warm-up (JIT, allocator)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        tokens = sampler.sample(logits, sampler.batch(rows))
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    tokens = _sample_without_sync(sampler, torch.randn(4, 128256, device="cuda"), rows)
     assert tokens.is_cuda and tokens.shape == (4,)

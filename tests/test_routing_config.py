@@ -104,6 +104,7 @@ def test_url_workers(tmp_path: Path) -> None:
     ({"url": "http://h:1", "upstream": {"health_interval_s": 0}}, r"> 0.0 - at .*health_interval_s"),
     ({"url": "http://h:1", "upstream": {"api_key_file": "/nonexistent/key"}}, r"api_key_file: cannot read it"),
     ({"url": "http://h:1", "upstream": {"helth_path": "/x"}}, r"unknown field `helth_path`"),
+    ({"url": "http://h:1", "upstream": {"return_token_ids": "yes"}}, r"Expected `bool`.*return_token_ids"),
 ])
 def test_bad_url_worker_is_an_error_that_says_where(tmp_path: Path, worker: dict[str, Any], error: str) -> None:
     with pytest.raises(ConfigError, match=error):

@@ -69,11 +69,12 @@ def filter_threshold(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     A row with top-k never keeps more than its k largest, so when every top-p row has a top-k,
     the top-p boundary is looked for among the `max_top_k` largest only (no full sort): if it lies
     beyond them, the top-k threshold is the higher one anyway."""
-    t = torch.zeros(probs.shape[0], 1, dtype=probs.dtype, device=probs.device)
     top = torch.topk(probs, max_top_k, dim=-1).values if max_top_k > 0 else None  # sorted, as many as the largest k
     if top is not None or any_top_p:
         sorted_p = torch.sort(probs, dim=-1, descending=True)[0] if any_top_p and (top_p_sorts or top is None) else None
         t = sorted_threshold(top, sorted_p, top_k, top_p, max_top_k, any_top_p)
+    else:
+        t = torch.zeros(probs.shape[0], 1, dtype=probs.dtype, device=probs.device)
     if any_min_p:
         t = torch.maximum(t, min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values)
     return t
@@ -209,8 +210,7 @@ class Sampler:
 
     def _radix_topk(self, probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """FlashInfer's radix top-k (one pass over the row, where torch.topk runs several kernels)."""
-        vals, ids = self.fi_topk.top_k(probs, k, sorted=True)
-        return vals, ids
+        return self.fi_topk.top_k(probs, k, sorted=True)
 
 
 def logprobs_of(
