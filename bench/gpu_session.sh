@@ -32,7 +32,7 @@ for s in $steps; do
             2>&1 | tee "$OUT/gpu_serving.log" ;;
     bench) PYTHONPATH=$BASE:/tmp/fi timeout 360 python3 bench/offline.py --out "$OUT/offline.json" ${BENCH_ARGS:-} 2>&1 \
             | grep -v '^offline bench' | tee "$OUT/bench.log" ;;
-    sampling) PYTHONPATH=$BASE:/tmp/fi timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_sampling.py \
+    sampling) PYTHONPATH=$BASE:/tmp/fi timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_sampling.py tests/test_window_pick.py \
             2>&1 | tee "$OUT/gpu_sampling_test.log"
           PYTHONPATH=$BASE:/tmp/fi timeout 300 python3 bench/sampling.py --out "$OUT/sampling.json" ${SAMPLING_ARGS:-} 2>&1 \
             | tee "$OUT/sampling.log" ;;

@@ -129,13 +129,30 @@ def device_ops(once: Any) -> int | None:
         return None
 
 
+def kernel_table(sampler: Sampler, logits: torch.Tensor, params: SamplingParams, calls: int = 20) -> str:
+    """The kernels and copies of `calls` calls, by total device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rows = [SampleRow(params, 0) for _ in range(logits.shape[0])]
+    sampler.sample(logits, sampler.batch(rows))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            sampler.sample(logits, sampler.batch(rows))
+        torch.cuda.synchronize()
+    return str(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch-sizes", default="64,256")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out", default="sampling.json")
     p.add_argument("--top-k-window", type=int, default=0,
-                   help="also time the top-k window draw (Sampler(top_k_window=N)) on the mixes it takes")
+                   help="also time the top-k window draw (Sampler(top_k_window=N)) on the mixes it takes: "
+                        "+window with its last step one Triton kernel where Triton imports, +window_torch in torch")
+    p.add_argument("--profile", action="store_true",
+                   help="print each window row's kernels by device time (torch.profiler, 20 calls)")
     a = p.parse_args()
     res: dict[str, Any] = {"env": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                                    "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}, "rows": []}
@@ -149,6 +166,9 @@ def main() -> None:
     samplers = {"": Sampler(VOCAB, "cuda")}
     if a.top_k_window > 0:
         samplers["+window"] = Sampler(VOCAB, "cuda", top_k_window=a.top_k_window)
+        if samplers["+window"].fi_pick is not None:
+            samplers["+window_torch"] = Sampler(VOCAB, "cuda", top_k_window=a.top_k_window)
+            samplers["+window_torch"].fi_pick = None  # the same draw, its last step as torch ops
     g = torch.Generator(device="cuda").manual_seed(0)
     for dist, scale in (("randn", 1.0), ("peaked", 4.0)):
         for bs in (int(x) for x in a.batch_sizes.split(",")):
@@ -166,6 +186,8 @@ def main() -> None:
                           f"{'  HOST BLOCKED' if m['host_blocked'] else ''}"
                           f"{'  SYNC: ' + m['syncs'] if m['syncs'] else ''}", flush=True)
                     Path(a.out).write_text(json.dumps(res, indent=1))
+                    if a.profile and suffix:
+                        print(kernel_table(sampler, logits, params), flush=True)
 
 
 if __name__ == "__main__":

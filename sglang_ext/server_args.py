@@ -55,6 +55,10 @@ class ServerArgs:
     context_length: int | None = field(default=None, metadata=_help(
         "longest prompt + output in tokens", "the model's max_position_embeddings, capped at its sliding_window"))
     random_seed: int = field(default=0, metadata=_help("seed of dummy weights and of unseeded sampling"))
+    sampling_top_k_window: int = field(default=256, metadata=_help(
+        "GPU: batches whose sampled rows all have a top-k of at most this draw from a window of that many "
+        "tokens (FlashInfer softmax + radix top-k, one Triton kernel for top-p and the draw); 0: FlashInfer's "
+        "rejection kernels always"))
     # device and memory
     device: str = field(default="auto", metadata=_help(
         "cpu, cuda or cuda:N", "auto: cuda if available, else cpu"))
@@ -208,6 +212,7 @@ class ServerArgs:
         self._check_rotation()
         self._check_diagnostics()
         self._check_grammar()
+        self._check_sampling()
         if self.disaggregation_mode is not None and self.disaggregation_mode not in get_args(DisaggregationMode):
             raise ValueError(f"disaggregation_mode must be null, 'prefill' or 'decode', "
                              f"got {self.disaggregation_mode!r}")
@@ -239,6 +244,10 @@ class ServerArgs:
             v = getattr(self, name)
             if not 0 <= v < float("inf"):
                 raise ValueError(f"{name} must be >= 0, got {v}")
+
+    def _check_sampling(self) -> None:
+        if not 0 <= self.sampling_top_k_window <= 1024:  # sglang_ext/ops/window_pick.py MAX_WINDOW
+            raise ValueError(f"sampling_top_k_window must be in [0, 1024] (0: off), got {self.sampling_top_k_window}")
 
     def _check_grammar(self) -> None:
         for name in ("grammar_compile_workers", "grammar_compile_queue_size"):

@@ -147,3 +147,8 @@ def test_a_standing_queue_that_cannot_be_admitted_keeps_the_loop_overlapped(test
                                               or old.kv.available_pages - old.decode_reserve() < 1)
     assert run_all(old, reqs()) == want
     assert ov.overlapped_steps > old.overlapped_steps
+
+
+def test_the_sampler_gets_the_top_k_window_of_the_server_args() -> None:
+    assert make_scheduler("cpu").sampler.top_k_window == 256  # the default: only a GPU with FlashInfer uses it
+    assert make_scheduler("cpu", sampling_top_k_window=0).sampler.top_k_window == 0

@@ -78,6 +78,14 @@ def test_remote_attention_arguments_are_checked(kw: dict, match: str) -> None:
         ServerArgs(**kw)
 
 
+@pytest.mark.parametrize("window", [-1, 1025])
+def test_sampling_top_k_window_is_checked(window: int) -> None:
+    with pytest.raises(ValueError, match="sampling_top_k_window must be in \\[0, 1024\\]"):
+        ServerArgs(sampling_top_k_window=window)
+    assert ServerArgs.from_cli(_parser().parse_args(["--sampling-top-k-window", "0"])).sampling_top_k_window == 0
+    assert ServerArgs().sampling_top_k_window == 256
+
+
 def test_rotation_flags_parse() -> None:
     ns = _parser().parse_args([
         "--preemption-mode", "rotate", "--kv-host-size-gb", "2.5", "--schedule-policy", "lvf",

@@ -14,7 +14,8 @@ distribution, and a token survives all three; ties at a threshold survive. Two w
   batch, which is why seeded rows never take this path. With `top_k_window` > 0, such rows that
   all have a top-k of at most that many take `window_draw` instead: FlashInfer's fused softmax and
   radix top-k, then work on [B, k] only (the rejection kernels need more rounds the flatter the
-  distribution). Off by default until a GPU run says it is faster (bench/sampling.py --top-k-window).
+  distribution). Where Triton is there, the work on [B, k] is one kernel (`ops/window_pick.py`).
+  Off by default until a GPU run says it is faster (bench/sampling.py --top-k-window).
 
 Greedy rows are exactly the argmax of the adjusted logits. Penalty statistics are updated on the
 device as the tokens are drawn (`penalties.py`).
@@ -149,6 +150,9 @@ class Sampler:
             use_flashinfer = self.device.type == "cuda" and importlib.util.find_spec("flashinfer") is not None
         self.fi: Any = None
         self.fi_topk: Any = None
+        self.fi_pick: Any = None  # window_pick.pick when Triton is there
+        self.picks = 0  # window_pick calls so far: each gets its own Philox seed
+        self.seed = seed
         self.gen: torch.Generator | None = None
         if use_flashinfer:
             import flashinfer.sampling
@@ -158,6 +162,11 @@ class Sampler:
                 import flashinfer.topk
 
                 self.fi_topk = flashinfer.topk
+                if importlib.util.find_spec("triton") is not None:
+                    from sglang_ext.ops import window_pick
+
+                    window_pick.warm(self.device)
+                    self.fi_pick = window_pick.pick
             self.gen = torch.Generator(device=self.device).manual_seed(seed)
 
     def batch(self, rows: Sequence[SampleRow]) -> SamplingBatch:
@@ -168,7 +177,10 @@ class Sampler:
         """logits [B, V] float32 -> token ids [B] int64 on the device. No host sync and no copy to
         the device: every index it needs came with `sb` (tests/test_sampling.py checks both)."""
         logits = adjust_logits(logits, sb, self.penalties)
-        tokens = torch.argmax(logits, dim=-1)
+        if any(sb.greedy):
+            tokens = torch.argmax(logits, dim=-1)
+        else:  # every row is drawn below; the argmax is a full pass over the logits (~40 us at bs 64)
+            tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         if sb.fast_rows is not None:
             assert self.fi is not None, "a batch built for FlashInfer, sampled without it"
             self._draw_rows(tokens, logits, sb.fast_rows, sb, self._draw_flashinfer)
@@ -197,6 +209,11 @@ class Sampler:
     def _draw_flashinfer(self, logits: torch.Tensor, rows: Rows, sb: SamplingBatch) -> torch.Tensor:
         if sb.fast_in_window:
             probs = self.fi.softmax(logits, temperature=sb.temperature[rows])  # one fused kernel
+            if self.fi_pick is not None:
+                vals, ids = self._radix_topk(probs, sb.max_top_k)
+                self.picks += 1
+                return self.fi_pick(vals, ids, sb.top_k[rows], sb.top_p[rows], sb.any_top_p,
+                                    seed=self.seed * 1_000_003 + self.picks)
             return window_draw(probs, sb.top_k[rows], sb.top_p[rows], sb.max_top_k, sb.any_top_p, self.gen,
                                self._radix_topk)
         scaled = logits / sb.temperature[rows].unsqueeze(1)

@@ -97,7 +97,7 @@ class Scheduler:
         self.forward_rows = 0  # requests in the forwards launched so far (a step profile's)
         self.remote_forward_rows = 0  # ... of which remote rows
         self.deficit = 0  # pages by which all requests' KV exceeds the pool (0: everything fits), per iteration
-        self.sampler = Sampler(vocab_size, runner.device, args.random_seed)
+        self.sampler = Sampler(vocab_size, runner.device, args.random_seed, top_k_window=args.sampling_top_k_window)
         # members: the mechanisms beside local pages (member.py)
         self.rot = Rotation.make(self, args) if rotate else None
         self.remote_rows = RemoteRows(self)
