@@ -246,7 +246,7 @@ class ServerArgs:
                 raise ValueError(f"{name} must be >= 0, got {v}")
 
     def _check_sampling(self) -> None:
-        if not 0 <= self.sampling_top_k_window <= 1024:  # sglang_ext/ops/window_pick.py MAX_WINDOW
+        if not 0 <= self.sampling_top_k_window <= 1024:  # sglang_ext/sampling/window_pick.py MAX_WINDOW
             raise ValueError(f"sampling_top_k_window must be in [0, 1024] (0: off), got {self.sampling_top_k_window}")
 
     def _check_grammar(self) -> None:

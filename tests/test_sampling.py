@@ -4,6 +4,7 @@ agreement with the filtered distribution for random draws; batch-independent see
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pytest
@@ -419,3 +420,23 @@ def test_sampling_neither_syncs_nor_copies_to_the_device(fast: str, mix: str) ->
         assert all(isinstance(r, torch.Tensor) for r in draws) if fast else isinstance(sb.exact_rows, torch.Tensor)
     else:
         assert any(isinstance(r, slice) for r in draws) and sb.pen_all_rows == (mix == "frequency")
+
+
+def test_a_window_kernel_that_cannot_compile_leaves_the_torch_draw(monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Triton failing to build the window kernel (a driver or compiler problem) is a warning and the
+    window's last step in torch ops, not a worker that cannot start."""
+    import types
+
+    import sglang_ext.sampling
+    from sglang_ext.sampling import sampler as sampler_mod
+
+    def warm(device: torch.device) -> None:
+        raise RuntimeError("no compiler")
+
+    fake = types.SimpleNamespace(warm=warm, pick=None)
+    monkeypatch.setitem(sys.modules, "sglang_ext.sampling.window_pick", fake)
+    monkeypatch.setattr(sglang_ext.sampling, "window_pick", fake, raising=False)
+    with caplog.at_level("WARNING"):
+        assert sampler_mod._compiled_window_pick(torch.device("cpu")) is None
+    assert "Triton kernel unavailable (RuntimeError: no compiler)" in caplog.text

@@ -1,4 +1,4 @@
-"""The window draw's fused last step (`sglang_ext/ops/window_pick.py`, one Triton kernel) against the
+"""The window draw's fused last step (`sglang_ext/sampling/window_pick.py`, one Triton kernel) against the
 sort-based reference. On a machine without CUDA the kernel runs under Triton's interpreter
 (TRITON_INTERPRET=1, numpy on the CPU), so its arithmetic is checked here too; skipped where Triton
 is not installed (`pip install triton`)."""
@@ -23,7 +23,7 @@ if DEVICE == "cpu":
     # read when the kernel is decorated (the import below) and again at its first launch; nothing
     # else runs Triton on a CPU machine, so it stays set
     os.environ["TRITON_INTERPRET"] = "1"
-from sglang_ext.ops import window_pick  # noqa: E402
+from sglang_ext.sampling import window_pick  # noqa: E402
 
 # The interpreter runs ~30 ms per row (one program each): the CPU draws few rows, the GPU ten times more.
 SCALE = 10 if DEVICE == "cuda" else 1

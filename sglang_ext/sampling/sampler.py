@@ -14,7 +14,7 @@ distribution, and a token survives all three; ties at a threshold survive. Two w
   batch, which is why seeded rows never take this path. With `top_k_window` > 0, such rows that
   all have a top-k of at most that many take `window_draw` instead: FlashInfer's fused softmax and
   radix top-k, then work on [B, k] only (the rejection kernels need more rounds the flatter the
-  distribution). Where Triton is there, the work on [B, k] is one kernel (`ops/window_pick.py`).
+  distribution). Where Triton is there, the work on [B, k] is one kernel (`sampling/window_pick.py`).
   Off by default until a GPU run says it is faster (bench/sampling.py --top-k-window).
 
 Greedy rows are exactly the argmax of the adjusted logits. Penalty statistics are updated on the
@@ -24,6 +24,7 @@ device as the tokens are drawn (`penalties.py`).
 from __future__ import annotations
 
 import importlib.util
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,6 +33,8 @@ import torch
 from sglang_ext.sampling.batch import Rows, SampleRow, SamplingBatch
 from sglang_ext.sampling.penalties import PenaltyTable
 from sglang_ext.sampling.rng import RowRandom
+
+logger = logging.getLogger(__name__)
 
 
 def adjust_logits(logits: torch.Tensor, sb: SamplingBatch, table: PenaltyTable | None) -> torch.Tensor:
@@ -137,6 +140,19 @@ def invert_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=probs.shape[1] - 1)
 
 
+def _compiled_window_pick(device: torch.device) -> Callable[..., torch.Tensor] | None:
+    """`window_pick.pick`, compiled now; None (the window's last step in torch ops) if Triton cannot
+    build it on this machine: sampling slows down, it does not stop."""
+    try:
+        from sglang_ext.sampling import window_pick
+
+        window_pick.warm(device)
+        return window_pick.pick
+    except Exception as e:  # a compiler or driver problem: say which, keep serving
+        logger.warning("top-k window draw: Triton kernel unavailable (%s: %s); using torch ops", type(e).__name__, e)
+        return None
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device | str, seed: int = 0,
                  use_flashinfer: bool | None = None, top_k_window: int = 0) -> None:
@@ -163,10 +179,7 @@ class Sampler:
 
                 self.fi_topk = flashinfer.topk
                 if importlib.util.find_spec("triton") is not None:
-                    from sglang_ext.ops import window_pick
-
-                    window_pick.warm(self.device)
-                    self.fi_pick = window_pick.pick
+                    self.fi_pick = _compiled_window_pick(self.device)
             self.gen = torch.Generator(device=self.device).manual_seed(seed)
 
     def batch(self, rows: Sequence[SampleRow]) -> SamplingBatch:
