@@ -39,6 +39,17 @@ def _sample_without_sync(sampler: Sampler, logits: torch.Tensor, rows: list[Samp
         torch.cuda.set_sync_debug_mode(0)
 
 
+def _draws_pvalue(sampler: Sampler, p: SamplingParams) -> float:
+    """10,000 draws from one row of logits: the chi-square p-value against the sort-based reference."""
+    row = torch.randn(1, V, generator=torch.Generator().manual_seed(3))[0] * 2.0
+    counts = torch.zeros(V, dtype=torch.float64)
+    logits = row.expand(1000, V).contiguous().cuda()
+    for _ in range(10):
+        for t in _draw(sampler, logits, [p] * 1000, [0] * 1000):
+            counts[t] += 1
+    return chi2_pvalue(counts, ref_filtered(row, p))
+
+
 @pytest.mark.parametrize("kw", [
     {"temperature": 1.0},
     {"temperature": 0.8, "top_p": 0.6},
@@ -46,16 +57,10 @@ def _sample_without_sync(sampler: Sampler, logits: torch.Tensor, rows: list[Samp
     {"temperature": 0.8, "top_p": 0.9, "top_k": 12},
 ])
 def test_flashinfer_rows_follow_the_filtered_distribution(kw: dict) -> None:
-    row = torch.randn(1, V, generator=torch.Generator().manual_seed(3))[0] * 2.0
     p = SamplingParams(**kw)
     sampler = Sampler(V, "cuda", seed=5)
     assert sampler.fi is not None
-    counts = torch.zeros(V, dtype=torch.float64)
-    logits = row.expand(1000, V).contiguous().cuda()
-    for _ in range(10):
-        for t in _draw(sampler, logits, [p] * 1000, [0] * 1000):
-            counts[t] += 1
-    assert chi2_pvalue(counts, ref_filtered(row, p)) > 1e-4
+    assert _draws_pvalue(sampler, p) > 1e-4
 
 
 @pytest.mark.parametrize("kw", [
@@ -64,16 +69,10 @@ def test_flashinfer_rows_follow_the_filtered_distribution(kw: dict) -> None:
 ])
 def test_window_rows_follow_the_filtered_distribution(kw: dict) -> None:
     """The top-k window draw (`top_k_window`, FlashInfer's softmax and radix top-k) on the GPU."""
-    row = torch.randn(1, V, generator=torch.Generator().manual_seed(3))[0] * 2.0
     p = SamplingParams(**kw)
     sampler = Sampler(V, "cuda", seed=5, top_k_window=256)
     assert sampler.batch([SampleRow(p, 0)]).fast_in_window
-    counts = torch.zeros(V, dtype=torch.float64)
-    logits = row.expand(1000, V).contiguous().cuda()
-    for _ in range(10):
-        for t in _draw(sampler, logits, [p] * 1000, [0] * 1000):
-            counts[t] += 1
-    assert chi2_pvalue(counts, ref_filtered(row, p)) > 1e-4
+    assert _draws_pvalue(sampler, p) > 1e-4
 
 
 def test_window_draw_never_syncs_the_host() -> None:

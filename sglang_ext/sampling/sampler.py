@@ -14,8 +14,8 @@ distribution, and a token survives all three; ties at a threshold survive. Two w
   batch, which is why seeded rows never take this path. With `top_k_window` > 0, such rows that
   all have a top-k of at most that many take `window_draw` instead: FlashInfer's fused softmax and
   radix top-k, then work on [B, k] only (the rejection kernels need more rounds the flatter the
-  distribution). Where Triton is there, the work on [B, k] is one kernel (`sampling/window_pick.py`).
-  Off by default until a GPU run says it is faster (bench/sampling.py --top-k-window).
+  distribution). Where Triton is there, the work on [B, k] is one kernel (`window_pick.py`). The
+  server turns it on (`--sampling-top-k-window`, 256; measured in bench/sampling.py --top-k-window).
 
 Greedy rows are exactly the argmax of the adjusted logits. Penalty statistics are updated on the
 device as the tokens are drawn (`penalties.py`).

@@ -9,8 +9,8 @@ prefix's cumulative mass at one uniform per row (Triton's Philox, keyed by a per
 host counts, so nothing is read back from the device).
 
 Semantics are `sampler.sorted_threshold` followed by an inverse-CDF draw over the kept prefix;
-tests/test_sampling.py checks it against the torch path under Triton's interpreter
-(TRITON_INTERPRET=1) where Triton is installed, tests/test_gpu_sampling.py on the GPU.
+tests/test_window_pick.py checks it against the sort-based reference, under Triton's interpreter
+(TRITON_INTERPRET=1) on a CPU machine; tests/test_gpu_sampling.py checks the whole draw on the GPU.
 """
 
 from __future__ import annotations
