@@ -2,7 +2,7 @@
 # One device session for the GPU fast path (the run behind docs/benchmarks.md's GPU section).
 # Needs the carried wheel folder .whl (bash bench/fetch_wheels.sh). Writes logs and JSON to $OUT.
 #   bash bench/gpu_session.sh [test] [gputests] [serving] [bench] [cputests] [sampling] [offload] [ipc] [served]
-#                             [structured] [rotation] [rotation_e2e] [gated] [goodput] [disagg] [routing]
+#                             [structured] [rotation] [rotation_e2e] [gated] [goodput] [disagg] [routing] [host]
 # On the two-GPU kind export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 first.
 # served and the two-GPU cases of gputests need two GPUs (the executor sits on cuda:1).
 # rotation_e2e replays the Azure conversation trace in bench/data/traces.
@@ -48,6 +48,8 @@ for s in $steps; do
             | grep -E "Request throughput|TTFT \(|TPOT \(|<=|Both|Succ|Fail" ;;
     served) SGLANG_EXT_TEST_DEVICE=cuda PYTHONPATH=$BASE:/tmp/fi timeout 400 python3 -m pytest -q -rfs -x \
             -p no:cacheprovider tests/test_offload_served.py 2>&1 | tail -15 | tee "$OUT/gpu_offload_served.log" ;;
+    host) PYTHONPATH=$BASE:/tmp/fi timeout ${HOST_TIMEOUT:-300} python3 bench/remote_host.py --executor-sms \
+            ${HOST_SMS:-0,8,16,24,32} ${HOST_ARGS:-} --out "$OUT/remote_host.json" 2>&1 | tee "$OUT/remote_host.log" ;;
     gated) PYTHONPATH=$BASE:/tmp/fi timeout ${GATED_TIMEOUT:-560} python3 -m pytest -q -rfs -s -p no:cacheprovider \
             tests/test_gpu_gated_exchange.py tests/test_gpu_cuda_signal.py 2>&1 | tail -40 | tee "$OUT/gpu_gated.log" ;;
     offload) PYTHONPATH=$BASE:/tmp/fi timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_offload.py \

@@ -149,6 +149,12 @@ class ServerArgs:
         "SMs of this worker's GPU kept for the attention executor it hosts: its own model runs in a CUDA "
         "green context of the other SMs (Adrenaline's partition; needs executor_mem_gb or "
         "offload_executor, a GPU and FlashInfer; 0: no partition). Not yet measured in serving"))
+    executor_max_sms: int = field(default=0, metadata=_help(
+        "at most this many SMs for the attention executor this worker hosts: its GPU-signalled programs "
+        "(cuda_ipc pairings, or --offload-executor cuda:N) run in a CUDA green context of that many SMs "
+        "(rounded up to 8 on Hopper), which bounds what hosting costs the GPU's own model (needs "
+        "executor_mem_gb or offload_executor, a GPU and FlashInfer; 0: uncapped; not with "
+        "executor_reserved_sms)"))
     offload_transport: OffloadTransport | None = field(default=None, metadata=_help(
         "data plane to the executor: local, torch_dist (gloo on CPU, NCCL on GPU) or cuda_ipc. Unset, a "
         "served pairing between GPUs of one node uses cuda_ipc (torch_dist where the executor's host finds no "
@@ -205,6 +211,11 @@ class ServerArgs:
             raise ValueError(f"executor_mem_gb must be >= 0, got {self.executor_mem_gb}")
         if self.executor_reserved_sms < 0:
             raise ValueError(f"executor_reserved_sms must be >= 0, got {self.executor_reserved_sms}")
+        if self.executor_max_sms < 0:
+            raise ValueError(f"executor_max_sms must be >= 0, got {self.executor_max_sms}")
+        if self.executor_max_sms and self.executor_reserved_sms:
+            raise ValueError("executor_max_sms and executor_reserved_sms pull opposite ways (a cap on the "
+                             "executor's SMs, SMs kept for it): set one")
         if self.offload_executor is not None and not (
                 self.offload_executor in ("local", "cpu") or self.offload_executor.startswith("cuda")):
             raise ValueError(f"offload_executor must be 'local' or a device such as cuda:1, got "

@@ -267,6 +267,12 @@ def errors(dev_e: torch.device, backend: str) -> None:
 def main(argv: list[str]) -> None:
     scenario, dev_e, backend = argv[0], torch.device(argv[1]), argv[2]
     torch.cuda.set_device(SENDER)
+    if len(argv) > 3:  # executor_max_sms: every program from here on runs in a green context of that many SMs
+        from sglang_ext.engine import sm_partition
+
+        got = sm_partition.cap_executor(dev_e, int(argv[3]))
+        assert got >= int(argv[3]), got
+        log(f"executor capped at {got} SMs")
     {"steps": steps, "senders": senders, "errors": errors}[scenario](dev_e, backend)
     print("ok", flush=True)
 

@@ -9,7 +9,9 @@ driver offers (so that two streams of one GPU are less likely to share one; see 
   attention of an eager reference executor; every flag is 0 after each group of steps;
 - errors: the watchdog releases a sender whose executor never answers (eager and replayed steps queued),
   and a host drains the program of a sender that stopped mid-step;
-- senders: two pairings on one executor, their steps in flight together, stay exact.
+- senders: two pairings on one executor, their steps in flight together, stay exact;
+- capped: both again with the executor's programs confined to a green context of 16 SMs
+  (`executor_max_sms`), each pairing's program on its own stream there.
 
 The executor computes with FlashInfer (its graph lanes) or the torch backend (its eager program).
 Skipped without CUDA, cuda-python or (for its cases) FlashInfer; the second-GPU cases with one GPU.
@@ -43,14 +45,14 @@ ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHME
 TIMEOUT_S = 420  # FlashInfer may compile its kernels on first use
 
 
-def run_child(scenario: str, executor: str, backend: str) -> None:
+def run_child(scenario: str, executor: str, backend: str, *extra: str) -> None:
     if executor != "cuda:0" and torch.cuda.device_count() < 2:
         pytest.skip("needs a second GPU")
     if backend == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
         pytest.skip("needs flashinfer (pip install flashinfer-python)")
     env = {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     try:
-        r = subprocess.run([sys.executable, str(CHILD), scenario, executor, backend], env=env, capture_output=True,
+        r = subprocess.run([sys.executable, str(CHILD), scenario, executor, backend, *extra], env=env, capture_output=True,
                            text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
@@ -73,3 +75,11 @@ def test_watchdog_and_drain_release_a_broken_pairing(executor: str) -> None:
 @pytest.mark.parametrize("executor", ["cuda:0", "cuda:1"])
 def test_two_senders_on_one_executor_stay_exact(executor: str) -> None:
     run_child("senders", executor, "flashinfer" if importlib.util.find_spec("flashinfer") else "torch")
+
+
+@pytest.mark.parametrize("scenario", ["steps", "senders"])
+@pytest.mark.parametrize("executor", ["cuda:0", "cuda:1"])
+def test_an_executor_capped_to_16_sms_stays_exact(executor: str, scenario: str) -> None:
+    if importlib.util.find_spec("flashinfer") is None:
+        pytest.skip("needs flashinfer: the executor's green context is made with its green_ctx helpers")
+    run_child(scenario, executor, "flashinfer", "16")

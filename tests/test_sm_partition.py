@@ -1,6 +1,7 @@
-"""`executor_reserved_sms`: the argument's checks and the partition's CPU behaviour. Whether a green
-context's partition helps the executor is measured on GPUs (bench/remote_step.py --load-confine green);
-CUDA green contexts cannot be made on a CPU machine."""
+"""`executor_reserved_sms` and `executor_max_sms`: the arguments' checks and the partitions' CPU
+behaviour. Whether a green context's partition helps is measured on GPUs (bench/remote_step.py
+--load-confine green, bench/remote_host.py --executor-sms); that a capped executor stays exact is
+tests/test_gpu_gated_exchange.py. CUDA green contexts cannot be made on a CPU machine."""
 
 import pytest
 import torch
@@ -15,8 +16,22 @@ def test_negative_reserved_sms_are_rejected() -> None:
         ServerArgs(executor_reserved_sms=-1)
 
 
+def test_negative_executor_cap_is_rejected() -> None:
+    with pytest.raises(ValueError, match="executor_max_sms must be >= 0"):
+        ServerArgs(executor_max_sms=-8)
+
+
+def test_a_cap_and_a_reservation_together_are_rejected() -> None:
+    """One keeps SMs for the executor, the other bounds it: together they ask for opposite things."""
+    with pytest.raises(ValueError, match="set one"):
+        ServerArgs(executor_max_sms=16, executor_reserved_sms=16)
+    assert ServerArgs(executor_max_sms=16).executor_max_sms == 16
+
+
 def test_no_partition_off_cuda() -> None:
     assert sm_partition.stream_for(torch.device("cpu")) is None
+    assert sm_partition.executor_stream(torch.device("cpu")) is None
+    assert sm_partition.executor_sms(torch.device("cpu")) == 0
     sm_partition.enter(torch.device("cpu"))  # nothing to enter
     bind_device("cpu")
 
@@ -27,8 +42,9 @@ def test_a_cpu_engine_ignores_the_partition() -> None:
     from sglang_ext.models.config import ModelConfig
     from sglang_ext.models.resolve import resolve_model_path
 
-    args = ServerArgs(device="cpu", executor_mem_gb=0.01, executor_reserved_sms=16, max_total_tokens=256,
-                      disable_cuda_graph=True)
-    model_dir = resolve_model_path(args.model_path)
-    runner = ModelRunner(args, model_dir, ModelConfig.from_path(model_dir))
-    assert runner.device.type == "cpu" and not sm_partition._streams
+    for extra in ({"executor_reserved_sms": 16}, {"executor_max_sms": 16}):
+        args = ServerArgs(device="cpu", executor_mem_gb=0.01, max_total_tokens=256, disable_cuda_graph=True,
+                          **extra)
+        model_dir = resolve_model_path(args.model_path)
+        runner = ModelRunner(args, model_dir, ModelConfig.from_path(model_dir))
+        assert runner.device.type == "cpu" and not sm_partition._streams and not sm_partition._exec_ctx

@@ -103,6 +103,8 @@ class ModelRunner:
         if args.executor_reserved_sms and self.device.type == "cuda" and (
                 args.executor_mem_gb > 0 or args.offload_executor is not None):
             sm_partition.make(self.device, args.executor_reserved_sms)  # before anything runs on the model's stream
+        if args.executor_max_sms and self.device.type == "cuda" and args.executor_mem_gb > 0:
+            sm_partition.cap_executor(self.device, args.executor_max_sms)  # before an executor program exists
         bind_device(args.resolved_device)  # loading and graph capture run on this thread (the Engine's too)
         self.dtype = resolve_dtype(args, cfg, args.resolved_device)
         self.context_len = context_length(args, cfg)

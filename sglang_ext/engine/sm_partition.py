@@ -1,5 +1,6 @@
-"""An SM partition between a worker's own model and the attention executor it hosts
-(`executor_reserved_sms`): Adrenaline's resource partition, inside one process.
+"""SM partitions between a worker's own model and the attention executor it hosts, inside one process:
+`executor_reserved_sms` (Adrenaline's: SMs kept for the executor) and `executor_max_sms` (the other
+way round: a bound on what hosting costs the host's own model).
 
 The executor's per-layer programs run on a high-priority stream of the host's GPU, but a kernel of the
 host model that holds every SM keeps them until its blocks retire, so each of the executor's kernels,
@@ -19,18 +20,27 @@ Measured on two H200s (2026-11-30, docs/benchmarks.md): against a prefill worker
 24 reserved SMs took a decode worker's steps with remote rows from 8.5-9.9 ms to 7.0-7.4 ms; against a
 memory-bound decode load (`bench/remote_step.py --load-confine green`) it helps little, as there the
 executor waits for bandwidth, not SMs.
+
+`executor_max_sms` confines the executor instead: each of its programs gets its own high-priority
+stream in one green context of that many SMs, and the model keeps every SM (it may use the executor's
+while they are idle). A cold model hosting a hot model's KV (WEAVER) loses to the executor what the
+executor's kernels take from the GPU; an executor on a few SMs can draw only part of the HBM
+bandwidth, so the host's step slows less and the guest's remote rows wait longer instead
+(bench/remote_host.py measures both sides).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 import torch
 
 logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _streams: dict[int, torch.cuda.Stream] = {}  # device index -> the model's stream in its partition
+_exec_ctx: dict[int, tuple[Any, int]] = {}  # device index -> (the executor's green context, its SMs)
 
 
 def make(device: torch.device, reserved: int) -> torch.cuda.Stream:
@@ -73,3 +83,58 @@ def enter(device: torch.device) -> None:
     if old != s:
         s.wait_stream(old)
         torch.cuda.set_stream(s)
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def cap_executor(device: torch.device, sms: int) -> int:
+    """Confine the executor programs made from now on on `device` to one green context of `sms` SMs
+    (rounded up by the driver; 0 lifts the cap). Returns the SMs the context holds (0: uncapped).
+    ValueError when `sms` is not below the device's SM count."""
+    idx = _index(device)
+    with _lock:
+        if sms == 0:
+            _exec_ctx.pop(idx, None)
+            return 0
+        total = torch.cuda.get_device_properties(idx).multi_processor_count
+        if not 0 < sms < total:
+            raise ValueError(f"executor_max_sms={sms}: {device} has {total} SMs")
+        from flashinfer.cuda_utils import checkCudaErrors, driver
+        from flashinfer.green_ctx import get_cudevice, get_device_resource, split_resource_by_sm_count
+
+        cu_dev = get_cudevice(torch.device("cuda", idx))
+        groups, _rest = split_resource_by_sm_count(cu_dev, get_device_resource(cu_dev), [sms])
+        desc = checkCudaErrors(driver.cuDevResourceGenerateDesc([groups[0]], 1))
+        ctx = checkCudaErrors(driver.cuGreenCtxCreate(
+            desc, cu_dev, driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM))
+        got = int(groups[0].sm.smCount)
+        _exec_ctx[idx] = (ctx, got)
+        logger.info("executor cap on cuda:%d: hosted attention runs on %d of %d SMs", idx, got, total)
+        return got
+
+
+def executor_sms(device: torch.device) -> int:
+    """The SMs the executor's programs on `device` are confined to (0: uncapped, or not a GPU)."""
+    if device.type != "cuda":
+        return 0
+    ent = _exec_ctx.get(_index(device))
+    return ent[1] if ent is not None else 0
+
+
+def executor_stream(device: torch.device, priority: int = -1) -> torch.cuda.Stream | None:
+    """A new stream for one executor program in the executor's partition on `device` (None: uncapped).
+    One per program: each pairing's program waits on its own doorbells, so two pairings sharing a
+    stream could hold each other up."""
+    if device.type != "cuda":
+        return None
+    idx = _index(device)
+    ent = _exec_ctx.get(idx)
+    if ent is None:
+        return None
+    from flashinfer.cuda_utils import checkCudaErrors, driver
+
+    raw = checkCudaErrors(driver.cuGreenCtxStreamCreate(
+        ent[0], driver.CUstream_flags.CU_STREAM_NON_BLOCKING, priority))
+    return torch.cuda.get_stream_from_external(raw, torch.device("cuda", idx))

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from sglang_ext.attention.base import AttentionBackend
+from sglang_ext.engine import sm_partition
 from sglang_ext.engine.cuda_graph import padded_size
 from sglang_ext.engine.split_graph import REMOTE_SIZES
 from sglang_ext.forward_batch import ForwardBatch
@@ -52,7 +53,8 @@ class GatedProgram:
         self.exec_out = torch.empty(shape.max_rows, shape.width_out, dtype=shape.dtype, device=self.dev)
         self.doorbell = cs.FlagArray.allocate(shape.layers, self.dev.index or 0)
         self.recv_ptr, self.done = recv_ptr, done
-        self.stream = torch.cuda.Stream(self.dev, priority=-1)  # ahead of the host model's kernels
+        # Ahead of the host model's kernels; in the executor's SM partition where it has one (executor_max_sms).
+        self.stream = sm_partition.executor_stream(self.dev) or torch.cuda.Stream(self.dev, priority=-1)
         self.rows = 0  # the step's rows the executor computes
         self._warm: set[int] = set()  # row counts whose kernels ran once ungated
         self.program_done: torch.cuda.Event | None = None  # end of the last queued program

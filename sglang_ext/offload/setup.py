@@ -43,6 +43,10 @@ def local_offloader(args: ServerArgs, runner: ModelRunner, worker_id: str) -> Of
     where = args.offload_executor
     device = runner.device if where in ("local", str(runner.device)) else torch.device(where)
     budget = int(args.executor_mem_gb * GiB) if args.executor_mem_gb > 0 else runner.pool.total_bytes
+    if args.executor_max_sms and device.type == "cuda" and device != runner.device:
+        from sglang_ext.engine import sm_partition
+
+        sm_partition.cap_executor(device, args.executor_max_sms)  # the runner capped its own device
     executor = AttentionExecutor(ForeignKVPartition(budget, device), executor_backend(device, args))
     # In one process: the GPU-signalled peer exchange (`cuda_ipc`) when the executor is on another GPU
     # (verified on two H200s: same greedy tokens, no host on the per-layer path), torch copies otherwise.
