@@ -95,6 +95,16 @@ class PacedSender:
         self.layers = sh.layers
         self.cycles = int(layer_us * cycles_per_us)
         self.stream = torch.cuda.Stream(dev)
+        # Load the step's kernels now, before any gated program is queued: a kernel's first launch may
+        # load its module, which waits for the GPU to go idle, and here the GPU holds the executor's
+        # program waiting for this sender's doorbells (a deadlock the real sender, on another GPU, or
+        # its captured graph, avoids).
+        with torch.cuda.stream(self.stream):
+            n = n_remote
+            torch.cat([self.q.reshape(n, -1), self.k.reshape(n, -1), self.v.reshape(n, -1)], dim=1,
+                      out=remote.sender.send[:n])
+            torch.cuda._sleep(1)
+        self.stream.synchronize()
 
     def run(self) -> None:
         seqs = self.executor.guests[self.guest].seqs
@@ -224,7 +234,9 @@ def main() -> None:
                     assert layout is not None
                     step = SplitStep(sender, remote, executor, guest, layout.pages(bs - n_remote, ctx), n_remote, ctx)
                     timed = Timed(step.run, torch.cuda.current_stream(sender.device))
+                print(f"cap {cap}, bs {bs}: sender alone", flush=True)
                 row["sender_alone_ms"] = _sender_alone_ms(timed, a.iters)
+                print(f"cap {cap}, bs {bs}: host busy", flush=True)
                 busy = _host_step_ms(host, host_batch, a.iters, timed)
                 row.update(host_busy_ms=busy, increase=busy / alone - 1, sender_busy_ms=timed.median_ms())
             except Exception as e:  # record and go on
