@@ -11,7 +11,8 @@ never sent or that failed count as misses, so a run cut short cannot look better
   python bench/goodput.py DIR --ttft-slo 2 --tpot-slo 0.1   (the same runs scored against other SLOs)
 
 With several folders (each optionally TITLE=DIR), each is one setting: a table each, and the plot has
-one panel per setting; `--out` then maps each title to its runs.
+one panel per setting; `--out` then maps each title to its runs. A setting swept over several calls is
+DIR1+DIR2 (their reports together; the same run at the same rate twice is an error).
 """
 
 from __future__ import annotations
@@ -173,6 +174,20 @@ def _doc(runs: dict[str, list[Point]], target: float) -> dict[str, Any]:
             for label, pts in runs.items()}
 
 
+def _merged(parts: list[dict[str, list[Point]]]) -> dict[str, list[Point]]:
+    """One setting's runs from several folders (calls), each run's points by rate."""
+    runs: dict[str, list[Point]] = {}
+    for part in parts:
+        for label, points in part.items():
+            have = {p.rate for p in runs.get(label, [])}
+            if twice := sorted(have & {p.rate for p in points}):
+                raise ValueError(f"{label} at {twice[0]:g} req/s is in two of the folders")
+            runs.setdefault(label, []).extend(points)
+    for points in runs.values():
+        points.sort(key=lambda p: p.rate)
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results_dir", nargs="+", help="a sweep's folder, or several as TITLE=DIR (one setting each)")
@@ -194,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.results_dir:
         title, sep, folder = spec.rpartition("=")
         try:
-            runs = load(Path(folder), args.model, slo)
+            runs = _merged([load(Path(f), args.model, slo) for f in folder.split("+")])
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

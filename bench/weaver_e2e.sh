@@ -16,7 +16,8 @@
 #      embedded model), HOT_DEV (cuda:0), COLD_DEV (cuda:1), DTYPE (bfloat16), TRACES, OUT, PORT (31100),
 #      ARRIVAL (poisson | ramp: RATE is then the peak of a ServeGen rate series, shaped by RAMP_ARGS, e.g.
 #      "--ramp-windows 144 --ramp-window-s 1": a day in 144 s), RESERVED_SMS (the cold worker's
-#      executor_reserved_sms in the offloading runs: its model runs on the other SMs; empty: none), WORKER_ARGS
+#      executor_reserved_sms in the offloading runs: its model runs on the other SMs; empty: none), MAX_SMS
+#      (the cold worker's executor_max_sms in the offloading runs: the executor on that many SMs), WORKER_ARGS
 #      (more server arguments for every worker, in YAML flow form, e.g. "step_log_interval_s: 5"),
 #      RATES (a rate sweep on one cluster per run: each rate replays fresh trace rows and writes
 #      gp_weaver-<run>_r<rate>.json, for `bench/goodput.py OUT --model hot`; unset: the single RATE). Plot the
@@ -50,6 +51,7 @@ for run in $runs; do
     echo "  - name: cold"
     [ -n "$path" ] && echo "$path"
     part=""; [ -n "${RESERVED_SMS:-}" ] && [ "$run" != dedicated ] && part=", executor_reserved_sms: $RESERVED_SMS"
+    [ -n "${MAX_SMS:-}" ] && [ "$run" != dedicated ] && part="$part, executor_max_sms: $MAX_SMS"
     echo "    args: {${fmt}$cold_pool, executor_mem_gb: ${EXEC_GB:-32}$part}"
     echo "    slo: {ttft_ms: $(ms "$TTFT"), tpot_ms: $(ms "$TBT")}"
     echo "    workers: [{id: cold-0, device: ${COLD_DEV:-cuda:1}, role: cold}]"

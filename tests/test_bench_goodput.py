@@ -73,6 +73,22 @@ def test_cli_several_settings_one_panel_each(tmp_path: Path, capsys) -> None:
     assert main([f"x={tmp_path / 'none'}"]) == 2
 
 
+def test_a_setting_swept_over_two_calls(tmp_path: Path, capsys) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    _write(a, "lvf-rotate", 1.0, 10, 10, 1.0)
+    _write(b, "lvf-rotate", 2.5, 10, 10, 0.5)
+    _write(b, "lvf-rotate", 2.0, 10, 10, 0.9)
+    out = tmp_path / "g.json"
+    assert main([f"1/8={a}+{b}", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())["runs"]["lvf-rotate"]
+    assert [p["rate"] for p in doc["points"]] == [1.0, 2.0, 2.5] and doc["goodput_rps"] == 2.0
+    _write(b, "lvf-rotate", 1.0, 10, 10, 0.2)  # the same run and rate in both: which one counts is unclear
+    assert main([f"1/8={a}+{b}"]) == 2
+    assert "in two of the folders" in capsys.readouterr().err
+
+
 def test_one_model_of_a_multi_model_run(tmp_path: Path, capsys) -> None:
     """--model: that model's attainment (weaver_e2e.sh's hot model), unsent requests counted as its misses."""
     def per(sent: int, both: float) -> dict[str, object]:

@@ -52,8 +52,8 @@ def run_child(scenario: str, executor: str, backend: str, *extra: str) -> None:
         pytest.skip("needs flashinfer (pip install flashinfer-python)")
     env = {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     try:
-        r = subprocess.run([sys.executable, str(CHILD), scenario, executor, backend, *extra], env=env, capture_output=True,
-                           text=True, timeout=TIMEOUT_S)
+        r = subprocess.run([sys.executable, str(CHILD), scenario, executor, backend, *extra], env=env,
+                           capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         pytest.fail(f"{scenario} hung (killed after {TIMEOUT_S} s; a signal was lost?); it got to:\n{out}")

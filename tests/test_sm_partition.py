@@ -3,6 +3,8 @@ behaviour. Whether a green context's partition helps is measured on GPUs (bench/
 --load-confine green, bench/remote_host.py --executor-sms); that a capped executor stays exact is
 tests/test_gpu_gated_exchange.py. CUDA green contexts cannot be made on a CPU machine."""
 
+import re
+
 import pytest
 import torch
 
@@ -48,3 +50,17 @@ def test_a_cpu_engine_ignores_the_partition() -> None:
         model_dir = resolve_model_path(args.model_path)
         runner = ModelRunner(args, model_dir, ModelConfig.from_path(model_dir))
         assert runner.device.type == "cpu" and not sm_partition._streams and not sm_partition._exec_ctx
+
+
+def test_a_cluster_file_takes_the_cap_and_refuses_both(tmp_path) -> None:
+    """`executor_max_sms` is a worker argument in a cluster file like any other; with the reservation the
+    cluster does not start, and the error says where."""
+    from router.config import ConfigError, load_cluster
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("models: [{name: cold, args: {executor_mem_gb: 8, executor_max_sms: 8}}]")
+    assert [w.args.executor_max_sms for w in load_cluster(cfg).workers] == [8]
+    cfg.write_text("models: [{name: cold, args: {executor_mem_gb: 8, executor_max_sms: 8, executor_reserved_sms: 8}}]")
+    where = re.escape("models[0].workers[0]: executor_max_sms and executor_reserved_sms")
+    with pytest.raises(ConfigError, match=where + ".*: set one"):
+        load_cluster(cfg)
