@@ -126,7 +126,8 @@ def executor_sms(device: torch.device) -> int:
 def executor_stream(device: torch.device, priority: int = -1) -> torch.cuda.Stream | None:
     """A new stream for one executor program in the executor's partition on `device` (None: uncapped).
     One per program: each pairing's program waits on its own doorbells, so two pairings sharing a
-    stream could hold each other up."""
+    stream could hold each other up. The stream lives as long as the process (a pairing is made rarely;
+    destroying it under torch, which may still track blocks allocated on it, is not worth the bytes)."""
     if device.type != "cuda":
         return None
     idx = _index(device)
