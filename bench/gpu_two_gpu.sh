@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device session for the two-GPU end-to-end runs on kind nvidia-h200-x2 (carry .whl):
-#   bash bench/gpu_two_gpu.sh [contention] [gpu_tests] [served] [weaver] [ramp] [pd] [disagg_tests]
+#   bash bench/gpu_two_gpu.sh [exchange] [host] [contention] [gpu_tests] [served] [weaver] [ramp] [pd] [disagg_tests]
+# exchange: the engine's per-layer exchange across the two GPUs (bench/remote_attention.py, lean = the engine's
+# scheme); host: what hosting costs the host model with a real sender, the executor capped by HOST_SMS (0,8,16).
 # gpu_tests: tests/test_gpu_offload.py (remote attention in-process, and with the model in an SM partition,
 # executor_reserved_sms).
 # contention: bench/remote_step.py (cuda_ipc, graphs) with the executor's GPU idle, busy with a cold model's
@@ -36,6 +38,11 @@ for s in ${*:-served weaver}; do
           > "$R/contention_${load}_$confine.log" 2>&1
         grep -E '^\{' "$R/contention_${load}_$confine.log" || tail -5 "$R/contention_${load}_$confine.log"
       done ;;
+    exchange) timeout -s KILL 240 python3 bench/remote_attention.py exchange --topologies two_gpu \
+                --budget-s "${EXCHANGE_BUDGET_S:-90}" --out "$R/exchange.json" > "$R/exchange.log" 2>&1
+              tail -12 "$R/exchange.log" ;;
+    host) timeout -s KILL 240 python3 bench/remote_host.py --executor-sms "${HOST_SMS:-0,8,16}" \
+            --out "$R/remote_host.json" > "$R/remote_host.log" 2>&1; tail -12 "$R/remote_host.log" ;;
     gpu_tests) timeout -s KILL 300 python3 -m pytest -q -rfs -p no:cacheprovider -o faulthandler_timeout=240 \
                  tests/test_gpu_offload.py 2>&1 | tail -25 > "$R/gpu_tests.log"; tail -3 "$R/gpu_tests.log" ;;
     served) SGLANG_EXT_TEST_DEVICE=cuda timeout -s KILL 200 python3 -m pytest -q -rfs -x \
