@@ -143,22 +143,15 @@ def _host_step_ms(host: ModelRunner, batch: ForwardBatch, iters: int, also: Any 
     """Median over iterations of the host model's step on its own stream, with `also()` (the sender's
     step, which rings the executor's program) issued just before it each iteration."""
     dev = host.device
-    times = []
-    for i in range(iters + 3):
+    step = Timed(lambda: host.forward(batch), torch.cuda.current_stream(dev))
+    for _ in range(iters + 3):
         if also is not None:
             also()
         with torch.cuda.device(dev):
-            s = torch.cuda.current_stream(dev)
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record(s)
-            host.forward(batch)
-            b.record(s)
+            step()
         for d in range(torch.cuda.device_count()):
             torch.cuda.synchronize(d)
-        if i >= 3:
-            times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+    return step.median_ms()
 
 
 def _sender_alone_ms(sender: Timed, iters: int) -> float:

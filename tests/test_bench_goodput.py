@@ -56,10 +56,15 @@ def test_cli_empty_folder_is_an_error(tmp_path: Path) -> None:
     assert main([str(tmp_path)]) == 2
 
 
-def test_cli_several_settings_one_panel_each(tmp_path: Path, capsys) -> None:
+def _folders(tmp_path: Path) -> tuple[Path, Path]:
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     b.mkdir()
+    return a, b
+
+
+def test_cli_several_settings_one_panel_each(tmp_path: Path, capsys) -> None:
+    a, b = _folders(tmp_path)
     _write(a, "fcfs-recompute", 2.0, 10, 10, 1.0)
     _write(b, "fcfs-recompute", 4.0, 10, 10, 0.5)
     out, png = tmp_path / "g.json", tmp_path / "g.png"
@@ -74,9 +79,7 @@ def test_cli_several_settings_one_panel_each(tmp_path: Path, capsys) -> None:
 
 
 def test_a_setting_swept_over_two_calls(tmp_path: Path, capsys) -> None:
-    a, b = tmp_path / "a", tmp_path / "b"
-    a.mkdir()
-    b.mkdir()
+    a, b = _folders(tmp_path)
     _write(a, "lvf-rotate", 1.0, 10, 10, 1.0)
     _write(b, "lvf-rotate", 2.5, 10, 10, 0.5)
     _write(b, "lvf-rotate", 2.0, 10, 10, 0.9)

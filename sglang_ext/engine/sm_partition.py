@@ -43,10 +43,14 @@ _streams: dict[int, torch.cuda.Stream] = {}  # device index -> the model's strea
 _exec_ctx: dict[int, tuple[Any, int]] = {}  # device index -> (the executor's green context, its SMs)
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def make(device: torch.device, reserved: int) -> torch.cuda.Stream:
     """The model's stream on `device`, in a green context of all SMs but `reserved` (made once per device).
     ValueError when `reserved` leaves the model no SM."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    idx = _index(device)
     with _lock:
         if idx in _streams:
             return _streams[idx]
@@ -69,7 +73,7 @@ def stream_for(device: torch.device) -> torch.cuda.Stream | None:
     """The model's stream on `device` if it runs in a partition (None: no partition)."""
     if device.type != "cuda":
         return None
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    idx = _index(device)
     return _streams.get(idx)
 
 
@@ -83,10 +87,6 @@ def enter(device: torch.device) -> None:
     if old != s:
         s.wait_stream(old)
         torch.cuda.set_stream(s)
-
-
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def cap_executor(device: torch.device, sms: int) -> int:
