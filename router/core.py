@@ -386,13 +386,32 @@ class Router:
             role="decode", pairing="", room=0, first_token=st.first_token_id)))
         return True
 
-    def _abort(self, st: RequestState) -> None:
+    def _abort(self, st: RequestState, reason: dict[str, Any] | None = None) -> None:
         if st.done:
             return
         self.send(st.worker.worker_id, AbortReq(rid=st.rid))
         if st.decode is not None and not st.handed:
             self.send(st.decode.worker_id, AbortReq(rid=st.rid))  # it waits for the KV
-        self._close(st, ok=False, status="abort", finish_reason={"type": "abort", "message": "client aborted"})
+        reason = reason or {"type": "abort", "message": "client aborted"}
+        self._close(st, ok=False, status="abort", finish_reason=reason)
+
+    def abort_requests(self, rid: str = "", abort_all: bool = False, model: str | None = None,
+                       message: str = "aborted by /abort_request") -> int:
+        """Abort running requests: those whose client rid is `rid` (a request of n samples too: its
+        `rid-k`), or with `abort_all` every one (of `model` when given). Each ends as if its worker had
+        aborted it: the client gets a last output with finish_reason {"type": "abort", "message": ...}.
+        How many were aborted (0 for an unknown rid, which is no error: SGLang's no-op)."""
+        hits = [st for st in self.requests.values() if not st.done and st.req is not None
+                and (abort_all or st.req.rid == rid or st.req.rid.startswith(f"{rid}-"))
+                and (model is None or st.model == model)]
+        for st in hits:
+            reason = {"type": "abort", "message": message}
+            meta = {"id": st.rid, "prompt_tokens": st.prompt_tokens or 0, "completion_tokens": st.completion_tokens,
+                    "cached_tokens": 0, "finish_reason": reason, "e2e_latency": time.monotonic() - st.arrival}
+            self._abort(st, reason)
+            st.sink.put_nowait((st.index, TokenOut(rid=st.rid, text_delta="", token_ids=[], finished=True,
+                                                   meta_info=meta)))
+        return len(hits)
 
     def _close(self, st: RequestState, ok: bool, status: str, finish_reason: dict[str, Any] | None) -> None:
         st.done = True
@@ -483,6 +502,10 @@ class Router:
             self._on_load(ident, msg)
         elif isinstance(msg, ErrorOut):
             self._touch(ident)
+            reply = self._replies.get(msg.rid)
+            if reply is not None and not reply.done():  # a request_reply refused (a bad /tokenize input)
+                reply.set_result(ReplyOut(rid=msg.rid, ok=False, data={"error": msg.message, "status": msg.status}))
+                return
             st = self.requests.get(msg.rid)
             if st is None:
                 return

@@ -160,15 +160,19 @@ def test_abort_reaches_a_request_still_being_tokenized(served: InProcessWorker) 
     served.send(TokenizeReq(rid="probe", text=_big_text(SHORT_PROMPT_CHARS + 1)))
     served.send(GenerateReq(rid="after", text="Hello", sampling_params=_sp(2)))
     seen: list[str] = []
+    ends: dict[str, Any] = {}
     deadline = time.monotonic() + 120
     while not {"probe", "after"} <= set(seen):
         assert time.monotonic() < deadline
         msg = served.recv(1.0)
         if isinstance(msg, BatchOut):
             seen += [o.rid for o in msg.outs if o.finished]
+            ends.update({o.rid: o for o in msg.outs if o.finished})
         elif isinstance(msg, ErrorOut | ReplyOut):
             seen.append(msg.rid)
-    assert "doomed" not in seen  # cancelled: never scheduled, never answered
+    # Cancelled: never scheduled, and answered as an aborted request (an offline Engine waits for its end).
+    assert seen.count("doomed") == 1 and seen.index("doomed") < seen.index("probe")
+    assert ends["doomed"].meta_info["finish_reason"]["type"] == "abort" and not ends["doomed"].token_ids
     assert not served.worker.live and "doomed" not in {r.rid for r in served.worker.scheduler.waiting}
 
 

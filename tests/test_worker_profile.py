@@ -34,7 +34,7 @@ def test_a_bad_window_is_an_error(kw: dict[str, object], match: str) -> None:
 
 
 def test_profiles_the_steps_of_the_window_once(tmp_path: Path) -> None:
-    p = StepProfiler(2, 3, tmp_path, "w0", cuda=False)
+    p = StepProfiler(tmp_path, "w0", cuda=False, start=2, steps=3)
     x = torch.randn(64, 64)
     for step in range(8):
         p.before_step()

@@ -6,6 +6,7 @@ the router does, so offline and served runs share every code path below the sock
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import os
@@ -26,12 +27,16 @@ from sglang_ext.env import worker_environ
 from sglang_ext.messages import (
     AbortReq,
     BatchOut,
+    DetokenizeReq,
     ErrorOut,
     FlushCacheReq,
     GenerateReq,
     LoadReport,
+    ProfileReq,
     ReplyOut,
     ShutdownReq,
+    TokenizeReq,
+    UpdateWeightsReq,
     WorkerHello,
     WorkerInfo,
     decode_from_worker,
@@ -41,6 +46,7 @@ from sglang_ext.sampling.params import InvalidRequest, SamplingParams, parse_sam
 from sglang_ext.server_args import ServerArgs
 
 _STARTUP_TIMEOUT_S = 600.0
+_ABORT_POLL_MS = 50
 
 
 class WorkerDied(RuntimeError):
@@ -70,6 +76,10 @@ class Engine:
         self._proc: subprocess.Popen[bytes] | None = spawn_worker(self.server_args, self._addr, self._worker_id)
         self._ids = itertools.count()
         self.load: LoadReport | None = None
+        # abort_request may come from another thread while one generates: the rids it names wait here
+        # for the generating thread, which alone uses the socket, to send them (between polls).
+        self._live: set[str] = set()
+        self._aborts: collections.deque[str] = collections.deque()
         try:
             self.info: WorkerInfo = self._wait_hello()
         except BaseException:  # the worker could not start: release the socket and the process
@@ -118,7 +128,15 @@ class Engine:
         self._sock.send_multipart([self._worker_id.encode(), encode(msg)])
 
     def _recv(self, timeout_ms: int) -> Any:
-        if self._sock.poll(timeout_ms) == 0:
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:  # short polls, to send the aborts other threads asked for
+            while self._aborts:
+                self._send(AbortReq(rid=self._aborts.popleft(), message="aborted by abort_request"))
+            if self._sock.poll(min(_ABORT_POLL_MS, max(0, int((deadline - time.monotonic()) * 1000)))):
+                break
+            if time.monotonic() >= deadline:
+                break
+        if self._sock.poll(0) == 0:
             if self._proc is not None and self._proc.poll() is not None:
                 code = self._proc.returncode
                 if code == 2:  # the worker's startup-error exit: its one-line reason is in its log
@@ -136,6 +154,7 @@ class Engine:
     def _requests(
         self, prompt: str | list[str] | None, input_ids: list[int] | list[list[int]] | None,
         sampling_params: dict[str, Any] | list[dict[str, Any]] | None, extra: dict[str, Any],
+        rid: str | list[str] | None = None,
     ) -> tuple[list[GenerateReq], bool]:
         if (prompt is None) == (input_ids is None):
             raise InvalidRequest("give exactly one of prompt or input_ids")
@@ -146,14 +165,21 @@ class Engine:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
         if len(params) != len(items):
             raise InvalidRequest("sampling_params list must match the number of prompts")
+        rids = rid if isinstance(rid, list) else [rid] * len(items) if rid is None or len(items) == 1 else None
+        if rids is None or len(rids) != len(items):
+            raise InvalidRequest("rid: give one request id per prompt")
         reqs: list[GenerateReq] = []
-        for item, raw in zip(items, params, strict=True):
+        for item, raw, base in zip(items, params, rids, strict=True):
             sp = parse_sampling_params(raw)
             sp.validate()
-            for child in expand_n(sp):
+            samples = expand_n(sp)
+            base = base or f"{self._worker_id}-{next(self._ids)}"
+            for k, child in enumerate(samples):
                 kw = {"text": item} if input_ids is None else {"input_ids": list(item)}
-                reqs.append(GenerateReq(rid=f"{self._worker_id}-{next(self._ids)}", sampling_params=child,
+                reqs.append(GenerateReq(rid=base if len(samples) == 1 else f"{base}-{k}", sampling_params=child,
                                         **kw, **extra))
+        if len({r.rid for r in reqs} | self._live) != len(reqs) + len(self._live):
+            raise InvalidRequest("rid: a request id is repeated, or already in use")
         return reqs, single and len(reqs) == 1
 
     def generate(
@@ -166,7 +192,10 @@ class Engine:
         top_logprobs_num: int | None = None,
         return_text_in_logprobs: bool = False,
         stream: bool = False,
+        rid: str | list[str] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
+        """As sglang.Engine.generate. `rid`: the request id (one per prompt for a list; a request of n
+        samples has `rid-0` .. `rid-{n-1}`), for abort_request; default: generated (meta_info's `id`)."""
         extra = {
             "return_logprob": return_logprob,
             "logprob_start_len": -1 if logprob_start_len is None else logprob_start_len,
@@ -174,7 +203,7 @@ class Engine:
             "return_text_in_logprobs": return_text_in_logprobs,
             "stream": stream,
         }
-        reqs, single = self._requests(prompt, input_ids, sampling_params, extra)
+        reqs, single = self._requests(prompt, input_ids, sampling_params, extra, rid)
         if stream:
             if len(reqs) != 1:
                 raise InvalidRequest("stream=True takes a single prompt with n=1")
@@ -185,6 +214,7 @@ class Engine:
     def _run(self, reqs: list[GenerateReq]) -> list[dict[str, Any]]:
         acc = {r.rid: {"text": "", "output_ids": [], "meta_info": {}} for r in reqs}
         pending = set(acc)
+        self._live |= pending
         for r in reqs:
             self._send(r)
         try:
@@ -206,10 +236,13 @@ class Engine:
                 with contextlib.suppress(zmq.ZMQError):
                     self._send(AbortReq(rid=rid))
             raise
+        finally:
+            self._live -= set(acc)
         return [acc[r.rid] for r in reqs]
 
     def _stream(self, req: GenerateReq) -> Iterator[dict[str, Any]]:
         acc: dict[str, Any] = {"text": "", "output_ids": [], "meta_info": {}}
+        self._live.add(req.rid)
         self._send(req)
         done = False
         try:
@@ -225,6 +258,7 @@ class Engine:
                             yield {"text": acc["text"], "output_ids": list(acc["output_ids"]),
                                    "meta_info": dict(acc["meta_info"])}
         finally:
+            self._live.discard(req.rid)
             if not done:
                 self._send(AbortReq(rid=req.rid))
 
@@ -240,6 +274,59 @@ class Engine:
             msg = self._recv(timeout_ms=1000)
             if isinstance(msg, ReplyOut) and msg.rid == rid:
                 return msg.ok
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """Abort the running request `rid` (or its n samples, `rid-k`), or with `abort_all` every one.
+        Safe from another thread while one generates; the generation ends with finish_reason
+        {"type": "abort", ...}. An unknown rid is ignored (as in SGLang)."""
+        live = list(self._live)
+        self._aborts.extend(r for r in live if abort_all or r == rid or (rid and r.startswith(f"{rid}-")))
+
+    # ---- tokenizer, profiler, weights (answered by the worker with a ReplyOut) ---------------------
+    def _ask(self, msg: Any) -> ReplyOut:
+        self._send(msg)
+        while True:
+            got = self._recv(timeout_ms=1000)
+            if isinstance(got, ErrorOut) and got.rid == msg.rid:
+                raise _error(got)
+            if isinstance(got, ReplyOut) and got.rid == msg.rid:
+                return got
+
+    def tokenize(self, prompt: str | list[str], add_special_tokens: bool = True) -> list[int] | list[list[int]]:
+        """Token ids of a prompt (a list for a list of prompts)."""
+        texts = prompt if isinstance(prompt, list) else [prompt]
+        ids = [list(self._ask(TokenizeReq(rid=f"tok-{next(self._ids)}", text=t,
+                                          add_special_tokens=add_special_tokens)).data["input_ids"]) for t in texts]
+        return ids if isinstance(prompt, list) else ids[0]
+
+    def detokenize(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
+        reply = self._ask(DetokenizeReq(rid=f"detok-{next(self._ids)}", tokens=list(tokens),
+                                        skip_special_tokens=skip_special_tokens))
+        return str(reply.data["text"])
+
+    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None,
+                      activities: list[str] | None = None) -> None:
+        """torch.profiler over the worker's steps into `output_dir` (default $SGLANG_TORCH_PROFILER_DIR,
+        else /tmp), until stop_profile, or by itself after `num_steps` steps. InvalidRequest when refused."""
+        self._profile(ProfileReq(rid=f"prof-{next(self._ids)}", action="start", output_dir=output_dir or "",
+                                 num_steps=num_steps, activities=list(activities or [])))
+
+    def stop_profile(self) -> None:
+        self._profile(ProfileReq(rid=f"prof-{next(self._ids)}", action="stop"))
+
+    def _profile(self, msg: ProfileReq) -> None:
+        reply = self._ask(msg)
+        if not reply.ok:
+            raise InvalidRequest(str(reply.data.get("error")))
+
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> tuple[bool, str]:
+        """Reload the weights in place (requests in flight finish first); (success, message). On failure
+        the old weights keep serving."""
+        reply = self._ask(UpdateWeightsReq(rid=f"weights-{next(self._ids)}", model_path=model_path,
+                                           load_format=load_format or ""))
+        if reply.ok:
+            self.info = msgspec.structs.replace(self.info, model_path=model_path)
+        return reply.ok, str(reply.data.get("message", ""))
 
     def get_server_info(self) -> dict[str, Any]:
         return {**msgspec.structs.asdict(self.info), "server_args": msgspec.to_builtins(self.server_args)}

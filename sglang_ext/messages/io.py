@@ -56,12 +56,49 @@ class FlushCacheReq(msgspec.Struct, tag="flush_cache", kw_only=True):
 
 
 class TokenizeReq(msgspec.Struct, tag="tokenize", kw_only=True):
-    """Ask the worker to tokenize (or apply the chat template) without generating."""
+    """Ask the worker to tokenize (or apply the chat template) without generating. Answered with a
+    ReplyOut whose data has `input_ids`, or an ErrorOut (400) for what cannot be tokenized."""
 
     rid: str
     text: str | None = None
     messages: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    add_special_tokens: bool = True  # text only: the tokenizer's BOS and the like (SGLang's /tokenize)
+
+
+class DetokenizeReq(msgspec.Struct, tag="detokenize", kw_only=True):
+    """Token ids to text (SGLang's /detokenize). ReplyOut data `text`; ErrorOut 400 for an id outside
+    the tokenizer's vocabulary."""
+
+    rid: str
+    tokens: list[int]
+    skip_special_tokens: bool = True
+
+
+class ProfileReq(msgspec.Struct, tag="profile", kw_only=True, forbid_unknown_fields=True):
+    """Start or stop the torch profiler over the worker's steps (/start_profile, /stop_profile).
+    `start`: into `output_dir` ("": $SGLANG_TORCH_PROFILER_DIR, else /tmp); with `num_steps` it stops by
+    itself after that many steps with work; `activities` among CPU / GPU (empty: GPU on a GPU, and CPU).
+    Answered with a ReplyOut: `message`, and `files` written (stop, or a start whose window ended); or
+    ok=False and `error` (a stop without a start, a start while profiling, ...)."""
+
+    rid: str
+    action: Literal["start", "stop"]
+    output_dir: str = ""
+    num_steps: int | None = None
+    activities: list[str] = msgspec.field(default_factory=list)
+
+
+class UpdateWeightsReq(msgspec.Struct, tag="update_weights", kw_only=True, forbid_unknown_fields=True):
+    """Reload the model's weights from `model_path` in place (/update_weights_from_disk). The worker
+    drains first: requests it holds finish on the old weights while new ones wait; then it loads, drops
+    its prefix cache (KV of the old weights) and lets the waiting ones run on the new weights. A
+    checkpoint that cannot be loaded (no such path, another architecture or shapes) leaves the old
+    weights in place. Answered with a ReplyOut: ok, and `message`."""
+
+    rid: str
+    model_path: str
+    load_format: str = ""  # "" / auto / safetensors: the checkpoint's safetensors; dummy: random weights
 
 
 class ShutdownReq(msgspec.Struct, tag="shutdown", kw_only=True):
@@ -355,6 +392,7 @@ class KVPairClose(msgspec.Struct, tag="kv_pair_close", kw_only=True, forbid_unkn
     pairing: str
 
 
-ToWorker = (GenerateReq | AbortReq | FlushCacheReq | TokenizeReq | ShutdownReq | HelloReq | ExecutorOpen
-            | OffloadDirective | OffloadRatio | KVPairOpen | KVPairConnect | KVPairClose)
+ToWorker = (GenerateReq | AbortReq | FlushCacheReq | TokenizeReq | DetokenizeReq | ProfileReq | UpdateWeightsReq
+            | ShutdownReq | HelloReq | ExecutorOpen | OffloadDirective | OffloadRatio | KVPairOpen | KVPairConnect
+            | KVPairClose)
 FromWorker = BatchOut | ErrorOut | ReplyOut | WorkerHello | LoadReport

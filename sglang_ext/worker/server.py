@@ -34,6 +34,7 @@ from sglang_ext.grammar.backend import constraint_of
 from sglang_ext.grammar.pool import GrammarBusy
 from sglang_ext.messages import (
     AbortReq,
+    DetokenizeReq,
     ErrorOut,
     FromWorker,
     GenerateReq,
@@ -81,6 +82,7 @@ class WorkerServer:
         self.short_lane = ThreadPoolExecutor(1, thread_name_prefix="tokenize-short")
         self.long_lane = ThreadPoolExecutor(1, thread_name_prefix="tokenize-long")
         self.tokenizing: dict[str, bool] = {}  # rid -> aborted meanwhile
+        self.abort_notes: dict[str, str] = {}  # rid aborted while tokenizing -> its abort message
         self.tasks: set[asyncio.Task[None]] = set()
         self.parent_pid = os.getppid()
         # Executors this worker hosts are reached where the router reaches it.
@@ -112,28 +114,30 @@ class WorkerServer:
         if isinstance(msg, HelloReq):  # answered here: it must not wait behind a forward
             await self.send([WorkerHello(info=self.worker.info())])
         elif isinstance(msg, AbortReq) and msg.rid in self.tokenizing:
-            self.tokenizing[msg.rid] = True  # dropped when its tokenization ends
-        elif isinstance(msg, TokenizeReq) or (isinstance(msg, GenerateReq) and (
+            self.tokenizing[msg.rid] = True  # dropped when its tokenization ends, answered as aborted
+            self.abort_notes[msg.rid] = msg.message
+        elif isinstance(msg, TokenizeReq | DetokenizeReq) or (isinstance(msg, GenerateReq) and (
                 msg.input_ids is None or constraint_of(msg.sampling_params) is not None)):
             await self._start_tokenizing(msg)
         else:
             self.inbox.append(msg)
             self.wake.set()
 
-    async def _start_tokenizing(self, msg: GenerateReq | TokenizeReq) -> None:
+    async def _start_tokenizing(self, msg: GenerateReq | TokenizeReq | DetokenizeReq) -> None:
         if msg.rid in self.tokenizing:
             await self.send([ErrorOut(rid=msg.rid, message=f"duplicate request id {msg.rid!r}", status=400)])
             return
         self.tokenizing[msg.rid] = False
-        chars = self.worker.prompt_chars(msg.text, msg.messages)
+        chars = 0 if isinstance(msg, DetokenizeReq) else self.worker.prompt_chars(msg.text, msg.messages)
         lane = self.short_lane if chars <= SHORT_PROMPT_CHARS else self.long_lane
         task = asyncio.create_task(self._tokenize(msg, lane))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def _tokenize(self, msg: GenerateReq | TokenizeReq, lane: ThreadPoolExecutor) -> None:
+    async def _tokenize(self, msg: GenerateReq | TokenizeReq | DetokenizeReq, lane: ThreadPoolExecutor) -> None:
         loop = asyncio.get_running_loop()
-        fn = self.worker.prepare if isinstance(msg, GenerateReq) else self.worker.reply_tokenize
+        fn = (self.worker.prepare if isinstance(msg, GenerateReq) else self.worker.reply_tokenize
+              if isinstance(msg, TokenizeReq) else self.worker.reply_detokenize)
         grammar = None
         try:
             result: ToWorker | FromWorker = await loop.run_in_executor(lane, fn, msg)  # type: ignore[arg-type]
@@ -148,7 +152,12 @@ class WorkerServer:
             result = ErrorOut(rid=msg.rid, message=f"internal error while tokenizing: {type(e).__name__}: {e}",
                               status=500)
         if self.tokenizing.pop(msg.rid, True):
-            return  # aborted meanwhile (or the worker is failing and has answered it already)
+            # Aborted meanwhile: a generation ends as any aborted one does (an Engine waits for its
+            # end). Or the worker is failing and has answered it already.
+            note = self.abort_notes.pop(msg.rid, None)
+            if note is not None and isinstance(msg, GenerateReq):
+                await self.send([self.worker.aborted(msg.rid, note)])
+            return
         if isinstance(result, GenerateReq):
             if grammar is not None:
                 self.worker.compiled_grammars[result.rid] = grammar
@@ -211,9 +220,12 @@ class WorkerServer:
         logger.exception("fatal error in worker %s; failing all its requests and exiting", self.worker.worker_id)
         message = (f"worker {self.worker.worker_id} failed ({type(e).__name__}: {e}); "
                    "it exits and is restarted by its launcher")
-        pending = {m.rid for m in [*inbox, *self.inbox] if isinstance(m, GenerateReq | TokenizeReq)}
+        pending = {m.rid for m in [*inbox, *self.inbox, *self.worker.weights.held]
+                   if isinstance(m, GenerateReq | TokenizeReq | DetokenizeReq)}
         pending |= {rid for rid, aborted in self.tokenizing.items() if not aborted}
+        pending |= {m.rid for m in self.worker.weights.pending}  # reloads waiting for the drain
         self.tokenizing = {rid: True for rid in self.tokenizing}  # their tokenization ends unanswered
+        self.abort_notes.clear()
         await self.send(self.worker.fatal_errors(message, pending))
         self.sock.setsockopt(zmq.LINGER, 2000)  # deliver those errors before the socket closes
 

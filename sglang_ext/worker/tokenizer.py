@@ -41,10 +41,10 @@ class Tokenizer:
         # local_files_only: a directory without tokenizer files must fail here, not try the Hub.
         return cls(AutoTokenizer.from_pretrained(str(path), local_files_only=True), eos_ids)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # transformers' fast path calls the Rust batch encoder, which releases the GIL: the worker's
         # event loop and forward thread run on while a long prompt is tokenized on another thread.
-        return list(self.hf.encode(text, add_special_tokens=True))
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         from jinja2 import TemplateError

@@ -25,6 +25,7 @@ from sglang_ext.grammar.pool import GrammarBusy
 from sglang_ext.messages import (
     AbortReq,
     BatchOut,
+    DetokenizeReq,
     ErrorOut,
     ExecutorOpen,
     FlushCacheReq,
@@ -36,11 +37,13 @@ from sglang_ext.messages import (
     LoadReport,
     OffloadDirective,
     OffloadRatio,
+    ProfileReq,
     ReplyOut,
     ShutdownReq,
     TokenizeReq,
     TokenOut,
     ToWorker,
+    UpdateWeightsReq,
     WorkerInfo,
 )
 from sglang_ext.messages.io import RotationStats
@@ -55,10 +58,11 @@ from sglang_ext.server_args import ServerArgs
 from sglang_ext.transport.choice import cuda_ipc_problem
 from sglang_ext.worker.disagg import PairGone, WorkerDisagg
 from sglang_ext.worker.offload import WorkerOffload
-from sglang_ext.worker.profile import make_profiler
+from sglang_ext.worker.profile import make_profiler, on_demand
 from sglang_ext.worker.stats import DECODE_STEP_WINDOW_S, LatencyWindow, latency, present
 from sglang_ext.worker.step_log import make_step_log
 from sglang_ext.worker.tokenizer import IncrementalDetokenizer, StartupError, Tokenizer, load_tokenizer
+from sglang_ext.worker.weights import WeightUpdates, reload
 
 logger = logging.getLogger(__name__)
 # A request failed because its worker died: the same status the router gives when a worker vanishes.
@@ -137,6 +141,8 @@ class Worker:
         self.last_step_ms = 0.0
         self.step_log = make_step_log(args, worker_id)
         self.profiler = make_profiler(args, worker_id, cuda=self.runner.device.type == "cuda")
+        self.weights = WeightUpdates()
+        self.weights_path = str(args.model_path or "default")  # what /update_weights_from_disk loaded last
         self.tpot = LatencyWindow()
         self.ttft = LatencyWindow()  # first tokens computed here (a decode worker's come from prefill)
         # steps that decoded a running request: a short window, the planner looks every few seconds
@@ -147,7 +153,7 @@ class Worker:
     # ---- identity -----------------------------------------------------------------------------
     def info(self) -> WorkerInfo:
         return self.offload.info(WorkerInfo(
-            worker_id=self.worker_id, model_name=self.model_name, model_path=str(self.args.model_path or "default"),
+            worker_id=self.worker_id, model_name=self.model_name, model_path=self.weights_path,
             architecture=self.cfg.architecture, context_length=self.runner.context_len,
             vocab_size=self.cfg.vocab_size, max_total_tokens=self.scheduler.max_total_tokens,
             page_size=self.args.resolved_page_size, device=str(self.runner.device),
@@ -176,7 +182,7 @@ class Worker:
         )
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or not self.disagg.events.empty()
+        return self.scheduler.has_work() or not self.disagg.events.empty() or self.weights.draining
 
     # ---- tokenizing (any thread: touches only the tokenizer) ------------------------------------
     def prompt_chars(self, text: str | None, messages: list[dict[str, Any]] | None) -> int:
@@ -184,7 +190,8 @@ class Worker:
             return _chars(messages)
         return len(text) if text is not None else 0
 
-    def tokenize(self, text: str | None, messages: list[dict[str, Any]] | None, gen_prompt: bool = True) -> list[int]:
+    def tokenize(self, text: str | None, messages: list[dict[str, Any]] | None, gen_prompt: bool = True,
+                 add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise InvalidRequest("this server was started with skip_tokenizer_init: send input_ids, not text")
         # Refuse what cannot fit before tokenizing it: a 100 MB prompt would take minutes and tens of
@@ -201,7 +208,7 @@ class Worker:
             return self.tokenizer.apply_chat_template(messages, gen_prompt)
         if text is None:
             raise InvalidRequest("give text or messages")
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode(text, add_special_tokens)
 
     def prepare(self, m: GenerateReq) -> GenerateReq:
         """The request with input_ids in place of text or messages (the prompt text is dropped)."""
@@ -236,15 +243,29 @@ class Worker:
         return GrammarBackend.state(compiled)
 
     def reply_tokenize(self, m: TokenizeReq) -> ReplyOut:
-        ids = self.tokenize(m.text, m.messages, m.add_generation_prompt)
+        ids = self.tokenize(m.text, m.messages, m.add_generation_prompt, m.add_special_tokens)
         return ReplyOut(rid=m.rid, ok=True, data={"input_ids": ids})
+
+    def reply_detokenize(self, m: DetokenizeReq) -> ReplyOut:
+        if self.tokenizer is None:
+            raise InvalidRequest("this server was started with skip_tokenizer_init: it has no tokenizer")
+        n = len(self.tokenizer.hf)
+        bad = next((t for t in m.tokens if not 0 <= t < n), None)
+        if bad is not None:
+            raise InvalidRequest(f"tokens: {bad} is not a token id of this model's tokenizer (ids are 0 .. {n - 1})")
+        return ReplyOut(rid=m.rid, ok=True, data={"text": self.tokenizer.decode(m.tokens, m.skip_special_tokens)})
 
     # ---- messages in (the forward thread) -----------------------------------------------------------
     def handle(self, msg: ToWorker) -> list[FromWorker]:
         try:
             if isinstance(msg, GenerateReq):
-                self._add(msg)
+                if self.weights.draining:
+                    self.weights.held.append(msg)  # it runs on the new weights (weights.py)
+                else:
+                    self._add(msg)
             elif isinstance(msg, AbortReq):
+                if self.weights.drop(msg.rid):
+                    return [self.aborted(msg.rid, msg.message)]
                 self.scheduler.abort(msg.rid, msg.message)
                 if self.disagg.abort(msg.rid):
                     self.live.pop(msg.rid, None)  # the router closed it; nothing more is reported
@@ -254,6 +275,13 @@ class Worker:
                 return [*out, ReplyOut(rid=msg.rid, ok=self.scheduler.flush_cache())]
             elif isinstance(msg, TokenizeReq):
                 return [self.reply_tokenize(msg)]
+            elif isinstance(msg, DetokenizeReq):
+                return [self.reply_detokenize(msg)]
+            elif isinstance(msg, ProfileReq):
+                self.profiler, reply = on_demand(msg, self.profiler, self.worker_id, self.runner.device.type == "cuda")
+                return [reply]
+            elif isinstance(msg, UpdateWeightsReq):
+                self.weights.pending.append(msg)  # applied once the scheduler has drained (step)
             elif isinstance(msg, ExecutorOpen):
                 return [self.offload.open_executor(msg)]
             elif isinstance(msg, KVPairOpen):
@@ -340,6 +368,8 @@ class Worker:
         for msg in inbox:
             out.extend(self.handle(msg))
         out.extend(self._disagg_events())
+        if self.weights.draining and not self.scheduler.has_work():
+            out.extend(self._update_weights())
         t0 = time.perf_counter()
         pre = self.scheduler.prefill_tokens
         prof = self.profiler if self.profiler is not None and self.scheduler.has_work() else None
@@ -379,6 +409,23 @@ class Worker:
                 out.append(BatchOut(outs=outs))
         return out
 
+    def _update_weights(self) -> list[FromWorker]:
+        """Every pending reload, in order (the last that succeeds serves), then the held requests."""
+        out: list[FromWorker] = []
+        pending, self.weights.pending = self.weights.pending, []
+        ok = False
+        for m in pending:
+            reply = reload(self.runner, self.cfg, m, self.args.random_seed)
+            if reply.ok:
+                ok, self.weights_path = True, m.model_path
+            out.append(reply)
+        if ok and not self.scheduler.flush_cache():  # the cached KV is the old weights'
+            logger.warning("the prefix cache could not be dropped after a weight update")
+        held, self.weights.held = self.weights.held, []
+        for g in held:
+            out.extend(self.handle(g))
+        return out
+
     def _disagg_events(self, settle_s: float = 0.0) -> list[FromWorker]:
         ready, errors = self.disagg.poll(self.scheduler, settle_s)
         out: list[FromWorker] = list(errors)
@@ -393,6 +440,12 @@ class Worker:
                 self.live.pop(req.rid, None)
                 out.append(ErrorOut(rid=req.rid, message=str(e), status=500))
         return out
+
+    def aborted(self, rid: str, message: str) -> BatchOut:
+        """The end of a request aborted before the scheduler had it (tokenizing, or held for a reload)."""
+        meta = {"id": rid, "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
+                "finish_reason": {"type": "abort", "message": message}}
+        return BatchOut(outs=[TokenOut(rid=rid, text_delta="", token_ids=[], finished=True, meta_info=meta)])
 
     def fatal_errors(self, message: str, also: set[str]) -> list[FromWorker]:
         """An explicit error for every request this worker holds (and `also`), before it exits."""
