@@ -109,8 +109,10 @@ def test_tokenize_errors(server: Server, client: httpx.Client) -> None:
     assert r.status_code == 400
     r = client.post("/tokenize", json={"prompt": "x", "model": "nope"})
     assert r.status_code == 404 and "nope" in r.json()["error"]["message"]
-    r = client.post("/tokenize", json={"text": "x"})
+    r = client.post("/tokenize", json={"model": "default"})
     assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
+    r = client.post("/tokenize", json={"prompt": "x", "text": "x"})
+    assert r.status_code == 400 and "text" in r.json()["error"]["message"]
     r = client.post("/detokenize", json={"tokens": "abc"})
     assert r.status_code == 400 and "tokens" in r.json()["error"]["message"]
     with httpx.Client(base_url=server.url) as anon:  # the router's API key, as everywhere
@@ -244,17 +246,24 @@ def test_update_weights_from_disk(server: Server, client: httpx.Client, ckpt_b: 
                 log_level="warning") as eng:
         want_b = eng.generate(PROMPT, GREEDY)["output_ids"]  # type: ignore[index]
     assert want_b != old
-    # A request in flight when the update comes finishes (on the old weights: the worker drains first).
+    # A request in flight when the update comes finishes (on the old weights: the worker drains first);
+    # one that comes while it drains waits, and runs on the new weights.
     t, box = _in_background(lambda: server.client().post(
-        "/generate", json={"text": "in flight", "sampling_params": {**LONG, "max_new_tokens": 400}}))
+        "/generate", json={"text": "in flight", "sampling_params": {**LONG, "max_new_tokens": 1000}}))
     wait_for(lambda: _running(server, 1), 30, "the request in flight")
-    r = client.post("/update_weights_from_disk", json={"model_path": str(ckpt_b)})
+    tu, update = _in_background(lambda: server.client().post("/update_weights_from_disk",
+                                                             json={"model_path": str(ckpt_b)}))
+    time.sleep(0.5)
+    assert not update  # still draining
+    assert ids_of(client) == want_b  # held, then served by the new weights
+    tu.join(60)
+    r = update["result"]
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["success"] is True and out["message"] and list(out["workers"]) == ["default-0"]
     t.join(60)
     done = box["result"].json()
-    assert done["meta_info"]["finish_reason"] == {"type": "length", "length": 400}
+    assert done["meta_info"]["finish_reason"] == {"type": "length", "length": 1000}
     assert ids_of(client) == want_b  # the new weights serve
     assert client.get("/get_model_info").json()["model_path"] == str(ckpt_b)
     # A bad path, another shape, a bad format: refused, the weights in force keep serving.

@@ -37,7 +37,7 @@ class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class DetokenizeBody(msgspec.Struct, forbid_unknown_fields=True):
-    tokens: list[int] | list[list[int]]
+    tokens: list[Any]  # list[int], or a batch: list[list[int]] (checked in `_token_lists`)
     model: str | None = None
     skip_special_tokens: bool = True
 
@@ -85,8 +85,7 @@ def build(router: Router) -> APIRouter:
     async def detokenize(request: Request) -> Response:
         body: DetokenizeBody = convert(await read_json(request), DetokenizeBody)
         w = _tokenizer_worker(router, resolve_model(router.registry, body.model))
-        batch = bool(body.tokens) and isinstance(body.tokens[0], list)
-        seqs: list[list[int]] = body.tokens if batch else [body.tokens]  # type: ignore[assignment,list-item]
+        batch, seqs = _token_lists(body.tokens)
         replies = await _ask_all(router, w, [
             lambda rid, s=s: DetokenizeReq(rid=rid, tokens=s, skip_special_tokens=body.skip_special_tokens)
             for s in seqs])
@@ -144,6 +143,17 @@ def build(router: Router) -> APIRouter:
         return json_response({"success": ok, "message": message, "workers": per}, status=200 if ok else 400)
 
     return api
+
+
+def _token_lists(tokens: list[Any]) -> tuple[bool, list[list[int]]]:
+    """(is a batch, the id lists) of a /detokenize `tokens`."""
+    batch = bool(tokens) and isinstance(tokens[0], list)
+    seqs = tokens if batch else [tokens]
+    for i, s in enumerate(seqs):
+        if not isinstance(s, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in s):
+            where = f"tokens[{i}]" if batch else "tokens"
+            raise ApiError(400, f"{where} must be a list of token ids (integers)", param="tokens")
+    return batch, seqs
 
 
 def _tokenizer_worker(router: Router, m: ModelEntry) -> WorkerState:
