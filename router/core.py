@@ -71,6 +71,11 @@ _HELLO_REQ_PERIOD_S = 2.0
 S = TypeVar("S", bound=PlacementStrategy)
 
 
+def _names(rid: str, req_rid: str) -> bool:
+    """Does an abort of `rid` reach the request `req_rid`: itself, or one of its n samples (`rid-k`)."""
+    return req_rid == rid or (bool(rid) and req_rid.startswith(f"{rid}-") and req_rid[len(rid) + 1:].isdigit())
+
+
 def prefix_key(req: GenerateReq) -> str | None:
     """The prompt as a routing key, for the balancer's policy (router/routing/keys.py)."""
     return route_key(req)
@@ -402,7 +407,7 @@ class Router:
         aborted it: the client gets a last output with finish_reason {"type": "abort", "message": ...}.
         How many were aborted (0 for an unknown rid, which is no error: SGLang's no-op)."""
         hits = [st for st in self.requests.values() if not st.done and st.req is not None
-                and (abort_all or st.req.rid == rid or st.req.rid.startswith(f"{rid}-"))
+                and (abort_all or _names(rid, st.req.rid))
                 and (model is None or st.model == model)]
         for st in hits:
             reason = {"type": "abort", "message": message}

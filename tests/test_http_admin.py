@@ -157,6 +157,13 @@ def test_abort_a_running_generation_by_rid(server: Server, client: httpx.Client)
     wait_for(lambda: all(w["load"]["num_running"] == 0 for m in server.info()["models"].values()
                          for w in m["workers"]), 10, "the worker dropped it")
     assert len(ids_of(client)) == 12
+    # A request of n samples: its rid reaches them all
+    t, box = _in_background(lambda: server.client().post(
+        "/generate", json={"text": PROMPT, "sampling_params": {**LONG, "n": 2}, "rid": "pair"}))
+    wait_for(lambda: _running(server, 2), 30, "both samples run")
+    assert client.post("/abort_request", json={"rid": "pair"}).json() == {"aborted": 2}
+    t.join(30)
+    assert [o["meta_info"]["finish_reason"]["type"] for o in box["result"].json()] == ["abort", "abort"]
     # An unknown rid: a no-op, as in SGLang
     assert client.post("/abort_request", json={"rid": "no-such"}).json() == {"aborted": 0}
     r = client.post("/abort_request", json={})
@@ -195,6 +202,13 @@ def test_abort_a_stream_by_rid_and_abort_all(server: Server, client: httpx.Clien
     assert finals and finals[-1]["choices"][0]["finish_reason"] == "abort"
     assert client.post("/abort_request", json={"abort_all": True, "model": "nope"}).status_code == 404
     assert len(ids_of(client)) == 12
+
+
+def test_an_abort_names_a_request_or_its_samples_only() -> None:
+    from router.core import _names
+
+    assert _names("a", "a") and _names("a", "a-0") and _names("a", "a-12")
+    assert not _names("r", "r-1a2b3c4d-7") and not _names("a", "ab") and not _names("", "x")
 
 
 # ---- profiler ------------------------------------------------------------------------------------

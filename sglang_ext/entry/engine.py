@@ -280,7 +280,8 @@ class Engine:
         Safe from another thread while one generates; the generation ends with finish_reason
         {"type": "abort", ...}. An unknown rid is ignored (as in SGLang)."""
         live = list(self._live)
-        self._aborts.extend(r for r in live if abort_all or r == rid or (rid and r.startswith(f"{rid}-")))
+        self._aborts.extend(r for r in live if abort_all or r == rid
+                            or (rid and r.startswith(f"{rid}-") and r[len(rid) + 1:].isdigit()))
 
     # ---- tokenizer, profiler, weights (answered by the worker with a ReplyOut) ---------------------
     def _ask(self, msg: Any) -> ReplyOut:
