@@ -252,7 +252,7 @@ class Cluster:
     upstreams: tuple[UrlWorker, ...] = ()  # `url:` workers
     # The environment variables the router reads keys from (`api_keys[].key_env`, `url:` workers'
     # `upstream.api_key_env`): taken out of every worker's environment, like $SGLANG_EXT_API_KEY.
-    secret_env: tuple[str, ...] = ()
+    key_vars: tuple[str, ...] = ()
 
 
 def model_name(model_path: str | None, served_model_name: str | None = None) -> str:
@@ -382,11 +382,11 @@ def build_cluster(spec: ClusterSpec) -> Cluster:
         api_keys = resolve_api_keys(spec.api_keys)
     except SpecError as e:
         raise ConfigError(str(e)) from None
-    secret_env = [k.key_env for k in spec.api_keys if k.key_env is not None]
-    secret_env += [u.spec.api_key_env for u in upstreams if u.spec.api_key_env is not None]
+    key_vars = [k.key_env for k in spec.api_keys if k.key_env is not None]
+    key_vars += [u.spec.api_key_env for u in upstreams if u.spec.api_key_env is not None]
     return Cluster(spec.router, tuple(workers), tuple(names), slo, tuple(spec.offload), limits=limits,
                    api_keys=api_keys, routing=routing, upstreams=tuple(upstreams),
-                   secret_env=tuple(dict.fromkeys(secret_env)))
+                   key_vars=tuple(dict.fromkeys(key_vars)))
 
 
 def _url_worker(where: str, w: WorkerSpec, worker_id: str, model: str) -> UrlWorker:

@@ -102,7 +102,7 @@ async def serve_cluster(cluster: Cluster, on_ready: Callable[[Router], Awaitable
         router.registry.declare(name)
     upstreams = Upstreams(router, cluster.upstreams)  # `url:` workers: up at their first good health check
     upstreams.start()
-    workers = LocalWorkers(router, cluster.workers, secrets=cluster.secret_env)
+    workers = LocalWorkers(router, cluster.workers, secrets=cluster.key_vars)
     workers.start()
     host, port = http_sock.getsockname()[:2]
     server = _Server(uvicorn_config(router, fd_limit))

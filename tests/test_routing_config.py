@@ -123,7 +123,7 @@ def test_the_variables_keys_come_from_are_known(tmp_path: Path, monkeypatch: pyt
         {"url": "http://h:1", "upstream": {"api_key_env": "UP_KEY"}},
         {"url": "http://h:2", "upstream": {"api_key_env": "UP_KEY"}}]}],
         "api_keys": [{"name": "team", "key_env": "TEAM_KEY"}]})
-    assert c.secret_env == ("TEAM_KEY", "UP_KEY")
+    assert c.key_vars == ("TEAM_KEY", "UP_KEY")
     assert c.upstreams[0].api_key == "upstream-secret" and "upstream-secret" not in repr(c.upstreams[0])
 
 
