@@ -250,6 +250,9 @@ class Cluster:
     api_keys: tuple[ApiKey, ...] = ()  # resolved: the secrets are read at start
     routing: Mapping[str, RoutingSettings] = field(default_factory=dict)  # per model name
     upstreams: tuple[UrlWorker, ...] = ()  # `url:` workers
+    # The environment variables the router reads keys from (`api_keys[].key_env`, `url:` workers'
+    # `upstream.api_key_env`): taken out of every worker's environment, like $SGLANG_EXT_API_KEY.
+    key_vars: tuple[str, ...] = ()
 
 
 def model_name(model_path: str | None, served_model_name: str | None = None) -> str:
@@ -379,8 +382,11 @@ def build_cluster(spec: ClusterSpec) -> Cluster:
         api_keys = resolve_api_keys(spec.api_keys)
     except SpecError as e:
         raise ConfigError(str(e)) from None
+    key_vars = [k.key_env for k in spec.api_keys if k.key_env is not None]
+    key_vars += [u.spec.api_key_env for u in upstreams if u.spec.api_key_env is not None]
     return Cluster(spec.router, tuple(workers), tuple(names), slo, tuple(spec.offload), limits=limits,
-                   api_keys=api_keys, routing=routing, upstreams=tuple(upstreams))
+                   api_keys=api_keys, routing=routing, upstreams=tuple(upstreams),
+                   key_vars=tuple(dict.fromkeys(key_vars)))
 
 
 def _url_worker(where: str, w: WorkerSpec, worker_id: str, model: str) -> UrlWorker:

@@ -5,14 +5,17 @@ lets a request's headers and body take as long as the client likes: thousands of
 dribble bytes hold their file descriptors for ever, until real requests are refused by the OS. This
 subclass bounds both, and one client's share of the connections:
 
-    accepted ── over max_per_client from its address? ─> 429, closed
+    accepted ── over max_per_client from its address? ─> 429, lingering close (below)
        │ over max_connections in all? ─> 503, closed
        │ request headers complete within header_timeout_s, else closed (there is no request to answer)
        │ request body complete within body_timeout_s, else 408, closed
        └─> the app; between requests the keep-alive timeout applies (uvicorn's own)
 
 An answer sent while the client is still sending its body (the app's 413) ends in a lingering close
-(http_linger.py), so that the client can read it. Refusals are logged as summaries (http_peers.py),
+(http_linger.py), so that the client can read it; so does the per-client 429, which is written before
+the client's request arrives (a client sends its request before it reads), for at most
+`max_lingering_refusals` connections at once (beyond: closed at once, as the 503 is: its point is to
+give descriptors back). Refusals are logged as summaries (http_peers.py),
 and every answer the guard gives itself is counted like the app's (`count`: model name, status).
 """
 
@@ -50,6 +53,8 @@ class ConnLimits:
     linger_s: float = 10.0
     linger_idle_s: float = 2.0
     linger_bytes: int = 256 << 20
+    # Refused connections (429) in a lingering close at most: a client over its cap may be a flood.
+    max_lingering_refusals: int = 256
 
 
 def _no_count(model: str, status: str) -> None:
@@ -63,6 +68,7 @@ class ServerGuard:
     peers: PeerCounts = field(default_factory=PeerCounts)
     refusals: RefusalLog = field(default_factory=lambda: RefusalLog(logger))
     count: Callable[[str, str], None] = _no_count  # (model_name, status) of an answer the guard gave
+    lingering_refusals: int = 0  # refused connections in their lingering close
 
 
 def _error_body(status: int, message: str) -> bytes:
@@ -93,7 +99,9 @@ class GuardedH11Protocol(H11Protocol):
         self._peer_key: str | None = None  # counted in `peers` while set
         self._linger_timer: asyncio.TimerHandle | None = None
         self._linger_end = self._last_read = 0.0
+        self._linger_idle_s = self._linger_bytes = 0.0
         self._discarded = 0
+        self._refused_linger = False  # counted in guard.lingering_refusals while set
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._raw = transport
@@ -115,10 +123,22 @@ class GuardedH11Protocol(H11Protocol):
         self.guard.refusals.refused(self.loop, self._peer_key or "?", why)  # by address: ports differ
         self.guard.count("", str(status))
         self._raw.write(_canned(status, reason, message))
-        self._raw.close()  # no lingering: the point is to give the descriptor back
+        lim = self.limits
+        if status != 429 or self.guard.lingering_refusals >= lim.max_lingering_refusals:
+            self._raw.close()  # no lingering: the point is to give the descriptor back
+            return
+        # Closed at once, the client's request (sent next, or already) reaches a closed socket and the
+        # kernel answers it with a reset, which destroys the unread 429 (the client sees a reset or a
+        # broken pipe): linger as after a 413.
+        self.guard.lingering_refusals += 1
+        self._refused_linger = True
+        self._linger(lim.linger_s, lim.linger_idle_s, lim.linger_bytes)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
+        if self._refused_linger:
+            self._refused_linger = False
+            self.guard.lingering_refusals -= 1
         if self._linger_timer is not None:
             self._linger_timer.cancel()
             self._linger_timer = None
@@ -148,26 +168,31 @@ class GuardedH11Protocol(H11Protocol):
                 or self.conn.their_state is not h11.SEND_BODY):
             self._raw.close()
             return
+        self._linger(self.limits.linger_s, self.limits.linger_idle_s, self.limits.linger_bytes)
+
+    def _linger(self, total_s: float, idle_s: float, max_bytes: float) -> None:
+        """The answer is out: half-close, then read and discard until the client closes, or for
+        `total_s` at most, `idle_s` without a byte, or `max_bytes` discarded."""
         self._front.lingering = True
         self._cancel_timers()  # no 408 for a body nobody waits for
         if self._raw.can_write_eof():
             self._raw.write_eof()  # the answer is complete: the client may stop sending
         self._raw.resume_reading()  # uvicorn may have paused reading while the app did not read
         self._last_read = now = time.monotonic()
-        self._linger_end = now + self.limits.linger_s
-        self._linger_timer = self.loop.call_later(min(self.limits.linger_idle_s, self.limits.linger_s),
-                                                  self._linger_check)
+        self._linger_end = now + total_s
+        self._linger_idle_s, self._linger_bytes = idle_s, max_bytes
+        self._linger_timer = self.loop.call_later(min(idle_s, total_s), self._linger_check)
 
     def _discard(self, n: int) -> None:
         self._last_read = time.monotonic()
         self._discarded += n
-        if self._discarded > self.limits.linger_bytes:
+        if self._discarded > self._linger_bytes:
             self._raw.close()
 
     def _linger_check(self) -> None:
         # One timer for both bounds, re-armed here rather than on every read.
         now = time.monotonic()
-        idle_end = self._last_read + self.limits.linger_idle_s
+        idle_end = self._last_read + self._linger_idle_s
         if now >= self._linger_end or now >= idle_end:
             self._linger_timer = None
             self._raw.close()

@@ -39,10 +39,12 @@ def restart_delay(policy: RouterConfig, fast_crashes: int) -> float:
 
 
 class LocalWorkers:
-    def __init__(self, router: Router, specs: tuple[LocalWorker, ...], policy: RouterConfig | None = None) -> None:
+    def __init__(self, router: Router, specs: tuple[LocalWorker, ...], policy: RouterConfig | None = None,
+                 secrets: tuple[str, ...] = ()) -> None:
         self.router = router
         self.specs = {s.worker_id: s for s in specs}
         self.policy = policy or router.config
+        self.secrets = secrets  # variables the router reads keys from: not in a worker's environment
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._watch: asyncio.Task[None] | None = None
 
@@ -54,9 +56,11 @@ class LocalWorkers:
         self._watch = asyncio.create_task(self._supervise())
 
     def _spawn(self, s: LocalWorker, sup: Supervision) -> None:
-        # The API key stays with the router: in a child's arguments it would show in `ps`.
+        # The keys stay with the router: in a child's arguments they would show in `ps`, in its
+        # environment in /proc/PID/environ.
         args = dataclasses.replace(s.args, api_key=None)
-        self.procs[s.worker_id] = spawn_worker(args, self.router.worker_addr, s.worker_id, dict(s.env))
+        self.procs[s.worker_id] = spawn_worker(args, self.router.worker_addr, s.worker_id, dict(s.env),
+                                               self.secrets)
         sup.state, sup.started_at = "running", time.monotonic()
 
     def _worker(self, worker_id: str) -> tuple[WorkerState, Supervision]:

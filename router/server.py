@@ -12,6 +12,7 @@ import logging
 import signal
 import socket
 import sys
+import time
 from collections.abc import Awaitable, Callable, Generator
 
 import uvicorn
@@ -27,6 +28,7 @@ from sglang_ext.env import API_KEY
 
 logger = logging.getLogger(__name__)
 _STARTUP_TIMEOUT_S = 900.0
+_UPSTREAM_WAIT_S = 30.0  # for all `url:` workers to be up before `ready:` names the missing ones
 
 
 class _Server(uvicorn.Server):
@@ -100,7 +102,7 @@ async def serve_cluster(cluster: Cluster, on_ready: Callable[[Router], Awaitable
         router.registry.declare(name)
     upstreams = Upstreams(router, cluster.upstreams)  # `url:` workers: up at their first good health check
     upstreams.start()
-    workers = LocalWorkers(router, cluster.workers)
+    workers = LocalWorkers(router, cluster.workers, secrets=cluster.key_vars)
     workers.start()
     host, port = http_sock.getsockname()[:2]
     server = _Server(uvicorn_config(router, fd_limit))
@@ -128,6 +130,13 @@ async def serve_cluster(cluster: Cluster, on_ready: Callable[[Router], Awaitable
                     say(f"ready: {up} worker(s) up; {try_hint(cfg, host, port)}")
             else:
                 ready.cancel()
+        elif cluster.upstreams:
+            upstream_ready = asyncio.create_task(_upstreams_up(router, cluster))
+            await asyncio.wait({upstream_ready, serve_task}, return_when=asyncio.FIRST_COMPLETED)
+            if upstream_ready.done():
+                say(f"ready: {upstream_ready.result()}; {try_hint(cfg, host, port)}")
+            else:
+                upstream_ready.cancel()
         if on_ready is not None and not code:
             await on_ready(router)
         await serve_task
@@ -144,6 +153,25 @@ async def serve_cluster(cluster: Cluster, on_ready: Callable[[Router], Awaitable
         http_sock.close()
         say("stopped")
     return code
+
+
+async def _upstreams_up(router: Router, cluster: Cluster, wait_all_s: float = _UPSTREAM_WAIT_S) -> str:
+    """With only `url:` workers: wait until all of them are up (their first good health check), or at
+    least one once `wait_all_s` passed (the others come up when they answer; the log says which are
+    down). Returns the `ready:` line's count."""
+    ids = [u.worker_id for u in cluster.upstreams]
+    deadline = time.monotonic() + wait_all_s
+    said = False
+    while True:
+        up = [i for i in ids if (w := router.registry.workers.get(i)) is not None and w.up]
+        late = time.monotonic() >= deadline
+        if len(up) == len(ids) or (late and up):
+            down = [i for i in ids if i not in up]
+            return f"{len(up)} worker(s) up" + (f" ({', '.join(down)} not yet)" if down else "")
+        if late and not said:
+            say(f"no url: worker is up after {wait_all_s:g} s ({', '.join(ids)}); still checking their health")
+            said = True
+        await asyncio.sleep(0.1)
 
 
 def run(cluster: Cluster) -> int:

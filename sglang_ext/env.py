@@ -9,7 +9,7 @@ docs/configuration.md lists every variable of `ALL`.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Generic, TypeVar
@@ -46,16 +46,18 @@ API_KEY: Final = EnvVar(
 ALL: Final[tuple[EnvVar[Any], ...]] = (CACHE, API_KEY)
 
 
-def worker_environ(extra: Mapping[str, str] | None = None, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+def worker_environ(extra: Mapping[str, str] | None = None, environ: Mapping[str, str] | None = None,
+                   secrets: Iterable[str] = ()) -> dict[str, str]:
     """The environment of a worker process: `environ` (default: this process's) with `extra` (a worker's
-    `env:` in the cluster file) added, less every router-only variable. A child inherits its parent's
-    environment whole, and a worker needs none of the router's secrets: there they would be readable in
-    /proc/PID/environ, in its crash reports, and by whatever it starts (compilers, tokenizer downloads).
-    Dropped even when `extra` names them: no worker reads them."""
+    `env:` in the cluster file) added, less every router-only variable and every variable named in
+    `secrets` (those a cluster file names as holding a key: `api_keys[].key_env`, a `url:` worker's
+    `upstream.api_key_env`). A child inherits its parent's environment whole, and a worker needs none of
+    the router's secrets: there they would be readable in /proc/PID/environ, in its crash reports, and
+    by whatever it starts (compilers, tokenizer downloads). Dropped even when `extra` names them: no
+    worker reads them."""
     env = {**(os.environ if environ is None else environ), **(extra or {})}
-    for var in ALL:
-        if var.router_only:
-            env.pop(var.name, None)
+    for name in (*(var.name for var in ALL if var.router_only), *secrets):
+        env.pop(name, None)
     return env
 
 

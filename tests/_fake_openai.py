@@ -26,6 +26,7 @@ class FakeOpenAI:
         self.healthy = True
         self.received: list[tuple[str, dict[str, Any]]] = []  # (path, body) of each generation request
         self.cut = 0  # streams that ended before their last event (the client went away)
+        self.auth: set[str] = set()  # the Authorization headers of its health checks
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(self._app(), host="127.0.0.1", port=self.port, log_level="warning"))
@@ -51,7 +52,8 @@ class FakeOpenAI:
         app = FastAPI()
 
         @app.get("/health")
-        async def health() -> Response:
+        async def health(request: Request) -> Response:
+            self.auth.add(request.headers.get("authorization", ""))
             return Response(status_code=200 if self.healthy else 503)
 
         @app.get("/v1/models")

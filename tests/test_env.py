@@ -50,6 +50,9 @@ def test_a_worker_gets_the_environment_without_the_routers_secrets() -> None:
                                                                       "CUDA_VISIBLE_DEVICES": "1"}
     # not even when a worker's own `env:` names it: no worker reads it
     assert env.API_KEY.name not in env.worker_environ({env.API_KEY.name: "again"}, base)
+    # nor the variables the cluster file names as holding keys (api_keys[].key_env, upstream.api_key_env)
+    assert env.worker_environ({"TEAM_KEY": "x"}, {**base, "UP_KEY": "y"}, secrets=("TEAM_KEY", "UP_KEY")) == {
+        env.CACHE.name: "/c", "PATH": "/bin"}
     assert [v.name for v in env.ALL if v.router_only] == [env.API_KEY.name]
 
 

@@ -308,6 +308,53 @@ def test_per_client_cap_leaves_room_for_others(server: LiveServer, caplog: pytes
     assert grew(before, server.requests_total()) == {("", "429"): 1}
 
 
+def test_a_refused_client_reads_its_429(server: LiveServer) -> None:
+    """The 429 is sent whole and the connection closed gracefully (as the 413's): a client that sends its
+    request after the refusal was written, as every client does, still reads the answer, never a reset
+    or a broken pipe, every time."""
+    server.settled_connections()
+    held = [connect(server, "127.0.3.1") for _ in range(PER_CLIENT)]
+    body = b'{"text": "' + b"x" * 200_000 + b'"}'
+    request = b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+    try:
+        time.sleep(0.2)
+        for i in range(10):
+            with connect(server, "127.0.3.1") as s:
+                time.sleep(0.05 if i % 2 else 0.0)  # the refusal is (or may not yet be) written and closed
+                s.sendall(request)
+                raw = read_until_closed(s)
+            assert status_of(raw) == 429 and b"from your address" in raw, raw[:200]
+        # urllib, as a client library reads it: an HTTPError 429 with its body, not a URLError
+        for _ in range(5):
+            req = urllib.request.Request(server.url + "/generate", data=body)
+            with pytest.raises(urllib.error.HTTPError) as e:
+                _urlopen_from(req, "127.0.3.1")
+            assert e.value.code == 429 and b"from your address" in e.value.read()
+        guard = server.protocol.guard
+        deadline = time.monotonic() + 10
+        while guard.lingering_refusals and time.monotonic() < deadline:  # each closed when its client did
+            time.sleep(0.05)
+        assert guard.lingering_refusals == 0
+    finally:
+        for s in held:
+            s.close()
+
+
+def _urlopen_from(req: urllib.request.Request, source: str) -> None:
+    """urlopen with the connection bound to `source` (another client address)."""
+    import http.client
+
+    class Conn(http.client.HTTPConnection):
+        def __init__(self, *a: object, **kw: object) -> None:
+            super().__init__(*a, source_address=(source, 0), **kw)  # type: ignore[arg-type]
+
+    class Handler(urllib.request.HTTPHandler):
+        def http_open(self, r: urllib.request.Request) -> http.client.HTTPResponse:
+            return self.do_open(Conn, r)
+
+    urllib.request.build_opener(Handler).open(req, timeout=30).close()
+
+
 def test_refusals_are_logged_as_summaries(server: LiveServer, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, GUARD_LOG)
     server.settled_connections()

@@ -130,7 +130,12 @@ def test_openai_json_object_completions_and_stream(oai: openai.OpenAI, client: h
     ({"response_format": {"type": "xml"}}, "response_format type must be"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "json_schema.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}}},
-     "json_schema is not valid: Unsupported type"),
+     "response_format.json_schema.schema is not valid: Unsupported type"),
+    # over --grammar-max-bytes (64 KiB): the field the client sent, not the worker's sampling_params.json_schema
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object",
+                                                                            "description": "d" * 70_000}}}},
+     "response_format.json_schema.schema is 70"),
+    ({"json_schema": json.dumps({"type": "object", "description": "d" * 70_000})}, "json_schema is 70"),
     ({"response_format": {"type": "json_object"}, "regex": "a"}, "at most one of"),
     ({"response_format": {"type": "json_object"}, "json_schema": "{}"}, "not both"),
     ({"regex": "[0-9"}, "regex is not valid"),
@@ -142,6 +147,13 @@ def test_openai_invalid_constraints(client: httpx.Client, body: dict[str, Any], 
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert needle in err["message"] and err["type"] == "invalid_request_error"
+        assert "sampling_params" not in err["message"]  # the /generate API's name, not this one's
+        if "schema is" in needle:
+            assert err["param"] == ("response_format" if "response_format" in body else "json_schema")
+    if "response_format" in body:  # streamed too (the error comes before the first token: a 400)
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "stream": True,
+                                                      **body})
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
 
 
 def test_grammar_backend_none_refuses() -> None:

@@ -541,7 +541,7 @@ async def test_router_wide_limit_queues_then_refuses_with_429(make: Make) -> Non
     assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
     err = r.json()["error"]
     assert (err["type"], err["code"], err["param"]) == ("rate_limit_error", "rate_limit_exceeded", None)
-    assert "the router's limit (1 requests at once)" in err["message"] and "queue_size 1" in err["message"]
+    assert "the router-wide limit (1 request at once)" in err["message"] and "queue_size 1" in err["message"]
     r = await s.client.post("/generate", json=GEN)
     assert r.status_code == 429 and r.json() == {"error": {"message": r.json()["error"]["message"], "code": 429}}
 
@@ -594,7 +594,7 @@ async def test_per_model_limits(make: Make) -> None:
     held = asyncio.create_task(s.client.post("/generate", json=GEN))
     g = await recv_gen(s.workers["w0"])
     r = await s.client.post("/generate", json=GEN)
-    assert r.status_code == 429 and "model 'm''s limit" in r.json()["error"]["message"]
+    assert r.status_code == 429 and "the limit of model 'm' (1 request at once)" in r.json()["error"]["message"]
     plain = asyncio.create_task(s.client.post("/generate", json={**GEN, "model": "plain"}))  # not limited
     gp = await recv_gen(other)
     await other.token(gp.rid, [1], finished=True)
@@ -614,7 +614,7 @@ async def test_per_key_limits(make: Make) -> None:
     held = post("key-batch")
     g = await recv_gen(w0)
     r = await post("key-batch")
-    assert r.status_code == 429 and "key 'batch''s limit" in r.json()["error"]["message"]
+    assert r.status_code == 429 and "the limit of key 'batch' (1 request at once)" in r.json()["error"]["message"]
     assert r.headers["retry-after"] == "1"
     for key in ("key-web", "key-primary"):  # other keys: their own limits (none here)
         t = post(key)
@@ -642,3 +642,68 @@ async def test_rate_limit_says_when_to_come_back(make: Make) -> None:
     finally:
         answering.cancel()
 
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def test_retry_after_follows_what_holds_the_places() -> None:
+    # A batch of 8 took every place of key 'batch' together; places were held 3 s each so far. 0.4 s
+    # in, the next place is free in ~2.6 s (the mean over the places said 3 * 1/8 = 0.4 s: "1 s").
+    loop = asyncio.get_running_loop()
+    clock = _Clock()
+    lim = Limiter("key", "batch", max_concurrent=8, queue_size=0, clock=clock)
+    first = [lim.try_acquire() for _ in range(8)]
+    clock.t += 3.0
+    for p in first:
+        assert p is not None
+        p.release()
+    assert lim.hold_s == pytest.approx(3.0) and not lim.holders
+    batch = [lim.try_acquire() for _ in range(8)]
+    clock.t += 0.4
+    with pytest.raises(Overloaded) as e:
+        await lim.acquire(clock() + 5.0)
+    assert e.value.retry_after == pytest.approx(2.6)
+    assert str(e.value) == ("the limit of key 'batch' (8 requests at once) is reached and no queue (queue_size 0); "
+                            "try again in 3 s")
+    # Holders that started apart: the soonest release is the oldest one's.
+    p = batch[0]
+    assert p is not None
+    p.release()
+    clock.t += 1.0
+    assert lim.try_acquire() is not None  # a newer holder, 1 s behind the others
+    assert lim.hold_s is not None and lim.hold_s < 3.0  # (the early release counted in the mean)
+    assert lim.retry_after() == pytest.approx(lim.hold_s - 1.4)
+    # With requests queued ahead: the k-th release, past the 8 places the second time round.
+    queued = Limiter("model", "m", max_concurrent=2, queue_size=10, clock=clock)
+    held = [queued.try_acquire(), queued.try_acquire()]
+    clock.t += 2.0
+    for h in held:
+        assert h is not None
+        h.release()  # mean hold 2 s
+    a, b = queued.try_acquire(), queued.try_acquire()
+    clock.t += 0.5
+    assert a is not None and b is not None
+    waiters = [asyncio.create_task(queued.acquire(loop.time() + 60)) for _ in range(3)]
+    await until(lambda: len(queued.waiters) == 3)
+    # ahead of a new request: 3 waiters; releases due at 1.5, 1.5 (the holders), then 3.5, 3.5 (the
+    # first two waiters' holds), so the 4th release, ours, is at 3.5
+    assert queued.retry_after() == pytest.approx(3.5)
+    for t in waiters:
+        t.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
+
+
+def test_retry_after_before_any_place_came_back() -> None:
+    clock = _Clock()
+    lim = Limiter("router", "router", max_concurrent=1, clock=clock)
+    assert lim.try_acquire() is not None
+    clock.t += 0.25
+    assert lim.retry_after() == pytest.approx(0.75)  # the first guess: 1 s
+    clock.t += 2.25
+    assert lim.retry_after() == pytest.approx(2.5)  # running 2.5 s: as long again

@@ -103,12 +103,28 @@ def test_url_workers(tmp_path: Path) -> None:
     ({"url": "http://h:1", "upstream": {"health_path": "health"}}, r"health_path must start with '/'"),
     ({"url": "http://h:1", "upstream": {"health_interval_s": 0}}, r"> 0.0 - at .*health_interval_s"),
     ({"url": "http://h:1", "upstream": {"api_key_file": "/nonexistent/key"}}, r"api_key_file: cannot read it"),
+    ({"url": "http://h:1", "upstream": {"api_key_env": "SGLANG_EXT_TEST_UNSET_VAR"}},
+     r"upstream.api_key_env: the environment variable SGLANG_EXT_TEST_UNSET_VAR is unset or empty"),
+    ({"url": "http://h:1", "upstream": {"api_key_env": "X", "api_key_file": "/k"}},
+     r"upstream: give api_key_file or api_key_env, not both"),
     ({"url": "http://h:1", "upstream": {"helth_path": "/x"}}, r"unknown field `helth_path`"),
     ({"url": "http://h:1", "upstream": {"return_token_ids": "yes"}}, r"Expected `bool`.*return_token_ids"),
 ])
 def test_bad_url_worker_is_an_error_that_says_where(tmp_path: Path, worker: dict[str, Any], error: str) -> None:
     with pytest.raises(ConfigError, match=error):
         cluster(tmp_path, {"models": [{"name": "m", "workers": [worker]}]})
+
+
+def test_the_variables_keys_come_from_are_known(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """So that they can be kept out of the workers' environment (tests/test_worker_secrets.py)."""
+    monkeypatch.setenv("UP_KEY", "upstream-secret")
+    monkeypatch.setenv("TEAM_KEY", "team-secret")
+    c = cluster(tmp_path, {"models": [{"name": "m", "workers": [
+        {"url": "http://h:1", "upstream": {"api_key_env": "UP_KEY"}},
+        {"url": "http://h:2", "upstream": {"api_key_env": "UP_KEY"}}]}],
+        "api_keys": [{"name": "team", "key_env": "TEAM_KEY"}]})
+    assert c.key_vars == ("TEAM_KEY", "UP_KEY")
+    assert c.upstreams[0].api_key == "upstream-secret" and "upstream-secret" not in repr(c.upstreams[0])
 
 
 def test_url_worker_ids_are_unique_with_local_ones() -> None:

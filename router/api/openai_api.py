@@ -6,6 +6,7 @@ Both generation endpoints share one path: parse -> plan -> submit -> either coll
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -158,17 +159,41 @@ class ChatRender(Render):
         return out_choices
 
 
+_WORKER_FIELD = re.compile(r"sampling_params\.(regex|json_schema|ebnf|structural_tag)\b")
+
+
+def client_field(e: ApiError, body: CompletionRequest | ChatRequest) -> ApiError:
+    """A worker names a constraint it cannot compile (or will not: too large, queue full) as the native
+    API's `sampling_params.json_schema`; an OpenAI client sent `response_format` (or the bare extension
+    field, `json_schema`, `regex`, ...): the error names the field the client sent."""
+    m = _WORKER_FIELD.match(e.message)
+    if m is None:
+        return e
+    kind = m[1]
+    name, param = kind, kind
+    if getattr(body, kind) is None and body.response_format is not None:  # it came from response_format
+        param = "response_format"
+        name = "response_format.json_schema.schema" if body.response_format.get("type") == "json_schema" else param
+    return ApiError(e.status, name + e.message[m.end():], param=param, code=e.code, headers=e.headers)
+
+
 async def _respond(router: Router, request: Request, plan: GeneratePlan, render: Render, id_prefix: str,
-                   n: int, include_usage: bool) -> Response:
+                   n: int, include_usage: bool, body: CompletionRequest | ChatRequest) -> Response:
     await router.resilience.admission.admit(request, plan.model.name)  # 429 when over a limit
     sub = submit(router, plan)
     head = {"id": new_id(id_prefix), "object": render.object, "created": now_s(), "model": plan.model.name}
     if not plan.stream:
-        results = await collect(sub, request)
+        try:
+            results = await collect(sub, request)
+        except ApiError as e:
+            raise client_field(e, body) from None
         return json_response({**head, "choices": [render.choice(i, r) for i, r in enumerate(results)],
                               "usage": usage([r["meta_info"] for r in results], n)})
     events = EventStream(sub)
-    first = await events.next(request)  # errors before the first token keep their HTTP status
+    try:
+        first = await events.next(request)  # errors before the first token keep their HTTP status
+    except ApiError as e:
+        raise client_field(e, body) from None
     head["object"] = render.chunk_object
     return SSEResponse(_stream(events, first, head, render, n if include_usage else 0), on_close=sub.abort)
 
@@ -221,7 +246,7 @@ def build(router: Router) -> APIRouter:
         plan = _plan(router, model, prompts, sp, body.stream, body.logprobs is not None or body.echo,
                      body.logprobs or 0, 0 if body.echo else -1)
         render = CompletionRender(body, [p for p in prompts for _ in range(body.n)])
-        return await _respond(router, request, plan, render, "cmpl", body.n, _include_usage(body))
+        return await _respond(router, request, plan, render, "cmpl", body.n, _include_usage(body), body)
 
     @api.post("/chat/completions")
     async def chat(request: Request) -> Response:
@@ -233,7 +258,8 @@ def build(router: Router) -> APIRouter:
         # No limit given: generate until the context is full, as SGLang does.
         sp = sampling_params(body, model, limit, info.context_length if info else 128)
         plan = _plan(router, model, [{"messages": messages}], sp, body.stream, body.logprobs, body.top_logprobs or 0)
-        return await _respond(router, request, plan, ChatRender(body), "chatcmpl", body.n, _include_usage(body))
+        return await _respond(router, request, plan, ChatRender(body), "chatcmpl", body.n, _include_usage(body),
+                              body)
 
     return api
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import httpx
 
 from router.upstream.link import UpstreamHost, UpstreamLink
@@ -18,6 +20,7 @@ class Upstreams:
     def start(self) -> None:
         if not self.workers:
             return
+        quiet_http_client_logs()
         # No connection cap (the router's own HTTP limits bound the requests in flight), and no proxy
         # from the environment: a router reaches its backends directly.
         self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
@@ -33,3 +36,11 @@ class Upstreams:
         if self.client is not None:
             await self.client.aclose()
             self.client = None
+
+
+def quiet_http_client_logs() -> None:
+    """httpx logs every request at INFO: one line per health check and per proxied request of every
+    `url:` worker, which buries the router's own log. The links log what matters instead: an upstream
+    going down (with why) and coming back, once per change."""
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)

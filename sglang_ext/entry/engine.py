@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import msgspec
@@ -333,12 +333,13 @@ class Engine:
         return {**msgspec.structs.asdict(self.info), "server_args": msgspec.to_builtins(self.server_args)}
 
 
-def spawn_worker(args: ServerArgs, addr: str, worker_id: str,
-                 env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+def spawn_worker(args: ServerArgs, addr: str, worker_id: str, env: Mapping[str, str] | None = None,
+                 secrets: Iterable[str] = ()) -> subprocess.Popen[bytes]:
     """Start `python -m sglang_ext.worker` connected to `addr`, with `env` added to this process's
-    environment and the router's secrets (the API key) taken out of it; it exits when its parent does."""
+    environment and the router's secrets taken out of it (the API key's variable, and `secrets`: the
+    other variables the router reads keys from); it exits when its parent does."""
     cmd = [sys.executable, "-m", "sglang_ext.worker", addr, worker_id, msgspec.json.encode(args).decode()]
-    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=worker_environ(env))
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=worker_environ(env, secrets=secrets))
 
 
 __all__ = ["Engine", "SamplingParams", "WorkerDied"]
