@@ -160,7 +160,7 @@ class Executor(Protocol):
 
 @dataclass
 class Estimator:
-    """Seconds a server start and a point take, learned from the ones so far (the largest seen)."""
+    """Seconds a server start (the last one seen) and a point (the largest overhead seen) take."""
 
     plan: Plan
     start_s: float = 60.0
@@ -329,12 +329,28 @@ class ServerExecutor:
         deadline = time.monotonic() + self.a.start_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server for {run} exited with {self.proc.returncode} (see its log)")
+                self.proc = None
+                raise RuntimeError(f"server for {run} exited early (see its log)")
             with contextlib.suppress(OSError):
                 if _http(self.url + "/health", timeout=2)[0] == 200:
                     return
             time.sleep(1)
+        self._kill()
         raise TimeoutError(f"server for {run} not healthy after {self.a.start_timeout_s:g} s")
+
+    def _kill(self) -> None:
+        """SIGINT to the server's process group (a clean shutdown), SIGKILL after 10 s."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGINT)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
 
     def flush(self) -> None:
         """Empty the prefix cache; refused while requests still run (cancelled ones draining): retry."""
@@ -369,16 +385,9 @@ class ServerExecutor:
             text = _http(self.url + "/metrics", timeout=10)[1]
             keep = [ln for ln in text.splitlines() if ln.startswith(("sglang_ext:kv_rot", "sglang_ext:rotary",
                                                                        "sglang_ext:num_preempt"))]
-            (self.out / f"gp_metrics_{label(run, self.a.arrival)}.txt").write_text("\n".join(keep) + "\n")
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGINT)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-        self.proc = None
+            with open(self.out / f"gp_metrics_{label(run, self.a.arrival)}.txt", "a") as f:  # one block per server
+                f.write(f"# {time.strftime('%H:%M:%S')}\n" + "\n".join(keep) + "\n")
+        self._kill()
 
 
 # ---------------------------------------------------------------------------------------------- CLI
