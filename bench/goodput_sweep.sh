@@ -9,9 +9,14 @@
 #      TRACE (mooncake), MAX_IN (7680), MAX_OUT (256), TTFT (5 s), TPOT (0.1 s, mean per request),
 #      MODEL (preset:llama-3-8b), HOST_GB (32, rotate runs), ARRIVAL (poisson, or burst: 4x the quiet
 #      rate for 5 s of every 30 s, the same mean rate), TRACES, OUT. Reports: gp_<run>_r<rate>.json.
+# One point per rate, fresh trace rows each: bench/goodput_knee.py is the method with repeats and bisection.
 set -uo pipefail
+# bash's own SECONDS counts up from the value in the environment (0 when none was given): read it first.
+SECONDS_PER_POINT=$SECONDS; [ "$SECONDS_PER_POINT" -gt 0 ] || SECONDS_PER_POINT=30
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-SHARE=${SHARE:-0.25}; RATES=${RATES:-2 4 6}; SECONDS_PER_POINT=${SECONDS:-30}
+# Every report of this call carries one call id (bench/goodput.py says which calls a panel merges).
+export SGLANG_EXT_CALL_ID=${SGLANG_EXT_CALL_ID:-sweep-$(date -u +%Y%m%dT%H%M%SZ)-$$}
+SHARE=${SHARE:-0.25}; RATES=${RATES:-2 4 6}
 TRACE=${TRACE:-mooncake}; MAX_IN=${MAX_IN:-7680}; MAX_OUT=${MAX_OUT:-256}; TTFT=${TTFT:-5}; TPOT=${TPOT:-0.1}
 MODEL=${MODEL:-preset:llama-3-8b}; PORT=${PORT:-31000}
 runs=${*:-fcfs-recompute fcfs-rotate lvf-rotate}

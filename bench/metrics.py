@@ -193,6 +193,27 @@ def error_counts(results: Sequence[RequestResult], limit: int = 20) -> dict[str,
     return dict(Counter(r.error[:200] for r in results if not r.success).most_common(limit))
 
 
+def realized_rates(send_times_s: Sequence[float], window_s: float = 5.0) -> dict[str, float | None]:
+    """The arrival rates a run really offered, which a nominal mean rate hides for bursts (a 15 s burst
+    point at "4 req/s" can send 60 requests in 9 s). `realized_rate_rps`: sends / span of the send times
+    (first to last). `realized_peak_rps`: the most sends within any `window_s`-long window, per second
+    (every window starts at a send; a run shorter than the window reports its realized rate)."""
+    times = sorted(send_times_s)
+    n = len(times)
+    span = times[-1] - times[0] if n else 0.0
+    if n < 2 or span <= 0:
+        return {"realized_rate_rps": None, "realized_peak_rps": None, "peak_window_s": window_s}
+    rate = n / span
+    if span < window_s:
+        return {"realized_rate_rps": rate, "realized_peak_rps": rate, "peak_window_s": window_s}
+    most, j = 0, 0
+    for i, start in enumerate(times):  # two pointers: times[i:j] lie in [start, start + window)
+        while j < n and times[j] < start + window_s:
+            j += 1
+        most = max(most, j - i)
+    return {"realized_rate_rps": rate, "realized_peak_rps": most / window_s, "peak_window_s": window_s}
+
+
 def timeline(
     results: Sequence[RequestResult], duration_s: float, bin_s: float | None = None
 ) -> dict[str, object]:

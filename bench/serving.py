@@ -20,9 +20,11 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import subprocess
 import sys
 import time
+import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -176,6 +178,18 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
         help="per-request TBT statistic for --tbt-slo (default p99 of that request's ITLs; mean = its TPOT)",
     )
     g.add_argument("--output-json", type=Path, default=None, help="write config + all metrics here")
+    g.add_argument(
+        "--call-id",
+        default=None,
+        help="id of the driver invocation this run belongs to, recorded in the report so a goodput panel can "
+        "say which calls it merges (default: $SGLANG_EXT_CALL_ID, else a fresh id for this run alone)",
+    )
+    g.add_argument(
+        "--peak-window-s",
+        type=float,
+        default=5.0,
+        help="realized_peak_rps: the most requests sent within any window this long, per second",
+    )
     g.add_argument("--output-details", action="store_true", help="include per-request records in the JSON")
     g.add_argument("--plot", type=Path, default=None, help="PNG with latency CDFs and throughput over time")
     g.add_argument("--disable-tqdm", action="store_true")
@@ -200,6 +214,7 @@ def validate(args: argparse.Namespace) -> None:
         "--request-timeout": args.request_timeout,
         "--time-scale": args.time_scale,
         "--block-scale": args.block_scale,
+        "--peak-window-s": args.peak_window_s,
     }
     for name, value in positive.items():
         if not value > 0:
@@ -309,20 +324,53 @@ async def dispatch(
 # ---------------------------------------------------------------------------------------------- reports
 
 
-def git_commit() -> str | None:
+COMMIT_ENV = "SGLANG_EXT_COMMIT"  # set by the caller where the tree that runs has no git (a copied tree)
+DIRTY_ENV = "SGLANG_EXT_DIRTY"  # ... and whether that tree had uncommitted changes (1/0)
+CALL_ENV = "SGLANG_EXT_CALL_ID"
+
+
+def _git(*args: str) -> str | None:
     try:
         out = subprocess.run(
-            ["git", "-C", str(repo_root()), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=False,
+            ["git", "-C", str(repo_root()), *args], capture_output=True, text=True, timeout=10, check=False
         )
     except (OSError, subprocess.SubprocessError):
         return None
-    if out.returncode != 0:
+    return out.stdout if out.returncode == 0 else None
+
+
+def git_commit() -> str | None:
+    head = _git("rev-parse", "HEAD")
+    return head.strip() or None if head is not None else None
+
+
+def new_call_id(kind: str) -> str:
+    """An id for one driver invocation: kind, UTC time, and a random tail (two calls in one second)."""
+    return f"{kind}-{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
+
+
+def _flag(text: str | None) -> bool | None:
+    if text is None:
         return None
-    return out.stdout.strip() or None
+    low = text.strip().lower()
+    return True if low in ("1", "true", "yes") else False if low in ("0", "false", "no") else None
+
+
+def provenance(call_id: str | None = None) -> dict[str, Any]:
+    """What ran: the commit of the repository the bench runs from and whether its tree was dirty (git
+    first, since it sees the tree that really ran; else the caller's $SGLANG_EXT_COMMIT / $SGLANG_EXT_DIRTY
+    for a copied tree without git; else "unknown" / null), and the driver call the run belongs to."""
+    commit, source = git_commit(), "git"
+    dirty: bool | None = None
+    if commit is not None:
+        status = _git("status", "--porcelain")
+        dirty = bool(status.strip()) if status is not None else None
+    elif os.environ.get(COMMIT_ENV):
+        commit, source, dirty = os.environ[COMMIT_ENV].strip(), "env", _flag(os.environ.get(DIRTY_ENV))
+    else:
+        commit, source = "unknown", "unknown"
+    call = call_id or os.environ.get(CALL_ENV) or new_call_id("serving")
+    return {"git_commit": commit, "git_dirty": dirty, "commit_source": source, "call_id": call}
 
 
 def public_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -360,12 +408,14 @@ def build_report(
     n_scheduled: int,
 ) -> dict[str, Any]:
     slo = M.SloConfig(args.ttft_slo, args.tbt_slo, args.tbt_stat)
+    sends = [r.send_s if r.send_s is not None else r.scheduled_s for r in results]
     report: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": git_commit(),
+        **provenance(args.call_id),
         "command": redact_argv(sys.argv),
         "config": public_config(args),
-        "workload": {**info, "scheduled": n_scheduled, "not_sent": n_scheduled - len(results)},
+        "workload": {**info, "scheduled": n_scheduled, "not_sent": n_scheduled - len(results),
+                     **M.realized_rates(sends, args.peak_window_s)},
         "metrics": M.compute_metrics(results, duration, slo),
         "per_model": M.per_model_metrics(results, duration, slo) if len(args.models) > 1 else {},
         "errors": M.error_counts(results),

@@ -1,16 +1,18 @@
-"""bench/goodput.py: attainment counts unsent and failed requests as misses, and goodput is the highest
-swept rate at which at least the target share met both SLOs."""
+"""bench/goodput.py: attainment counts unsent and failed requests as misses; goodput is strict (the highest
+swept rate with every swept rate up to it at the target), from the mean curve over repeats; provenance
+of a panel is printed and mixed commits, calls or dirty trees are flagged."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from bench.goodput import goodput, load, main
+from bench.goodput import Goodput, agreement, goodput, goodput_of, load, main, mean_curve, per_repeat, strict_goodput
 
 
-def _report(sent: int, scheduled: int, both: float | None) -> dict[str, object]:
+def _report(sent: int, scheduled: int, both: float | None, **top: object) -> dict[str, object]:
     return {
+        **top,
         "workload": {"scheduled": scheduled},
         "metrics": {
             "sent": sent,
@@ -22,11 +24,13 @@ def _report(sent: int, scheduled: int, both: float | None) -> dict[str, object]:
     }
 
 
-def _write(d: Path, label: str, rate: float, sent: int, scheduled: int, both: float) -> None:
-    (d / f"gp_{label}_r{rate:g}.json").write_text(json.dumps(_report(sent, scheduled, both)))
+def _write(d: Path, label: str, rate: float, sent: int, scheduled: int, both: float, repeat: int | None = None,
+           **top: object) -> None:
+    tail = "" if repeat is None else f"_k{repeat}"
+    (d / f"gp_{label}_r{rate:g}{tail}.json").write_text(json.dumps(_report(sent, scheduled, both, **top)))
 
 
-def test_goodput_is_highest_rate_meeting_target(tmp_path: Path) -> None:
+def test_goodput_is_strict(tmp_path: Path) -> None:
     _write(tmp_path, "fcfs-recompute", 2, 60, 60, 1.0)
     _write(tmp_path, "fcfs-recompute", 4, 120, 120, 0.95)
     _write(tmp_path, "fcfs-recompute", 6, 180, 180, 0.5)
@@ -38,8 +42,91 @@ def test_goodput_is_highest_rate_meeting_target(tmp_path: Path) -> None:
     assert [p.rate for p in runs["lvf-rotate"]] == [2.0, 4.0, 6.0]
     assert abs(runs["lvf-rotate"][1].attainment - 100 / 120) < 1e-9
     assert goodput(runs["fcfs-recompute"], 0.9) == 4.0
-    assert goodput(runs["lvf-rotate"], 0.9) == 6.0  # the highest rate, even past a dip
+    assert goodput(runs["lvf-rotate"], 0.9) == 2.0  # 4 failed: 6's 92 % does not count past the dip
     assert goodput(runs["fcfs-recompute"], 1.0) == 2.0
+    assert goodput_of(runs["lvf-rotate"], 0.9).text() == "2"
+
+
+def test_strict_goodput_bounds() -> None:
+    assert strict_goodput([(5, 0.93), (5.5, 0.58), (6, 0.82), (6.5, 0.53)], 0.9) == Goodput(5.0)  # issue 32's fcfs
+    assert strict_goodput([(6, 0.97), (5, 0.95), (5.5, 0.76)], 0.9) == Goodput(5.0)  # order of input is irrelevant
+    top = strict_goodput([(6, 0.99), (7, 0.95)], 0.9)
+    assert top == Goodput(7.0, lower_bound=True) and top.text() == ">= 7"
+    low = strict_goodput([(7, 0.88), (9, 0.95)], 0.9)
+    assert low.rate == 0.0 and low.text() == "< 7"
+    assert strict_goodput([(3, 0.9)], 0.9).text() == ">= 3"  # exactly the target passes
+
+
+def test_repeats_mean_min_max_and_agreement(tmp_path: Path, capsys) -> None:
+    """Three repeats per rate: the mean curve decides; each repeat's own goodput and the agreement count."""
+    att = {2: (1.0, 1.0, 1.0), 4: (0.95, 0.85, 0.95), 6: (0.9, 0.6, 0.75)}  # 4: mean 91.7 %, repeat 1 fails
+    for rate, per in att.items():
+        for k, a in enumerate(per):
+            _write(tmp_path, "fcfs-recompute", rate, 100, 100, a, repeat=k, git_commit="c0ffee", git_dirty=False,
+                   call_id="knee-1")
+    for rate, a in ((2, 1.0), (4, 1.0), (6, 0.95)):  # a second run: every repeat the same, all pass
+        for k in range(3):
+            _write(tmp_path, "lvf-rotate", rate, 100, 100, a, repeat=k, git_commit="c0ffee", git_dirty=False,
+                   call_id="knee-1")
+    runs = load(tmp_path)
+    fcfs = runs["fcfs-recompute"]
+    assert [(p.rate, p.repeat) for p in fcfs][:4] == [(2, 0), (2, 1), (2, 2), (4, 0)]
+    c4 = mean_curve(fcfs)[1]
+    assert c4.rate == 4 and c4.repeats == 3 and abs(c4.mean - 0.9167) < 1e-3 and (c4.low, c4.high) == (0.85, 0.95)
+    assert goodput_of(fcfs, 0.9) == Goodput(4.0)
+    assert {k: g.text() for k, g in per_repeat(fcfs, 0.9).items()} == {0: ">= 6", 1: "2", 2: "4"}
+    assert agreement(fcfs, 0.9) == (1, 3)
+    out = tmp_path / "g.json"
+    assert main([str(tmp_path), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "91.7% [85-95]" in text and ">= 6, 2, 4 (1/3)" in text
+    assert "goodput ratio lvf-rotate / fcfs-recompute: >= 1.50x" in text  # lvf's top rate passed: a lower bound
+    assert "!!!" not in text and "c0ffee x18" in text and "knee-1 x18" in text
+    doc = json.loads(out.read_text())
+    fd, ld = doc["runs"]["fcfs-recompute"], doc["runs"]["lvf-rotate"]
+    assert fd["goodput_rps"] == 4.0 and fd["repeats"] == 3 and fd["repeats_agree"] == 1
+    assert fd["goodput_per_repeat"]["1"]["goodput_rps"] == 2.0 and fd["curve"][1]["low"] == 0.85
+    assert ld["goodput_lower_bound"] is True and ld["goodput_text"] == ">= 6"
+    assert doc["ratios"]["lvf-rotate"]["text"] == ">= 1.50x"
+    assert doc["provenance"]["warnings"] == []
+
+
+def test_old_names_read_as_repeat_zero(tmp_path: Path) -> None:
+    _write(tmp_path, "a-b", 2, 10, 10, 1.0)
+    _write(tmp_path, "a-b", 2, 10, 10, 0.5, repeat=1)
+    assert [(p.rate, p.repeat) for p in load(tmp_path)["a-b"]] == [(2.0, 0), (2.0, 1)]
+    assert goodput_of(load(tmp_path)["a-b"], 0.9).text() == "< 2"  # mean 75 %
+
+
+def test_panel_provenance_flags(tmp_path: Path, capsys) -> None:
+    """A panel merging two calls of two commits, one from a dirty tree, says so loudly."""
+    a, b = _folders(tmp_path)
+    _write(a, "fcfs-recompute", 2, 10, 10, 1.0, repeat=0, git_commit="a" * 40, git_dirty=False, call_id="c1")
+    _write(b, "lvf-rotate", 2, 10, 10, 1.0, repeat=0, git_commit="b" * 40, git_dirty=True, call_id="c2")
+    out = tmp_path / "g.json"
+    assert main([f"1/2 share={a}+{b}", "--out", str(out)]) == 0
+    cap = capsys.readouterr()
+    assert "!!! PANEL MIXES COMMITS" in cap.out and "!!! PANEL MERGES CALLS: c1 (1 reports), c2 (1 reports)" in cap.out
+    assert "!!! DIRTY TREE: 1 of 2 reports" in cap.out and "!!! 1/2 share: PANEL MIXES COMMITS" in cap.err
+    assert len(json.loads(out.read_text())["provenance"]["warnings"]) == 3
+    _write(tmp_path, "x-y", 1, 10, 10, 1.0)  # an old report: no commit known
+    assert main([str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "!!! COMMIT UNKNOWN for 1 of 1 reports" in text and "!!! CALL UNKNOWN for 1 of 1" in text
+    assert "!!! DIRTY STATE UNKNOWN for 1 of 1" in text
+
+
+def test_burst_prints_realized_peak(tmp_path: Path, capsys) -> None:
+    for k, peak in enumerate((6.0, 7.0)):
+        report = _report(60, 60, 1.0, git_commit="c", git_dirty=False, call_id="k")
+        report["workload"] = {"scheduled": 60, "arrival": "burst", "realized_rate_rps": 4.1, "realized_peak_rps": peak}
+        (tmp_path / f"gp_lvf-rotate-burst_r4_k{k}.json").write_text(json.dumps(report))
+    assert main([str(tmp_path), "--out", str(tmp_path / "g.json")]) == 0
+    text = capsys.readouterr().out
+    line = next(ln for ln in text.splitlines() if "realized peak" in ln)
+    assert line.split()[-1] == "6.5"  # the mean over repeats, under the nominal 4 req/s
+    curve = json.loads((tmp_path / "g.json").read_text())["runs"]["lvf-rotate-burst"]["curve"]
+    assert curve[0]["realized_peak_rps"] == 6.5
 
 
 def test_cli_writes_table_plot_and_json(tmp_path: Path, capsys) -> None:
@@ -90,6 +177,10 @@ def test_a_setting_swept_over_two_calls(tmp_path: Path, capsys) -> None:
     _write(b, "lvf-rotate", 1.0, 10, 10, 0.2)  # the same run and rate in both: which one counts is unclear
     assert main([f"1/8={a}+{b}"]) == 2
     assert "in two of the folders" in capsys.readouterr().err
+    (b / "gp_lvf-rotate_r1.json").unlink()
+    _write(b, "lvf-rotate", 1.0, 10, 10, 0.95, repeat=1)  # another repeat of the same rate: merged
+    assert main([f"1/8={a}+{b}", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["runs"]["lvf-rotate"]["curve"][0]["repeats"] == 2
 
 
 def test_one_model_of_a_multi_model_run(tmp_path: Path, capsys) -> None:

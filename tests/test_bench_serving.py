@@ -347,3 +347,61 @@ def test_trace_loading_and_servegen_skew() -> None:
     )
     raw = load_trace("azure-code", TRACES, limit=5)
     assert [s.arrival_s for s in trace_specs] == pytest.approx([r.timestamp_s / 2 for r in raw])
+
+
+# ------------------------------------------------------------------------------- realized rates, provenance
+
+
+def test_realized_rate_and_peak_of_a_burst_schedule() -> None:
+    """A burst schedule's mean rate hides its peak; realized_peak_rps finds it (the most sends in 5 s)."""
+    from bench.metrics import realized_rates
+    from bench.traces import burst_arrivals
+
+    sends = burst_arrivals(360, 4.0, 4.0, 5.0, 30.0, 1.0, np.random.default_rng(0))  # 4 req/s on average
+    r = realized_rates(sends, 5.0)
+    assert r["realized_rate_rps"] == pytest.approx(360 / (sends[-1] - sends[0]))
+    assert r["realized_rate_rps"] == pytest.approx(4.0, rel=0.15)
+    quiet = 4.0 * 6 / (6 - 1 + 4)  # the burst runs at 4x this: 10.7 req/s
+    assert 0.8 * 4 * quiet <= r["realized_peak_rps"] <= 1.4 * 4 * quiet
+    exact = [0.0, 1.0, 2.0, 10.0, 10.1, 10.2, 10.3, 10.4, 14.9, 20.0]  # 6 sends in [10, 15): 1.2 req/s
+    assert realized_rates(exact, 5.0) == {"realized_rate_rps": 0.5, "realized_peak_rps": 1.2, "peak_window_s": 5.0}
+    assert realized_rates([0.0, 1.0, 2.0], 5.0)["realized_peak_rps"] == 1.5  # shorter than the window
+    assert realized_rates([3.0], 5.0)["realized_rate_rps"] is None
+
+
+def test_report_records_provenance_and_realized_rates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "r.json"
+    monkeypatch.delenv(serving.CALL_ENV, raising=False)
+
+    async def go(url: str, seen: list[dict[str, Any]]) -> dict[str, Any]:
+        return await serving.run(bench_args(url, "--num-requests", "6", "--call-id", "knee-test", "--output-json",
+                                            str(out)))
+
+    report = asyncio.run(with_server(go))
+    import subprocess
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip())
+    saved = json.loads(out.read_text())
+    assert (saved["git_commit"], saved["git_dirty"], saved["commit_source"]) == (head, dirty, "git")
+    assert saved["call_id"] == report["call_id"] == "knee-test"
+    work = saved["workload"]
+    assert work["realized_rate_rps"] > 0 and work["realized_peak_rps"] >= work["realized_rate_rps"] * 0.99
+    assert work["peak_window_s"] == 5.0
+
+
+def test_provenance_without_git(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copied tree without git: the caller's env names the commit; else it is "unknown". The call id
+    comes from --call-id, then $SGLANG_EXT_CALL_ID, else a fresh one per run."""
+    monkeypatch.setattr(serving, "_git", lambda *a: None)
+    monkeypatch.setenv(serving.COMMIT_ENV, "abc123")
+    monkeypatch.setenv(serving.DIRTY_ENV, "1")
+    monkeypatch.setenv(serving.CALL_ENV, "call-7")
+    assert serving.provenance() == {"git_commit": "abc123", "git_dirty": True, "commit_source": "env",
+                                    "call_id": "call-7"}
+    assert serving.provenance("mine")["call_id"] == "mine"
+    for name in (serving.COMMIT_ENV, serving.DIRTY_ENV, serving.CALL_ENV):
+        monkeypatch.delenv(name)
+    p = serving.provenance()
+    assert (p["git_commit"], p["git_dirty"], p["commit_source"]) == ("unknown", None, "unknown")
+    assert p["call_id"].startswith("serving-") and p["call_id"] != serving.provenance()["call_id"]

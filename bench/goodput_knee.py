@@ -1,0 +1,492 @@
+"""Knee search for goodput: per run (POLICY-MODE, as bench/goodput_sweep.sh), a coarse rate grid, then
+bisection between the last passing and the first failing rate until they are within 10 % of each other.
+
+  python bench/goodput_knee.py --runs fcfs-recompute lvf-rotate --share 0.25 --grid 6 7 8 --repeats 3 \
+      --budget-s 500 --out /tmp/out/knee
+
+Method (docs/benchmarks.md, "Method"):
+- A point (run, rate) is REPEATS serving.py runs of n = max(MIN_REQ, rate x SECONDS) requests each.
+  Repeat k replays trace rows from offset k x stride (stride = n at the highest rate the search can
+  reach, so repeats never share rows) with arrival seed k: the same rows and arrival times for every
+  run at a given rate and repeat. The server's prefix cache is flushed (POST /flush_cache) before each
+  repeat, so rows replayed at another rate do not hit the cache.
+- A point passes when the mean both-SLO attainment over its repeats is >= --target (0.9). A run's
+  bracket is (lo, hi): hi its lowest failing rate, lo its highest rate below hi (every rate below hi
+  passed, so lo is its strict goodput). Its next point is, in order: the lowest unmeasured rate below hi
+  among the grid and every rate another run measured (the union rule: a point is run for every run
+  whose strict goodput it can still change, i.e. below that run's first failing rate; points above it
+  cannot change it and are skipped); when every rate passed, up to --extend more grid steps above the
+  top; else the midpoint of (lo, hi) while hi > lo x 1.1. A run whose lowest rate fails stops there
+  ("< lowest"); one whose every rate passed is a lower bound (">= top").
+- Runs go one after another, one server each (the flags of goodput_sweep.sh), each given an equal share
+  of the budget left; a pass ends when every run had its turn. Later passes restart a run's server only
+  to run points other runs added since (the union rule), while the budget allows. A point is started
+  only when its estimate (learned from the points so far) fits; the budget stops the search cleanly
+  and knee.json says, per run, where it stopped and what it would have run next.
+- Out: every serving report (gp_<run>_r<rate>_k<repeat>.json, with its log), server logs and rotation
+  metrics, knee.json (the plan, the offsets, per run its curve, bracket, status; rewritten after each
+  point, so a killed call still leaves it), and bench/goodput.py's table (goodput.txt, goodput.json,
+  goodput.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+if __package__ in (None, ""):  # executed as ``python bench/goodput_knee.py``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import goodput as G
+from bench import serving
+from bench.traces import TRACE_CHOICES, default_traces_dir, repo_root
+
+MIN_REQ = 150  # requests per point and repeat: one request is then at most 0.67 points of attainment
+TOLERANCE = 0.10  # bisect until the first failing rate is within 10 % of the last passing one
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What every point of one call shares; offsets depend on the repeat alone, never on the run."""
+
+    grid: tuple[float, ...]
+    repeats: int = 3
+    seconds: float = 30.0
+    min_req: int = MIN_REQ
+    target: float = 0.9
+    tolerance: float = TOLERANCE
+    extend: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.grid or any(r <= 0 for r in self.grid):
+            raise ValueError("--grid needs at least one rate, every rate > 0")
+        if self.repeats < 1 or self.min_req < 1 or self.seconds <= 0 or self.extend < 0:
+            raise ValueError("--repeats, --min-req and --seconds must be > 0, --extend >= 0")
+
+    @property
+    def rates(self) -> tuple[float, ...]:
+        return tuple(sorted(set(self.grid)))
+
+    def extension(self) -> tuple[float, ...]:
+        """The rates above the grid tried when every grid rate passed, one grid step apart."""
+        rates = self.rates
+        step = rates[-1] - rates[-2] if len(rates) > 1 else rates[-1] / 2
+        return tuple(round(rates[-1] + i * step, 3) for i in range(1, self.extend + 1))
+
+    def n(self, rate: float) -> int:
+        return max(self.min_req, math.ceil(round(rate * self.seconds, 6)))
+
+    @property
+    def stride(self) -> int:
+        """Trace rows between repeats: n at the highest rate the search can reach (bisection stays below it)."""
+        return self.n(max((*self.rates, *self.extension())))
+
+    def offset(self, repeat: int) -> int:
+        return repeat * self.stride
+
+
+def bracket(curve: dict[float, float], target: float) -> tuple[float | None, float | None]:
+    """(lo, hi): hi the lowest failing rate (None: none failed), lo the highest rate below it (None: the
+    lowest rate failed, or nothing measured). Every measured rate below hi passed, so lo is the strict goodput."""
+    rates = sorted(curve)
+    hi = next((r for r in rates if curve[r] < target), None)
+    below = [r for r in rates if hi is None or r < hi]
+    return (below[-1] if below else None), hi
+
+
+def midpoint(lo: float, hi: float) -> float:
+    return round((lo + hi) / 2, 3)
+
+
+def next_rate(curve: dict[float, float], others: Sequence[float], plan: Plan) -> float | None:
+    """The next rate to measure for a run with `curve` (rate -> mean attainment), `others` the rates other
+    runs measured; None when its goodput is settled (to the tolerance, or as a bound)."""
+    lo, hi = bracket(curve, plan.target)
+    todo = sorted(r for r in {*plan.rates, *others} if r not in curve and (hi is None or r < hi))
+    if todo:
+        return todo[0]
+    if hi is None:
+        return next((r for r in plan.extension() if r not in curve), None)
+    if lo is None or hi <= lo * (1 + plan.tolerance):
+        return None
+    mid = midpoint(lo, hi)
+    return None if mid in (lo, hi) else mid
+
+
+def status(curve: dict[float, float], others: Sequence[float], plan: Plan) -> str:
+    lo, hi = bracket(curve, plan.target)
+    if not curve:
+        return "not run"
+    if next_rate(curve, others, plan) is not None:
+        return "stopped by the budget"
+    if lo is None:
+        return "below the lowest rate"
+    if hi is None:
+        return "lower bound (every rate passed)"
+    return "converged"
+
+
+# ---------------------------------------------------------------------------------------------- the search
+
+
+class Executor(Protocol):
+    """Runs points for the search: a real server and serving.py, or a synthetic function in tests."""
+
+    def start(self, run: str) -> None: ...
+
+    def stop(self, run: str) -> None: ...
+
+    def measure(self, run: str, rate: float) -> float:
+        """Mean both-SLO attainment over the plan's repeats at `rate`."""
+        ...
+
+
+@dataclass
+class Estimator:
+    """Seconds a server start (the last one seen) and a point (the largest overhead seen) take."""
+
+    plan: Plan
+    start_s: float = 60.0
+    overhead_s: float = 15.0  # per repeat, beyond the arrivals: warmup, drain, flush
+
+    def point(self, rate: float) -> float:
+        return self.plan.repeats * (self.plan.n(rate) / rate + self.overhead_s)
+
+    def saw_start(self, seconds: float) -> None:
+        self.start_s = seconds
+
+    def saw_point(self, rate: float, seconds: float) -> None:
+        self.overhead_s = max(self.overhead_s, seconds / self.plan.repeats - self.plan.n(rate) / rate)
+
+
+@dataclass
+class RunState:
+    curve: dict[float, float] = field(default_factory=dict)
+    order: list[dict[str, float]] = field(default_factory=list)  # rate, attainment, seconds, in order
+    error: str | None = None
+
+
+@dataclass
+class Search:
+    plan: Plan
+    runs: list[str]
+    executor: Executor
+    budget_s: float
+    clock: Callable[[], float] = time.monotonic
+    estimator: Estimator | None = None
+    max_passes: int = 3
+    on_point: Callable[[Search], None] | None = None
+    state: dict[str, RunState] = field(default_factory=dict)
+    stopped: str = "running"
+    elapsed_s: float = 0.0
+    budget_hit: bool = False
+
+    def others(self, run: str) -> list[float]:
+        return sorted({r for name, s in self.state.items() if name != run for r in s.curve})
+
+    def pending(self, run: str) -> float | None:
+        s = self.state[run]
+        return None if s.error else next_rate(s.curve, self.others(run), self.plan)
+
+    def run(self) -> Search:
+        est = self.estimator = self.estimator or Estimator(self.plan)
+        t0 = self.clock()
+        deadline = t0 + self.budget_s
+        self.state = {r: RunState() for r in self.runs}
+        for _ in range(self.max_passes):
+            todo = [r for r in self.runs if self.pending(r) is not None]
+            if not todo:
+                break
+            for i, run in enumerate(todo):
+                share_end = self.clock() + (deadline - self.clock()) / (len(todo) - i)
+                self._turn(run, share_end, est)
+        self.elapsed_s = self.clock() - t0
+        left = [r for r in self.runs if self.pending(r) is not None]
+        self.stopped = ("budget" if self.budget_hit else "max passes") if left else "settled"
+        if self.on_point:
+            self.on_point(self)
+        return self
+
+    def _turn(self, run: str, share_end: float, est: Estimator) -> None:
+        s, started = self.state[run], False
+        try:
+            while (rate := self.pending(run)) is not None:
+                if self.clock() + est.point(rate) + (0 if started else est.start_s) > share_end:
+                    self.budget_hit = True
+                    return
+                if not started:
+                    t = self.clock()
+                    self.executor.start(run)
+                    started = True
+                    est.saw_start(self.clock() - t)
+                t = self.clock()
+                s.curve[rate] = self.executor.measure(run, rate)
+                seconds = self.clock() - t
+                est.saw_point(rate, seconds)
+                s.order.append({"rate": rate, "attainment": s.curve[rate], "seconds": round(seconds, 1)})
+                if self.on_point:
+                    self.on_point(self)
+        except Exception as exc:  # a server that died: this run stops, the others go on
+            s.error = f"{type(exc).__name__}: {exc}"[:500]
+        finally:
+            if started:
+                with contextlib.suppress(Exception):
+                    self.executor.stop(run)
+
+    def summary(self) -> dict[str, Any]:
+        runs = {}
+        for run, s in self.state.items():
+            lo, hi = bracket(s.curve, self.plan.target)
+            others = self.others(run)
+            g = G.strict_goodput(list(s.curve.items()), self.plan.target)
+            runs[run] = {"status": "error: " + s.error if s.error else status(s.curve, others, self.plan),
+                         "goodput_rps": g.rate, "goodput_text": g.text(), "goodput_lower_bound": g.lower_bound,
+                         "last_passing": lo, "first_failing": hi, "next_rate": self.pending(run),
+                         "curve": {f"{r:g}": a for r, a in sorted(s.curve.items())}, "order": s.order}
+        return {"stopped": self.stopped, "elapsed_s": round(self.elapsed_s, 1), "budget_s": self.budget_s,
+                "runs": runs}
+
+
+# ---------------------------------------------------------------------------------------------- real points
+
+
+def label(run: str, arrival: str) -> str:
+    return run if arrival == "poisson" else f"{run}-{arrival}"  # burst reports: gp_<run>-burst_r<rate>_k<k>.json
+
+
+def report_name(run: str, arrival: str, rate: float, repeat: int) -> str:
+    return f"gp_{label(run, arrival)}_r{rate:g}_k{repeat}.json"
+
+
+def serving_argv(a: argparse.Namespace, plan: Plan, run: str, rate: float, repeat: int, base_url: str,
+                 out: Path, call_id: str) -> list[str]:
+    """serving.py's arguments for one repeat of one point: rows, seed and arrivals depend on (rate,
+    repeat) alone, so every run replays the same requests there. --max-duration is the arrival span plus
+    the longest a request sent last could take and still meet both SLOs (later finishes are misses anyway)."""
+    n = plan.n(rate)
+    cap = n / rate + a.ttft + a.tpot * a.max_out + 15
+    return ["--trace", a.trace, "--traces-dir", str(a.traces_dir), "--num-requests", str(n),
+            "--trace-offset", str(plan.offset(repeat)), "--seed", str(repeat), "--arrival", a.arrival,
+            "--request-rate", f"{rate:g}", "--max-input-len", str(a.max_in), "--max-output-len", str(a.max_out),
+            "--ttft-slo", f"{a.ttft:g}", "--tbt-slo", f"{a.tpot:g}", "--tbt-stat", "mean",
+            "--vocab-size", str(a.vocab_size), "--base-url", base_url, "--max-duration", f"{cap:.0f}",
+            "--disable-tqdm", "--call-id", call_id,
+            "--output-json", str(out / report_name(run, a.arrival, rate, repeat))]
+
+
+def server_argv(a: argparse.Namespace, run: str) -> list[str]:
+    """The launcher flags of bench/goodput_sweep.sh for POLICY-MODE."""
+    pol, _, mode = run.partition("-")
+    model = ["--model-path", a.model, "--load-format", "dummy"] if a.model else []
+    share = ["--mem-fraction-static", f"{a.share:g}"] if a.share > 0 else []
+    host = ["--kv-host-size-gb", f"{a.host_gb:g}"] if mode == "rotate" else []
+    return [*model, "--device", a.device, "--dtype", a.dtype, "--port", str(a.port), *share,
+            "--schedule-policy", pol, "--preemption-mode", mode, "--ttft-slo-ms", f"{a.ttft * 1000:g}",
+            "--tpot-slo-ms", f"{a.tpot * 1000:g}", *host, *a.server_arg]
+
+
+def _http(url: str, method: str = "GET", timeout: float = 5.0) -> tuple[int, str]:
+    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+class ServerExecutor:
+    """One server per run (python -m sglang_ext.launch on 127.0.0.1), points through serving.py in process."""
+
+    def __init__(self, a: argparse.Namespace, plan: Plan, out: Path, call_id: str) -> None:
+        self.a, self.plan, self.out, self.call_id = a, plan, out, call_id
+        self.url = f"http://127.0.0.1:{a.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.flush_refused = 0
+
+    def start(self, run: str) -> None:
+        log = open(self.out / f"gp_server_{label(run, self.a.arrival)}.log", "ab")  # noqa: SIM115 - the child's
+        self.proc = subprocess.Popen([sys.executable, "-m", "sglang_ext.launch", *server_argv(self.a, run)],
+                                     cwd=repo_root(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        log.close()
+        deadline = time.monotonic() + self.a.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.proc = None
+                raise RuntimeError(f"server for {run} exited early (see its log)")
+            with contextlib.suppress(OSError):
+                if _http(self.url + "/health", timeout=2)[0] == 200:
+                    return
+            time.sleep(1)
+        self._kill()
+        raise TimeoutError(f"server for {run} not healthy after {self.a.start_timeout_s:g} s")
+
+    def _kill(self) -> None:
+        """SIGINT to the server's process group (a clean shutdown), SIGKILL after 10 s."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGINT)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+    def flush(self) -> None:
+        """Empty the prefix cache; refused while requests still run (cancelled ones draining): retry."""
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(OSError):
+                if _http(self.url + "/flush_cache", "POST", timeout=10)[0] == 200:
+                    return
+            if time.monotonic() > deadline:
+                self.flush_refused += 1
+                print(f"warning: /flush_cache refused for 60 s at {self.url}", file=sys.stderr)
+                return
+            time.sleep(0.5)
+
+    def measure(self, run: str, rate: float) -> float:
+        scores = []
+        for k in range(self.plan.repeats):
+            self.flush()
+            argv = serving_argv(self.a, self.plan, run, rate, k, self.url, self.out, self.call_id)
+            log = self.out / report_name(run, self.a.arrival, rate, k).replace(".json", ".log")
+            with open(log, "w") as f, contextlib.redirect_stdout(f):
+                report = asyncio.run(serving.run(serving.build_parser().parse_args(argv)))
+            scores.append(G.point_from_report(run, rate, report).attainment)
+            print(f"{label(run, self.a.arrival)} rate {rate:g} repeat {k}: {scores[-1]:.1%} of "
+                  f"{self.plan.n(rate)} met both SLOs", flush=True)
+        return sum(scores) / len(scores)
+
+    def stop(self, run: str) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(OSError):
+            text = _http(self.url + "/metrics", timeout=10)[1]
+            keep = [ln for ln in text.splitlines() if ln.startswith(("sglang_ext:kv_rot", "sglang_ext:rotary",
+                                                                       "sglang_ext:num_preempt"))]
+            with open(self.out / f"gp_metrics_{label(run, self.a.arrival)}.txt", "a") as f:  # one block per server
+                f.write(f"# {time.strftime('%H:%M:%S')}\n" + "\n".join(keep) + "\n")
+        self._kill()
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", nargs="+", default=["fcfs-recompute", "lvf-rotate"], help="POLICY-MODE runs")
+    p.add_argument("--grid", nargs="+", type=float, default=[4.0, 6.0, 8.0], help="coarse rates (req/s)")
+    p.add_argument("--repeats", type=int, default=3, help="repeats per point, each at its own trace offset")
+    p.add_argument("--seconds", type=float, default=30.0, help="n = max(MIN_REQ, rate x SECONDS) per repeat")
+    p.add_argument("--min-req", type=int, default=MIN_REQ, help=f"requests per repeat at least ({MIN_REQ}; "
+                   "lower only for tests: the report says so)")
+    p.add_argument("--target", type=float, default=0.9, help="mean both-SLO attainment that passes")
+    p.add_argument("--extend", type=int, default=1, help="grid steps tried above the top when it passes")
+    p.add_argument("--budget-s", type=float, default=540.0, help="stop the search cleanly after this long")
+    p.add_argument("--max-passes", type=int, default=3, help="turns per run (later ones only add others' points)")
+    p.add_argument("--out", type=Path, default=Path("/tmp/out/knee"), help="folder for every report")
+    p.add_argument("--call-id", default=None, help="id of this call in every report (default: $SGLANG_EXT_CALL_ID, "
+                   "else a fresh knee-<time>-<hex>)")
+    g = p.add_argument_group("server (bench/goodput_sweep.sh's flags)")
+    g.add_argument("--model", default="preset:llama-3-8b", help="'' = the embedded model (CPU tests)")
+    g.add_argument("--device", default="cuda")
+    g.add_argument("--dtype", default="bfloat16")
+    g.add_argument("--share", type=float, default=0.25, help="--mem-fraction-static (0: not passed)")
+    g.add_argument("--host-gb", type=float, default=32.0, help="--kv-host-size-gb of rotate runs")
+    g.add_argument("--port", type=int, default=31000)
+    g.add_argument("--server-arg", action="append", default=[], help="one more launcher argument (repeatable; "
+                   "--server-arg=--max-total-tokens --server-arg=16384)")
+    g.add_argument("--start-timeout-s", type=float, default=300.0)
+    w = p.add_argument_group("workload (serving.py)")
+    w.add_argument("--trace", choices=TRACE_CHOICES, default="mooncake")
+    w.add_argument("--traces-dir", type=Path, default=default_traces_dir())
+    w.add_argument("--arrival", choices=("poisson", "burst"), default="poisson")
+    w.add_argument("--ttft", type=float, default=5.0, help="TTFT SLO (s)")
+    w.add_argument("--tpot", type=float, default=0.1, help="mean TPOT SLO per request (s)")
+    w.add_argument("--max-in", type=int, default=7680)
+    w.add_argument("--max-out", type=int, default=256)
+    w.add_argument("--vocab-size", type=int, default=32000)
+    return p
+
+
+def _check_rows(a: argparse.Namespace, plan: Plan) -> None:
+    if a.trace == "synthetic":
+        return
+    from bench.traces import TRACE_FILES
+
+    path = a.traces_dir / TRACE_FILES[a.trace]
+    with open(path, "rb") as f:
+        rows = sum(1 for _ in f) - (0 if a.trace == "mooncake" else 1)
+    need = plan.offset(plan.repeats - 1) + plan.stride
+    if need > rows:
+        raise ValueError(f"{plan.repeats} repeats of {plan.stride} rows need {need} rows; {path.name} has {rows}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        plan = Plan(tuple(a.grid), a.repeats, a.seconds, a.min_req, a.target, TOLERANCE, a.extend)
+        bad = [r for r in a.runs if r.count("-") != 1]
+        if bad:
+            raise ValueError(f"--runs: {bad[0]!r} is not POLICY-MODE (e.g. lvf-rotate)")
+        _check_rows(a, plan)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    a.out.mkdir(parents=True, exist_ok=True)
+    call_id = a.call_id or os.environ.get(serving.CALL_ENV) or serving.new_call_id("knee")
+    os.environ[serving.CALL_ENV] = call_id
+    head = {"call_id": call_id, **{k: v for k, v in serving.provenance(call_id).items() if k != "call_id"},
+            "plan": {**asdict(plan), "rates": plan.rates, "extension": plan.extension(), "stride": plan.stride,
+                     "offsets": [plan.offset(k) for k in range(plan.repeats)],
+                     "n_per_rate": {f"{r:g}": plan.n(r) for r in (*plan.rates, *plan.extension())}},
+            "setting": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
+            "rule": "union: a rate any run measured is run for every run below that run's first failing rate",
+            "warnings": [f"--min-req {a.min_req} < {MIN_REQ}: below the method's minimum"] if a.min_req < MIN_REQ
+            else []}
+    knee_json = a.out / "knee.json"
+    executor = ServerExecutor(a, plan, a.out, call_id)
+
+    def save(search: Search) -> None:
+        doc = {**head, **search.summary(), "flush_refused": executor.flush_refused}
+        knee_json.write_text(json.dumps(doc, indent=2) + "\n")
+
+    search = Search(plan, list(a.runs), executor, a.budget_s - 15, max_passes=a.max_passes, on_point=save)
+    print(f"knee search {call_id}: runs {' '.join(a.runs)}, grid {' '.join(f'{r:g}' for r in plan.rates)}, "
+          f"{plan.repeats} repeats at offsets {head['plan']['offsets']}, budget {a.budget_s:g} s", flush=True)
+    search.run()
+    for run, r in search.summary()["runs"].items():
+        print(f"{run}: {r['status']}; goodput {r['goodput_text']} (last passing {r['last_passing']}, first failing "
+              f"{r['first_failing']}, next {r['next_rate']})")
+    print(f"stopped: {search.stopped} after {search.elapsed_s:.0f} s")
+    buf = a.out / "goodput.txt"
+    with open(buf, "w") as f, contextlib.redirect_stdout(f):
+        rc = G.main([str(a.out), "--target", f"{a.target:g}", "--out", str(a.out / "goodput.json"),
+                     "--plot", str(a.out / "goodput.png")])
+    print(buf.read_text(), end="")
+    return 0 if rc == 0 and not any(s.error for s in search.state.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""bench/goodput_knee.py: the plan's offsets (the same rows for every run), the bisection against synthetic
+attainment functions (no server), the union rule, the budget stop, and one short run on CPU against the
+embedded model."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from bench import goodput_knee as K
+from bench import serving
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Fake:
+    """An executor whose attainment is a function of (run, rate); it advances a fake clock as a real one would."""
+
+    def __init__(self, plan: K.Plan, clock: Clock, att: Callable[[str, float], float],
+                 fail_start: str | None = None) -> None:
+        self.plan, self.clock, self.att, self.fail_start = plan, clock, att, fail_start
+        self.calls: list[tuple[str, str, float]] = []
+
+    def start(self, run: str) -> None:
+        self.calls.append(("start", run, 0.0))
+        if run == self.fail_start:
+            raise RuntimeError("server exited")
+        self.clock.t += 30
+
+    def stop(self, run: str) -> None:
+        self.calls.append(("stop", run, 0.0))
+
+    def measure(self, run: str, rate: float) -> float:
+        self.calls.append(("measure", run, rate))
+        self.clock.t += self.plan.repeats * (self.plan.n(rate) / rate + 10)
+        return self.att(run, rate)
+
+    def measured(self, run: str) -> list[float]:
+        return [r for kind, name, r in self.calls if kind == "measure" and name == run]
+
+
+def knees(**knee: float) -> Callable[[str, float], float]:
+    return lambda run, rate: 1.0 if rate <= knee[run] else 0.5
+
+
+def test_plan_offsets_are_the_same_for_every_run() -> None:
+    plan = K.Plan((4, 2, 6), repeats=3, seconds=30, extend=1)
+    assert plan.rates == (2, 4, 6) and plan.extension() == (8,)
+    assert plan.n(2) == 150 and plan.n(6) == 180 and plan.n(8) == 240
+    assert plan.stride == 240 and [plan.offset(k) for k in range(3)] == [0, 240, 480]  # stride >= every n
+    args = K.build_parser().parse_args(["--trace", "mooncake"])
+
+    def argv(run: str, rate: float, k: int) -> dict[str, object]:
+        a = K.serving_argv(args, plan, run, rate, k, "http://127.0.0.1:1", Path("/o"), "call")
+        return vars(serving.build_parser().parse_args(a))  # what serving.py will run
+
+    for rate in (2.0, 5.0):
+        for k in range(3):
+            f, lv = argv("fcfs-recompute", rate, k), argv("lvf-rotate", rate, k)
+            same = ("trace", "trace_offset", "seed", "num_requests", "request_rate", "arrival", "max_input_len")
+            assert [f[x] for x in same] == [lv[x] for x in same]
+            assert (f["trace_offset"], f["seed"], f["num_requests"]) == (240 * k, k, 150)
+            assert f["output_json"] == Path(f"/o/gp_fcfs-recompute_r{rate:g}_k{k}.json") and f["call_id"] == "call"
+    assert argv("a-b", 2.0, 0)["max_duration"] == 75 + 5 + 26 + 15  # span + TTFT + 256 x TPOT + 15
+    server = K.server_argv(args, "lvf-rotate")
+    assert server[server.index("--schedule-policy") + 1] == "lvf" and "--kv-host-size-gb" in server
+    assert "--kv-host-size-gb" not in K.server_argv(args, "fcfs-recompute")
+    with pytest.raises(ValueError):
+        K.Plan(())
+
+
+def test_bracket_and_next_rate() -> None:
+    plan = K.Plan((2, 4, 6))
+    assert K.next_rate({}, [], plan) == 2
+    assert K.next_rate({2: 1.0, 4: 0.95}, [], plan) == 6
+    assert K.next_rate({2: 1.0, 4: 0.95, 6: 0.95}, [], plan) == 8  # every grid rate passed: one step above
+    assert K.next_rate({2: 1.0, 4: 0.95, 6: 0.95, 8: 0.91}, [], plan) is None  # a lower bound
+    assert K.bracket({2: 1.0, 4: 0.5, 6: 0.95}, 0.9) == (2, 4)  # a pass above a failure does not count
+    assert K.next_rate({2: 1.0, 4: 0.5, 6: 0.95}, [], plan) == 3
+    assert K.next_rate({2: 1.0, 4: 0.5}, [3.5, 5], plan) == 3.5  # another run's rate below hi first; 5 never
+    assert K.next_rate({2: 0.5}, [], plan) is None  # the lowest failed: "< 2"
+    assert K.next_rate({2: 1.0, 4: 1.0, 6: 0.5, 5: 1.0, 5.5: 0.5}, [], plan) is None  # 5.5 <= 5 x 1.1
+    assert K.next_rate({2: 1.0, 4: 1.0, 6: 0.5, 5: 1.0}, [], plan) == 5.5
+
+
+def test_search_bisects_to_ten_percent_and_shares_points() -> None:
+    plan = K.Plan((2, 4, 6, 8), repeats=3)
+    clock = Clock()
+    fake = Fake(plan, clock, knees(**{"fcfs-recompute": 5.3, "lvf-rotate": 6.7}))
+    s = K.Search(plan, ["fcfs-recompute", "lvf-rotate"], fake, 10_000, clock=clock).run()
+    assert fake.measured("fcfs-recompute") == [2, 4, 6, 5, 5.5]
+    assert fake.measured("lvf-rotate") == [2, 4, 5, 5.5, 6, 8, 7, 6.5]  # fcfs's bisection points too
+    summary = s.summary()
+    f, lv = summary["runs"]["fcfs-recompute"], summary["runs"]["lvf-rotate"]
+    assert (f["goodput_rps"], f["first_failing"], f["status"]) == (5.0, 5.5, "converged")
+    assert (lv["goodput_rps"], lv["first_failing"], lv["status"]) == (6.5, 7.0, "converged")
+    assert lv["first_failing"] <= lv["last_passing"] * 1.1 and summary["stopped"] == "settled"
+    assert [c[1] for c in fake.calls if c[0] == "start"] == ["fcfs-recompute", "lvf-rotate"]  # one server each
+
+
+def test_later_pass_runs_another_runs_points_below_its_failure() -> None:
+    """lvf's bisection lands below fcfs's first failure: fcfs's server comes back for those rates."""
+    plan = K.Plan((2, 6), repeats=1)
+    clock = Clock()
+    fake = Fake(plan, clock, knees(**{"fcfs-recompute": 5.3, "lvf-rotate": 3.6}))
+    s = K.Search(plan, ["fcfs-recompute", "lvf-rotate"], fake, 10_000, clock=clock).run()
+    assert fake.measured("fcfs-recompute") == [2, 6, 4, 5, 5.5, 3, 3.5, 3.75]
+    assert fake.measured("lvf-rotate") == [2, 4, 3, 3.5, 3.75]  # 5, 5.5 and 6: above its failure at 4
+    assert [c[1] for c in fake.calls if c[0] == "start"] == ["fcfs-recompute", "lvf-rotate", "fcfs-recompute"]
+    assert s.summary()["runs"]["lvf-rotate"]["goodput_rps"] == 3.5
+
+
+def test_non_monotone_curve_caps_goodput() -> None:
+    plan = K.Plan((2, 4, 6), repeats=1)
+    clock = Clock()
+    fake = Fake(plan, clock, lambda run, rate: 0.5 if 2.5 < rate <= 4 else 1.0)
+    s = K.Search(plan, ["fcfs-recompute"], fake, 10_000, clock=clock).run()
+    assert fake.measured("fcfs-recompute") == [2, 4, 3, 2.5, 2.75]  # 6 is never run: it cannot raise the goodput
+    assert s.summary()["runs"]["fcfs-recompute"]["goodput_rps"] == 2.5
+
+
+def test_budget_stops_cleanly_and_says_where() -> None:
+    plan = K.Plan((2, 4, 6), repeats=3, seconds=30)  # a point at 2 req/s: 3 x (75 + 10) s
+    clock = Clock()
+    fake = Fake(plan, clock, knees(**{"fcfs-recompute": 5.3, "lvf-rotate": 6.7}))
+    s = K.Search(plan, ["fcfs-recompute", "lvf-rotate"], fake, 800, clock=clock).run()
+    summary = s.summary()
+    assert summary["stopped"] == "budget" and clock.t <= 800
+    f, lv = summary["runs"]["fcfs-recompute"], summary["runs"]["lvf-rotate"]
+    assert fake.measured("fcfs-recompute") == [2] and f["next_rate"] == 4 and f["status"] == "stopped by the budget"
+    assert fake.measured("lvf-rotate") == [2, 4] and lv["next_rate"] == 6  # it had the time fcfs left over
+
+
+def test_a_run_whose_server_fails_does_not_stop_the_others() -> None:
+    plan = K.Plan((2, 4), repeats=1, extend=0)
+    clock = Clock()
+    fake = Fake(plan, clock, knees(**{"fcfs-recompute": 9, "lvf-rotate": 9}), fail_start="fcfs-recompute")
+    summary = K.Search(plan, ["fcfs-recompute", "lvf-rotate"], fake, 10_000, clock=clock).run().summary()
+    assert summary["runs"]["fcfs-recompute"]["status"].startswith("error: RuntimeError: server exited")
+    assert summary["runs"]["lvf-rotate"]["goodput_text"] == ">= 4"
+
+
+def test_cli_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert K.main(["--runs", "lvf", "--out", str(tmp_path)]) == 2
+    assert "POLICY-MODE" in capsys.readouterr().err
+    assert K.main(["--grid", "100", "--repeats", "3", "--out", str(tmp_path)]) == 2  # 3 x 3000 rows > the trace
+    assert "rows" in capsys.readouterr().err
+
+
+def test_end_to_end_on_cpu(tmp_path: Path) -> None:
+    """Two runs against the embedded model, tiny rates, 6 requests a repeat, 2 repeats: the folder holds every
+    report, knee.json and goodput.py's table, and both runs replayed the same rows."""
+    from tests._router_util import free_port
+
+    out = tmp_path / "knee"
+    t0 = time.monotonic()
+    rc = K.main(["--runs", "fcfs-recompute", "lvf-rotate", "--grid", "2", "4", "--extend", "0", "--repeats", "2",
+                 "--min-req", "6", "--seconds", "1", "--model", "", "--device", "cpu", "--dtype", "float32",
+                 "--share", "0", "--host-gb", "1", "--port", str(free_port()), "--server-arg=--max-total-tokens",
+                 "--server-arg=8192", "--server-arg=--log-level", "--server-arg=warning", "--trace", "azure-conv",
+                 "--max-in", "48", "--max-out", "4", "--vocab-size", "250", "--ttft", "10", "--tpot", "2",
+                 "--budget-s", "240", "--call-id", "knee-cpu-test", "--out", str(out)])
+    assert rc == 0, (out / "knee.json").read_text() if (out / "knee.json").exists() else "no knee.json"
+    assert time.monotonic() - t0 < 200
+    doc = json.loads((out / "knee.json").read_text())
+    assert doc["stopped"] == "settled" and doc["call_id"] == "knee-cpu-test" and doc["plan"]["offsets"] == [0, 6]
+    assert doc["warnings"] and "below the method's minimum" in doc["warnings"][0]
+    for run in ("fcfs-recompute", "lvf-rotate"):
+        assert doc["runs"][run]["status"] == "lower bound (every rate passed)"
+        assert doc["runs"][run]["goodput_text"] == ">= 4"
+    reports = {p.name: json.loads(p.read_text()) for p in out.glob("gp_*_k*.json")}
+    assert len(reports) == 8
+    for name, rep in reports.items():
+        assert rep["call_id"] == "knee-cpu-test" and rep["git_commit"] != "unknown", name
+    a, b = reports["gp_fcfs-recompute_r4_k1.json"], reports["gp_lvf-rotate_r4_k1.json"]
+    assert a["config"]["trace_offset"] == b["config"]["trace_offset"] == 6
+    assert a["workload"]["mean_input_len"] == b["workload"]["mean_input_len"]
+    text = (out / "goodput.txt").read_text()
+    assert ">= 4" in text and "knee-cpu-test x8" in text and (out / "goodput.png").stat().st_size > 0
