@@ -63,7 +63,10 @@ for s in $steps; do
            --transport cuda_ipc --out "$OUT/remote_step_ipc.json" ${IPC_ARGS:-} 2>&1 | tee "$OUT/remote_step_ipc.log" ;;
     goodput) PYTHONPATH=$BASE:/tmp/fi OUT=$OUT/goodput timeout ${GOODPUT_TIMEOUT:-560} bash bench/goodput_sweep.sh \
             ${GOODPUT_RUNS:-} 2>&1 | tee "$OUT/goodput.log" ;;  # SHARE, RATES, SECONDS, TRACE, ARRIVAL, ...: goodput_sweep.sh
-    knee) BUDGET_S=${BUDGET_S:-520}  # the knee search of bench/goodput_knee.py (docs/benchmarks.md, "Method")
+    warm) PYTHONPATH=$BASE:/tmp/fi timeout 300 python3 -c "import sglang_ext as s; e = s.Engine(model_path='${MODEL:-preset:llama-3-8b}', \
+            load_format='dummy', device='cuda', dtype='bfloat16', mem_fraction_static=0.25); print(e.generate(prompt=['warm up'] * 8, \
+            sampling_params={'max_new_tokens': 8})[0]['meta_info']); e.shutdown()" 2>&1 | tail -3 ;;  # JIT kernels compiled and cached
+    knee) BUDGET_S=${BUDGET_S:-$(( ${KNEE_END_S:-560} - SECONDS ))}  # the knee search of bench/goodput_knee.py (docs/benchmarks.md, "Method")
           PYTHONPATH=$BASE:/tmp/fi timeout -s KILL $((${BUDGET_S%.*} + 40)) python3 bench/goodput_knee.py \
             --runs ${RUNS:-fcfs-recompute lvf-rotate} --share "${SHARE:-0.25}" --trace "${TRACE:-mooncake}" \
             --arrival "${ARRIVAL:-poisson}" --ttft "${TTFT:-5}" --tpot "${TPOT:-0.1}" --grid ${GRID:-6 7 8} \
