@@ -38,6 +38,7 @@ CASES: list[tuple[type[ToolParser], str, str, list[ToolCall]]] = [
      f'Hi [TOOL_CALLS] [{{"name": "get_weather", "arguments": {WEATHER}}}, {{"name": "add", "arguments": {ADD}}}]'
      " ok", "Hi  ok", CALLS),
     (MistralParser, f'[TOOL_CALLS][{{"name":"add","arguments":{ADD}}}]', "", [ToolCall("add", ADD)]),
+    (MistralParser, f'See [1] [{{"name": "add", "arguments": {ADD}}}]', "See [1] ", [ToolCall("add", ADD)]),
 ]
 MALFORMED: list[tuple[type[ToolParser], str]] = [
     (Qwen25Parser, "a <tool_call>{not json}</tool_call> b"),
@@ -72,10 +73,10 @@ def check_shape(events: list[Event]) -> None:
     started = -1
     for e in events:
         if isinstance(e, CallStart):
-            assert e.index == started + 1
-            started = e.index
+            assert e.call == started + 1
+            started = e.call
         elif isinstance(e, CallArgs):
-            assert e.index == started and e.text
+            assert e.call == started and e.text
 
 
 @pytest.mark.parametrize(("cls", "text", "content", "calls"), CASES)

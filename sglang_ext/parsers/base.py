@@ -35,16 +35,16 @@ class Text(NamedTuple):
 
 
 class CallStart(NamedTuple):
-    """Call `index` (0, 1, ... within one output) of function `name` begins; its arguments follow."""
+    """Call number `call` (0, 1, ... within one output) of function `name` begins; its arguments follow."""
 
-    index: int
+    call: int
     name: str
 
 
 class CallArgs(NamedTuple):
-    """The next piece of call `index`'s arguments (JSON text, as the model writes it)."""
+    """The next piece of call `call`'s arguments (JSON text, as the model writes it)."""
 
-    index: int
+    call: int
     text: str
 
 
@@ -85,7 +85,6 @@ class ToolParser:
     call_begin_fmt: ClassVar[str]  # with {name} (a JSON string); the arguments object follows
     call_end: ClassVar[str]
     trigger: ClassVar[str]  # what starts a call in free text (auto)
-    keeps_special_tokens: ClassVar[bool] = False  # its marker is a special token: decode with it
 
     state: str = field(default=TEXT, init=False)
     buf: str = field(default="", init=False)
@@ -137,6 +136,9 @@ class ToolParser:
             self._emit_text(len(buf) - hold)
             return False
         self._emit_text(found)
+        rest = buf[found:]
+        if not final and any(len(m) > len(rest) and m.startswith(rest) for m in self.starts):
+            return False  # a longer marker may be arriving here (`[` of `[TOOL_CALLS]`)
         self.region, self.region_calls = (found, marker), 0
         self.pos = found if marker in self.kept_markers else found + len(marker)
         self.state = OPEN
@@ -258,8 +260,8 @@ def merge(events: list[Event]) -> list[Event]:
         last = out[-1] if out else None
         if isinstance(e, Text) and isinstance(last, Text):
             out[-1] = Text(last.text + e.text)
-        elif isinstance(e, CallArgs) and isinstance(last, CallArgs) and last.index == e.index:
-            out[-1] = CallArgs(e.index, last.text + e.text)
+        elif isinstance(e, CallArgs) and isinstance(last, CallArgs) and last.call == e.call:
+            out[-1] = CallArgs(e.call, last.text + e.text)
         elif not (isinstance(e, Text | CallArgs) and not e.text):
             out.append(e)
     return out
@@ -277,5 +279,5 @@ def collect(events: list[Event]) -> Parsed:
             names.append(e.name)
             args.append([])
         else:
-            args[e.index].append(e.text)
+            args[e.call].append(e.text)
     return Parsed("".join(text), [ToolCall(n, "".join(a)) for n, a in zip(names, args, strict=True)])

@@ -3,7 +3,8 @@
 
     <|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": ...}
 
-A `{` in ordinary text is a call only when a whole call header follows it.
+A `{` in ordinary text is a call only when a whole call header follows it (so the calls are read
+whether or not decoding kept the `<|python_tag|>` special token).
 """
 
 from __future__ import annotations
@@ -23,4 +24,3 @@ class Llama3Parser(ToolParser):
     call_begin_fmt: ClassVar[str] = '{{"name": {name}, "parameters": '
     call_end: ClassVar[str] = "}"
     trigger: ClassVar[str] = '{"name": '
-    keeps_special_tokens: ClassVar[bool] = True  # <|python_tag|>
