@@ -148,12 +148,13 @@ def test_names_and_aliases() -> None:
 
 
 REASONING: list[tuple[str, bool, Split]] = [
-    ("<think>\nLet me see.\n</think>\n\nThe answer.", False, Split("Let me see.\n", "The answer.")),
+    ("<think>\nLet me see.\n</think>\n\nThe answer.", False, Split("Let me see.", "The answer.")),
     ("No thinking here <think>x</think>", False, Split("", "No thinking here <think>x</think>")),
     ("Weighing it.</think>Yes.", True, Split("Weighing it.", "Yes.")),
     ("Still thinking <", True, Split("Still thinking <", "")),
     ("<thi", False, Split("", "<thi")),
     ("<think>a</thin", False, Split("a</thin", "")),
+    ("<think> a \n b \n</think>\n c ", False, Split("a \n b", "c ")),
 ]
 
 

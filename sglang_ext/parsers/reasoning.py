@@ -4,7 +4,7 @@
 `qwen3`: reasoning only when the output starts with `<think>` (Qwen3 with thinking off writes none).
 `deepseek-r1` / `qwen3-thinking`: the chat template already opened the block, so the output starts
 inside it: everything up to `</think>` is reasoning, and all of it when `</think>` never comes.
-Whitespace right after either tag is dropped. Like the tool parsers, decisions wait for the text
+Whitespace right after either tag, and right before `</think>`, is dropped. Like the tool parsers, decisions wait for the text
 that settles them, so any cut of the stream gives the same two texts.
 """
 
@@ -69,12 +69,14 @@ class ReasoningParser:
             if self.state == _IN:
                 at = self.buf.find(END)
                 if at >= 0:
-                    reasoning += self.buf[:at]
+                    reasoning += self.buf[:at].rstrip()
                     self.buf, self.state, self.skip = self.buf[at + len(END):], _AFTER, True
                     continue
-                hold = 0 if final else held_prefix(self.buf, 0, (END,))
-                reasoning += self.buf[: len(self.buf) - hold]
-                self.buf = self.buf[len(self.buf) - hold:]
+                upto = len(self.buf) - (0 if final else held_prefix(self.buf, 0, (END,)))
+                if not final:  # whitespace before `</think>` is dropped: hold it until text follows
+                    upto = len(self.buf[:upto].rstrip())
+                reasoning += self.buf[:upto]
+                self.buf = self.buf[upto:]
                 break
             content += self.buf
             self.buf = ""
