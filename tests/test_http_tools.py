@@ -27,7 +27,8 @@ ADD: dict[str, Any] = {
     "required": ["a"], "additionalProperties": False,
 }
 TOOLS: list[Any] = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": WEATHER}},
+    {"type": "function",
+     "function": {"name": "get_weather", "description": "Weather of a city", "parameters": WEATHER}},
     {"type": "function", "function": {"name": "add_one", "description": "n + 1", "parameters": ADD}},
 ]
 SCHEMAS = {"get_weather": WEATHER, "add_one": ADD}
@@ -100,8 +101,8 @@ def test_named_function(oai: openai.OpenAI) -> None:
     assert r.choices[0].finish_reason == "tool_calls" and calls is not None and len(calls) == 1
     assert calls[0].function.name == "add_one"
     _valid("add_one", calls[0].function.arguments)
-    content, scalls, reason, _ = _stream(oai, messages=MESSAGES, tools=TOOLS, tool_choice=choice,
-                                          temperature=0.8, seed=3, max_tokens=200)
+    _, scalls, reason, _ = _stream(oai, messages=MESSAGES, tools=TOOLS, tool_choice=choice,
+                                    temperature=0.8, seed=3, max_tokens=200)
     assert reason == "tool_calls" and [c["name"] for c in scalls] == ["add_one"]
     _valid("add_one", scalls[0]["arguments"])
 

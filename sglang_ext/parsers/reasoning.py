@@ -4,8 +4,8 @@
 `qwen3`: reasoning only when the output starts with `<think>` (Qwen3 with thinking off writes none).
 `deepseek-r1` / `qwen3-thinking`: the chat template already opened the block, so the output starts
 inside it: everything up to `</think>` is reasoning, and all of it when `</think>` never comes.
-Whitespace right after either tag, and right before `</think>`, is dropped. Like the tool parsers, decisions wait for the text
-that settles them, so any cut of the stream gives the same two texts.
+Whitespace right after either tag, and right before `</think>`, is dropped. Like the tool parsers,
+decisions wait for the text that settles them, so any cut of the stream gives the same two texts.
 """
 
 from __future__ import annotations
