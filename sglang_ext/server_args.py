@@ -309,13 +309,12 @@ class ServerArgs:
     def resolved_tool_call_parser(self) -> str:
         """The tool-call parser's canonical name ("": none). The embedded model (and the presets, which
         use its tokenizer) writes calls the Qwen 2.5 way (its chat template says so)."""
-        from sglang_ext.models.resolve import PRESET_PREFIX
         from sglang_ext.parsers import tool_parser_name
 
         if self.tool_call_parser is not None:
             return tool_parser_name(self.tool_call_parser)
         embedded = self.tokenizer_path is None and (self.model_path is None
-                                                    or self.model_path.startswith(PRESET_PREFIX))
+                                                    or self.model_path.startswith("preset:"))  # PRESET_PREFIX
         return "qwen25" if embedded else ""
 
     @property
