@@ -225,3 +225,27 @@ def test_reasoning_prefix_grammar() -> None:
     assert _accepts(forced, "hmm</think>\n\n" + call)
     split = ReasoningParser.split("hmm</think>\n\n" + call, forced=True)
     assert split.reasoning == "hmm" and Qwen25Parser.parse(split.content).calls == [ToolCall("add", '{"a": 3}')]
+
+
+def test_server_args_and_cluster_files() -> None:
+    import msgspec
+
+    from router.config import ClusterSpec, ConfigError, build_cluster
+    from sglang_ext.server_args import ServerArgs
+
+    assert ServerArgs().resolved_tool_call_parser == "qwen25"  # the embedded model's template
+    assert ServerArgs(model_path="preset:llama-3-8b").resolved_tool_call_parser == "qwen25"
+    assert ServerArgs(model_path="/m/llama", tool_call_parser="llama3").resolved_tool_call_parser == "llama3"
+    assert ServerArgs(model_path="/m/qwen", tool_call_parser="qwen").resolved_tool_call_parser == "qwen25"
+    assert ServerArgs(model_path="/m/other").resolved_tool_call_parser == ""
+    with pytest.raises(ValueError, match="tool_call_parser must be one of"):
+        ServerArgs(tool_call_parser="pythonic")
+    with pytest.raises(ValueError, match="reasoning_parser must be one of"):
+        ServerArgs(reasoning_parser="think")
+    spec = msgspec.convert({"models": [{"args": {"tool_call_parser": "mistral", "reasoning_parser": "qwen3"},
+                                        "workers": [{}]}]}, ClusterSpec)
+    (w,) = build_cluster(spec).workers
+    assert (w.args.resolved_tool_call_parser, w.args.reasoning_parser) == ("mistral", "qwen3")
+    bad = msgspec.convert({"models": [{"args": {"tool_call_parser": "nope"}, "workers": [{}]}]}, ClusterSpec)
+    with pytest.raises(ConfigError, match="tool_call_parser"):
+        build_cluster(bad)
