@@ -136,6 +136,14 @@ class ServerArgs:
         "anything compiles (0: no limit)"))
     grammar_cache_size: int = field(default=512, metadata=_help(
         "compiled grammars kept per worker, the least recently used dropped first (0: none)"))
+    # OpenAI function calling and reasoning (docs/api.md#function-calling)
+    tool_call_parser: str | None = field(default=None, metadata=_help(
+        "how this model writes tool calls, for OpenAI `tools`: qwen25 (also qwen, qwen3, hermes), llama3 or "
+        "mistral; without one, chat requests with tools get a 400", "qwen25 for the embedded default model "
+        "and presets, else none"))
+    reasoning_parser: str | None = field(default=None, metadata=_help(
+        "split `<think>` reasoning into reasoning_content: qwen3 (a block at the output's start), "
+        "deepseek-r1 or qwen3-thinking (the template opened the block)", "none"))
     # remote attention (docs/remote_attention.md)
     offload_ratio: float = field(default=0.0, metadata=_help(
         "share of decoding requests whose attention and KV run on an executor (0: none)"))
@@ -224,6 +232,7 @@ class ServerArgs:
         self._check_diagnostics()
         self._check_grammar()
         self._check_sampling()
+        self._check_parsers()
         if self.disaggregation_mode is not None and self.disaggregation_mode not in get_args(DisaggregationMode):
             raise ValueError(f"disaggregation_mode must be null, 'prefill' or 'decode', "
                              f"got {self.disaggregation_mode!r}")
@@ -255,6 +264,14 @@ class ServerArgs:
             v = getattr(self, name)
             if not 0 <= v < float("inf"):
                 raise ValueError(f"{name} must be >= 0, got {v}")
+
+    def _check_parsers(self) -> None:
+        from sglang_ext.parsers import check_reasoning_parser, tool_parser_name
+
+        if self.tool_call_parser is not None:
+            tool_parser_name(self.tool_call_parser)
+        if self.reasoning_parser is not None:
+            check_reasoning_parser(self.reasoning_parser)
 
     def _check_sampling(self) -> None:
         if not 0 <= self.sampling_top_k_window <= 1024:  # sglang_ext/sampling/window_pick.py MAX_WINDOW
@@ -288,6 +305,18 @@ class ServerArgs:
             raise ValueError(f"profile_num_steps must be >= 1, got {self.profile_num_steps}")
 
     # ---- derived values -------------------------------------------------------------------
+    @property
+    def resolved_tool_call_parser(self) -> str:
+        """The tool-call parser's canonical name ("": none). The embedded model (and the presets, which
+        use its tokenizer) writes calls the Qwen 2.5 way (its chat template says so)."""
+        from sglang_ext.parsers import tool_parser_name
+
+        if self.tool_call_parser is not None:
+            return tool_parser_name(self.tool_call_parser)
+        embedded = self.tokenizer_path is None and (self.model_path is None
+                                                    or self.model_path.startswith("preset:"))  # PRESET_PREFIX
+        return "qwen25" if embedded else ""
+
     @property
     def resolved_ttft_slo_s(self) -> float:
         return (self.ttft_slo_ms if self.ttft_slo_ms is not None else DEFAULT_TTFT_SLO_MS) / 1e3

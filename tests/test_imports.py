@@ -16,6 +16,7 @@ LAUNCHER = "sglang_ext.launch"  # `python -m sglang_ext` serves a cluster: it st
 # its own, never from its own layer's other members or from above. The package's `__init__`
 # (`sglang_ext.Engine`, resolved lazily) is the public face on top.
 LAYERS: tuple[tuple[str, ...], ...] = (
+    ("parsers",),  # text only: the OpenAI layer's tool-call and reasoning parsers (server_args checks names)
     ("env", "server_args"),  # settings
     ("configs", "kvcache", "sampling"),  # model configs, KV memory, sampling
     ("ops", "forward_batch", "grammar", "messages", "transport"),  # kernels, a forward's batch, wire

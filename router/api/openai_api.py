@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from router.api.chat_output import ChoiceOutput
 from router.api.common import (
     DONE,
     ApiError,
@@ -37,6 +38,7 @@ from router.api.openai_protocol import (
     completion_prompts,
     sampling_params,
 )
+from router.api.openai_tools import ToolPlan, constrain, plan_tools
 from router.api.sampling import estimate_tokens
 from router.core import Router
 from router.registry import ModelEntry
@@ -124,6 +126,8 @@ class CompletionRender(Render):
 @dataclass
 class ChatRender(Render):
     body: ChatRequest
+    plan: ToolPlan = field(default_factory=ToolPlan)
+    outputs: dict[int, ChoiceOutput] = field(default_factory=dict)  # each streamed choice's parsers
     object: ClassVar[str] = "chat.completion"
     chunk_object: ClassVar[str] = "chat.completion.chunk"
 
@@ -140,22 +144,28 @@ class ChatRender(Render):
             tops = meta.get("output_top_logprobs") if self.body.top_logprobs else None
             lp = chat_logprobs(meta.get("output_token_logprobs", []), tops)
         reason, matched = finish(meta)
-        return {"index": i, "message": {"role": "assistant", "content": result["text"]}, "logprobs": lp,
-                "finish_reason": reason, "matched_stop": matched}
+        out = ChoiceOutput(self.plan)
+        message = out.message(result["text"])
+        return {"index": i, "message": message, "logprobs": lp, "finish_reason": out.finish_reason(reason),
+                "matched_stop": matched}
 
     def chunks(self, i: int, out: TokenOut, first: bool) -> list[Choice]:
         out_choices: list[Choice] = []
         if first:
             out_choices.append({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None})
-        lp = self._logprobs(out.meta_info)
-        if out.text_delta or lp:
-            out_choices.append({"index": i, "delta": {"content": out.text_delta}, "logprobs": lp,
-                                "finish_reason": None})
+        parsed = self.outputs.setdefault(i, ChoiceOutput(self.plan))
         reason, matched = finish(out.meta_info)
+        deltas = parsed.deltas(out.text_delta, final=out.finished)
+        lp = self._logprobs(out.meta_info)
+        if lp and not deltas:
+            deltas = [{"content": ""}]
+        for k, delta in enumerate(deltas):
+            out_choices.append({"index": i, "delta": delta, "logprobs": lp if k == 0 else None,
+                                "finish_reason": None})
         if reason:
-            out_choices.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": reason,
-                                "matched_stop": matched})
+            out_choices.append({"index": i, "delta": {}, "logprobs": None,
+                                "finish_reason": parsed.finish_reason(reason), "matched_stop": matched})
         return out_choices
 
 
@@ -254,12 +264,17 @@ def build(router: Router) -> APIRouter:
         model = resolve_model(router.registry, body.model)
         messages = chat_messages(body)
         info = model.info
+        tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, model.name, info)
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         # No limit given: generate until the context is full, as SGLang does.
         sp = sampling_params(body, model, limit, info.context_length if info else 128)
-        plan = _plan(router, model, [{"messages": messages}], sp, body.stream, body.logprobs, body.top_logprobs or 0)
-        return await _respond(router, request, plan, ChatRender(body), "chatcmpl", body.n, _include_usage(body),
-                              body)
+        sp = constrain(tools, sp, grammar=info is None or info.grammar_backend != "none")
+        prompt: dict[str, Any] = {"messages": messages}
+        if tools.tools is not None:
+            prompt["tools"] = tools.tools
+        plan = _plan(router, model, [prompt], sp, body.stream, body.logprobs, body.top_logprobs or 0)
+        return await _respond(router, request, plan, ChatRender(body, tools), "chatcmpl", body.n,
+                              _include_usage(body), body)
 
     return api
 

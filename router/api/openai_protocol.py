@@ -12,6 +12,7 @@ from typing import Any, Final
 import msgspec
 
 from router.api.common import ApiError, quote
+from router.api.openai_tools import template_calls
 from router.api.sampling import check_max_tokens, make_sampling_params
 from router.registry import ModelEntry
 from sglang_ext.sampling.params import SamplingParams
@@ -68,6 +69,8 @@ class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn's answer to that call
 
 
 class ChatRequest(_Common, kw_only=True):
@@ -76,7 +79,8 @@ class ChatRequest(_Common, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
 
 def sampling_params(body: _Common, model: ModelEntry, max_tokens: int | None, default_max: int) -> SamplingParams:
@@ -153,11 +157,10 @@ def check_completion(body: CompletionRequest) -> None:
 
 
 def chat_messages(body: ChatRequest) -> list[dict[str, Any]]:
-    """Messages for the chat template: content parts joined into text; images are refused."""
+    """Messages for the chat template: content parts joined into text (images are refused); earlier tool
+    calls and tool answers kept for the template."""
     if not body.messages:
         raise ApiError(400, "messages must not be empty", param="messages")
-    if body.tools:
-        raise ApiError(400, "tools (function calling) are not supported by this server", param="tools")
     if body.top_logprobs is not None:
         if not 0 <= body.top_logprobs <= _MAX_TOP_LOGPROBS_CHAT:
             raise ApiError(400, f"top_logprobs must be in [0, {_MAX_TOP_LOGPROBS_CHAT}]", param="top_logprobs")
@@ -180,5 +183,9 @@ def chat_messages(body: ChatRequest) -> list[dict[str, Any]]:
         d: dict[str, Any] = {"role": m.role, "content": content or ""}
         if m.name is not None:
             d["name"] = m.name
+        if m.tool_calls:
+            d["tool_calls"] = template_calls(i, m.tool_calls)
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
         out.append(d)
     return out

@@ -37,6 +37,7 @@ class GenerateReq(msgspec.Struct, tag="generate", kw_only=True):
     input_ids: list[int] | None = None
     text: str | None = None
     messages: list[dict[str, Any]] | None = None  # chat: the worker applies the model's template
+    tools: list[dict[str, Any]] | None = None  # chat: OpenAI tools, rendered by the template with the messages
     sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     return_logprob: bool = False
     logprob_start_len: int = -1
@@ -168,6 +169,11 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     gpu_uuid: str = ""
     offload_transport: str = ""
     disaggregation_mode: str = ""  # "" | prefill | decode (its server argument)
+    # How the router reads this model's chat output (server arguments; "": none): the OpenAI layer parses
+    # tool calls and reasoning, so it learns them here.
+    tool_call_parser: str = ""
+    reasoning_parser: str = ""
+    grammar_backend: str = ""  # "none": constrained requests fail there (tool_choice auto then runs free)
 
 
 class WorkerHello(msgspec.Struct, tag="hello", kw_only=True):

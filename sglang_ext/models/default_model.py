@@ -5,10 +5,10 @@ ships with the package; the weights come from a seeded generator. The result is 
 model directory, so HF `transformers` can load it too (tests compare against that).
 
     $SGLANG_EXT_CACHE (or ~/.cache/sglang_ext)/
-        default-llama-v1/           <- renamed into place only once complete
+        default-llama-v2/           <- renamed into place only once complete
             config.json  generation_config.json  model.safetensors
             tokenizer.json  tokenizer_config.json  special_tokens_map.json
-        .default-llama-v1.XXXX/     <- a build in progress (one per building process)
+        .default-llama-v2.XXXX/     <- a build in progress (one per building process)
 
 Change anything that alters the output, and bump `DEFAULT_MODEL_NAME`.
 """
@@ -26,7 +26,7 @@ import torch
 
 from sglang_ext.configs import cache_root
 
-DEFAULT_MODEL_NAME: Final = "default-llama-v1"
+DEFAULT_MODEL_NAME: Final = "default-llama-v2"
 CORPUS_FILE: Final = Path(__file__).resolve().parent / "default_corpus.txt"
 SEED: Final = 20240601
 
@@ -39,12 +39,48 @@ SPECIAL_TOKENS: Final = (BOS, EOS, PAD, IM_START, IM_END)  # ids 0..4, in this o
 VOCAB_SIZE: Final = 2048  # special tokens included
 
 # ChatML turns after a leading BOS (as Llama 3 does: apply_chat_template adds no specials itself).
+# With OpenAI tools, a system turn lists them and asks for Qwen 2.5's call format, so the default tool-call
+# parser (qwen25) reads what a model trained on this template would write; an assistant turn's calls and
+# tool results render that way too. Messages without tools render as plain ChatML.
+_TOOLS_INTRO: Final = (
+    "# Tools\n\nYou may call one or more of the functions below; their JSON signatures are inside "
+    "<tools></tools>:\n<tools>"
+)
+_TOOLS_HOWTO: Final = (
+    "\n</tools>\n\nTo call a function, write a JSON object with its name and arguments inside "
+    "<tool_call></tool_call> tags, one call per pair:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
 CHAT_TEMPLATE: Final = (
     "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\n\n' }}{%- endif %}"
+    "{{- " + repr(_TOOLS_INTRO) + " }}"
+    "{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- " + repr(_TOOLS_HOWTO) + " + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{- '<|im_start|>assistant\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set f = call['function'] if call['function'] is defined else call %}"
+    "{%- if message['content'] or not loop.first %}{{- '\n' }}{%- endif %}"
+    "{{- '<tool_call>\n{\"name\": ' + (f['name'] | tojson) + ', \"arguments\": ' }}"
+    "{%- if f['arguments'] is string %}{{- f['arguments'] }}{%- else %}{{- f['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or loop.previtem['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' + (message['content'] or '') + '\n</tool_response>' }}"
+    "{%- if loop.last or loop.nextitem['role'] != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
 
 # Geometry. head_dim 64 (not 32) because FlashInfer's prebuilt kernels cover 64/128/256 only.

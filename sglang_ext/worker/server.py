@@ -128,7 +128,8 @@ class WorkerServer:
             await self.send([ErrorOut(rid=msg.rid, message=f"duplicate request id {msg.rid!r}", status=400)])
             return
         self.tokenizing[msg.rid] = False
-        chars = 0 if isinstance(msg, DetokenizeReq) else self.worker.prompt_chars(msg.text, msg.messages)
+        chars = 0 if isinstance(msg, DetokenizeReq) else self.worker.prompt_chars(
+            msg.text, msg.messages, msg.tools if isinstance(msg, GenerateReq) else None)
         lane = self.short_lane if chars <= SHORT_PROMPT_CHARS else self.long_lane
         task = asyncio.create_task(self._tokenize(msg, lane))
         self.tasks.add(task)

@@ -46,7 +46,9 @@ class Tokenizer:
         # event loop and forward thread run on while a long prompt is tokenized on another thread.
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """`tools`: OpenAI tool objects, which the template renders (as transformers passes them)."""
         from jinja2 import TemplateError
 
         if not self.has_chat_template:
@@ -54,7 +56,8 @@ class Tokenizer:
         try:
             # return_dict=False: a plain id list on transformers 4.x and 5.x alike.
             ids = self.hf.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+                messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=True,
+                return_dict=False,
             )
         except (TemplateError, ValueError, TypeError, KeyError) as e:
             # The template rejected these messages (raise_exception, a missing key, a wrong type):

@@ -162,6 +162,8 @@ class Worker:
             has_tokenizer=self.tokenizer is not None,
             chat_template=bool(self.tokenizer and self.tokenizer.has_chat_template), pid=os.getpid(),
             max_token_chars=self.max_token_chars, disaggregation_mode=self.args.disaggregation_mode or "",
+            tool_call_parser=self.args.resolved_tool_call_parser, reasoning_parser=self.args.reasoning_parser or "",
+            grammar_backend=self.args.grammar_backend,
         ))
 
     def load_report(self) -> LoadReport:
@@ -185,18 +187,19 @@ class Worker:
         return self.scheduler.has_work() or not self.disagg.events.empty() or self.weights.draining
 
     # ---- tokenizing (any thread: touches only the tokenizer) ------------------------------------
-    def prompt_chars(self, text: str | None, messages: list[dict[str, Any]] | None) -> int:
+    def prompt_chars(self, text: str | None, messages: list[dict[str, Any]] | None,
+                     tools: list[dict[str, Any]] | None = None) -> int:
         if messages is not None:
-            return _chars(messages)
+            return _chars(messages) + (_chars(tools) if tools else 0)
         return len(text) if text is not None else 0
 
     def tokenize(self, text: str | None, messages: list[dict[str, Any]] | None, gen_prompt: bool = True,
-                 add_special_tokens: bool = True) -> list[int]:
+                 add_special_tokens: bool = True, tools: list[dict[str, Any]] | None = None) -> list[int]:
         if self.tokenizer is None:
             raise InvalidRequest("this server was started with skip_tokenizer_init: send input_ids, not text")
         # Refuse what cannot fit before tokenizing it: a 100 MB prompt would take minutes and tens of
         # GB to tokenize only to be rejected by length. Tokens >= characters / longest token.
-        chars, ctx = self.prompt_chars(text, messages), self.runner.context_len
+        chars, ctx = self.prompt_chars(text, messages, tools), self.runner.context_len
         limit = ctx * self.max_token_chars
         if chars > limit:
             what = "the messages' text is" if messages is not None else "the prompt is"
@@ -205,7 +208,7 @@ class Worker:
                 f"{self.max_token_chars} characters per token), so it cannot fit"
             )
         if messages is not None:
-            return self.tokenizer.apply_chat_template(messages, gen_prompt)
+            return self.tokenizer.apply_chat_template(messages, gen_prompt, tools)
         if text is None:
             raise InvalidRequest("give text or messages")
         return self.tokenizer.encode(text, add_special_tokens)
@@ -217,7 +220,8 @@ class Worker:
             raise InvalidRequest("give exactly one of text, input_ids or messages")
         if m.input_ids is not None:
             return m
-        return msgspec.structs.replace(m, input_ids=self.tokenize(m.text, m.messages), text=None, messages=None)
+        return msgspec.structs.replace(m, input_ids=self.tokenize(m.text, m.messages, tools=m.tools),
+                                       text=None, messages=None, tools=None)
 
     def submit_grammar(self, m: GenerateReq) -> Future[Any] | None:
         """The request's constraint submitted to the compile pool (None without one): a future of its
