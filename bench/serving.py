@@ -357,16 +357,17 @@ def _flag(text: str | None) -> bool | None:
 
 
 def provenance(call_id: str | None = None) -> dict[str, Any]:
-    """What ran: the commit of the repository the bench runs from and whether its tree was dirty (git
-    first, since it sees the tree that really ran; else the caller's $SGLANG_EXT_COMMIT / $SGLANG_EXT_DIRTY
-    for a copied tree without git; else "unknown" / null), and the driver call the run belongs to."""
-    commit, source = git_commit(), "git"
+    """What ran: the caller's $SGLANG_EXT_COMMIT / $SGLANG_EXT_DIRTY when set (first, because a copied tree
+    can carry a stale .git: the device machine's git reports the commit its copy started from, not the
+    tree that was sent), else the commit and dirtiness git sees, else "unknown" / null; and the driver
+    call the run belongs to."""
     dirty: bool | None = None
-    if commit is not None:
+    if os.environ.get(COMMIT_ENV):
+        commit, source, dirty = os.environ[COMMIT_ENV].strip(), "env", _flag(os.environ.get(DIRTY_ENV))
+    elif (head := git_commit()) is not None:
+        commit, source = head, "git"
         status = _git("status", "--porcelain")
         dirty = bool(status.strip()) if status is not None else None
-    elif os.environ.get(COMMIT_ENV):
-        commit, source, dirty = os.environ[COMMIT_ENV].strip(), "env", _flag(os.environ.get(DIRTY_ENV))
     else:
         commit, source = "unknown", "unknown"
     call = call_id or os.environ.get(CALL_ENV) or new_call_id("serving")

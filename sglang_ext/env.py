@@ -26,6 +26,8 @@ class EnvVar(Generic[T]):
     parse: Callable[[str], T]
     # The router's alone (a secret): never in a worker's environment (`worker_environ`).
     router_only: bool = False
+    # SGLang's own name, kept so an SGLang user's setup carries over (else the name starts SGLANG_EXT_).
+    sglang_name: bool = False
 
     def get(self, environ: Mapping[str, str] | None = None) -> T | None:
         """The parsed value from `environ` (default: this process's environment); None when unset or empty."""
@@ -43,7 +45,13 @@ API_KEY: Final = EnvVar(
     "one; keeps the key out of the process list (unset: no key); never passed on to workers",
     str, router_only=True)
 
-ALL: Final[tuple[EnvVar[Any], ...]] = (CACHE, API_KEY)
+PROFILER_DIR: Final = EnvVar(
+    "SGLANG_TORCH_PROFILER_DIR",
+    "where /start_profile writes its trace when the request names no output_dir "
+    "(SGLang's variable; unset: /tmp)",
+    lambda s: Path(s).expanduser(), sglang_name=True)
+
+ALL: Final[tuple[EnvVar[Any], ...]] = (CACHE, API_KEY, PROFILER_DIR)
 
 
 def worker_environ(extra: Mapping[str, str] | None = None, environ: Mapping[str, str] | None = None,
@@ -61,4 +69,4 @@ def worker_environ(extra: Mapping[str, str] | None = None, environ: Mapping[str,
     return env
 
 
-__all__ = ["ALL", "API_KEY", "CACHE", "EnvVar", "worker_environ"]
+__all__ = ["ALL", "API_KEY", "CACHE", "PROFILER_DIR", "EnvVar", "worker_environ"]

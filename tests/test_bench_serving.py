@@ -371,7 +371,8 @@ def test_realized_rate_and_peak_of_a_burst_schedule() -> None:
 
 def test_report_records_provenance_and_realized_rates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "r.json"
-    monkeypatch.delenv(serving.CALL_ENV, raising=False)
+    for name in (serving.CALL_ENV, serving.COMMIT_ENV, serving.DIRTY_ENV):
+        monkeypatch.delenv(name, raising=False)
 
     async def go(url: str, seen: list[dict[str, Any]]) -> dict[str, Any]:
         return await serving.run(bench_args(url, "--num-requests", "6", "--call-id", "knee-test", "--output-json",
@@ -391,7 +392,7 @@ def test_report_records_provenance_and_realized_rates(tmp_path: Path, monkeypatc
 
 
 def test_provenance_without_git(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A copied tree without git: the caller's env names the commit; else it is "unknown". The call id
+    """The caller's env names the commit (first, also where git answers); else git; else "unknown". The call id
     comes from --call-id, then $SGLANG_EXT_CALL_ID, else a fresh one per run."""
     monkeypatch.setattr(serving, "_git", lambda *a: None)
     monkeypatch.setenv(serving.COMMIT_ENV, "abc123")
@@ -400,6 +401,10 @@ def test_provenance_without_git(monkeypatch: pytest.MonkeyPatch) -> None:
     assert serving.provenance() == {"git_commit": "abc123", "git_dirty": True, "commit_source": "env",
                                     "call_id": "call-7"}
     assert serving.provenance("mine")["call_id"] == "mine"
+    # The env wins over git too: a copied tree's stale .git names the commit its copy started from.
+    monkeypatch.setattr(serving, "_git", lambda *a: "0123beef\n")
+    assert serving.provenance()["git_commit"] == "abc123"
+    monkeypatch.setattr(serving, "_git", lambda *a: None)
     for name in (serving.COMMIT_ENV, serving.DIRTY_ENV, serving.CALL_ENV):
         monkeypatch.delenv(name)
     p = serving.provenance()

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+from sglang_ext.env import PROFILER_DIR
 from sglang_ext.messages import ProfileReq, ReplyOut
 
 if TYPE_CHECKING:
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 TOP: Final = 40
-DIR_ENV: Final = "SGLANG_TORCH_PROFILER_DIR"
 ACTIVITIES: Final = ("CPU", "GPU")  # "CUDA" is taken for "GPU"
 
 
@@ -135,7 +135,7 @@ def _new(msg: ProfileReq, name: str, cuda: bool) -> StepProfiler:
             raise ProfileError("activities: GPU was asked, but this worker runs on a CPU")
         if a not in acts:
             acts.append(a)
-    out = Path(msg.output_dir or os.environ.get(DIR_ENV) or "/tmp").expanduser()
+    out = Path(msg.output_dir).expanduser() if msg.output_dir else (PROFILER_DIR.get() or Path("/tmp"))
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
