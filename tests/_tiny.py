@@ -19,13 +19,23 @@ EOS = 2
 
 
 def tiny_config(**over: Any) -> ModelConfig:
-    cfg = dict(
+    return _config(over)
+
+
+def _config(over: dict[str, Any]) -> ModelConfig:
+    cfg: dict[str, Any] = dict(
         architectures=["LlamaForCausalLM"], vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         eos_token_id=EOS,
     )
     cfg.update(over)
     return ModelConfig.from_dict(cfg)
+
+
+def tiny_moe_config(**over: Any) -> ModelConfig:
+    """The tiny model as a Mixtral: 4 experts, top-2, in both layers (same attention geometry)."""
+    return _config({"architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2,
+                    **over})
 
 
 def make_scheduler(device: str = "cpu", page_size: int = 4, dtype: str = "float32", **args: Any) -> Scheduler:
@@ -35,7 +45,7 @@ def make_scheduler(device: str = "cpu", page_size: int = 4, dtype: str = "float3
     runner = ModelRunner(sa, None, tiny_config())  # type: ignore[arg-type]
     with torch.no_grad():  # sharper logits than the default 0.02 init: no near-ties in argmax
         for p in runner.model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # stacked experts are 3-D
                 p.mul_(6.0)
     # --offload-ratio / --offload-executor: an in-process executor, as a worker would build it
     offload = local_offloader(sa, runner, "tiny")

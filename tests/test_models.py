@@ -13,6 +13,7 @@ from _batch_util import PagedSeqs, make_pool_and_backend, run_logits
 
 from sglang_ext.configs import preset_config_file, preset_dir, preset_names
 from sglang_ext.forward_batch import ForwardMode
+from sglang_ext.models import model_class as model_class_for
 from sglang_ext.models.config import ModelConfig
 from sglang_ext.models.decoder import DecoderForCausalLM
 from sglang_ext.models.default_model import ensure_default_model
@@ -44,6 +45,17 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-bias-tied": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2,
                                             tie_word_embeddings=True)),
     "qwen3-qknorm": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                         tie_word_embeddings=False)),
+    # MoE: small expert counts so each prompt hits several experts and some expert none on a token
+    "mixtral-moe": ("MixtralConfig", dict(num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                          num_experts_per_tok=2, sliding_window=None, rope_theta=1e6)),
+    # shared expert and its sigmoid gate, QKV bias, unnormalized top-k, a dense layer (mlp_only_layers)
+    "qwen2-moe-shared": ("Qwen2MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, num_experts=6,
+                                                num_experts_per_tok=2, moe_intermediate_size=32,
+                                                shared_expert_intermediate_size=48, norm_topk_prob=False,
+                                                mlp_only_layers=[1], tie_word_embeddings=False)),
+    "qwen3-moe": ("Qwen3MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
+                                         num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
                                          tie_word_embeddings=False)),
 }
 
@@ -234,6 +246,8 @@ KNOWN_PARAMS = {
     "qwen2.5-7b": 7.62e9,
     "qwen2.5-32b": 32.76e9,
     "qwen3-8b": 8.19e9,
+    "mixtral-8x7b": 46.7e9,  # Mistral's figure; 12.9B active
+    "qwen3-30b-a3b": 30.5e9,  # Qwen's figure; 3.3B active
 }
 
 
@@ -299,3 +313,93 @@ def test_uninitialised_pool_keeps_page_zero_zeroed() -> None:
     pool = KVPool(geom, 8, "cpu", zero_fill=False)
     assert torch.count_nonzero(pool.data[0]) == 0
     assert torch.count_nonzero(KVPool(geom, 8, "cpu").data) == 0  # the default (torch backend): all zeros
+
+
+# ---- MoE: checkpoint layouts, a split by expert, presets -------------------------------------------
+def test_moe_presets_active_parameters() -> None:
+    def load(name: str) -> ModelConfig:
+        return ModelConfig.from_dict(json.loads(preset_config_file(name).read_text()))
+
+    mix, q3 = load("mixtral-8x7b"), load("qwen3-30b-a3b")
+    assert mix.moe is not None and (mix.moe.num_experts, mix.moe.top_k, mix.moe.renormalize) == (8, 2, True)
+    assert q3.moe is not None and (q3.moe.num_experts, q3.moe.top_k, q3.moe.renormalize) == (128, 8, True)
+    assert q3.qk_norm and all(q3.moe.sparse_layers)
+    assert mix.active_params() == pytest.approx(12.9e9, rel=0.01)
+    assert q3.active_params() == pytest.approx(3.3e9, rel=0.02)
+    dense = load("llama-3-8b")
+    assert dense.moe is None and dense.active_params() == dense.num_params()
+
+
+def test_moe_sparse_layers_follow_mlp_only_layers_and_sparse_step() -> None:
+    base = {**_SMALL, "architectures": ["Qwen2MoeForCausalLM"], "num_attention_heads": 4, "num_hidden_layers": 6,
+            "num_experts": 4, "moe_intermediate_size": 16}
+    cfg = ModelConfig.from_dict({**base, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    assert cfg.moe is not None and cfg.moe.sparse_layers == (False, True, False, False, False, True)
+    assert cfg.attention_bias and not cfg.moe.renormalize  # Qwen2-MoE: QKV bias, top-k as routed
+    with pytest.raises(ValueError, match="num_experts"):
+        ModelConfig.from_dict({**base, "num_experts": 0})
+
+
+def _hf_moe_dir(tmp_path: Path, family: str) -> tuple[Any, Path]:
+    hf = _hf_model(family)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    return hf, tmp_path
+
+
+@pytest.mark.parametrize("family", ["mixtral-moe", "qwen2-moe-shared"])
+def test_moe_loads_stacked_expert_names(family: str, tmp_path: Path) -> None:
+    """transformers v5 keeps experts stacked in memory (`mlp.experts.gate_up_proj` [E, 2I, H]); a
+    checkpoint written from its state dict loads to the same weights as the per-expert files."""
+    from safetensors.torch import save_file
+
+    hf, d = _hf_moe_dir(tmp_path / "per-expert", family)
+    per_expert = load_model(d, ModelConfig.from_path(d), "auto", torch.float32, torch.device("cpu"))
+    stacked = tmp_path / "stacked"
+    stacked.mkdir()
+    (stacked / "config.json").write_text((d / "config.json").read_text())
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(stacked / "model.safetensors"))
+    assert any("experts.gate_up_proj" in k for k in hf.state_dict())
+    again = load_model(stacked, ModelConfig.from_path(stacked), "auto", torch.float32, torch.device("cpu"))
+    a, b = per_expert.state_dict(), again.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_moe_split_by_expert_loads_its_slice(tmp_path: Path) -> None:
+    """A model holding experts 2..3 of 4 (a later expert-parallel split) loads the same checkpoint,
+    skips the others, and holds exactly the full model's slice: the loader's names do not change."""
+    from sglang_ext.models.moe import Experts
+
+    _, d = _hf_moe_dir(tmp_path, "mixtral-moe")
+    cfg = ModelConfig.from_path(d)
+    full = load_model(d, cfg, "auto", torch.float32, torch.device("cpu"))
+    half = model_class_for(cfg)(cfg)
+    assert cfg.moe is not None
+    for layer in half.layers:
+        layer.mlp.experts = Experts(cfg.hidden_size, cfg.moe, first_expert=2, num_local=2)
+    from sglang_ext.models.loader import iter_safetensors
+
+    half.load_weights(iter_safetensors(d))
+    for lf, lh in zip(full.layers, half.layers, strict=True):
+        assert torch.equal(lh.mlp.experts.gate_up_proj, lf.mlp.experts.gate_up_proj[2:])
+        assert torch.equal(lh.mlp.experts.down_proj, lf.mlp.experts.down_proj[2:])
+
+
+def test_moe_missing_expert_weight_is_named(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    _, d = _hf_moe_dir(tmp_path, "mixtral-moe")
+    f = d / "model.safetensors"
+    tensors = load_file(str(f))
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w3.weight"]
+    save_file(tensors, str(f))
+    with pytest.raises(ValueError, match="lacks 1 weight"):
+        load_model(d, ModelConfig.from_path(d), "auto", torch.float32, torch.device("cpu"))
+
+
+def test_moe_dummy_weights() -> None:
+    cfg = ModelConfig.from_dict({**_SMALL, "architectures": ["Qwen3MoeForCausalLM"], "num_attention_heads": 4,
+                                 "num_key_value_heads": 2, "num_experts": 8, "moe_intermediate_size": 16,
+                                 "num_experts_per_tok": 2})
+    m = load_model(None, cfg, "dummy", torch.float32, torch.device("cpu"), seed=3)  # type: ignore[arg-type]
+    w = m.layers[0].mlp.experts.gate_up_proj
+    assert w.shape == (8, 32, 64) and 0.015 < w.std().item() < 0.025

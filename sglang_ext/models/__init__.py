@@ -13,6 +13,9 @@ _FAMILIES: Final = {
     "MistralForCausalLM": "sglang_ext.models.mistral",
     "Qwen2ForCausalLM": "sglang_ext.models.qwen2",
     "Qwen3ForCausalLM": "sglang_ext.models.qwen3",
+    "MixtralForCausalLM": "sglang_ext.models.mixtral",
+    "Qwen2MoeForCausalLM": "sglang_ext.models.qwen2_moe",
+    "Qwen3MoeForCausalLM": "sglang_ext.models.qwen3_moe",
 }
 
 

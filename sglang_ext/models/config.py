@@ -12,7 +12,56 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The sparse feed-forward of an MoE family (None on `ModelConfig` for dense models)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one routed expert
+    renormalize: bool  # top-k weights divided by their sum (Mixtral; Qwen's `norm_topk_prob`)
+    shared_intermediate_size: int  # Qwen2-MoE's always-on shared expert (0: none)
+    sparse_layers: tuple[bool, ...]  # per layer: routed experts (True) or the dense MLP
+
+    def active_expert_params(self, hidden: int) -> int:
+        """Feed-forward parameters one token reads in a sparse layer: k experts, the router, the shared expert."""
+        shared = 3 * hidden * self.shared_intermediate_size + (hidden if self.shared_intermediate_size else 0)
+        return self.top_k * 3 * hidden * self.intermediate_size + hidden * self.num_experts + shared
+
+    def expert_params(self, hidden: int) -> int:
+        """All feed-forward parameters of one sparse layer."""
+        shared = 3 * hidden * self.shared_intermediate_size + (hidden if self.shared_intermediate_size else 0)
+        return self.num_experts * 3 * hidden * self.intermediate_size + hidden * self.num_experts + shared
+
+
+def _moe(arch: str, cfg: dict[str, Any], layers: int) -> MoEConfig | None:
+    if arch not in MOE_ARCHITECTURES:
+        return None
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    if experts <= 0:
+        raise ValueError(f"{arch}: config.json has no num_local_experts / num_experts")
+    if arch == "MixtralForCausalLM":  # every layer sparse, Mixtral always renormalizes
+        return MoEConfig(experts, int(cfg.get("num_experts_per_tok", 2)), int(cfg["intermediate_size"]), True, 0,
+                         (True,) * layers)
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
+    return MoEConfig(
+        num_experts=experts,
+        top_k=int(cfg.get("num_experts_per_tok", 8 if arch == "Qwen3MoeForCausalLM" else 4)),
+        intermediate_size=int(cfg["moe_intermediate_size"]),
+        renormalize=bool(cfg.get("norm_topk_prob", False)),
+        shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+        if arch == "Qwen2MoeForCausalLM" else 0,
+        sparse_layers=sparse,
+    )
 
 
 @dataclass(frozen=True)
@@ -37,6 +86,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None
     raw: dict[str, Any]
+    moe: MoEConfig | None = None  # the sparse feed-forward; None: a dense model
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -51,7 +101,8 @@ class ModelConfig:
         hidden = int(cfg["hidden_size"])
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        is_qwen2 = arch == "Qwen2ForCausalLM"
+        is_qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+        is_qwen3 = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         # transformers v5 moves RoPE settings under `rope_parameters`; accept both spellings.
         rope = cfg.get("rope_parameters") or {}
         theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
@@ -59,14 +110,15 @@ class ModelConfig:
         if scaling is None and rope.get("rope_type") not in (None, "default"):
             scaling = rope
         # Mistral v0.1 uses a 4K sliding window; v0.2+ sets null. Qwen2 carries one but disables it.
-        window = cfg.get("sliding_window") if arch == "MistralForCausalLM" else None
-        if is_qwen2 or arch == "Qwen3ForCausalLM":
+        window = cfg.get("sliding_window") if arch in ("MistralForCausalLM", "MixtralForCausalLM") else None
+        if is_qwen2 or is_qwen3:
             window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
+            # a Qwen MoE without dense layers may omit it; then only the sparse block exists
+            intermediate_size=int(cfg.get("intermediate_size") or 0),
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -76,13 +128,14 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", is_qwen2)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", is_qwen2))),
+            qk_norm=is_qwen3,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             sliding_window=int(window) if window else None,
             raw=cfg,
+            moe=_moe(arch, cfg, int(cfg["num_hidden_layers"])),
         )
 
     @classmethod
@@ -102,7 +155,27 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def num_params(self) -> int:
+        """All parameters (every expert): what the weights take in memory."""
+        return self._params(active=False)
+
+    def active_params(self) -> int:
+        """Parameters one token reads: for an MoE, k routed experts (plus router and shared expert) per
+        sparse layer instead of all of them; equal to `num_params` for a dense model."""
+        return self._params(active=True)
+
+    def _params(self, active: bool) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        per_layer = attn + 3 * h * i + 2 * h
-        return self.num_layers * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size
+        if self.qk_norm:
+            attn += 2 * self.head_dim
+        total = v * h * (1 if self.tie_word_embeddings else 2) + h
+        for layer in range(self.num_layers):
+            m = self.moe
+            if m is not None and m.sparse_layers[layer]:
+                ffn = m.active_expert_params(h) if active else m.expert_params(h)
+            else:
+                ffn = 3 * h * i
+            total += attn + ffn + 2 * h
+        return total

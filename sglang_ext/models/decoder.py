@@ -1,8 +1,10 @@
-"""A pre-norm decoder-only transformer covering the Llama family.
+"""A pre-norm decoder-only transformer covering the Llama family and its MoE relatives.
 
 Llama, Mistral, Qwen2 and Qwen3 differ only by switches in `ModelConfig` (QKV bias, per-head
-q/k RMSNorm, tied embeddings, RoPE scaling); each family file names its switches. Q, K, V and
-gate/up projections are fused into one matmul each; `load_weights` maps the HF names onto them.
+q/k RMSNorm, tied embeddings, RoPE scaling); Mixtral, Qwen2-MoE and Qwen3-MoE add `ModelConfig.moe`,
+which puts a `SparseMoeBlock` where a layer's MLP was (models/moe.py). Each family file names its
+switches. Q, K, V and gate/up projections are fused into one matmul each, experts are stacked;
+`load_weights` maps the HF names onto them.
 """
 
 from __future__ import annotations
@@ -15,6 +17,14 @@ from torch import nn
 from sglang_ext.forward_batch import ForwardBatch
 from sglang_ext.models.config import ModelConfig
 from sglang_ext.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from sglang_ext.models.moe import (
+    Experts,
+    ExpertSlice,
+    SparseMoeBlock,
+    checkpoint_name,
+    expected_expert_keys,
+    expert_slice,
+)
 
 
 class Attention(nn.Module):
@@ -45,11 +55,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.act = SiluAndMul()
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -61,7 +71,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_id, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        sparse = cfg.moe is not None and cfg.moe.sparse_layers[layer_id]
+        self.mlp: nn.Module = (SparseMoeBlock(cfg, cfg.moe, MLP) if cfg.moe is not None and sparse
+                               else MLP(cfg.hidden_size, cfg.intermediate_size))
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         h = h + self.self_attn(positions, self.input_layernorm(h), batch)
@@ -95,29 +107,35 @@ class DecoderForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         c = self.cfg
         params = dict(self.named_parameters())
-        shards = {  # HF projection -> (fused parameter, row offset, rows)
-            "q_proj": ("qkv_proj", 0, c.q_size),
-            "k_proj": ("qkv_proj", c.q_size, c.kv_size),
-            "v_proj": ("qkv_proj", c.q_size + c.kv_size, c.kv_size),
-            "gate_proj": ("gate_up_proj", 0, c.intermediate_size),
-            "up_proj": ("gate_up_proj", c.intermediate_size, c.intermediate_size),
-        }
+        # HF projection -> (fused parameter, part); a part's rows come from the parameter it lands in,
+        # since a shared expert's gate_up is narrower than the dense MLP's.
+        shards = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        split = {"qkv_proj": (c.q_size, c.kv_size, c.kv_size)}
+        experts = {n: m for n, m in self.named_modules() if isinstance(m, Experts)}
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
-            name = name.removeprefix("model.")
+            name = checkpoint_name(name.removeprefix("model."))
+            hit = expert_slice(name, experts)
+            if hit is not None:
+                self._load_expert(params, name, tensor, *hit, loaded)
+                continue
             parts = name.split(".")
             target, rows = name, None
+            part = None
             if len(parts) >= 2 and parts[-2] in shards:
-                fused, off, n = shards[parts[-2]]
+                fused, part = shards[parts[-2]]
                 target = ".".join([*parts[:-2], fused, parts[-1]])
-                rows = (off, n)
             if target == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
             if target not in params:
                 raise KeyError(f"unexpected weight {name!r} for {c.architecture}")
             p = params[target]
+            if part is not None:
+                sizes = split.get(fused) or (p.shape[0] // 2,) * 2
+                rows = (sum(sizes[:part]), sizes[part])
             with torch.no_grad():
                 if rows is None:
                     if p.shape != tensor.shape:
@@ -125,21 +143,45 @@ class DecoderForCausalLM(nn.Module):
                     p.copy_(tensor)
                 else:
                     p[rows[0] : rows[0] + rows[1]].copy_(tensor)
-            loaded.add(target if rows is None else f"{target}:{rows[0]}")
+            prefix = target.rsplit(".", 1)[0]
+            if prefix in experts:  # stacked experts (transformers v5 names): every expert at once
+                module = experts[prefix]
+                loaded |= {k for k in expected_expert_keys(prefix, module) if k.startswith(target + ":")}
+            else:
+                loaded.add(target if part is None else f"{target}:{part}")
         expected = self._expected_keys(shards)
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weight(s), e.g. {missing[:3]}")
 
-    def _expected_keys(self, shards: dict[str, tuple[str, int, int]]) -> set[str]:
+    @staticmethod
+    def _load_expert(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, where: ExpertSlice,
+                     expert: int, loaded: set[str]) -> None:
+        if where.local is None:
+            return  # another GPU's expert
+        p = params[where.param][where.local]
+        if where.param.endswith("gate_up_proj"):
+            p = p[where.part * (p.shape[0] // 2) : (where.part + 1) * (p.shape[0] // 2)]
+        if p.shape != tensor.shape:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(p.shape)}")
+        with torch.no_grad():
+            p.copy_(tensor)
+        loaded.add(where.key(expert))
+
+    def _expected_keys(self, shards: dict[str, tuple[str, int]]) -> set[str]:
         keys: set[str] = set()
-        fused = {f for f, _, _ in shards.values()}
+        fused = {f for f, _ in shards.values()}
+        experts = {n: m for n, m in self.named_modules() if isinstance(m, Experts)}
+        for prefix, module in experts.items():
+            keys |= expected_expert_keys(prefix, module)
         for name, _ in self.named_parameters():
+            if name.rsplit(".", 1)[0] in experts:
+                continue
             parts = name.split(".")
             if len(parts) >= 2 and parts[-2] in fused:
-                for f, off, _ in shards.values():
+                for f, part in shards.values():
                     if f == parts[-2] and (parts[-1] == "weight" or f == "qkv_proj"):
-                        keys.add(f"{name}:{off}")
+                        keys.add(f"{name}:{part}")
             else:
                 keys.add(name)
         return keys

@@ -1,0 +1,108 @@
+"""The sparse feed-forward of the MoE families (Mixtral, Qwen2-MoE, Qwen3-MoE).
+
+Experts are stored stacked, `[E_local, ...]`, the layout the fused kernels read: `gate_up_proj`
+`[E, 2I, H]` (gate rows first, as the dense MLP's fused projection and transformers v5's
+`experts.gate_up_proj`) and `down_proj` `[E, H, I]`. `first_expert` is the global id of local
+expert 0: today every GPU holds all experts (0), and a later split by expert only changes which
+slice a worker builds and loads, not the loader's names or the kernels' interface.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Final
+
+import torch
+from torch import nn
+
+from sglang_ext import ops
+from sglang_ext.models.config import ModelConfig, MoEConfig
+from sglang_ext.ops.moe import fused_moe_ref, moe_route_ref
+
+
+class Experts(nn.Module):
+    """The routed experts' weights, stacked; `forward` applies the experts chosen by the router."""
+
+    def __init__(self, hidden: int, moe: MoEConfig, first_expert: int = 0, num_local: int | None = None) -> None:
+        super().__init__()
+        self.first_expert = first_expert
+        self.num_local = moe.num_experts if num_local is None else num_local
+        self.intermediate_size = moe.intermediate_size
+        i = moe.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_local, 2 * i, hidden))
+        self.down_proj = nn.Parameter(torch.empty(self.num_local, hidden, i))
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if ops.use_fused(x):  # Triton: tokens aligned per expert, grouped GEMMs (graph-safe)
+            return ops.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.first_expert)
+        return fused_moe_ref(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.first_expert)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (a linear layer to E logits, softmax, top-k, optional renormalisation), the routed
+    experts, and Qwen2-MoE's shared expert scaled by a sigmoid gate."""
+
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig, dense_mlp: type[nn.Module]) -> None:
+        super().__init__()
+        self.moe = moe
+        self.gate = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
+        self.experts = Experts(cfg.hidden_size, moe)
+        self.shared_expert: nn.Module | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if moe.shared_intermediate_size:
+            self.shared_expert = dense_mlp(cfg.hidden_size, moe.shared_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        route = ops.moe_route if ops.use_fused(x) else moe_route_ref
+        weights, ids = route(logits, self.moe.top_k, self.moe.renormalize)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+# ---- checkpoint names -------------------------------------------------------------------------
+# One expert's tensors in HF checkpoints: Mixtral's w1 (gate) / w3 (up) / w2 (down) under
+# `block_sparse_moe`, Qwen's gate_proj / up_proj / down_proj under `mlp` (after `checkpoint_name`).
+_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_PART: Final = {"w1": ("gate_up_proj", 0), "gate_proj": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1),
+                "up_proj": ("gate_up_proj", 1), "w2": ("down_proj", 0), "down_proj": ("down_proj", 0)}
+
+
+def checkpoint_name(name: str) -> str:
+    """Mixtral's `block_sparse_moe` is the `mlp` of the other families."""
+    return name.replace(".block_sparse_moe.", ".mlp.")
+
+
+@dataclass(frozen=True)
+class ExpertSlice:
+    """Where one expert's checkpoint tensor lands: `param[local]`, rows `part*I : (part+1)*I` of
+    gate_up (gate 0, up 1), the whole of down."""
+
+    param: str
+    local: int | None  # None: the expert is not held here (another GPU's, once split by expert)
+    part: int
+
+    def key(self, expert: int) -> str:
+        return f"{self.param}:{expert}:{self.part}"
+
+
+def expert_slice(name: str, experts: dict[str, Experts]) -> tuple[ExpertSlice, int] | None:
+    """(slice, global expert id) for a per-expert checkpoint tensor, None for any other name."""
+    m = _EXPERT.match(name)
+    if m is None or m.group(1) not in experts:
+        return None
+    prefix, e, which = m.group(1), int(m.group(2)), m.group(3)
+    module = experts[prefix]
+    attr, part = _PART[which]
+    local = e - module.first_expert
+    return ExpertSlice(f"{prefix}.{attr}", local if 0 <= local < module.num_local else None, part), e
+
+
+def expected_expert_keys(prefix: str, module: Experts) -> set[str]:
+    first = module.first_expert
+    keys = {f"{prefix}.gate_up_proj:{e}:{p}" for e in range(first, first + module.num_local) for p in (0, 1)}
+    return keys | {f"{prefix}.down_proj:{e}:0" for e in range(first, first + module.num_local)}
