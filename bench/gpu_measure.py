@@ -69,11 +69,11 @@ class Layout:
         return [self.perm[i * n : (i + 1) * n] for i in range(bs)]
 
 
-def decode_batch(pages: list[list[int]], ctx: int, vocab: int) -> ForwardBatch:
+def decode_batch(pages: list[list[int]], ctx: int, vocab: int, device: str = "cuda") -> ForwardBatch:
     """Each request holds ctx - 1 tokens of KV and decodes token ctx - 1."""
     ids = torch.randint(0, vocab, (len(pages),)).tolist()
     rows = [BatchRow(ctx - 1, [t], p, [0]) for p, t in zip(pages, ids, strict=True)]
-    return ForwardBatch.build(rows, ForwardMode.DECODE, PAGE, "cuda")
+    return ForwardBatch.build(rows, ForwardMode.DECODE, PAGE, device)
 
 
 def prefill_batch(pages: list[list[int]], length: int, vocab: int) -> ForwardBatch:
@@ -100,6 +100,11 @@ def kernel_category(name: str) -> str:
     n = name.lower()
     if any(s in n for s in ("batchprefill", "batchdecode", "flashinfer", "mergestate", "attention")):
         return "attention"
+    # the MoE kernels of sglang_ext/ops/moe: routing (softmax + top-k, per-expert alignment), expert GEMMs
+    if "moe" in n and any(s in n for s in ("route", "routing", "topk", "align", "sort", "count")):
+        return "moe_routing"
+    if "moe" in n:
+        return "moe_experts"
     if any(s in n for s in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "gemv", "splitk")):
         return "gemm"
     if any(s in n for s in ("_rms_norm", "_rope", "_silu_mul", "_store_kv")):

@@ -10,10 +10,16 @@ synthetic batches and reports, for decode at every (context, batch size):
   serial_ms    forward + synchronize per step: what a loop without overlap pays (CPU + GPU)
   eager_ms     the same step without CUDA graphs
   build_ms     the scheduler's `build_batch` for this batch (CPU; overlap scheduling hides it)
-  roofline_ms  (weight bytes + KV bytes read) / HBM read bandwidth measured in this run
+  roofline_ms  (weight bytes + KV bytes read) / HBM read bandwidth measured in this run; for an MoE
+               model the weight bytes are the dense weights plus the experts this batch's tokens hit
+               (counted per layer from one eager forward: `experts_hit`), not every expert
 plus attention alone (tensor-core vs CUDA-core decode), variants (fused ops off, the other decode
 kernel), prefill tokens/s against the dense-FLOP roofline, the scheduler loop with and without
-overlap, and a per-kernel profile of one decode step naming the largest gap to the roofline.
+overlap, and a per-kernel profile of one decode step naming the largest gap to the roofline (for an
+MoE: routing, expert GEMMs and attention apart; `--profile-ctx 2048,8192` gives the share of the
+step spent in attention at each context, where moving attention pays).
+
+    python bench/offline.py --model-path preset:mixtral-8x7b --contexts 1024,8192 --profile-ctx 2048,8192
 """
 
 from __future__ import annotations
@@ -85,10 +91,7 @@ class Bench:
         self.runner = ModelRunner(self.args, model_dir, cfg)
         init_s = time.perf_counter() - t0
         self.runner.pool.data.normal_()  # never time attention on zeros
-        model = self.runner.model
-        self.weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                                if cfg.tie_word_embeddings or not n.startswith("embed_tokens"))
-        self.kv_token_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+        self.count_weights(cfg, self.runner.model)
         self.layout = Layout(self.runner.num_pages)
         gpu = torch.cuda.get_device_properties(0)
         self.res["env"] = {
@@ -100,19 +103,67 @@ class Bench:
             "decode_tensor_cores": getattr(self.runner.attn, "decode_tc", None),
             "hbm_read_TBps": self.bw / 1e12, "hbm_reads_TBps": {k: v / 1e12 for k, v in reads.items()},
             "bf16_gemm_TFLOPs": self.peak / 1e12,
-            "weight_GB": self.weight_bytes / 1e9, "runner_init_s": init_s,
+            "weight_GB": self.weight_bytes / 1e9, "dense_weight_GB": self.dense_bytes / 1e9,
+            "moe": None if cfg.moe is None else {"experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k,
+                                                 "expert_intermediate": cfg.moe.intermediate_size,
+                                                 "sparse_layers": sum(cfg.moe.sparse_layers)},
+            "active_params_B": cfg.active_params() / 1e9, "runner_init_s": init_s,
             "graph_sizes": self.runner.graphs.sizes if self.runner.graphs else None,
         }
 
-    def roofline_ms(self, bs: int, ctx: int) -> float:
-        emb = bs * self.cfg.hidden_size * 2
-        return (self.weight_bytes + emb + bs * ctx * self.kv_token_bytes) / self.bw * 1e3
+    def count_weights(self, cfg: ModelConfig, model: torch.nn.Module) -> None:
+        """Weight bytes a decode step reads (the LM head, not the embedding table, unless tied); for an
+        MoE, the routed experts' bytes apart, since a step reads only the experts its tokens hit."""
+        from sglang_ext.models.moe import Experts
 
-    def roofline_flops_ms(self, bs: int, ctx: int) -> float:
-        """The dense layers at max(bytes / bandwidth, FLOPs / GEMM peak), plus the KV read: at large
-        batches the GEMMs turn compute-bound and the bytes-only roofline is unreachable."""
-        w = self.weight_bytes + bs * self.cfg.hidden_size * 2
-        dense = max(w / self.bw, 2 * (self.weight_bytes / 2) * bs / self.peak)
+        self.cfg = cfg
+        self.weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                                if cfg.tie_word_embeddings or not n.startswith("embed_tokens"))
+        self.kv_token_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+        self.experts = [m for m in model.modules() if isinstance(m, Experts)]
+        self.expert_bytes = [(m.gate_up_proj[0].numel() + m.down_proj[0].numel()) * m.gate_up_proj.element_size()
+                             for m in self.experts]
+        self.dense_bytes = self.weight_bytes - sum(b * m.num_local for b, m in zip(self.expert_bytes, self.experts,
+                                                                                     strict=True))
+
+    def experts_hit(self, batch: ForwardBatch) -> list[int]:
+        """Distinct experts each MoE layer's router picks for `batch` (one eager forward, hooks on the
+        expert modules; routing is deterministic, so the graph replays hit the same ones)."""
+        if not self.experts:
+            return []
+        hits: list[int] = []
+
+        def hook(_m: Any, args: tuple[Any, ...]) -> None:
+            hits.append(int(torch.unique(args[2]).numel()))
+
+        handles = [m.register_forward_pre_hook(hook) for m in self.experts]
+        graphs, self.runner.graphs = self.runner.graphs, None
+        try:
+            self.runner.forward(batch)
+        finally:
+            self.runner.graphs = graphs
+            for h in handles:
+                h.remove()
+        return hits
+
+    def weight_read_bytes(self, hit: list[int]) -> float:
+        """Weight bytes one decode step must read: dense weights plus the experts hit (all weights for a
+        dense model)."""
+        if not self.experts:
+            return self.weight_bytes
+        return self.dense_bytes + sum(n * b for n, b in zip(hit, self.expert_bytes, strict=True))
+
+    def roofline_ms(self, bs: int, ctx: int, hit: list[int] | None = None) -> float:
+        emb = bs * self.cfg.hidden_size * 2
+        w = self.weight_read_bytes(hit or [])
+        return (w + emb + bs * ctx * self.kv_token_bytes) / self.bw * 1e3
+
+    def roofline_flops_ms(self, bs: int, ctx: int, hit: list[int] | None = None) -> float:
+        """The weights at max(bytes / bandwidth, FLOPs / GEMM peak), plus the KV read: at large batches
+        the GEMMs turn compute-bound and the bytes-only roofline is unreachable. FLOPs count the
+        parameters a token uses (k experts of an MoE layer)."""
+        w = self.weight_read_bytes(hit or []) + bs * self.cfg.hidden_size * 2
+        dense = max(w / self.bw, 2 * self.cfg.active_params() * bs / self.peak)
         return (dense + bs * ctx * self.kv_token_bytes / self.bw) * 1e3
 
     def decode_point(self, bs: int, ctx: int) -> dict[str, Any]:
@@ -149,8 +200,12 @@ class Bench:
             finally:
                 r.graphs = graphs
         out["build_ms"] = build_ms(pages, ctx)
-        out["roofline_ms"] = self.roofline_ms(bs, ctx)
-        out["roofline_flops_ms"] = self.roofline_flops_ms(bs, ctx)
+        hit = self.experts_hit(batch)
+        if hit:
+            out["experts_hit"] = statistics.mean(hit)
+            out["weight_read_GB"] = self.weight_read_bytes(hit) / 1e9
+        out["roofline_ms"] = self.roofline_ms(bs, ctx, hit)
+        out["roofline_flops_ms"] = self.roofline_flops_ms(bs, ctx, hit)
         out["frac_of_roofline"] = out["roofline_ms"] / out["step_ms"]
         out["tok_per_s"] = bs / out["step_ms"] * 1e3
         return out
@@ -230,7 +285,8 @@ class Bench:
 
     def prefill(self) -> list[dict[str, Any]]:
         cfg = self.cfg
-        layer_params = (self.weight_bytes - cfg.vocab_size * cfg.hidden_size * 2) / 2  # lm_head runs on R rows
+        # parameters a token multiplies by (k experts of an MoE layer); the LM head runs on R rows only
+        layer_params = cfg.active_params() - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
         rows = []
         for reqs, length in ((1, 1024), (4, 2048), (1, 8192)):
             batch = prefill_batch(self.layout.pages(reqs, length), length, cfg.vocab_size)
@@ -313,13 +369,16 @@ class Bench:
                 "forward_host_ms_median": statistics.median(fwd_host[-steps:]) * 1e3 if steps else None,
                 "overlapped_steps": s.overlapped_steps}
 
-    def profile(self, bs: int, ctx: int) -> dict[str, Any]:
-        out = {"graph": self._profile(bs, ctx)}
+    def profile(self, bs: int, ctxs: list[int]) -> dict[str, Any]:
+        """The first context with and without graphs; the others with graphs (the attention share)."""
+        out = {"graph": self._profile(bs, ctxs[0])}
         graphs, self.runner.graphs = self.runner.graphs, None
         try:
-            out["eager"] = self._profile(bs, ctx)
+            out["eager"] = self._profile(bs, ctxs[0])
         finally:
             self.runner.graphs = graphs
+        for ctx in ctxs[1:]:
+            out[f"graph_ctx{ctx}"] = self._profile(bs, ctx)
         return out
 
     def _profile(self, bs: int, ctx: int) -> dict[str, Any]:
@@ -348,9 +407,14 @@ class Bench:
         for k in kernels:
             cats[k["category"]] = cats.get(k["category"], 0.0) + k["us_per_step"]
         kv = bs * ctx * self.kv_token_bytes
-        ideal = {"gemm": self.weight_bytes / self.bw * 1e6, "attention": kv / self.bw * 1e6}
+        hit = self.experts_hit(batch)
+        ideal = {"gemm": self.dense_bytes / self.bw * 1e6, "attention": kv / self.bw * 1e6}
+        if hit:
+            ideal["moe_experts"] = (self.weight_read_bytes(hit) - self.dense_bytes) / self.bw * 1e6
         gaps = {c: t - ideal.get(c, 0.0) for c, t in cats.items()}
-        return {"bs": bs, "ctx": ctx, "kernel_us_per_step": sum(cats.values()), "by_category_us": cats,
+        total = sum(cats.values())
+        return {"bs": bs, "ctx": ctx, "kernel_us_per_step": total, "by_category_us": cats,
+                "attention_share": cats.get("attention", 0.0) / total if total else None,
                 "ideal_us": ideal, "gap_us": gaps, "largest_gap": max(gaps, key=gaps.__getitem__) if gaps else None,
                 "top_kernels": kernels[:25]}
 
@@ -378,7 +442,8 @@ class Bench:
             tasks.append(("loop", lambda: self.res.__setitem__("loop", self.loop())))
         if "profile" in want:
             tasks.append(("profile",
-                          lambda: self.res.__setitem__("profile", self.profile(a.profile_bs, a.profile_ctx))))
+                          lambda: self.res.__setitem__("profile", self.profile(
+                              a.profile_bs, [int(c) for c in str(a.profile_ctx).split(",")]))))
         bar = tqdm(tasks, desc="offline bench", file=sys.stderr)
         for name, fn in bar:
             bar.set_postfix_str(name)
@@ -434,7 +499,9 @@ def summary(res: dict[str, Any]) -> str:
                      f"forward on host {lp['forward_host_ms_median'] or 0:.2f} ms")
     for mode, pr in (res.get("profile") or {}).items():
         cats = ", ".join(f"{k} {v:.0f}" for k, v in sorted(pr["by_category_us"].items(), key=lambda kv: -kv[1]))
+        share = pr.get("attention_share")
         lines.append(f"profile[{mode}] bs={pr['bs']} ctx={pr['ctx']}: {pr['kernel_us_per_step']:.0f} us/step ({cats}); "
+                     f"attention {100 * (share or 0):.0f}% of kernel time; "
                      f"largest gap: {pr['largest_gap']} (+{pr['gap_us'].get(pr['largest_gap'], 0):.0f} us)")
         for k in pr["top_kernels"][:8]:
             lines.append(f"   {k['us_per_step']:8.1f} us x{k['calls_per_step']:.0f}  {k['name'][:90]}")
@@ -452,7 +519,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--contexts", default="1024,2048")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile-bs", type=int, default=64)
-    p.add_argument("--profile-ctx", type=int, default=2048)
+    p.add_argument("--profile-ctx", default="2048",
+                   help="comma-separated contexts of the profile section (the first also without graphs)")
     p.add_argument("--loop-requests", default="64", help="comma-separated batch sizes of the loop section")
     p.add_argument("--loop-sampling", default="greedy,sampled", help="greedy and/or sampled (see Bench.SAMPLING)")
     p.add_argument("--loop-prompt", type=int, default=1024)

@@ -1,0 +1,54 @@
+"""bench/offline.py's MoE accounting on CPU (the bench itself needs a GPU): the decode roofline reads the
+dense weights plus the experts a batch hits, counted from the router's real choices; a dense model
+reads all its weights; the FLOP roofline counts active parameters."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from _tiny import make_scheduler, tiny_moe_config
+
+from bench.gpu_measure import PAGE, Layout, decode_batch
+from bench.offline import Bench
+
+
+def _bench(moe: bool) -> Bench:
+    import _tiny
+
+    old = _tiny.tiny_config
+    _tiny.tiny_config = tiny_moe_config if moe else old  # type: ignore[assignment]
+    try:
+        s = make_scheduler(page_size=PAGE, max_total_tokens=4096)
+    finally:
+        _tiny.tiny_config = old  # type: ignore[assignment]
+    b = Bench(argparse.Namespace(batch_sizes="1", contexts="32"))
+    b.runner, b.bw, b.peak = s.runner, 1e12, 1e15
+    b.count_weights(s.runner.cfg, s.runner.model)
+    b.layout = Layout(s.runner.num_pages)
+    return b
+
+
+def test_moe_roofline_counts_the_experts_hit() -> None:
+    b = _bench(moe=True)
+    cfg = b.cfg
+    assert cfg.moe is not None and len(b.experts) == cfg.num_layers
+    per_expert = 3 * cfg.hidden_size * cfg.moe.intermediate_size * 4  # float32
+    assert b.expert_bytes == [per_expert] * cfg.num_layers
+    assert b.dense_bytes == b.weight_bytes - cfg.num_layers * cfg.moe.num_experts * per_expert
+    one = b.experts_hit(decode_batch(b.layout.pages(1, 32), 32, cfg.vocab_size, "cpu"))
+    assert one == [cfg.moe.top_k] * cfg.num_layers  # one token: exactly k experts per layer
+    many = b.experts_hit(decode_batch(b.layout.pages(48, 32), 32, cfg.vocab_size, "cpu"))
+    assert all(cfg.moe.top_k <= n <= cfg.moe.num_experts for n in many) and sum(many) > sum(one)
+    assert b.weight_read_bytes(one) == b.dense_bytes + sum(one) * per_expert < b.weight_bytes
+    assert b.weight_read_bytes([cfg.moe.num_experts] * cfg.num_layers) == b.weight_bytes
+    assert b.roofline_ms(1, 32, one) < b.roofline_ms(1, 32, many)
+
+
+def test_dense_roofline_reads_every_weight() -> None:
+    b = _bench(moe=False)
+    assert b.experts == [] and b.dense_bytes == b.weight_bytes
+    batch = decode_batch(b.layout.pages(4, 32), 32, b.cfg.vocab_size, "cpu")
+    assert b.experts_hit(batch) == [] and b.weight_read_bytes([]) == b.weight_bytes
+    with torch.no_grad():
+        assert b.roofline_flops_ms(4, 32) >= b.roofline_ms(4, 32) - 1e-12
