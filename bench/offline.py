@@ -84,6 +84,8 @@ class Bench:
         model_dir = resolve_model_path(a.model_path)
         self.cfg = cfg = ModelConfig.from_path(model_dir)
         tokens = max(self.bs_list) * max(self.ctx_list) + 8192 + 64 * PAGE
+        if a.max_kv_tokens:  # a big model (Mixtral: 87 GiB of weights) leaves room for fewer: points skipped
+            tokens = min(tokens, a.max_kv_tokens)
         self.args = ServerArgs(model_path=a.model_path, load_format=a.load_format, device="cuda", dtype="bfloat16",
                                page_size=PAGE, max_total_tokens=tokens, cuda_graph_max_bs=max(self.bs_list),
                                attention_backend=a.attention_backend, skip_tokenizer_init=True)
@@ -165,6 +167,15 @@ class Bench:
         w = self.weight_read_bytes(hit or []) + bs * self.cfg.hidden_size * 2
         dense = max(w / self.bw, 2 * self.cfg.active_params() * bs / self.peak)
         return (dense + bs * ctx * self.kv_token_bytes / self.bw) * 1e3
+
+    def fits(self, bs: int, ctx: int) -> bool:
+        return bs * -(-ctx // PAGE) < self.runner.num_pages - 1
+
+    def decode_if_fits(self, bs: int, ctx: int) -> None:
+        if self.fits(bs, ctx):
+            self.res["decode"].append(self.decode_point(bs, ctx))
+        else:
+            self.res["skipped"].append({"bs": bs, "ctx": ctx, "why": f"KV pool holds {self.runner.num_pages} pages"})
 
     def decode_point(self, bs: int, ctx: int) -> dict[str, Any]:
         r = self.runner
@@ -421,19 +432,20 @@ class Bench:
     def run(self) -> dict[str, Any]:
         a = self.a
         points = [(b, c) for c in self.ctx_list for b in self.bs_list]
+        self.res["skipped"] = []
         want = set(a.sections.split(","))
         tasks: list[tuple[str, Callable[[], Any]]] = [("setup", self.setup)]
         self.res["decode"], self.res["attention"] = [], []
         if "decode" in want:
             tasks += [(f"decode bs={b} ctx={c}",
-                       lambda b=b, c=c: self.res["decode"].append(self.decode_point(b, c))) for b, c in points]
+                       lambda b=b, c=c: self.decode_if_fits(b, c)) for b, c in points]
         if "layout" in want:
             tasks.append(("layout", lambda: self.res.__setitem__("layout", self.layout_points())))
         if "flashinfer" in str(a.attention_backend or "flashinfer"):
             if "attention" in want:
                 tasks += [(f"attention bs={b} ctx={c}",
                            lambda b=b, c=c: self.res["attention"].append(self.attention_point(b, c)))
-                          for b, c in points]
+                          for b, c in points if b * -(-c // PAGE) <= (a.max_kv_tokens or b * c) // PAGE]
             if "variants" in want:
                 tasks.append(("variants", lambda: self.res.__setitem__("variants", self.variants())))
         if "prefill" in want:
@@ -505,6 +517,8 @@ def summary(res: dict[str, Any]) -> str:
                      f"largest gap: {pr['largest_gap']} (+{pr['gap_us'].get(pr['largest_gap'], 0):.0f} us)")
         for k in pr["top_kernels"][:8]:
             lines.append(f"   {k['us_per_step']:8.1f} us x{k['calls_per_step']:.0f}  {k['name'][:90]}")
+    for sk in res.get("skipped", []):
+        lines.append(f"skipped bs={sk['bs']} ctx={sk['ctx']}: {sk['why']}")
     for name, err in res.get("errors", {}).items():
         lines.append(f"ERROR in {name}: {err.strip().splitlines()[-1]}")
     return "\n".join(lines)
@@ -518,6 +532,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-sizes", default="1,8,32,64,128,256")
     p.add_argument("--contexts", default="1024,2048")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--max-kv-tokens", type=int, default=None,
+                   help="cap the KV pool (a large model leaves less memory); decode points that do not fit are "
+                        "skipped and listed")
     p.add_argument("--profile-bs", type=int, default=64)
     p.add_argument("--profile-ctx", default="2048",
                    help="comma-separated contexts of the profile section (the first also without graphs)")
