@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 LOAD_FORMATS: Final = ("", "auto", "safetensors", "dummy")
 # The geometry a checkpoint must share with the running model to be loaded into it.
 _GEOMETRY: Final = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                    "num_kv_heads", "head_dim", "tie_word_embeddings", "attention_bias", "qk_norm")
+                    "num_kv_heads", "head_dim", "tie_word_embeddings", "attention_bias", "qk_norm", "moe")
 
 
 class LoadRefused(Exception):
