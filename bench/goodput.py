@@ -236,7 +236,15 @@ def agreement(points: Sequence[Point], target: float) -> tuple[int, int]:
 
 def ratio_text(num: Goodput, den: Goodput) -> tuple[float | None, str]:
     """num / den of two mean-curve goodputs, saying when a bound makes it one-sided or unknown."""
-    if num.below_lowest is not None or den.below_lowest is not None or den.rate <= 0:
+    if num.below_lowest is not None and den.below_lowest is not None:
+        return None, "n/a (both below the lowest swept rate)"
+    if den.below_lowest is not None:  # the baseline failed every swept rate: one-sided, from its lowest
+        r = num.rate / den.below_lowest
+        return r, f"> {r:.2f}x (baseline < {den.below_lowest:g})"
+    if num.below_lowest is not None:
+        r = num.below_lowest / den.rate if den.rate > 0 else None
+        return r, f"< {r:.2f}x ({num.text()})" if r is not None else "n/a (below the lowest swept rate)"
+    if den.rate <= 0:
         return None, "n/a (below the lowest swept rate)"
     r = num.rate / den.rate
     if num.lower_bound and den.lower_bound:

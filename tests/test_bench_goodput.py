@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from bench.goodput import Goodput, agreement, goodput, goodput_of, load, main, mean_curve, per_repeat, strict_goodput
 
 
@@ -220,3 +222,14 @@ def test_runs_scored_against_other_slos(tmp_path: Path, capsys) -> None:
     (tmp_path / "gp_old_r6.json").write_text(json.dumps(_report(4, 4, 1.0)))  # before slo_records
     assert main([str(tmp_path), "--ttft-slo", "2"]) == 2
     assert "no slo_records" in capsys.readouterr().err
+
+
+def test_ratio_is_one_sided_when_one_curve_fails_every_swept_rate() -> None:
+    """fcfs failing its lowest rate (5) while lvf holds 5.5 says lvf / fcfs > 1.10, not "n/a"."""
+    from bench.goodput import ratio_text
+
+    r, text = ratio_text(Goodput(5.5), Goodput(0.0, below_lowest=5.0))
+    assert r == pytest.approx(1.1) and text.startswith("> 1.10x")
+    r, text = ratio_text(Goodput(0.0, below_lowest=4.0), Goodput(5.0))
+    assert r == pytest.approx(0.8) and text.startswith("< 0.80x")
+    assert ratio_text(Goodput(0.0, below_lowest=4.0), Goodput(0.0, below_lowest=4.0))[0] is None
