@@ -216,3 +216,39 @@ def test_tune_script_help() -> None:
     out = subprocess.run([sys.executable, "bench/tune_moe.py", "--help"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "--preset" in out.stdout and "mixtral-8x7b" in out.stdout
+
+
+def test_tune_batch_picks_and_checks_a_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tuner's search for one batch size on a toy geometry, each candidate run once for real (under
+    the interpreter without a GPU) with a made-up timing that favours BLOCK_N 32 and 4 warps."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import triton.testing
+    import tune_moe
+
+    def fake_bench(fn: object, warmup: int, rep: int) -> float:
+        fn()  # type: ignore[operator]
+        return 1.0
+
+    def timed(cfg: dict[str, int]) -> float:
+        return cfg.get("BLOCK_N", 0) / 32 + cfg.get("num_warps", 0) / 4 + cfg.get("BLOCK_M", 0) / 16
+
+    def candidates(*args: object) -> list[dict[str, int]]:
+        return tune_moe_candidates(*args)[::4]  # type: ignore[arg-type]  # BLOCK_N 32 and 64, 4 and 8 warps
+
+    tune_moe_candidates = tune_moe.candidates
+    monkeypatch.setattr(tune_moe, "candidates", candidates)
+    monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
+    real_best_of = tune_moe.best_of
+
+    def best_of(fn: object, cands: list[dict[str, int]], rep_ms: int) -> tuple[float, dict[str, int] | None]:
+        ms, cfg = real_best_of(fn, cands, rep_ms)
+        return min(((timed(c), c) for c in cands), key=lambda p: p[0]) if cfg else (ms, cfg)
+
+    monkeypatch.setattr(tune_moe, "best_of", best_of)
+    a = tune_moe.parse_args(["--experts", "4", "--top-k", "2", "--hidden", "32", "--inter", "32"])
+    w13, w2 = _weights(4, 32, 32, torch.float32, seed=8)
+    cfg, timings = tune_moe.tune_batch(3, a, {"dtype": torch.float32, "w13": w13, "w2": w2})
+    assert cfg["BLOCK_M"] == 16 and cfg["BLOCK_N"] == 32 and cfg["num_warps"] == 4
+    assert set(cfg["down"]) == set(configs.KEYS) - {"BLOCK_M"} and set(timings) == {"align_ms", "gate_up_ms", "down_ms"}
+    up, down = configs.split(cfg)
+    assert up["BLOCK_M"] == down["BLOCK_M"] == 16
