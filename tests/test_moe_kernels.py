@@ -252,3 +252,44 @@ def test_tune_batch_picks_and_checks_a_config(monkeypatch: pytest.MonkeyPatch) -
     assert set(cfg["down"]) == set(configs.KEYS) - {"BLOCK_M"} and set(timings) == {"align_ms", "gate_up_ms", "down_ms"}
     up, down = configs.split(cfg)
     assert up["BLOCK_M"] == down["BLOCK_M"] == 16
+
+
+# ---- on a GPU only: the compiled kernels, CUDA graphs, no host sync -----------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("t,e,k,h,i", [(1, 8, 2, 512, 1024), (7, 128, 8, 256, 192), (300, 16, 4, 512, 384)])
+def test_gpu_default_configs_match_the_reference(t: int, e: int, k: int, h: int, i: int) -> None:
+    x = _x(t, h, torch.bfloat16, seed=t)
+    w13, w2 = _weights(e, h, i, torch.bfloat16, seed=e)
+    w, ids = ops.moe_route(torch.randn(t, e, device="cuda"), k, True)
+    _close(ops.fused_moe(x, w13, w2, w, ids), fused_moe_ref(x, w13, w2, w, ids))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_route_and_experts_capture_in_a_cuda_graph_without_host_sync() -> None:
+    t, e, k, h, i = 8, 8, 2, 256, 512
+    x = _x(t, h, torch.bfloat16, seed=1)
+    w13, w2 = _weights(e, h, i, torch.bfloat16, seed=2)
+    logits = torch.randn(t, e, device="cuda")
+
+    def step() -> torch.Tensor:
+        w, ids = ops.moe_route(logits, k, True)
+        return ops.fused_moe(x, w13, w2, w, ids, first_expert=0)
+
+    step()  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # raises on any synchronising call
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in (3, 4):  # new inputs in the captured buffers, new routing
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        logits.copy_(torch.randn(t, e, device="cuda", generator=g))
+        x.copy_(torch.randn(t, h, device="cuda", generator=g))
+        graph.replay()
+        _close(out, fused_moe_ref(x, w13, w2, *moe_route_ref(logits, k, True)))

@@ -44,7 +44,7 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_padde
                     n_pairs, top_k, n_inter, n_hidden, num_blocks_m,
                     stride_xt, stride_we, stride_wn, stride_wk, stride_ot,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+                    GROUP_M: tl.constexpr, IEEE: tl.constexpr):
     pid_m, pid_n = _block_of(tl.program_id(0), num_blocks_m, n_inter, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -65,8 +65,12 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_padde
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         bg = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         bu = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
+        if IEEE:
+            acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, bg, acc_g)
+            acc_u = tl.dot(a, bu, acc_u)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
@@ -83,7 +87,7 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr, 
                  n_pairs, n_hidden, n_inter, num_blocks_m,
                  stride_ht, stride_we, stride_wn, stride_wk, stride_ot,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+                 GROUP_M: tl.constexpr, IEEE: tl.constexpr):
     pid_m, pid_n = _block_of(tl.program_id(0), num_blocks_m, n_hidden, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -101,7 +105,10 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr, 
         k_ok = ks < n_inter - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_wk
     weight = tl.load(topk_w_ptr + rows, mask=row_ok, other=0.0)
@@ -123,9 +130,9 @@ def _sum_kernel(contrib_ptr, ids_ptr, out_ptr, n_hidden, top_k, first_expert, nu
     tl.store(out_ptr + t * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-def _precision(dtype: torch.dtype) -> str:
-    # float32 weights: full-precision products, as torch's own matmul (TF32 off) gives the reference
-    return "ieee" if dtype == torch.float32 else "tf32"
+def _ieee(dtype: torch.dtype) -> bool:
+    # float32 weights: full-precision products (not TF32), as torch's own matmul gives the reference
+    return dtype == torch.float32
 
 
 def gate_up(x: torch.Tensor, w13: torch.Tensor, al: Aligned, top_k: int, cfg: Config) -> torch.Tensor:
@@ -138,7 +145,7 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, al: Aligned, top_k: int, cfg: Co
                           n_pairs, top_k, inter, hidden, blocks_m,
                           x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), out.stride(0),
                           BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                          GROUP_M=cfg["GROUP_M"], PRECISION=_precision(x.dtype),
+                          GROUP_M=cfg["GROUP_M"], IEEE=_ieee(x.dtype),
                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
@@ -153,7 +160,7 @@ def down(h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, al: Alig
                        n_pairs, hidden, inter, blocks_m,
                        h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
                        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                       GROUP_M=cfg["GROUP_M"], PRECISION=_precision(h.dtype),
+                       GROUP_M=cfg["GROUP_M"], IEEE=_ieee(h.dtype),
                        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
