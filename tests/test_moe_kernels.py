@@ -148,6 +148,7 @@ def test_fused_moe_counts_only_local_experts(dtype: torch.dtype) -> None:
     ref = fused_moe_ref(x, w13, w2, w, ids, first_expert=2)
     _close(out, ref)
     assert (out[3] == 0).all()
+    assert torch.equal(kernels.fused_moe(x, w13, w2, w, ids.long(), first_expert=2, config=SMALL), out)  # int64 ids
     # the same as a full 8-expert layer whose other experts' weights are zero
     full13 = torch.zeros(8, 2 * i, h, dtype=dtype, device=DEVICE)
     full2 = torch.zeros(8, h, i, dtype=dtype, device=DEVICE)
