@@ -4,6 +4,8 @@ Each function takes the same tensors as the reference code in `models/layers.py`
 On a CUDA tensor (and when Triton imports) it runs one Triton kernel instead of the reference's
 chain of small kernels; anywhere else the caller keeps its own reference path, so CPU behaviour
 never changes. Callers ask `use_fused` at call time (bench/offline.py patches it to time the reference).
+The MoE pair (`moe_route`, `fused_moe`) dispatches itself: kernels on CUDA, the torch references of
+`ops/moe/reference.py` elsewhere (also exported, as `moe_route_ref` / `fused_moe_ref`).
 """
 
 from __future__ import annotations
@@ -13,11 +15,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sglang_ext.ops.moe.reference import fused_moe_ref, moe_route_ref
+
 if TYPE_CHECKING:
     from sglang_ext.kvcache.pool import KVPool
 
+__all__ = ["fused_moe", "fused_moe_ref", "moe_route", "moe_route_ref", "rms_norm", "rope", "silu_and_mul",
+           "store_kv", "use_fused"]
+
 _kernels: ModuleType | None = None
 _import_failed = False
+_moe: tuple[ModuleType, ModuleType] | None = None
 
 
 def _load() -> ModuleType | None:
@@ -64,3 +72,45 @@ def store_kv(pool: KVPool, layer: int, loc: torch.Tensor, k: torch.Tensor, v: to
         kern.store_kv(pool.data, layer, loc, k, v)
     else:
         pool.write(layer, loc, k, v)
+
+
+def _load_moe() -> tuple[ModuleType, ModuleType]:
+    global _moe
+    if _moe is None:
+        from sglang_ext.ops.moe import kernels, route
+
+        _moe = (route, kernels)
+    return _moe
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] (any float dtype) -> (topk_weights [T, k] float32, topk_ids [T, k] int32).
+
+    Softmax over all E experts in float32, the k largest, divided by their sum when `renormalize`
+    (Mixtral and Qwen3-MoE renormalize; Qwen2-MoE with norm_topk_prob false does not). One Triton
+    kernel on CUDA.
+    """
+    if use_fused(router_logits):
+        return _load_moe()[0].route(router_logits, top_k, renormalize)
+    return moe_route_ref(router_logits, top_k, renormalize)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int = 0,
+) -> torch.Tensor:
+    """sum_j w_j * down_e(silu(gate_e(x)) * up_e(x)) over each token's k routed experts.
+
+    x [T, H]; w13 [E_local, 2*I, H] (rows 0:I the gate projection, I:2I the up projection, as HF
+    transformers v5's `experts.gate_up_proj`); w2 [E_local, H, I]. topk ids are global: expert e uses
+    w13[e - first_expert], and ids outside [first_expert, first_expert + E_local) contribute nothing.
+    Returns [T, H] in x's dtype. On CUDA: block alignment and two grouped GEMMs (`ops/moe/kernels.py`),
+    no host sync, so it can be captured in a CUDA graph.
+    """
+    if use_fused(x):
+        return _load_moe()[1].fused_moe(x, w13, w2, topk_weights, topk_ids, first_expert)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, first_expert)

@@ -1,0 +1,100 @@
+"""Block sizes of the MoE grouped GEMMs: a tuned JSON file when one matches, hand-picked defaults otherwise.
+
+A file `configs/E=<E>,N=<I>,H=<H>,dtype=<dtype>,device=<device>.json` (written by `bench/tune_moe.py`)
+maps batch sizes (tokens per forward, as strings) to one config each; the entry whose batch size is
+nearest to T is used. A config is
+
+    {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3,
+     "down": {"BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}}
+
+where the top level drives the gate/up GEMM (and the block alignment, so BLOCK_M is shared) and
+`down` overrides the rest for the down GEMM (missing keys inherit the top level).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Final, cast
+
+import torch
+
+CONFIG_DIR: Final = Path(__file__).parent / "configs"
+KEYS: Final = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+
+Config = dict[str, int]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def device_name(device: torch.device) -> str:
+    return _cuda_name(device.index or 0) if device.type == "cuda" else device.type
+
+
+@functools.cache
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_name(index).replace(" ", "_")
+
+
+def config_file_name(num_experts: int, inter: int, hidden: int, dtype: torch.dtype, device: str) -> str:
+    return f"E={num_experts},N={inter},H={hidden},dtype={dtype_name(dtype)},device={device}.json"
+
+
+@functools.cache
+def _load(path: Path) -> dict[int, dict[str, object]] | None:
+    if not path.is_file():
+        return None
+    raw = json.loads(path.read_text())
+    return {int(t): cfg for t, cfg in raw.items() if not t.startswith("_")}
+
+
+def default_config(tokens: int, top_k: int, num_experts: int) -> dict[str, object]:
+    """Hand-picked for H100/H200-class GPUs (not measured: run `bench/tune_moe.py` there).
+
+    Few tokens per expert (decode) is a weight-streaming problem: short M tiles, deep K tiles, many
+    programs over N. Many (prefill) is compute-bound: large square-ish tiles, grouped M ordering so
+    neighbouring programs share weight tiles in L2. The gate/up GEMM keeps two accumulators (gate
+    and up) per program, so it gets more warps / fewer stages than the down GEMM at the same tile.
+    """
+    per_expert = tokens * top_k / max(num_experts, 1)
+    if per_expert <= 16 and tokens <= 64:
+        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3,
+                "down": {"num_stages": 4}}
+    if per_expert <= 64:
+        bm = 16 if per_expert <= 16 else (32 if per_expert <= 32 else 64)
+        return {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4,
+                "down": {"BLOCK_N": 128}}
+    if per_expert <= 512:
+        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 16, "num_warps": 8, "num_stages": 3,
+                "down": {"num_warps": 4, "num_stages": 4}}
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 16, "num_warps": 8, "num_stages": 3,
+            "down": {"num_stages": 4}}
+
+
+def get_config(
+    tokens: int,
+    top_k: int,
+    num_experts: int,
+    inter: int,
+    hidden: int,
+    dtype: torch.dtype,
+    device: str,
+    config_dir: Path = CONFIG_DIR,
+) -> dict[str, object]:
+    """The config for T tokens: the nearest batch size of a matching file, else the defaults."""
+    table = _load(config_dir / config_file_name(num_experts, inter, hidden, dtype, device))
+    if table:
+        return table[min(table, key=lambda t: (abs(t - tokens), t))]
+    return default_config(tokens, top_k, num_experts)
+
+
+def split(cfg: dict[str, object]) -> tuple[Config, Config]:
+    """(gate/up config, down config), each with every key of KEYS; `down` inherits what it omits."""
+    up = {k: int(cast(int, cfg[k])) for k in KEYS}
+    over = cast(dict[str, int], cfg.get("down") or {})
+    down = {k: int(over.get(k, up[k])) for k in KEYS}
+    down["BLOCK_M"] = up["BLOCK_M"]
+    return up, down
