@@ -18,7 +18,6 @@ from torch import nn
 
 from sglang_ext import ops
 from sglang_ext.models.config import ModelConfig, MoEConfig
-from sglang_ext.ops.moe import fused_moe_ref, moe_route_ref
 
 
 class Experts(nn.Module):
@@ -34,9 +33,8 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(self.num_local, hidden, i))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        if ops.use_fused(x):  # Triton: tokens aligned per expert, grouped GEMMs (graph-safe)
-            return ops.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.first_expert)
-        return fused_moe_ref(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.first_expert)
+        # Triton on GPU (tokens aligned per expert, grouped GEMMs, graph-safe); the torch reference elsewhere
+        return ops.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.first_expert)
 
 
 class SparseMoeBlock(nn.Module):
@@ -56,8 +54,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
-        route = ops.moe_route if ops.use_fused(x) else moe_route_ref
-        weights, ids = route(logits, self.moe.top_k, self.moe.renormalize)
+        weights, ids = ops.moe_route(logits, self.moe.top_k, self.moe.renormalize)
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
