@@ -4,6 +4,7 @@
 #   bash bench/gpu_session.sh [test] [gputests] [serving] [bench] [cputests] [sampling] [offload] [ipc] [served]
 #                             [structured] [rotation] [rotation_e2e] [gated] [goodput] [knee] [disagg] [routing] [host]
 #                             [warm]  (compile and cache the JIT kernels before a timed step such as knee)
+#                             [moetests] [moetune] [moebench]  (issue 33: MoE kernels and models on one GPU)
 # On the two-GPU kind export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 first.
 # served and the two-GPU cases of gputests need two GPUs (the executor sits on cuda:1).
 # rotation_e2e replays the Azure conversation trace in bench/data/traces.
@@ -85,6 +86,20 @@ for s in $steps; do
             --max-total-tokens ${ROUTING_TOKENS:-200000}" --out "$OUT/routing.json" -- --trace mooncake \
             --num-requests ${ROUTING_N:-141} --arrival poisson --request-rate ${ROUTING_RATE:-4} --ttft-slo 5 \
             --max-input-len 7680 --max-output-len 64 --vocab-size 32000 ${ROUTING_EXTRA:-} 2>&1 | tee "$OUT/routing.log" ;;
+    moetests) PYTHONPATH=$BASE:/tmp/fi timeout ${MOETESTS_TIMEOUT:-400} python3 -m pytest -q -rfs -s -p no:cacheprovider \
+            tests/test_moe_kernels.py tests/test_gpu_moe.py 2>&1 | tail -30 | tee "$OUT/gpu_moe_tests.log" ;;
+    moetune) mkdir -p "$OUT/moe_configs"  # into the runtime's folder (a later moebench uses them) and $OUT: commit them
+          for p in ${MOE_PRESETS:-mixtral-8x7b qwen3-30b-a3b}; do
+            PYTHONPATH=$BASE timeout ${MOETUNE_TIMEOUT:-250} python3 bench/tune_moe.py --preset "$p" \
+              ${MOETUNE_ARGS:-} 2>&1 | tail -25 | tee "$OUT/moe_tune_$p.log"
+          done
+          cp sglang_ext/ops/moe/configs/*.json "$OUT/moe_configs/" 2>/dev/null ;;
+    moebench) for p in ${MOE_PRESETS:-mixtral-8x7b qwen3-30b-a3b}; do  # decode vs the experts-hit roofline, prefill, profile
+            PYTHONPATH=$BASE:/tmp/fi timeout ${MOEBENCH_TIMEOUT:-280} python3 bench/offline.py --model-path "preset:$p" \
+              --contexts 1024,8192 --profile-ctx 2048,8192 --max-kv-tokens ${MOE_KV_TOKENS:-300000} \
+              --sections decode,prefill,profile --out "$OUT/offline-$p.json" 2>&1 | grep -v '^offline bench' \
+              | tee "$OUT/offline-$p.log"
+          done ;;
     cputests) SGLANG_EXT_TEST_DEVICE=cuda PYTHONPATH=$BASE timeout 240 python3 -m pytest -q -p no:cacheprovider \
             --continue-on-collection-errors tests -k "engine or scheduler or models or overlap" 2>&1 | tee "$OUT/cpu_tests_on_cuda.log" ;;
   esac
