@@ -237,3 +237,23 @@ def test_engine_with_an_in_process_executor(test_device: str) -> None:
     assert all(w is None or w.endswith("/local") for w in where)
     with pytest.raises(ValueError, match="offload_ratio"):
         Engine(offload_ratio=1.5, offload_executor="local", **kw)
+
+
+def test_an_executor_on_the_same_gpu_comes_out_of_the_memory_fraction() -> None:
+    """With `--offload-executor local` and `--executor-mem-gb`, the executor's partition is set aside
+    inside `--mem-fraction-static`, as a hosted executor's is: offload on and off use the same share
+    of the GPU. An executor on another GPU takes nothing from this one."""
+    from sglang_ext.engine.model_runner import executor_set_aside
+    from sglang_ext.server_args import ServerArgs
+
+    gpu0, gib = torch.device("cuda:0"), 2**30
+
+    def aside(**kw: Any) -> int:
+        return executor_set_aside(ServerArgs(**kw), gpu0)
+
+    assert aside(executor_mem_gb=7) == 7 * gib  # hosts executors for other workers
+    assert aside(offload_executor="local", offload_ratio=0.5, executor_mem_gb=7) == 7 * gib
+    assert aside(offload_executor="cuda:0", offload_ratio=0.5, executor_mem_gb=2) == 2 * gib
+    assert aside(offload_executor="cuda", offload_ratio=0.5, executor_mem_gb=2) == 2 * gib
+    assert aside(offload_executor="cuda:1", offload_ratio=0.5, executor_mem_gb=7) == 0
+    assert aside(offload_executor="local", offload_ratio=0.5) == 0  # unsized: as large as the pool, on top

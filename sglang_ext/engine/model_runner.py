@@ -93,6 +93,21 @@ def kv_budget_bytes(free: int, total: int, fraction: float, hosted: int = 0) -> 
     return int(free - total * (1.0 - fraction) - hosted)
 
 
+def executor_set_aside(args: ServerArgs, device: torch.device) -> int:
+    """Bytes of this GPU's memory fraction kept for an attention executor's partition, which is
+    allocated after the KV pool: a hosted executor's (`executor_mem_gb`), and an in-process executor's on
+    this same GPU (`--offload-executor local`), so that the worker with offload on uses the same share of
+    the GPU as one without it -- a fair baseline. An in-process executor on another GPU takes nothing here."""
+    if args.executor_mem_gb <= 0:
+        return 0
+    where = args.offload_executor
+    if where is not None and where != "local":
+        other = torch.device(where)
+        if other.type != device.type or (other.index or 0) != (device.index or 0):
+            return 0
+    return int(args.executor_mem_gb * 2**30)
+
+
 class ModelRunner:
     split: SplitAttention | None = None
 
@@ -160,8 +175,7 @@ class ModelRunner:
             torch.cuda.empty_cache()  # memory this process cached but no longer uses counts as free
             free, total = torch.cuda.mem_get_info(self.device)
             frac = a.mem_fraction_static or 0.85
-            # A worker that hosts executors allocates their partition after the pool: leave it room.
-            hosted = int(a.executor_mem_gb * 2**30) if a.executor_mem_gb > 0 and a.offload_executor is None else 0
+            hosted = executor_set_aside(a, self.device)
             budget = kv_budget_bytes(free, total, frac, hosted)
             if budget <= geom.page_bytes * 2:
                 raise RuntimeError(
