@@ -254,8 +254,24 @@ def calibrate(results: Path, model: str, gpu: str, fit_runs: list[str] | None) -
         "missing": missing,
         "runs": [{"path": p, "kind": by_path[p].kind, "date": by_path[p].date,
                   "commit_added": commit_of(by_path[p].path),
-                  "report_git_commit": by_path[p].data.get("git_commit"), "fit": p in fit_paths} for p in used],
+                  "report_git_commit": by_path[p].data.get("git_commit"), "fit": p in fit_paths,
+                  "used_for": _used_for(by_path[p], fit_paths, [link_src, *ex_src.values()])} for p in used],
     }
+
+
+def _used_for(r: Report, fit_paths: set[str], sources: list[str]) -> str:
+    if r.kind == "offline":
+        return "decode and prefill fit" if r.rel() in fit_paths else "validation (held out)"
+    if r.kind == "remote_step" and r.env.get("executor_load"):
+        return "validation: all-local steps held out (its remote rows ran beside an executor load: not used)"
+    if r.kind == "remote_step":
+        return "validation: all-local steps held out; remote-row steps"
+    if r.kind == "remote_host":
+        return "executor_host fit; its host-alone step held out"
+    used = any(s.startswith(r.rel() + " ") for s in sources)
+    if not used:
+        return "not used (a later run supersedes it)"
+    return "host_link" if r.kind == "kv_rotation" else "remote_exchange"
 
 
 MISSING_ALWAYS: dict[str, str] = {
