@@ -6,9 +6,10 @@ and a GPU's time.
 
 Every decision is the scheduler's own (admission, preemption, rotation, its copies landing late), on a
 tiny Llama whose KV costs nothing; only time is modelled. Each forward advances the clock by what the
-batch would take on the GPU, from a cost model fitted to figures measured on one H200 with Llama-3-8B
-(docs/benchmarks.md: decode bs 64 at ctx 2K 9.26 ms; at ctx 8K 20.8 ms, of which attention 492 us per
-layer x 32), and each rotation copy lands after its real bytes at the link's rate. It answers
+batch would take on the GPU, from bench/sim's cost model (`--calibration`, default the H200 file fitted
+to bench/results by `python -m bench.sim.fit`; `--model` the geometry priced), and each rotation copy
+lands after its real bytes at the measured host-link rate (the duplex rate while both directions copy).
+It answers
 "which policy wins at which rate, and why" in minutes without a GPU; the GPU sweep
 (bench/goodput_sweep.sh) is the measurement. Reports read like bench/serving.py's, so bench/goodput.py
 reads them: TTFT and mean TPOT per request, attainment of both SLOs per rate.
@@ -19,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.sim.cost import DEFAULT_CALIBRATION, CostModel
 from bench.traces import (
     MOONCAKE_BLOCK_TOKENS,
     PromptBuilder,
@@ -48,26 +49,9 @@ from sglang_ext.server_args import ServerArgs
 VOCAB = 512
 
 
-@dataclass
-class GPUCost:
-    """Seconds one forward takes on the modelled GPU (defaults: Llama-3-8B, bf16, one H200)."""
-
-    step_s: float = 4.6e-3  # weights read and launch, any batch
-    row_s: float = 8e-6  # per row (sampling, norms, MLP activations)
-    ctx_s: float = 30e-9  # per decode row per context token (attention reads the KV)
-    prefill_s: float = 25e-6  # per prompt token (GEMMs: 40K tokens/s, ~55 % of the bf16 peak)
-    prefill_ctx_s: float = 1e-9  # per prompt token per context token before it (attention)
-    kv_bytes_per_token: int = 131_072  # 32 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes
-    link_bytes_s: float = 50e9  # host <-> device, per direction
-
-    def forward(self, batch: ForwardBatch) -> float:
-        t = self.step_s + self.row_s * len(batch.seq_lens)
-        for n, end in zip(batch.extend_lens, batch.seq_lens, strict=True):
-            if n == 1:
-                t += self.ctx_s * end
-            else:
-                t += self.prefill_s * n + self.prefill_ctx_s * n * (end - n / 2)
-        return t
+def forward_seconds(cost: CostModel, batch: ForwardBatch) -> float:
+    """What the scheduler's batch would take on the calibrated GPU (rows extending by 1 are decode rows)."""
+    return cost.forward_s(batch.extend_lens, batch.seq_lens)
 
 
 class Clock:
@@ -83,7 +67,7 @@ class TimedEngine(RotationEngine):
     """Copies the data at once (the scheduler's page ownership keeps that safe) but lands each copy
     when the link would have finished it: copies of one direction queue on one engine."""
 
-    def __init__(self, base: RotationEngine, clock: Clock, cost: GPUCost, tokens_per_page: int) -> None:
+    def __init__(self, base: RotationEngine, clock: Clock, cost: CostModel, tokens_per_page: int) -> None:
         super().__init__(base.pool, base.host)
         self.clock, self.cost, self.tokens_per_page = clock, cost, tokens_per_page
         self.free_at = {"out": 0.0, "in": 0.0}
@@ -91,7 +75,9 @@ class TimedEngine(RotationEngine):
 
     def _timed(self, t: Transfer) -> Transfer:
         start = max(self.clock.t, self.free_at[t.direction])
-        end = start + t.num_pages * self.tokens_per_page * self.cost.kv_bytes_per_token / self.cost.link_bytes_s
+        other = self.free_at["in" if t.direction == "out" else "out"]
+        nbytes = t.num_pages * self.tokens_per_page * self.cost.kv_bytes_per_token
+        end = start + self.cost.copy_s(nbytes, t.direction, duplex=other > start)
         self.free_at[t.direction] = end
         self.lands[id(t)] = end
         return t
@@ -117,7 +103,7 @@ def tiny_model(context: int) -> ModelConfig:
 
 
 def make_scheduler(policy: str, mode: str, pool_tokens: int, host_gb: float, ttft_s: float, tpot_s: float,
-                   clock: Clock, cost: GPUCost, page: int, context: int) -> Scheduler:
+                   clock: Clock, cost: CostModel, page: int, context: int) -> Scheduler:
     cfg = tiny_model(context)
     tiny_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # float32 K and V
     host_tokens = int(host_gb * 2**30 / cost.kv_bytes_per_token)
@@ -134,7 +120,7 @@ def make_scheduler(policy: str, mode: str, pool_tokens: int, host_gb: float, ttf
     forward = runner.forward
 
     def timed(batch: ForwardBatch) -> torch.Tensor:
-        clock.t = max(clock.t, clock.stall) + cost.forward(batch)
+        clock.t = max(clock.t, clock.stall) + forward_seconds(cost, batch)
         return forward(batch)
 
     runner.forward = timed  # type: ignore[method-assign]
@@ -194,7 +180,7 @@ def summarize(res: dict[str, Any], n: int, out_len: dict[str, int], ttft_s: floa
             "rotations_out": res["rotations"], "preemptions": res["preemptions"]}
 
 
-def run_point(run: str, rate: float, a: argparse.Namespace, cost: GPUCost) -> dict[str, Any]:
+def run_point(run: str, rate: float, a: argparse.Namespace, cost: CostModel) -> dict[str, Any]:
     policy, mode = run.split("-", 1)
     n = max(8, round(rate * a.seconds))
     reqs = workload(a.trace, rate, n, a.trace_offset, a.max_in, a.max_out, a.seed)
@@ -222,9 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path)
+    p.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION,
+                   help="cost-model calibration (python -m bench.sim.fit writes it)")
+    p.add_argument("--model", default="llama-3-8b", help="geometry preset whose steps are priced")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    cost = GPUCost()
+    cost = CostModel.load(a.calibration, a.model)
     points = []
     for run in a.runs:
         for rate in a.rates:
@@ -235,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"TPOT mean/p99 {pt['tpot_mean_ms']:.0f}/{pt['tpot_p99_ms']:.0f} ms  "
                   f"rot {pt['rotations_out']} preempt {pt['preemptions']}", flush=True)
     if a.out:
-        a.out.write_text(json.dumps({"cost_model": asdict(cost), "args": {k: str(v) for k, v in vars(a).items()},
+        model = {**cost.describe(), "calibration": str(a.calibration)}
+        a.out.write_text(json.dumps({"cost_model": model, "args": {k: str(v) for k, v in vars(a).items()},
                                      "points": points}, indent=1))
     return 0
 

@@ -1,0 +1,1 @@
+"""The simulator: a cost model fitted to measurements (cost.py, fit.py, validate.py; issue 35)."""

@@ -1,0 +1,176 @@
+"""The simulator's clock: how long a forward, a KV copy or a remote-attention exchange takes on one GPU.
+
+Rates come from a calibration file fitted to measurements (`python -m bench.sim.fit`); the model's shape
+comes from its Geometry, so one GPU's file prices any model:
+
+    decode step = max(weight bytes read / weights_GBps, rows x FLOPs per row / decode gemm_TFLOPs)
+                  + KV bytes read / kv_GBps + rows x row_us + step_us
+    prefill     = max(weight bytes / weights_GBps, tokens' GEMM FLOPs / prefill gemm_TFLOPs)
+                  + causal attention FLOPs / attention_TFLOPs + step_us
+    mixed batch = the prefill form over every token, plus the decode rows' KV read and per-row cost
+
+A quantity the calibration has no measurement for is null there with a reason; asking for it raises
+`Uncalibrated` naming the quantity and the reason, never a guess.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from bench.sim.geometry import Geometry
+
+CALIBRATION_DIR: Final = Path(__file__).resolve().parent / "calibration"
+DEFAULT_CALIBRATION: Final = CALIBRATION_DIR / "h200.json"
+GiB: Final = 2**30
+
+
+class Uncalibrated(LookupError):
+    """A cost the calibration file has no measurement for."""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """One GPU's fitted rates (see bench/sim/fit.py for where each comes from). Sections are the JSON's;
+    a value may be None, with `missing[<section>.<key>]` saying why."""
+
+    gpu: str
+    decode: dict[str, float | None]
+    prefill: dict[str, float | None]
+    host_link: dict[str, float | None]
+    remote_exchange: dict[str, dict[str, float | None]]
+    executor_host: dict[str, Any]
+    missing: dict[str, str] = field(default_factory=dict)
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Calibration:
+        for key in ("gpu", "decode", "prefill", "host_link", "remote_exchange", "executor_host"):
+            if key not in d:
+                raise ValueError(f"calibration: missing section {key!r}")
+        return cls(gpu=d["gpu"], decode=d["decode"], prefill=d["prefill"], host_link=d["host_link"],
+                   remote_exchange=d["remote_exchange"], executor_host=d["executor_host"],
+                   missing=d.get("missing", {}), runs=d.get("runs", []), raw=d)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None) -> Calibration:
+        p = Path(path) if path is not None else DEFAULT_CALIBRATION
+        return cls.from_dict(json.loads(p.read_text()))
+
+    def get(self, section: str, key: str) -> float:
+        sec: Any = getattr(self, section)
+        value = sec.get(key) if isinstance(sec, dict) else None
+        if value is None:
+            why = self.missing.get(f"{section}.{key}", "not in the calibration file")
+            raise Uncalibrated(f"{section}.{key} has no measurement on {self.gpu}: {why}")
+        return float(value)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per forward / copy / exchange for one model (`geo`) on one calibrated GPU (`cal`)."""
+
+    cal: Calibration
+    geo: Geometry
+
+    @classmethod
+    def load(cls, calibration: str | Path | None = None, model: str = "llama-3-8b") -> CostModel:
+        return cls(Calibration.load(calibration), Geometry.preset(model))
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.geo.kv_bytes_per_token
+
+    # -- compute ---------------------------------------------------------------------------------
+    def _dense_s(self, rows: float, flops: float, gemm_TFLOPs: float, experts_hit: float | None) -> float:
+        read = self.geo.weight_read_bytes(rows, experts_hit) / (self.cal.get("decode", "weights_GBps") * 1e9)
+        return max(read, flops / (gemm_TFLOPs * 1e12))
+
+    def decode_s(self, rows: int, kv_tokens: int, experts_hit: float | None = None) -> float:
+        """One decode step over `rows` requests reading `kv_tokens` KV tokens in all (sum of their
+        contexts); `experts_hit` per sparse layer if measured, else the uniform-routing expectation."""
+        if rows <= 0:
+            return 0.0
+        dense = self._dense_s(rows, rows * self.geo.flops_per_row, self.cal.get("decode", "gemm_TFLOPs"), experts_hit)
+        return (dense + kv_tokens * self.geo.kv_bytes_per_token / (self.cal.get("decode", "kv_GBps") * 1e9)
+                + rows * self.cal.get("decode", "row_us") * 1e-6 + self.cal.get("decode", "step_us") * 1e-6)
+
+    def prefill_s(self, chunks: Sequence[tuple[int, int]], decode_rows: int = 0, decode_kv_tokens: int = 0) -> float:
+        """One forward over prefill `chunks` ((new tokens, position after them) per request), with
+        `decode_rows` decode rows riding along (chunked prefill's mixed batches)."""
+        if not chunks:
+            return self.decode_s(decode_rows, decode_kv_tokens)
+        g = self.geo
+        tokens = sum(n for n, _ in chunks) + decode_rows
+        flops = 2.0 * g.layer_params * tokens + 2.0 * g.lm_head_params * (len(chunks) + decode_rows)
+        dense = self._dense_s(tokens, flops, self.cal.get("prefill", "gemm_TFLOPs"), None)
+        attn_flops = sum(g.attention_flops(n, end) for n, end in chunks)
+        attn = attn_flops / (self.cal.get("prefill", "attention_TFLOPs") * 1e12)
+        t = dense + attn + self.cal.get("decode", "step_us") * 1e-6
+        if decode_rows:
+            t += (decode_kv_tokens * g.kv_bytes_per_token / (self.cal.get("decode", "kv_GBps") * 1e9)
+                  + decode_rows * self.cal.get("decode", "row_us") * 1e-6)
+        return t
+
+    def forward_s(self, extend_lens: Sequence[int], seq_lens: Sequence[int]) -> float:
+        """A scheduler batch: rows extending by 1 are decode rows, longer ones prefill chunks."""
+        rows = kv = 0
+        chunks: list[tuple[int, int]] = []
+        for n, end in zip(extend_lens, seq_lens, strict=True):
+            if n == 1:
+                rows, kv = rows + 1, kv + end
+            else:
+                chunks.append((n, end))
+        return self.prefill_s(chunks, rows, kv)
+
+    # -- host link -------------------------------------------------------------------------------
+    def copy_s(self, nbytes: float, direction: str, duplex: bool = False) -> float:
+        """A KV copy over the host link: `direction` "out" (device to host) or "in"; `duplex` when the
+        other direction is copying at the same time (each then gets half the measured duplex rate)."""
+        if direction not in ("out", "in"):
+            raise ValueError(f"direction must be 'out' or 'in', not {direction!r}")
+        if duplex:
+            return nbytes / (self.cal.get("host_link", "duplex_GBps") * 1e9 / 2)
+        return nbytes / (self.cal.get("host_link", "d2h_GBps" if direction == "out" else "h2d_GBps") * 1e9)
+
+    # -- remote attention ------------------------------------------------------------------------
+    def exchange_s(self, remote_rows: int, variant: str = "lean") -> float:
+        """Per step, the signalled exchange of `remote_rows` rows' q|k|v and o for every layer."""
+        ex = self.cal.remote_exchange.get(variant)
+        if ex is None:
+            raise ValueError(f"exchange variant must be one of {sorted(self.cal.remote_exchange)}, not {variant!r}")
+        base, per_row = ex.get("base_us"), ex.get("per_row_us")
+        if base is None or per_row is None:
+            raise Uncalibrated(f"remote_exchange.{variant}: "
+                               f"{self.cal.missing.get(f'remote_exchange.{variant}', 'no measurement')}")
+        return self.geo.layers * (base + per_row * remote_rows) * 1e-6 if remote_rows else 0.0
+
+    def remote_decode_s(self, rows: int, local_kv_tokens: int, remote_rows: int, variant: str = "lean") -> float:
+        """A sender's decode step with `remote_rows` of its `rows` attended on another GPU: the dense
+        work of all rows, the local rows' KV, and the exchange, the executor's attention overlapping."""
+        return self.decode_s(rows, local_kv_tokens) + self.exchange_s(remote_rows, variant)
+
+    def host_increase(self, guest_kv_gib: float, executor_sms: int | None = None) -> float:
+        """Fractional slowdown of the executor host's own decode step while it serves a guest holding
+        `guest_kv_gib` of KV: uncapped (None or 0) per GiB held; capped at a measured SM count flat."""
+        h = self.cal.executor_host
+        if not executor_sms:
+            slope = h.get("uncapped_increase_per_guest_gib")
+            if slope is None:
+                raise Uncalibrated(f"executor_host uncapped: {self.cal.missing.get('executor_host.uncapped', '')}")
+            return float(slope) * guest_kv_gib
+        capped: dict[str, float] = h.get("capped_increase") or {}
+        if str(executor_sms) not in capped:
+            raise Uncalibrated(f"executor_host: no measurement with executor_max_sms={executor_sms} on {self.cal.gpu} "
+                               f"(measured: {sorted(int(k) for k in capped)})")
+        return float(capped[str(executor_sms)])
+
+    def describe(self) -> dict[str, Any]:
+        """What a report records about the clock it ran on."""
+        return {"gpu": self.cal.gpu, "model": self.geo.name, "decode": self.cal.decode, "prefill": self.cal.prefill,
+                "host_link": self.cal.host_link, "kv_bytes_per_token": self.geo.kv_bytes_per_token,
+                "weight_bytes": self.geo.dense_weight_bytes}

@@ -1,0 +1,327 @@
+"""Fit one GPU's cost-model rates to the measurements in bench/results and write the calibration file.
+
+    python -m bench.sim.fit --out bench/sim/calibration/h200.json
+
+Decode: step = max(W / weights_GBps, rows x F / gemm_TFLOPs) + KV / kv_GBps + rows x row_us + step_us,
+least squares on relative error over the fit runs' decode rows (by default the largest offline sweep;
+every other run is held out for bench/sim/validate.py). With one dense model W is the same in every row,
+so W / weights_GBps and step_us cannot be told apart by a fit: weights_GBps is taken from the sweep's
+torch-profiler GEMM time (bytes of weights / GEMM kernel time at bs 64, memory-bound there), and the
+fit gives the rest. Prefill: GEMM FLOPs / gemm_TFLOPs + causal attention FLOPs / attention_TFLOPs on the
+fit runs' single-request prefills. Host link, exchange and the executor host's slowdown are read from
+their benches (see each function). Anything not measured is null, with the reason under `missing`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.sim.cost import DEFAULT_CALIBRATION, GiB
+from bench.sim.geometry import Geometry
+from bench.sim.runs import (
+    REPO,
+    RESULTS,
+    DecodeRow,
+    PrefillRow,
+    Report,
+    commit_of,
+    decode_rows,
+    find_reports,
+    prefill_rows,
+)
+
+
+def _nnls_rel(A: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
+    """Least squares of A x = y on relative residuals, x >= 0 (columns whose weight turns negative are
+    dropped and the rest refitted). Returns x and the sum of squared relative residuals."""
+    w = 1.0 / y
+    active = list(range(A.shape[1]))
+    x = np.zeros(A.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(A[:, active] * w[:, None], y * w, rcond=None)
+        if (sol >= 0).all():
+            x[:] = 0.0
+            x[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    r = (A @ x - y) * w
+    return x, float(r @ r)
+
+
+def fit_decode(rows: Sequence[tuple[int, int, float]], geo: Geometry, weights_GBps: float) -> dict[str, float]:
+    """(bs, ctx, seconds) rows -> gemm_TFLOPs, kv_GBps, row_us, step_us, with weights_GBps given.
+    The max() makes the GEMM rate nonlinear: a 1-D search over it (log grid, then golden section),
+    linear non-negative least squares for the rest at each candidate."""
+    bs = np.array([r[0] for r in rows], float)
+    ctx = np.array([r[1] for r in rows], float)
+    y = np.array([r[2] for r in rows], float)
+    read = np.array([geo.weight_read_bytes(b) for b in bs]) / (weights_GBps * 1e9)
+    A = np.stack([bs * ctx * geo.kv_bytes_per_token, bs, np.ones_like(bs)], axis=1)
+
+    def loss(log_tflops: float) -> tuple[float, np.ndarray]:
+        dense = np.maximum(read, bs * geo.flops_per_row / (10 ** log_tflops * 1e12))
+        x, sse = _nnls_rel(A, y - dense)
+        return sse, x
+
+    grid = np.linspace(np.log10(20.0), np.log10(5000.0), 400)
+    best = min(grid, key=lambda g: loss(g)[0])
+    lo, hi = best - 0.02, best + 0.02
+    phi = (5 ** 0.5 - 1) / 2
+    for _ in range(60):
+        a, b = hi - phi * (hi - lo), lo + phi * (hi - lo)
+        if loss(a)[0] < loss(b)[0]:
+            hi = b
+        else:
+            lo = a
+    g = (lo + hi) / 2
+    _, (inv_kv, row_s, step_s) = loss(g)
+    return {"weights_GBps": weights_GBps, "gemm_TFLOPs": float(10 ** g),
+            "kv_GBps": float(1 / inv_kv / 1e9) if inv_kv > 0 else float("inf"),
+            "row_us": float(row_s * 1e6), "step_us": float(step_s * 1e6)}
+
+
+def fit_prefill(rows: Sequence[tuple[int, int, float]], geo: Geometry, step_us: float) -> dict[str, float]:
+    """(reqs, len, seconds) rows, compute-bound -> gemm_TFLOPs, attention_TFLOPs."""
+    lin = np.array([2.0 * geo.layer_params * q * n + 2.0 * geo.lm_head_params * q for q, n, _ in rows])
+    att = np.array([q * geo.attention_flops(n, n) for q, n, _ in rows])
+    y = np.array([t - step_us * 1e-6 for _, _, t in rows])
+    x, _ = _nnls_rel(np.stack([lin, att], axis=1), y)
+    return {"gemm_TFLOPs": float(1 / x[0] / 1e12) if x[0] > 0 else float("inf"),
+            "attention_TFLOPs": float(1 / x[1] / 1e12) if x[1] > 0 else float("inf")}
+
+
+def weights_rate(reports: list[Report], geo: Geometry) -> tuple[float | None, str]:
+    """Weight bytes / GEMM kernel time from the fit runs' graph profiles (bs 64: memory-bound GEMMs)."""
+    rates, where = [], []
+    for r in reports:
+        prof = (r.data.get("profile") or {}).get("graph") or {}
+        gemm_us = (prof.get("by_category_us") or {}).get("gemm")
+        bs = prof.get("bs")
+        if gemm_us and bs and bs * geo.flops_per_row / 500e12 < geo.dense_weight_bytes / 4e12:
+            rates.append(geo.dense_weight_bytes / (gemm_us * 1e-6) / 1e9)
+            where.append(f"{r.rel()} profile.graph bs {bs} ctx {prof.get('ctx')}: gemm {gemm_us:.0f} us")
+    if not rates:
+        return None, "no torch-profiler GEMM time in the fit runs"
+    return float(np.mean(rates)), "; ".join(where)
+
+
+def host_link(reports: list[Report]) -> tuple[dict[str, float | None], str]:
+    """The engine's copy method (kv_rotation's best_method, `batched`), host-contiguous layout, from the
+    latest kv_rotation run; duplex = both directions at once, the sum."""
+    runs = [r for r in reports if r.kind == "kv_rotation"]
+    if not runs:
+        return {"d2h_GBps": None, "h2d_GBps": None, "duplex_GBps": None}, "no bench/kv_rotation.py run"
+    r = runs[-1]
+    s = r.data["summary"]
+    m = s["methods"][s.get("best_method", "batched")]
+    return ({"d2h_GBps": m["out_host_contiguous_gbps"], "h2d_GBps": m["in_host_contiguous_gbps"],
+             "duplex_GBps": m["duplex_gbps"], "peak_d2h_GBps": s["peak_gbps"]["out"],
+             "peak_h2d_GBps": s["peak_gbps"]["in"], "peak_duplex_GBps": s["peak_gbps"]["duplex"]},
+            f"{r.rel()} ({r.date}), method {s.get('best_method')}")
+
+
+EXCHANGE_COLUMNS = {"signalled": "gpu_signalled_graph", "lean": "gpu_signalled_lean_graph",
+                    "data_only": "data_only_graph"}
+
+
+def exchange(reports: list[Report]) -> tuple[dict[str, dict[str, float | None]], dict[str, str]]:
+    """Per-layer exchange us = base_us + per_row_us x bs, least squares over the latest two-GPU run
+    holding each variant (graph mode); `two_process_mps` from the one-GPU MPS run."""
+    out: dict[str, dict[str, float | None]] = {}
+    src: dict[str, str] = {}
+    runs = [r for r in reports if r.kind == "ra_exchange"]
+    wanted = [(name, "two_gpu", col, lambda r: True) for name, col in EXCHANGE_COLUMNS.items()]
+    wanted.append(("two_process_mps", "two_process", "gpu_signalled_graph", lambda r: "mps" in r.path.name))
+    for name, topo, col, ok in wanted:
+        pts: list[tuple[int, float]] = []
+        for r in reversed(runs):
+            pts = [(int(s["bs"]), float(s[col])) for s in r.data["summary"]
+                   if s.get("topology") == topo and s.get(col) is not None]
+            if pts and ok(r):
+                src[name] = f"{r.rel()} ({r.date}) {topo} {col}"
+                break
+            pts = []
+        if len(pts) < 2:
+            out[name] = {"base_us": None, "per_row_us": None}
+            continue
+        bs = np.array([p[0] for p in pts], float)
+        us = np.array([p[1] for p in pts])
+        per_row, base = np.polyfit(bs, us, 1)
+        out[name] = {"base_us": float(base), "per_row_us": float(per_row)}
+    return out, src
+
+
+def executor_host(reports: list[Report], geo: Geometry) -> tuple[dict[str, Any], dict[str, str]]:
+    """The host model's step increase while its executor serves a guest: uncapped from the two-GPU run
+    (a real sender), increase per GiB of guest KV held, least squares through 0; capped per
+    executor_max_sms from the one-GPU run (emulated sender), the mean over its guest sizes, flat."""
+    out: dict[str, Any] = {"uncapped_increase_per_guest_gib": None, "capped_increase": {}, "measured": []}
+    src: dict[str, str] = {}
+    for r in (r for r in reports if r.kind == "remote_host"):
+        two_gpu = len(r.env.get("gpus") or []) >= 2
+        for row in r.data["rows"]:
+            gib = row["bs"] * row["share"] * row["ctx"] * geo.kv_bytes_per_token / GiB
+            sms = int(row.get("executor_sms", 0))
+            out["measured"].append({"source": r.rel(), "two_gpu": two_gpu, "executor_sms": sms, "guest_gib": gib,
+                                    "increase": row["increase"], "host_alone_ms": r.data["host_alone_ms"]})
+    two = [m for m in out["measured"] if m["two_gpu"] and m["executor_sms"] == 0]
+    if two:
+        g = np.array([m["guest_gib"] for m in two])
+        inc = np.array([m["increase"] for m in two])
+        out["uncapped_increase_per_guest_gib"] = float(g @ inc / (g @ g))
+        src["uncapped"] = ", ".join(sorted({m["source"] for m in two}))
+    capped: dict[int, list[float]] = {}
+    for m in out["measured"]:
+        if m["executor_sms"]:
+            capped.setdefault(m["executor_sms"], []).append(m["increase"])
+    out["capped_increase"] = {str(k): float(np.mean(v)) for k, v in sorted(capped.items())}
+    if capped:
+        src["capped"] = ", ".join(sorted({m["source"] for m in out["measured"] if m["executor_sms"]}))
+    return out, src
+
+
+def default_fit_runs(reports: list[Report], model: str) -> list[Report]:
+    """The offline report with the most decode rows for `model` (the full sweep)."""
+    offl = [r for r in reports if r.kind == "offline" and r.model == model]
+    if not offl:
+        raise SystemExit(f"no bench/offline.py report for {model} under {RESULTS}")
+    return [max(offl, key=lambda r: (len(r.data["decode"]), r.date))]
+
+
+def is_fit(row: DecodeRow | PrefillRow, fit_paths: set[str]) -> bool:
+    if row.source not in fit_paths:
+        return False
+    return isinstance(row, DecodeRow) or row.reqs == 1
+
+
+def calibrate(results: Path, model: str, gpu: str, fit_runs: list[str] | None) -> dict[str, Any]:
+    reports = find_reports(results, gpu)
+    geo = Geometry.preset(model)
+    fit = ([r for r in reports if any(r.rel() == f or str(r.path) == f for f in fit_runs)] if fit_runs
+           else default_fit_runs(reports, model))
+    fit_paths = {r.rel() for r in fit}
+    missing: dict[str, str] = {}
+    w, w_src = weights_rate(fit, geo)
+    if w is None:
+        w = float(np.mean([r.env["hbm_read_TBps"] * 1e3 for r in fit]))
+        w_src = f"no profile: the runs' measured HBM read rate ({w_src})"
+    drows = [(d.bs, d.ctx, d.ms * 1e-3) for d in decode_rows(reports) if d.model == model and is_fit(d, fit_paths)]
+    dec: dict[str, Any] = dict(fit_decode(drows, geo, w))
+    dec["hbm_read_GBps_measured"] = float(np.mean([r.env["hbm_read_TBps"] * 1e3 for r in fit]))
+    prow = [(p.reqs, p.length, p.ms * 1e-3) for p in prefill_rows(reports) if p.model == model and is_fit(p, fit_paths)]
+    pre: dict[str, Any] = dict(fit_prefill(prow, geo, dec["step_us"])) if len(prow) >= 2 else {
+        "gemm_TFLOPs": None, "attention_TFLOPs": None}
+    if pre["gemm_TFLOPs"] is None:
+        why = "fewer than 2 prefill rows in the fit runs"
+        missing["prefill.gemm_TFLOPs"] = missing["prefill.attention_TFLOPs"] = why
+    link, link_src = host_link(reports)
+    for k, rate in link.items():
+        if rate is None:
+            missing[f"host_link.{k}"] = link_src
+    ex, ex_src = exchange(reports)
+    for k, fitted in ex.items():
+        if fitted["base_us"] is None:
+            missing[f"remote_exchange.{k}"] = "no two-GPU bench/remote_attention.py exchange run with this variant"
+    host, host_src = executor_host(reports, geo)
+    if host["uncapped_increase_per_guest_gib"] is None:
+        missing["executor_host.uncapped"] = "no two-GPU bench/remote_host.py run"
+    missing.update(MISSING_ALWAYS)
+    used = sorted({r.rel() for r in reports if r.kind != "offline" or r.model == model})
+    by_path = {r.rel(): r for r in reports}
+    return {
+        "schema": 1,
+        "gpu": fit[0].gpu,
+        "model_measured": model,
+        "fitted_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": _git_head(),
+        "command": "python -m bench.sim.fit " + " ".join(sys.argv[1:]),
+        "decode": dec,
+        "prefill": pre,
+        "host_link": link,
+        "remote_exchange": ex,
+        "executor_host": host,
+        "sources": {"decode_fit": sorted(fit_paths), "weights_GBps": w_src, "prefill_fit": sorted(fit_paths),
+                    "host_link": link_src, "remote_exchange": ex_src, "executor_host": host_src},
+        "missing": missing,
+        "runs": [{"path": p, "kind": by_path[p].kind, "date": by_path[p].date,
+                  "commit_added": commit_of(by_path[p].path),
+                  "report_git_commit": by_path[p].data.get("git_commit"), "fit": p in fit_paths,
+                  "used_for": _used_for(by_path[p], fit_paths, [link_src, *ex_src.values()])} for p in used],
+    }
+
+
+def _used_for(r: Report, fit_paths: set[str], sources: list[str]) -> str:
+    if r.kind == "offline":
+        return "decode and prefill fit" if r.rel() in fit_paths else "validation (held out)"
+    if r.kind == "remote_step" and r.env.get("executor_load"):
+        return "validation: all-local steps held out (its remote rows ran beside an executor load: not used)"
+    if r.kind == "remote_step":
+        return "validation: all-local steps held out; remote-row steps"
+    if r.kind == "remote_host":
+        return "executor_host fit; its host-alone step held out"
+    used = any(s.startswith(r.rel() + " ") for s in sources)
+    if not used:
+        return "not used (a later run supersedes it)"
+    return "host_link" if r.kind == "kv_rotation" else "remote_exchange"
+
+
+MISSING_ALWAYS: dict[str, str] = {
+    "decode.moe": "no MoE bench/offline.py run in bench/results yet: expert bytes are priced at the dense "
+                  "weights' rate and the hit count is the uniform-routing expectation, both unvalidated",
+    "decode.other_models": "every decode row is Llama-3-8B on one H200; other geometries (Qwen2.5-32B) are "
+                           "priced by bytes and FLOPs with the 8B's rates, unvalidated",
+    "prefill.mixed_batches": "no measurement of a prefill chunk and decode rows in one forward; the sum form is "
+                             "unvalidated",
+    "host_link.c2c": "no GH200 (C2C) measurement: only the H200's PCIe link",
+    "executor_host.capped_two_gpu": "capped figures are from one GPU with an emulated sender (2026-12-02); the "
+                                    "two-GPU capped run is still to do",
+    "remote_exchange.engine_lean_two_gpu": "`lean` is the bench's lean variant (2026-11-30, before issue 21 moved "
+                                           "the engine to it); the engine's own lean exchange across two GPUs is "
+                                           "not measured",
+}
+
+
+def _git_head() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=30, check=False).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Fit the simulator's cost model to bench/results (see module doc).")
+    p.add_argument("--out", type=Path, default=DEFAULT_CALIBRATION, help="calibration file to write")
+    p.add_argument("--results", type=Path, default=RESULTS, help="folder searched (recursively) for reports")
+    p.add_argument("--model", default="llama-3-8b", help="the measured model's geometry preset")
+    p.add_argument("--gpu", default="H200", help="use reports whose GPU name contains this")
+    p.add_argument("--fit-runs", nargs="*", help="offline reports to fit (paths relative to the repo); default: "
+                                                "the largest sweep; every other row is held out")
+    a = p.parse_args(argv)
+    cal = calibrate(a.results, a.model, a.gpu, a.fit_runs)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(cal, indent=1) + "\n")
+    d, pr = cal["decode"], cal["prefill"]
+    print(f"decode: weights {d['weights_GBps']:.0f} GB/s, KV {d['kv_GBps']:.0f} GB/s, GEMM {d['gemm_TFLOPs']:.0f} "
+          f"TFLOP/s, {d['row_us']:.2f} us/row, {d['step_us']:.0f} us/step")
+    if pr["gemm_TFLOPs"] is not None:
+        print(f"prefill: GEMM {pr['gemm_TFLOPs']:.0f} TFLOP/s, attention {pr['attention_TFLOPs']:.0f} TFLOP/s")
+    print(f"host link: {cal['host_link']}")
+    print(f"exchange: {cal['remote_exchange']}")
+    print(f"executor host: uncapped {cal['executor_host']['uncapped_increase_per_guest_gib']}/GiB, "
+          f"capped {cal['executor_host']['capped_increase']}")
+    print(f"wrote {a.out} ({len(cal['runs'])} runs)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
