@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -109,22 +108,21 @@ def test_expected_experts_hit_formula() -> None:
 
 
 def test_moe_geometry_reads_dense_weights_plus_the_experts_hit() -> None:
-    base = LLAMA  # Mixtral-8x7B's shape: Llama's layers with 8 experts of 14336, top 2, every layer sparse
+    """Mixtral-8x7B from its preset: every expert counted once gives the model's bf16 weights (all but the
+    embedding table, which a step gathers from); a step reads the dense weights plus the experts hit."""
     from sglang_ext.configs import preset_config_file
     from sglang_ext.models.config import ModelConfig
-    dense_cfg = ModelConfig.from_path(preset_config_file("llama-3-8b"))
-    moe = SimpleNamespace(num_experts=8, top_k=2, intermediate_size=14336, shared_intermediate_size=0,
-                          sparse_layers=(True,) * 32)
-    cfg = SimpleNamespace(**{f: getattr(dense_cfg, f) for f in dense_cfg.__dataclass_fields__}, moe=moe,
-                          q_size=dense_cfg.q_size, kv_size=dense_cfg.kv_size)
-    g = Geometry.from_model_config(cfg, "mixtral-like")  # type: ignore[arg-type]
+
+    cfg = ModelConfig.from_path(preset_config_file("mixtral-8x7b"))
+    g = Geometry.from_model_config(cfg, "mixtral-8x7b")
     expert = 2 * 3 * 4096 * 14336
-    assert g.is_moe and g.expert_bytes == expert and g.sparse_layers == 32
-    assert g.dense_weight_bytes == base.dense_weight_bytes - 32 * expert + 2 * 32 * 4096 * 8  # + the routers
+    assert g.is_moe and g.expert_bytes == expert and g.sparse_layers == 32 and (g.num_experts, g.top_k) == (8, 2)
+    assert g.dense_weight_bytes + 32 * 8 * expert == 2 * (cfg.num_params() - cfg.vocab_size * cfg.hidden_size)
     assert g.weight_read_bytes(1) == pytest.approx(g.dense_weight_bytes + 32 * 2 * expert)
     assert g.weight_read_bytes(10_000) == pytest.approx(g.dense_weight_bytes + 32 * 8 * expert)
     assert g.weight_read_bytes(4, experts_hit=3.0) == g.dense_weight_bytes + 32 * 3 * expert
-    assert g.layer_params == base.layer_params + 32 * 4096 * 8 + 32 * 3 * 4096 * 14336  # k=2: one more expert
+    # FLOPs per row: the active parameters (k experts), the LM head included, the embedding not
+    assert g.layer_params == pytest.approx(cfg.active_params() - 2 * cfg.vocab_size * cfg.hidden_size, abs=4096)
     cm = CostModel.load()
     moe_cm = CostModel(cm.cal, g)
     assert moe_cm.decode_s(1, 1024) < moe_cm.decode_s(64, 64 * 1024) < moe_cm.decode_s(256, 256 * 1024)
