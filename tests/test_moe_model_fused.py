@@ -26,7 +26,7 @@ if not torch.cuda.is_available():
     import _triton_interp
 
     _triton_interp.patch()
-from sglang_ext.ops.moe import kernels, route  # noqa: E402
+from sglang_ext.ops.moe import kernels, route
 
 
 def _reqs() -> list[Req]:
