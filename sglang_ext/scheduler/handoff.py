@@ -11,21 +11,19 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from sglang_ext.scheduler.member import Member
 from sglang_ext.scheduler.request import FinishReason, KVHome, Req, ReqStatus
-
-if TYPE_CHECKING:
-    from sglang_ext.scheduler.scheduler import Scheduler
+from sglang_ext.scheduler.view import LoopView
 
 
 class Handoff(Member):
     home = KVHome.STAGED
 
-    def __init__(self, s: Scheduler) -> None:
+    def __init__(self, s: LoopView) -> None:
         self.s = s
         self.handing: dict[str, Req] = {}  # prefill side: prefilled, pages held while their KV is sent
         self.staged: dict[str, Any] = {}  # decode side: rid -> the prompt's KV ([pages, L, 2, P, Hkv, D])

@@ -22,7 +22,7 @@ rows: "Structured output"; remote rows: docs/remote_attention.md, "Overlap sched
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -31,12 +31,30 @@ from sglang_ext.offload.remote import ExecutorLost, RemoteAttention
 from sglang_ext.sampling.batch import SampleRow
 from sglang_ext.scheduler.batch_builder import Entry
 from sglang_ext.scheduler.grammar_rows import GrammarRows
+from sglang_ext.scheduler.member import Member
 from sglang_ext.scheduler.output import StepOutput
+from sglang_ext.scheduler.remote_rows import RemoteRows
 from sglang_ext.scheduler.request import KVHome, Req, ReqStatus
 from sglang_ext.scheduler.rotary import Rotation
+from sglang_ext.scheduler.view import LoopView
 
-if TYPE_CHECKING:
-    from sglang_ext.scheduler.scheduler import Scheduler
+
+class Loop(LoopView, Protocol):
+    """What the overlap loop uses of the scheduler beyond a member's view: the plain loop's
+    planning, sampling and finish code, which both loops share."""
+
+    remote_rows: RemoteRows
+    members: list[Member]
+
+    def needs_landed_state(self, reqs: list[Req]) -> bool: ...
+
+    def plan(self, entries: list[Entry], ahead: int = 0) -> list[Entry]: ...
+
+    def sample_row(self, r: Req, ahead: int = 0) -> SampleRow: ...
+
+    def draw(self, reqs: list[Req], logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor: ...
+
+    def finish_or_report(self, reqs: list[Req]) -> list[StepOutput]: ...
 
 
 @dataclass
@@ -62,7 +80,7 @@ class _Forwarded:
 class Overlap:
     """The scheduler's step in flight and how the next one is launched beside it."""
 
-    def __init__(self, s: Scheduler) -> None:
+    def __init__(self, s: Loop) -> None:
         self.s = s
         self.inflight: _Launched | None = None
         self.overlapped_steps = 0  # decode steps launched before their predecessor landed

@@ -7,16 +7,13 @@ back when its executor drops it or is lost: recomputed from its tokens, like a p
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from sglang_ext.offload.remote import RemoteAttention
 from sglang_ext.offload.sender import Offloader
 from sglang_ext.scheduler.batch_builder import Entry
 from sglang_ext.scheduler.member import Member
 from sglang_ext.scheduler.request import KVHome, Req
-
-if TYPE_CHECKING:
-    from sglang_ext.scheduler.scheduler import Scheduler
+from sglang_ext.scheduler.view import LoopView
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +21,7 @@ logger = logging.getLogger(__name__)
 class RemoteRows(Member):
     home = KVHome.REMOTE
 
-    def __init__(self, s: Scheduler) -> None:
+    def __init__(self, s: LoopView) -> None:
         self.s = s
         self.offload: Offloader | None = None
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sglang_ext.kvcache.holds import HoldingAllocator
 from sglang_ext.kvcache.host_pool import HostKVPool
@@ -20,10 +20,8 @@ from sglang_ext.kvcache.rotation import RotationEngine, Transfer, host_kv_bytes,
 from sglang_ext.scheduler.member import Member
 from sglang_ext.scheduler.output import LoadStats
 from sglang_ext.scheduler.request import KVHome, Req, ReqStatus
+from sglang_ext.scheduler.view import LoopView
 from sglang_ext.server_args import ServerArgs
-
-if TYPE_CHECKING:
-    from sglang_ext.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +40,11 @@ class Rotation(Member):
 
     home = KVHome.HOST
 
-    def __init__(self, s: Scheduler, engine: RotationEngine, budget: int, eager: bool) -> None:
+    def __init__(self, s: LoopView, engine: RotationEngine, budget: int, eager: bool) -> None:
         self.s = s
         # a rotating scheduler's device pages: freed pages under a copy in flight are parked
-        assert isinstance(s.allocator, HoldingAllocator)
-        self.dev_alloc: HoldingAllocator = s.allocator
+        assert isinstance(s.kv.allocator, HoldingAllocator)
+        self.dev_alloc: HoldingAllocator = s.kv.allocator
         self.engine = engine
         self.budget = budget  # B_xfer, bytes per direction per iteration
         self.eager = eager
@@ -61,7 +59,7 @@ class Rotation(Member):
         s.kv.on_swap = self._swapped
 
     @classmethod
-    def make(cls, s: Scheduler, args: ServerArgs) -> Rotation:
+    def make(cls, s: LoopView, args: ServerArgs) -> Rotation:
         pool = s.runner.pool
         host = make_host_pool(pool.geometry, host_kv_bytes(args.kv_host_size_gb, pool.total_bytes), pool.device)
         host.allocator = HoldingAllocator(host.num_pages)  # fresh: nothing allocated yet

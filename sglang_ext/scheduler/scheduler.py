@@ -14,15 +14,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 
-from sglang_ext.forward_batch import ForwardBatch, ForwardMode
+from sglang_ext.forward_batch import ForwardMode
 from sglang_ext.kvcache.allocator import PageAllocator
 from sglang_ext.kvcache.base import NoPrefixCache, PrefixCache
 from sglang_ext.kvcache.holds import HoldingAllocator
-from sglang_ext.kvcache.pool import KVPool
 from sglang_ext.kvcache.radix_cache import RadixCache
 from sglang_ext.offload.remote import ExecutorLost
 from sglang_ext.offload.sender import Offloader
@@ -36,22 +34,14 @@ from sglang_ext.scheduler.kv_manager import KVManager
 from sglang_ext.scheduler.member import Member
 from sglang_ext.scheduler.output import DecodeFn, LoadStats, StepOutput, check_finish
 from sglang_ext.scheduler.overlap import Overlap
-from sglang_ext.scheduler.policy import make_policy
+from sglang_ext.scheduler.policy import SchedulePolicy, make_policy
 from sglang_ext.scheduler.remote_rows import RemoteRows
 from sglang_ext.scheduler.request import FinishReason, KVHome, Req, ReqStatus
 from sglang_ext.scheduler.rotary import Rotation
+from sglang_ext.scheduler.view import Runner
 from sglang_ext.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
-
-
-class Runner(Protocol):
-    device: torch.device
-    num_pages: int
-    context_len: int
-    pool: KVPool
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
 
 
 def default_overlap(device: torch.device | str, disable_overlap_schedule: bool) -> bool:
@@ -82,7 +72,7 @@ class Scheduler:
         self.allocator = HoldingAllocator(runner.num_pages) if rotate else PageAllocator(runner.num_pages)
         cache: PrefixCache = NoPrefixCache(page_size) if args.disable_radix_cache else RadixCache(page_size)
         self.kv = KVManager(self.allocator, cache, page_size)
-        self.policy = make_policy(args.schedule_policy, args)
+        self.policy: SchedulePolicy = make_policy(args.schedule_policy, args)
         self.clock: Callable[[], float] = time.monotonic  # VLT and rotation timing; tests inject one
         self.chunk = args.resolved_chunked_prefill_size or args.max_prefill_tokens
         self.max_running = args.max_running_requests or 256
