@@ -27,15 +27,14 @@ from typing import Protocol
 import torch
 
 from sglang_ext.forward_batch import BatchRow, ForwardBatch, ForwardMode
-from sglang_ext.offload.remote import ExecutorLost, RemoteAttention
+from sglang_ext.offload.remote import ExecutorLost
 from sglang_ext.sampling.batch import SampleRow
 from sglang_ext.scheduler.batch_builder import Entry
 from sglang_ext.scheduler.grammar_rows import GrammarRows
-from sglang_ext.scheduler.member import Member
-from sglang_ext.scheduler.output import StepOutput
-from sglang_ext.scheduler.remote_rows import RemoteRows
+from sglang_ext.scheduler.member import Member, Residency
+from sglang_ext.scheduler.output import StepOutput, length_reached
+from sglang_ext.scheduler.remote_rows import RemoteRows, Sampled
 from sglang_ext.scheduler.request import KVHome, Req, ReqStatus
-from sglang_ext.scheduler.rotary import Rotation
 from sglang_ext.scheduler.view import LoopView
 
 
@@ -45,6 +44,9 @@ class Loop(LoopView, Protocol):
 
     remote_rows: RemoteRows
     members: list[Member]
+    homes: dict[KVHome, Residency]
+
+    def pooled(self, r: Req) -> bool: ...
 
     def needs_landed_state(self, reqs: list[Req]) -> bool: ...
 
@@ -63,9 +65,7 @@ class _Launched:
     tokens: torch.Tensor  # [N] int64 on the device: input ids of the follow-up step
     host: torch.Tensor  # [N] int64 on the host, valid once `done` has fired
     done: torch.cuda.Event | None
-    remote: list[Req]  # the rows that attended on the executor (checked for forged results on landing)
-    via: RemoteAttention | None  # that executor's transport
-    planned: int = 0  # its `begins` when this step was planned
+    remote: Sampled  # the rows that attended on an executor (checked for forged results on landing)
 
 
 @dataclass
@@ -118,15 +118,14 @@ class Overlap:
         """Sample (constrained rows masked) and copy the tokens to the host behind an event."""
         reqs = [e.req for e in entries]
         tokens = self.s.draw(reqs, logits, rows)
-        remote = [r for r in reqs if r.home is KVHome.REMOTE]
-        via, planned = self.s.remote_rows.transport(reqs)
+        remote = self.s.remote_rows.transport(reqs)
         if tokens.is_cuda:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-            return _Launched(entries, tokens, host, done, remote, via, planned)
-        return _Launched(entries, tokens, tokens, None, remote, via, planned)
+            return _Launched(entries, tokens, host, done, remote)
+        return _Launched(entries, tokens, tokens, None, remote)
 
     def _admission_blocked(self) -> bool:
         """No waiting request could be admitted now, whatever step t brings, so the loop keeps
@@ -142,19 +141,13 @@ class Overlap:
         if available - reserve < 1:
             return True
         head = next(iter(s.policy.candidates(s.waiting, s.rotary, s.kv.cache)), None)
-        if head is None or head.admitted or head.home is KVHome.REMOTE:
-            return False  # adopted (its KV on an executor): admitted without pages
-        if head.home is KVHome.HOST and Rotation.leaving(head):
-            return False  # still leaving: `_schedule` skips it and may admit the next one
-        match = s.kv.cache.match_prefix(head.fill_ids[: s.kv.match_limit(head)])
-        if head.home is KVHome.STAGED:  # its prompt's KV came from a prefill worker (Handoff.admit)
-            need = s.kv.pages_for(len(head.input_ids) + 1) - len(match.pages)
-        elif head.home is KVHome.HOST:  # a resume brings back all of its KV the cache lacks, at once
-            need = s.kv.pages_for(max(head.rot.host_len, match.num_tokens) + 1) - len(match.pages)
-        else:
-            first = min(head.fill_len - match.num_tokens, s.chunk)
-            need = s.kv.pages_for(match.num_tokens + max(first, 1)) - len(match.pages)
-        return need + reserve > available
+        if head is None or head.admitted:
+            return False
+        home = s.homes[head.home]
+        if not home.may_admit(head):
+            return False  # `_schedule` skips it and may admit the next one
+        need = home.first_pages(head)  # its residency's least demand, as its `admit` counts it
+        return need is not None and need + reserve > available  # None: admitted without pages
 
     def _follow_up(self, prev: _Launched) -> _Launched | _Forwarded | None:
         """Decode step t+1 from step t's in-flight tokens: launched, or only forwarded when it has
@@ -167,9 +160,8 @@ class Overlap:
             if r.status is not ReqStatus.RUNNING:
                 continue  # aborted while in flight
             live.add(id(r))
-            n_out = len(r.output_ids) + 1
-            if n_out >= r.sampling.max_new_tokens or r.fill_len + 1 >= s.runner.context_len:
-                continue  # finishes at step t for certain
+            if length_reached(r, s.runner.context_len, ahead=1):
+                continue  # finishes at step t for certain (the finish rule's length clause)
             rows.append(i)
         if not rows or any(id(r) not in live for r in s.running):
             return None
@@ -180,8 +172,8 @@ class Overlap:
             return None
         for e in entries:
             r = e.req
-            if r.home is KVHome.REMOTE:
-                continue  # its KV grows on the executor
+            if not s.pooled(r):
+                continue  # its KV grows elsewhere (on the executor)
             if not s.kv.can_grow(r, r.kv_len + 2):
                 return None  # would need preemption: decide on landed state
             s.kv.grow(r, r.kv_len + 2)
@@ -225,7 +217,7 @@ class Overlap:
         tokens = launched.host.tolist()
         landed: list[Req] = []
         taken_back: list[Req] = []
-        forged = self.s.remote_rows.forged(launched.remote, launched.via, launched.planned)
+        forged = self.s.remote_rows.forged(launched.remote, launched.remote.begins)
         for e, t in zip(launched.entries, tokens, strict=True):
             r = e.req
             if id(r) in forged:
