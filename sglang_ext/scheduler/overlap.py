@@ -29,12 +29,14 @@ import torch
 from sglang_ext.forward_batch import BatchRow, ForwardBatch, ForwardMode
 from sglang_ext.offload.remote import ExecutorLost
 from sglang_ext.sampling.batch import SampleRow
+from sglang_ext.scheduler.admission import Admission
 from sglang_ext.scheduler.batch_builder import Entry
 from sglang_ext.scheduler.grammar_rows import GrammarRows
-from sglang_ext.scheduler.member import Member, Residency
+from sglang_ext.scheduler.member import Member
 from sglang_ext.scheduler.output import StepOutput, length_reached
 from sglang_ext.scheduler.remote_rows import RemoteRows, Sampled
-from sglang_ext.scheduler.request import KVHome, Req, ReqStatus
+from sglang_ext.scheduler.request import Req, ReqStatus
+from sglang_ext.scheduler.results import Results
 from sglang_ext.scheduler.view import LoopView
 
 
@@ -43,20 +45,14 @@ class Loop(LoopView, Protocol):
     planning, sampling and finish code, which both loops share."""
 
     remote_rows: RemoteRows
+    results: Results  # sampling and the finish rules, the plain loop's
     members: list[Member]
-    homes: dict[KVHome, Residency]
-
-    def pooled(self, r: Req) -> bool: ...
+    admission: Admission  # the plain loop's
 
     def needs_landed_state(self, reqs: list[Req]) -> bool: ...
 
     def plan(self, entries: list[Entry], ahead: int = 0) -> list[Entry]: ...
 
-    def sample_row(self, r: Req, ahead: int = 0) -> SampleRow: ...
-
-    def draw(self, reqs: list[Req], logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor: ...
-
-    def finish_or_report(self, reqs: list[Req]) -> list[StepOutput]: ...
 
 
 @dataclass
@@ -97,7 +93,7 @@ class Overlap:
     def launch(self, entries: list[Entry], batch: ForwardBatch) -> None:
         """Forward and sample a step whose constrained rows' matchers are up to date (nothing in flight)."""
         logits = self.s.runner.forward(batch)
-        self.inflight = self._sample(entries, logits, [self.s.sample_row(e.req) for e in entries])
+        self.inflight = self._sample(entries, logits, [self.s.results.sample_row(e.req) for e in entries])
 
     def step(self) -> list[StepOutput]:
         """Launch step t+1 (if it may be) and land step t."""
@@ -112,12 +108,12 @@ class Overlap:
             # t's tokens are in the matchers: fill t+1's masks while its forward runs, then sample
             follow = self._sample(follow.entries, follow.logits, follow.rows)
         self.inflight = follow
-        return self.s.finish_or_report(landed)
+        return self.s.results.finish_or_report(landed)
 
     def _sample(self, entries: list[Entry], logits: torch.Tensor, rows: list[SampleRow]) -> _Launched:
         """Sample (constrained rows masked) and copy the tokens to the host behind an event."""
         reqs = [e.req for e in entries]
-        tokens = self.s.draw(reqs, logits, rows)
+        tokens = self.s.results.draw(reqs, logits, rows)
         remote = self.s.remote_rows.transport(reqs)
         if tokens.is_cuda:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -128,26 +124,8 @@ class Overlap:
         return _Launched(entries, tokens, tokens, None, remote)
 
     def _admission_blocked(self) -> bool:
-        """No waiting request could be admitted now, whatever step t brings, so the loop keeps
-        overlapping while a queue stands. True only where it cannot be wrong: the running batch is
-        full, or the policy's first candidate (where `_schedule` stops) cannot get its first chunk's
-        pages beyond the decode reserve, even counting what its cached prefix may lend. An admission
-        that only step t's finishes make possible waits one step."""
-        s = self.s
-        if len(s.running) >= s.max_running:
-            return True
-        reserve = s.decode_reserve()
-        available = s.kv.available_pages
-        if available - reserve < 1:
-            return True
-        head = next(iter(s.policy.candidates(s.waiting, s.rotary, s.kv.cache)), None)
-        if head is None or head.admitted:
-            return False
-        home = s.homes[head.home]
-        if not home.may_admit(head):
-            return False  # `_schedule` skips it and may admit the next one
-        need = home.first_pages(head)  # its residency's least demand, as its `admit` counts it
-        return need is not None and need + reserve > available  # None: admitted without pages
+        """No waiting request could be admitted now, whatever step t brings (`Admission.blocked`)."""
+        return self.s.admission.blocked()
 
     def _follow_up(self, prev: _Launched) -> _Launched | _Forwarded | None:
         """Decode step t+1 from step t's in-flight tokens: launched, or only forwarded when it has
@@ -172,7 +150,7 @@ class Overlap:
             return None
         for e in entries:
             r = e.req
-            if not s.pooled(r):
+            if not s.admission.pooled(r):
                 continue  # its KV grows elsewhere (on the executor)
             if not s.kv.can_grow(r, r.kv_len + 2):
                 return None  # would need preemption: decide on landed state
@@ -203,7 +181,7 @@ class Overlap:
             return None
         self.overlapped_steps += 1
         # Sample rows now: a row that finishes at t releases its penalty slot when t lands.
-        sample_rows = [s.sample_row(e.req, ahead=1) for e in entries]
+        sample_rows = [s.results.sample_row(e.req, ahead=1) for e in entries]
         if any(e.req.grammar is not None for e in entries):
             self.grammar_overlapped_steps += 1
             return _Forwarded(entries, logits, sample_rows)

@@ -26,20 +26,20 @@ from sglang_ext.kvcache.holds import HoldingAllocator
 from sglang_ext.kvcache.radix_cache import RadixCache
 from sglang_ext.offload.remote import ExecutorLost
 from sglang_ext.offload.sender import Offloader
-from sglang_ext.sampling.batch import SampleRow
 from sglang_ext.sampling.sampler import Sampler
+from sglang_ext.scheduler.admission import Admission
 from sglang_ext.scheduler.batch_builder import Entry, build_batch
 from sglang_ext.scheduler.grammar_rows import GrammarRows
 from sglang_ext.scheduler.handoff import Handoff
 from sglang_ext.scheduler.kv_manager import KVManager
 from sglang_ext.scheduler.local import LocalPages
-from sglang_ext.scheduler.logprobs import record_output_logprobs, record_prompt_logprobs
-from sglang_ext.scheduler.member import Member, Residency
-from sglang_ext.scheduler.output import DecodeFn, LoadStats, StepOutput, check_finish, has_new, report
+from sglang_ext.scheduler.member import Member
+from sglang_ext.scheduler.output import DecodeFn, LoadStats, StepOutput, report
 from sglang_ext.scheduler.overlap import Overlap
 from sglang_ext.scheduler.policy import SchedulePolicy, make_policy
 from sglang_ext.scheduler.remote_rows import RemoteRows
-from sglang_ext.scheduler.request import FinishReason, KVHome, Req, ReqStatus, check_request
+from sglang_ext.scheduler.request import FinishReason, Req, ReqStatus, check_request
+from sglang_ext.scheduler.results import Results
 from sglang_ext.scheduler.rotary import Rotation
 from sglang_ext.scheduler.view import Runner
 from sglang_ext.server_args import ServerArgs
@@ -97,9 +97,11 @@ class Scheduler:
         self.handoff = Handoff(self)
         self.grammar = GrammarRows(vocab_size, runner.device, not args.disable_grammar_overlap)
         self.local = LocalPages(self)
+        self.results = Results(self, self.sampler, self.grammar, self.remote_rows)
         self.members: list[Member] = [m for m in (self.rot, self.remote_rows, self.handoff, self.grammar,
                                                   self.local) if m]
-        self.homes: dict[KVHome, Residency] = {m.home: m for m in self.members if isinstance(m, Residency)}
+        self.admission = Admission(self, self.members, self._abort_too_long)
+        self.homes = self.admission.homes
         self.overlap = Overlap(self) if overlap else None
         self.remote_rows.set_offload(offload)
 
@@ -210,14 +212,6 @@ class Scheduler:
     def copies_in_flight(self) -> bool:
         return any([m.copies_in_flight() for m in self.members])
 
-    def pooled(self, r: Req) -> bool:
-        """`r`'s KV takes (or, once admitted, will take) pages of this worker's pool."""
-        return self.homes[r.home].pooled
-
-    def pages_needed(self, r: Req, tokens: int) -> int:
-        """Pool pages `r` lacks for `tokens` tokens of KV (0 if its KV lives elsewhere)."""
-        return max(self.kv.pages_for(tokens) - len(r.pages), 0) if self.pooled(r) else 0
-
     def needs_landed_state(self, reqs: list[Req]) -> bool:
         """Some member needs a decode step over `reqs` scheduled and landed with no step in flight."""
         return any(m.needs_landed_state(reqs) for m in self.members)
@@ -245,7 +239,7 @@ class Scheduler:
             # idempotent and kv_len did not move); remote rows are recomputed from their tokens.
             self.remote_rows.lose_executor(str(e))
             return []
-        return self._land(entries, logits)
+        return self.results.land(entries, logits)
 
     def _schedule(self) -> tuple[list[Entry], ForwardMode]:
         entries: list[Entry] = []
@@ -258,51 +252,18 @@ class Scheduler:
             if not self.kv.can_grow(r, r.kv_len + n):
                 continue
             self.kv.grow(r, r.kv_len + n)
-            entries.append(self._entry(r, n))
+            entries.append(Entry.of(r, n))
             budget -= n
-        # 2. admit waiting requests and resume rotary ones, in the policy's order, while the token
-        # budget, slots, KV headroom and rotation budget last (the policy may rotate some out)
-        if self.policy.wants_fit or any(m.wants_deficit for m in self.members):
-            self.deficit = self._kv_deficit()
-        self.policy.begin(self.clock(), self.deficit == 0)
-        reserve = self.decode_reserve()
-        for r in self.policy.candidates(self.waiting, self.rotary, self.kv.cache):
-            if budget <= 0:
-                break
-            if not self.homes[r.home].may_admit(r):
-                continue  # e.g. its KV is still on the way out: a copy back would race it
-            if self.kv.pages_for(r.fill_len) > self.allocator.capacity:
-                # Grown past the whole pool (its KV was elsewhere, or it was preempted late): it can
-                # never run here again, and it must not block the queue.
-                (self.rotary if r in self.rotary else self.waiting).remove(r)
-                self._abort_too_long(r)
-                continue
-            got = self._try_admit(r, budget, reserve)
-            if got is None and any(m.make_room_for(r, {id(e.req) for e in entries}) for m in self.members):
-                reserve = self.decode_reserve()
-                got = self._try_admit(r, budget, reserve)
-            if got is None:
-                break
-            if got:
-                entries.append(self._entry(r, got))
-                budget -= got
-            else:  # a resumed decoder: keep its next token's page for it (none if its KV is elsewhere)
-                reserve += self.pages_needed(r, r.kv_len + 1)
+        # 2. admit waiting requests and resume rotary ones, in the policy's order (admission.py)
+        self.admission.admit(entries, budget)
         # 3. decoding requests: alone (DECODE) or riding along a prefill (EXTEND)
         prefill_reqs = {id(e.req) for e in entries}
         decoders = [r for r in self.running if r.prefilled and id(r) not in prefill_reqs and self.ready(r)]
         self.remote_rows.choose(decoders)
         decoders = self._make_room(decoders, protect=prefill_reqs)
-        entries.extend(self._entry(r, 1) for r in decoders)
+        entries.extend(Entry.of(r, 1) for r in decoders)
         mode = ForwardMode.EXTEND if prefill_reqs else ForwardMode.DECODE
         return entries, mode
-
-    def _try_admit(self, r: Req, budget: int, reserve: int) -> int | None:
-        """Admit a candidate through the residency of its home: the tokens it computes this step (0:
-        it decodes with the others, or waits for its KV), or None (nothing changed) if it does not fit."""
-        if len(self.running) >= self.max_running:
-            return None
-        return self.homes[r.home].admit(r, budget, reserve)
 
     def start_running(self, r: Req, queue: list[Req]) -> None:
         """`r` leaves `queue` (waiting or rotary) for the running batch."""
@@ -311,34 +272,14 @@ class Scheduler:
         self.running.append(r)
 
     def decode_reserve(self) -> int:
-        """Pages kept free for running requests' next tokens, so admission does not cause an
-        immediate preemption (a short horizon, not the whole max_new_tokens)."""
-        horizon = 4 * self.page_size
-        total = 0
-        for r in self.running:
-            left = r.sampling.max_new_tokens - len(r.output_ids)
-            total += self.pages_needed(r, r.kv_len + min(left, horizon) + 1)
-        return total
-
-    def _kv_deficit(self) -> int:
-        """Pages by which every running, rotary and waiting request's KV (and its next token) exceeds
-        the pool; 0 if it all fits. Stops counting past twice the pool (then it is at least the pool),
-        so a long queue costs no more than the requests that two pools hold."""
-        cap = self.allocator.capacity
-        demand = 0
-        for queue in (self.running, self.rotary, self.waiting):
-            for r in queue:
-                if self.pooled(r):
-                    demand += self.kv.pages_for(r.fill_len + 1)
-                    if demand > 2 * cap:
-                        return demand - cap
-        return max(demand - cap, 0)
+        """Pages kept free for running requests' next tokens (`Admission.decode_reserve`)."""
+        return self.admission.decode_reserve()
 
     def _make_room(self, decoders: list[Req], protect: set[int]) -> list[Req]:
         """Grow each decoder by one token, preempting the latest arrivals when pages run out."""
-        kept = [r for r in decoders if not self.pooled(r)]  # their KV grows elsewhere (an executor)
+        kept = [r for r in decoders if not self.admission.pooled(r)]  # their KV grows elsewhere (an executor)
         # Grown in the reverse of the policy's victim order: the first victims grow last.
-        decoders = self.policy.victims([r for r in decoders if self.pooled(r)])[::-1]
+        decoders = self.policy.victims([r for r in decoders if self.admission.pooled(r)])[::-1]
         coming = sum(m.pages_coming() for m in self.members)
         while decoders:
             r = decoders.pop(0)
@@ -352,7 +293,7 @@ class Scheduler:
                 victim = decoders.pop() if decoders else None
                 if victim is None:
                     others = [x for x in self.running if x is not r and id(x) not in protect and x not in kept
-                              and self.pooled(x) and self.ready(x)]
+                              and self.admission.pooled(x) and self.ready(x)]
                     victim = self.policy.victims(others)[0] if others else r
                 alone = victim is r and len(self.running) == 1
                 if alone and self.copies_in_flight():
@@ -390,87 +331,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.insert(0, r)
 
-    def _entry(self, r: Req, n: int) -> Entry:
-        start, end = r.kv_len, r.kv_len + n
-        pos: list[int] = []
-        if r.return_logprob:
-            # Input entry p is the logprob of input_ids[p] given the tokens before: logits at p - 1.
-            first = max(r.logprob_start + len(r.input_token_logprobs), 1)
-            pos.extend(range(max(first - 1, start), min(len(r.input_ids) - 1, end)))
-        sample = end == r.fill_len and not (r.sampling.max_new_tokens == 0 and not r.output_ids)
-        return Entry(r, n, pos, sample)
-
-    # ---- results --------------------------------------------------------------------------------
-    def draw(self, reqs: list[Req], logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """Sample one token per row of `logits` (masked in place for constrained rows)."""
-        rows = self.grammar.mask(reqs, logits, rows)
-        return self.sampler.sample(logits, self.sampler.batch(rows))
-
-    def _land(self, entries: list[Entry], logits: torch.Tensor) -> list[StepOutput]:
-        """The results of a forward that lands at once: prompt logprobs, sampled tokens, finishes."""
-        row = 0
-        sample_rows: list[int] = []
-        sample_reqs: list[Req] = []
-        for e in entries:
-            r = e.req
-            row += record_prompt_logprobs(e, logits, row)
-            r.kv_len += e.extend
-            if e.extend > 1:
-                self.prefill_tokens += e.extend
-                # Publish finished prompt pages now so concurrent requests can share them.
-                self.kv.cache_prefix(r)
-            if e.sample:
-                sample_rows.append(row)
-                sample_reqs.append(r)
-                row += 1
-        if sample_rows:
-            rows_logits = logits[sample_rows]  # a copy: masked in place below
-            tokens = self.draw(sample_reqs, rows_logits, [self.sample_row(r) for r in sample_reqs]).tolist()
-            # (landed) remote rows let through by a watchdog carry no attention results: drop them
-            forged = self.remote_rows.forged(self.remote_rows.transport(sample_reqs))
-            if forged:
-                keep = [i for i, r in enumerate(sample_reqs) if id(r) not in forged]
-                sample_reqs, tokens = [sample_reqs[i] for i in keep], [tokens[i] for i in keep]
-                rows_logits = rows_logits[keep]
-                entries = [e for e in entries if id(e.req) not in forged]
-            record_output_logprobs(sample_reqs, tokens, rows_logits)
-            for r, t in zip(sample_reqs, tokens, strict=True):
-                GrammarRows.keep(r, t)
-        return self.finish_or_report([e.req for e in entries])
-
-    def finish_or_report(self, reqs: list[Req]) -> list[StepOutput]:
-        """Apply the finish rules to requests whose forward just landed; report what is new. A
-        request back in the waiting queue (taken back from its executor while its step was in
-        flight: it holds no KV anywhere) that stops here leaves the queue."""
-        outputs: list[StepOutput] = []
-        now = self.clock()
-        for r in reqs:
-            queued = r.status is ReqStatus.WAITING
-            if r.output_ids:
-                r.last_token_time = now
-                if r.first_token_time is None and not queued:
-                    r.first_token_time = now
-            done = queued or r.kv_len >= r.fill_len - 1  # mid-prefill chunks cannot finish
-            reason = check_finish(r, self.eos_ids, self.runner.context_len, self.decode_fn) if done else None
-            if reason is not None:
-                (self.waiting if queued else self.running).remove(r)
-                self.finish(r, reason)
-            if reason is not None or has_new(r, self.sent):
-                outputs.append(report(r, self.sent))
-        return outputs
-
-    def sample_row(self, r: Req, ahead: int = 0) -> SampleRow:
-        """How to sample request r's next token, `ahead` tokens after those already landed."""
-        p = r.sampling
-        n_out = len(r.output_ids) + ahead
-        banned: list[int] = []
-        if n_out < p.min_new_tokens:
-            banned = sorted(set(self.eos_ids) | set(p.stop_token_ids or []))
-        if p.has_penalties and r.penalty_slot < 0:
-            r.penalty_slot = self.sampler.penalties.acquire(r.input_ids, r.output_ids, p.frequency_penalty,
-                                                             p.presence_penalty)
-        return SampleRow(p, n_out, banned, r.penalty_slot)
-
+    # ---- results (results.py) -----------------------------------------------------------------
     def release_kv(self, r: Req) -> None:
         """`r` lets go of its KV wherever it lives: each member gives back what it holds, local pages
         last (full ones published to the prefix cache)."""

@@ -16,6 +16,7 @@ import torch
 from sglang_ext.forward_batch import ForwardBatch
 from sglang_ext.kvcache.pool import KVPool
 from sglang_ext.scheduler.kv_manager import KVManager
+from sglang_ext.scheduler.output import DecodeFn
 from sglang_ext.scheduler.policy import SchedulePolicy
 from sglang_ext.scheduler.request import FinishReason, Req
 
@@ -35,6 +36,8 @@ class LoopView(Protocol):
     """The loop's state and operations a member may use."""
 
     runner: Runner
+    eos_ids: frozenset[int]
+    decode_fn: DecodeFn | None  # token ids -> text, for stop strings
     page_size: int
     chunk: int  # prefill tokens per step
     max_running: int
@@ -47,6 +50,7 @@ class LoopView(Protocol):
     # rid -> (tokens, in-logprobs, out-logprobs) reported so far
     sent: dict[str, tuple[int, int, int]]
     deficit: int  # pages by which all requests' KV exceeds the pool this iteration (0: it fits)
+    prefill_tokens: int  # counters of a step profile
     remote_forward_rows: int
 
     def validate(self, req: Req) -> None:
