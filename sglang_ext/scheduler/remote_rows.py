@@ -84,7 +84,7 @@ class RemoteRows(Residency):
 
     def requeue(self, r: Req) -> None:
         """A remote request whose executor KV is gone: back to the queue head, recomputed. (With a
-        step in flight, that step's token for it still lands: `Scheduler._land`.)"""
+        step in flight, that step's token for it still lands: `Overlap._take`.)"""
         s = self.s
         r.remote, r.home = None, KVHome.LOCAL
         r.pages, r.cached_pages, r.prefix_node, r.kv_len, r.admitted = [], 0, None, 0, False
