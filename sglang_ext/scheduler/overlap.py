@@ -7,12 +7,16 @@ in-flight tokens as input ids:
     step() n:    launch D(t+1) [inputs = D(t) tokens, on device] | wait D(t), append tokens, finish
     step() n+1:  launch D(t+2) ...                                | wait D(t+1) ...
 
-What keeps the outputs those of the plain loop (docs/architecture.md, "Model execution"; constrained
-rows: "Structured output"; remote rows: docs/remote_attention.md, "Overlap scheduling"):
+Both loops run the same admission (`admission.py`), sampling and finish code (`results.py`, the finish
+rules in `output.py`). What keeps the outputs those of the plain loop (docs/architecture.md, "Model
+execution"; constrained rows: "Structured output"; remote rows: docs/remote_attention.md, "Overlap
+scheduling"):
   * only decode steps without logprobs overlap, and only while no member needs landed state
     (`Member.needs_landed_state`); anything else drains the step in flight and runs as the plain loop;
   * a request that stops at t ran one extra row in t+1: its token is dropped and its KV write went
-    to its own page, never a cached one; requests certain to finish at t are left out of t+1;
+    to its own page, never a cached one; requests certain to finish at t (`length_reached`) are left
+    out of t+1, and while a queue stands t+1 is launched only if `Admission.blocked` says no
+    candidate could be admitted;
   * a step with constrained rows is forwarded first and sampled once t's tokens are in the matchers;
   * remote rows are planned on the executor last (at kv_len + 1), so a planned step is always
     launched; a request taken back from its executor meanwhile keeps its step-t token, unless the
@@ -52,7 +56,6 @@ class Loop(LoopView, Protocol):
     def needs_landed_state(self, reqs: list[Req]) -> bool: ...
 
     def plan(self, entries: list[Entry], ahead: int = 0) -> list[Entry]: ...
-
 
 
 @dataclass

@@ -331,7 +331,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.insert(0, r)
 
-    # ---- results (results.py) -----------------------------------------------------------------
+    # ---- leaving: releases and finishes (what a forward produces: results.py) -----------------
     def release_kv(self, r: Req) -> None:
         """`r` lets go of its KV wherever it lives: each member gives back what it holds, local pages
         last (full ones published to the prefix cache)."""
