@@ -1,11 +1,12 @@
 """Overlap scheduling: the CPU prepares decode step t+1 while the GPU still runs step t.
 
-A decode step is *launched* (forward and sampling on the device, tokens copied to pinned host memory
-behind an event) and lands one `step()` later, after the next decode has been launched with its
-in-flight tokens as input ids:
+A decode step is *launched* (forward and sampling on the device, the tokens written to the token
+table's slots of their requests and copied to pinned host memory behind an event) and lands one
+`step()` later, after the next decode has been launched with input ids gathered, on the device, from
+the token table (`token_table.py`) by the slots of its requests:
 
-    step() n:    launch D(t+1) [inputs = D(t) tokens, on device] | wait D(t), append tokens, finish
-    step() n+1:  launch D(t+2) ...                                | wait D(t+1) ...
+    step() n:    launch D(t+1) [inputs = table[slots], on device] | wait D(t), append tokens, finish
+    step() n+1:  launch D(t+2) ...                                 | wait D(t+1) ...
 
 Both loops run the same admission (`admission.py`), sampling and finish code (`results.py`, the finish
 rules in `output.py`). What keeps the outputs those of the plain loop (docs/architecture.md, "Model
@@ -41,6 +42,7 @@ from sglang_ext.scheduler.output import StepOutput, length_reached
 from sglang_ext.scheduler.remote_rows import RemoteRows, Sampled
 from sglang_ext.scheduler.request import Req, ReqStatus
 from sglang_ext.scheduler.results import Results
+from sglang_ext.scheduler.token_table import TokenTable
 from sglang_ext.scheduler.view import LoopView
 
 
@@ -61,8 +63,8 @@ class Loop(LoopView, Protocol):
 @dataclass
 class _Launched:
     entries: list[Entry]
-    tokens: torch.Tensor  # [N] int64 on the device: input ids of the follow-up step
-    host: torch.Tensor  # [N] int64 on the host, valid once `done` has fired
+    host: torch.Tensor  # [N] int64 sampled ids on the host, valid once `done` has fired (on the device:
+    # the token table's slots of the rows' requests)
     done: torch.cuda.Event | None
     remote: Sampled  # the rows that attended on an executor (checked for forged results on landing)
 
@@ -74,13 +76,15 @@ class _Forwarded:
     entries: list[Entry]
     logits: torch.Tensor
     rows: list[SampleRow]  # built before the step before it landed (ahead=1); sampled before its finish rules
+    index: torch.Tensor  # its requests' token table slots
 
 
 class Overlap:
     """The scheduler's step in flight and how the next one is launched beside it."""
 
-    def __init__(self, s: Loop) -> None:
+    def __init__(self, s: Loop, table: TokenTable) -> None:
         self.s = s
+        self.table = table  # a member of the scheduler: a finished request's slot is released
         self.inflight: _Launched | None = None
         self.overlapped_steps = 0  # decode steps launched before their predecessor landed
         self.grammar_overlapped_steps = 0  # of those, steps with constrained rows (masks filled as t landed)
@@ -96,7 +100,8 @@ class Overlap:
     def launch(self, entries: list[Entry], batch: ForwardBatch) -> None:
         """Forward and sample a step whose constrained rows' matchers are up to date (nothing in flight)."""
         logits = self.s.runner.forward(batch)
-        self.inflight = self._sample(entries, logits, [self.s.results.sample_row(e.req) for e in entries])
+        index = self.table.index([e.req for e in entries])
+        self.inflight = self._sample(entries, logits, [self.s.results.sample_row(e.req) for e in entries], index)
 
     def step(self) -> list[StepOutput]:
         """Launch step t+1 (if it may be) and land step t."""
@@ -109,44 +114,49 @@ class Overlap:
         landed = self._take(prev)
         if isinstance(follow, _Forwarded):
             # t's tokens are in the matchers: fill t+1's masks while its forward runs, then sample
-            follow = self._sample(follow.entries, follow.logits, follow.rows)
+            follow = self._sample(follow.entries, follow.logits, follow.rows, follow.index)
         self.inflight = follow
         return self.s.results.finish_or_report(landed)
 
-    def _sample(self, entries: list[Entry], logits: torch.Tensor, rows: list[SampleRow]) -> _Launched:
-        """Sample (constrained rows masked) and copy the tokens to the host behind an event."""
+    def _sample(self, entries: list[Entry], logits: torch.Tensor, rows: list[SampleRow],
+                index: torch.Tensor) -> _Launched:
+        """Sample (constrained rows masked), write the tokens to the token table's slots `index` of
+        the rows' requests, and copy them to the host behind an event."""
         reqs = [e.req for e in entries]
         tokens = self.s.results.draw(reqs, logits, rows)
+        self.table.write(index, tokens)
         remote = self.s.remote_rows.transport(reqs)
         if tokens.is_cuda:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-            return _Launched(entries, tokens, host, done, remote)
-        return _Launched(entries, tokens, tokens, None, remote)
+            return _Launched(entries, host, done, remote)
+        return _Launched(entries, tokens, None, remote)
 
     def _admission_blocked(self) -> bool:
         """No waiting request could be admitted now, whatever step t brings (`Admission.blocked`)."""
         return self.s.admission.blocked()
 
     def _follow_up(self, prev: _Launched) -> _Launched | _Forwarded | None:
-        """Decode step t+1 from step t's in-flight tokens: launched, or only forwarded when it has
-        constrained rows (sampled once t has landed); None when it needs t's results."""
+        """Decode step t+1 from step t's in-flight tokens (in the token table): launched, or only
+        forwarded when it has constrained rows (sampled once t has landed); None when it needs t's
+        results."""
         s = self.s
-        rows: list[int] = []
+        entries: list[Entry] = []
         live: set[int] = set()
-        for i, e in enumerate(prev.entries):
+        for e in prev.entries:
             r = e.req
             if r.status is not ReqStatus.RUNNING:
                 continue  # aborted while in flight
             live.add(id(r))
             if length_reached(r, s.runner.context_len, ahead=1):
                 continue  # finishes at step t for certain (the finish rule's length clause)
-            rows.append(i)
-        if not rows or any(id(r) not in live for r in s.running):
+            entries.append(Entry(r, 1, [], True))
+        if not entries or any(id(r) not in live for r in s.running):
             return None
-        entries = [Entry(prev.entries[i].req, 1, [], True) for i in rows]
+        if any(e.req.token_slot < 0 for e in entries):
+            return None  # (never: a running request keeps the slot its step-t token went to)
         if s.needs_landed_state([e.req for e in entries]):
             return None  # e.g. admission, resume (and prefill) decisions are made on landed state
         if (s.waiting or s.rotary) and not self._admission_blocked():
@@ -161,21 +171,15 @@ class Overlap:
         try:
             # Planned last, so that once planned the step is launched. Rows the executor drops are
             # requeued now; their step-t tokens are kept when t lands.
-            kept = s.plan(entries, ahead=1)
-            if len(kept) < len(entries):
-                keep = {id(e.req) for e in kept}
-                rows = [i for i in rows if id(prev.entries[i].req) in keep]
-                entries = kept
-                if not rows:
-                    return None
-            # Each row decodes its in-flight token (id filled in on the device below) at kv_len + 1.
+            entries = s.plan(entries, ahead=1)
+            if not entries:
+                return None
+            # Each row decodes its in-flight token at kv_len + 1: one new token, whose id the batch
+            # gathers from the token table by the slots of its requests.
             ahead = [BatchRow(e.req.kv_len + 1, (0,), e.req.pages, (0,), e.req.remote) for e in entries]
-            batch = ForwardBatch.build(ahead, ForwardMode.DECODE, s.page_size, s.runner.device)
-            if len(rows) == len(prev.entries):
-                batch.input_ids = prev.tokens
-            else:
-                idx = torch.tensor(rows, dtype=torch.int64).to(prev.tokens.device, non_blocking=True)
-                batch.input_ids = prev.tokens[idx]
+            index = self.table.index([e.req for e in entries])
+            batch = ForwardBatch.build(ahead, ForwardMode.DECODE, s.page_size, s.runner.device,
+                                       input_ids=self.table.read(index))
             logits = s.runner.forward(batch)
         except ExecutorLost as e:
             # as without overlap: local rows redo t+1 (idempotent KV writes), remote ones are
@@ -187,8 +191,8 @@ class Overlap:
         sample_rows = [s.results.sample_row(e.req, ahead=1) for e in entries]
         if any(e.req.grammar is not None for e in entries):
             self.grammar_overlapped_steps += 1
-            return _Forwarded(entries, logits, sample_rows)
-        return self._sample(entries, logits, sample_rows)
+            return _Forwarded(entries, logits, sample_rows, index)
+        return self._sample(entries, logits, sample_rows, index)
 
     def _take(self, launched: _Launched) -> list[Req]:
         """Wait for a launched step's tokens and keep them (matchers accept them): the requests that

@@ -116,6 +116,7 @@ class Req:
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     penalty_slot: int = -1  # row of the sampler's penalty table while the request has one
+    token_slot: int = -1  # row of the overlap loop's token table (token_table.py) while it has one
     grammar: Any = None  # structured output: its GrammarState (sglang_ext/grammar), advanced per kept token
 
     def start_running(self, now: float) -> None:

@@ -41,6 +41,7 @@ from sglang_ext.scheduler.remote_rows import RemoteRows
 from sglang_ext.scheduler.request import FinishReason, Req, ReqStatus, check_request
 from sglang_ext.scheduler.results import Results
 from sglang_ext.scheduler.rotary import Rotation
+from sglang_ext.scheduler.token_table import TokenTable
 from sglang_ext.scheduler.view import Runner
 from sglang_ext.server_args import ServerArgs
 
@@ -97,12 +98,13 @@ class Scheduler:
         self.handoff = Handoff(self)
         self.grammar = GrammarRows(vocab_size, runner.device, not args.disable_grammar_overlap)
         self.local = LocalPages(self)
+        table = TokenTable(runner.device) if overlap else None  # the overlap loop's input ids
         self.results = Results(self, self.sampler, self.grammar, self.remote_rows)
         self.members: list[Member] = [m for m in (self.rot, self.remote_rows, self.handoff, self.grammar,
-                                                  self.local) if m]
+                                                  table, self.local) if m]
         self.admission = Admission(self, self.members, self._abort_too_long)
         self.homes = self.admission.homes
-        self.overlap = Overlap(self) if overlap else None
+        self.overlap = Overlap(self, table) if table is not None else None
         self.remote_rows.set_offload(offload)
 
     # ---- requests in and out ------------------------------------------------------------------
