@@ -37,7 +37,7 @@ class BatchRow(NamedTuple):
     """What the batch needs of one request: nothing else of the scheduler's state."""
 
     start: int  # tokens whose KV is already present (the new tokens' first position)
-    tokens: Sequence[int]  # ids of the new tokens (placeholders when the ids come on the device)
+    tokens: Sequence[int]  # ids of the new tokens (with `build(input_ids=...)` only their number counts)
     pages: Sequence[int]  # the request's page table, covering start + len(tokens)
     logit_offsets: Sequence[int] = ()  # offsets within the new tokens whose logits are wanted
     remote: int | None = None  # the executor's handle of a request whose attention runs there
@@ -96,7 +96,9 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, rows: Sequence[BatchRow], mode: ForwardMode, page_size: int,
-              device: torch.device | str) -> ForwardBatch:
+              device: torch.device | str, input_ids: torch.Tensor | None = None) -> ForwardBatch:
+        """`input_ids`: the new tokens' ids already on the device (the overlap loop's, read from its
+        token table), in place of the rows' `tokens`."""
         ids: list[int] = []
         pos: list[int] = []
         loc: list[int] = []
@@ -139,7 +141,7 @@ class ForwardBatch:
 
         batch = cls(
             mode=mode,
-            input_ids=dev(ids, torch.long),
+            input_ids=dev(ids, torch.long) if input_ids is None else input_ids,
             positions=dev(pos, torch.long),
             out_cache_loc=dev(loc, torch.long),
             logits_indices=dev(logit_rows, torch.long),

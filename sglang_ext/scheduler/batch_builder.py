@@ -16,6 +16,18 @@ class Entry(NamedTuple):
     logprob_positions: list[int]  # positions whose logits give prompt logprobs
     sample: bool  # this forward reaches the end of fill_ids: sample from its last position
 
+    @classmethod
+    def of(cls, r: Req, n: int) -> Entry:
+        """`r`'s next `n` tokens, with the prompt positions whose logprobs are still to report."""
+        start, end = r.kv_len, r.kv_len + n
+        pos: list[int] = []
+        if r.return_logprob:
+            # Input entry p is the logprob of input_ids[p] given the tokens before: logits at p - 1.
+            first = max(r.logprob_start + len(r.input_token_logprobs), 1)
+            pos.extend(range(max(first - 1, start), min(len(r.input_ids) - 1, end)))
+        sample = end == r.fill_len and not (r.sampling.max_new_tokens == 0 and not r.output_ids)
+        return cls(r, n, pos, sample)
+
     def row(self) -> BatchRow:
         r = self.req
         start = r.kv_len

@@ -11,21 +11,19 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from sglang_ext.scheduler.member import Member
+from sglang_ext.scheduler.member import Residency
 from sglang_ext.scheduler.request import FinishReason, KVHome, Req, ReqStatus
-
-if TYPE_CHECKING:
-    from sglang_ext.scheduler.scheduler import Scheduler
+from sglang_ext.scheduler.view import LoopView
 
 
-class Handoff(Member):
+class Handoff(Residency):
     home = KVHome.STAGED
 
-    def __init__(self, s: Scheduler) -> None:
+    def __init__(self, s: LoopView) -> None:
         self.s = s
         self.handing: dict[str, Req] = {}  # prefill side: prefilled, pages held while their KV is sent
         self.staged: dict[str, Any] = {}  # decode side: rid -> the prompt's KV ([pages, L, 2, P, Hkv, D])
@@ -62,6 +60,12 @@ class Handoff(Member):
         r.kv_len, r.home = n, KVHome.LOCAL
         s.start_running(r, s.waiting)
         return 0
+
+    def first_pages(self, r: Req) -> int | None:
+        """Its prompt's KV arrived from the prefill worker: all of it (and its next token) at once."""
+        kv = self.s.kv
+        match = kv.cache.match_prefix(r.fill_ids[: kv.match_limit(r)])
+        return kv.pages_for(len(r.input_ids) + 1) - len(match.pages)
 
     # ---- the worker's calls ---------------------------------------------------------------------
     def hand_off(self, rid: str) -> Req | None:

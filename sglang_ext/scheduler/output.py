@@ -1,4 +1,6 @@
-"""What the scheduler reports: per request per step, its load, and the finish rules."""
+"""What the scheduler reports: per request per step, its load, and the finish rules (the one place
+they live: the plain and the overlap loop both apply `check_finish`, and the overlap loop leaves out
+of step t+1 the requests `length_reached` says step t finishes)."""
 
 from __future__ import annotations
 
@@ -50,6 +52,13 @@ class StepOutput:
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
 
 
+def length_reached(req: Req, context_len: int, ahead: int = 0) -> bool:
+    """`req` reaches its max_new_tokens or the context length once `ahead` more tokens land: it
+    finishes then, whatever those tokens are."""
+    n = len(req.output_ids) + ahead
+    return n >= req.sampling.max_new_tokens or req.fill_len + ahead >= context_len
+
+
 def check_finish(req: Req, eos_ids: frozenset[int], context_len: int, decode: DecodeFn | None) -> FinishReason | None:
     p = req.sampling
     n = len(req.output_ids)
@@ -70,6 +79,37 @@ def check_finish(req: Req, eos_ids: frozenset[int], context_len: int, decode: De
             for s in p.stop:
                 if s in tail:
                     return FinishReason("stop", matched=s)
-    if n >= p.max_new_tokens or req.fill_len >= context_len:
+    if length_reached(req, context_len):
         return FinishReason("length", length=n)
     return None
+
+
+def has_new(r: Req, sent: dict[str, tuple[int, int, int]]) -> bool:
+    """`r` has tokens or prompt logprobs not reported yet (`sent`: rid -> what was reported)."""
+    t0, i0, _ = sent.get(r.rid, (0, 0, 0))
+    return len(r.output_ids) > t0 or len(r.input_token_logprobs) > i0
+
+
+def report(r: Req, sent: dict[str, tuple[int, int, int]]) -> StepOutput:
+    """What is new of `r` since its last report (`sent` is updated; a finished request leaves it)."""
+    t0, i0, o0 = sent.get(r.rid, (0, 0, 0))
+    out = StepOutput(
+        rid=r.rid,
+        new_token_ids=r.output_ids[t0:],
+        finished=r.finished,
+        finish_reason=r.finish_reason.to_dict() if r.finish_reason else None,
+        prompt_tokens=len(r.input_ids),
+        completion_tokens=len(r.output_ids),
+        cached_tokens=r.cached_tokens,
+        attention_executor=r.attention_executor,
+        rotations=r.rotations,
+        input_token_logprobs=r.input_token_logprobs[i0:],
+        input_top_logprobs=r.input_top_logprobs[i0:],
+        output_token_logprobs=r.output_token_logprobs[o0:],
+        output_top_logprobs=r.output_top_logprobs[o0:],
+    )
+    if r.finished:
+        sent.pop(r.rid, None)
+    else:
+        sent[r.rid] = (len(r.output_ids), len(r.input_token_logprobs), len(r.output_token_logprobs))
+    return out

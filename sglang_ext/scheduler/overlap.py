@@ -1,18 +1,23 @@
 """Overlap scheduling: the CPU prepares decode step t+1 while the GPU still runs step t.
 
-A decode step is *launched* (forward and sampling on the device, tokens copied to pinned host memory
-behind an event) and lands one `step()` later, after the next decode has been launched with its
-in-flight tokens as input ids:
+A decode step is *launched* (forward and sampling on the device, the tokens written to the token
+table's slots of their requests and copied to pinned host memory behind an event) and lands one
+`step()` later, after the next decode has been launched with input ids gathered, on the device, from
+the token table (`token_table.py`) by the slots of its requests:
 
-    step() n:    launch D(t+1) [inputs = D(t) tokens, on device] | wait D(t), append tokens, finish
-    step() n+1:  launch D(t+2) ...                                | wait D(t+1) ...
+    step() n:    launch D(t+1) [inputs = table[slots], on device] | wait D(t), append tokens, finish
+    step() n+1:  launch D(t+2) ...                                 | wait D(t+1) ...
 
-What keeps the outputs those of the plain loop (docs/architecture.md, "Model execution"; constrained
-rows: "Structured output"; remote rows: docs/remote_attention.md, "Overlap scheduling"):
+Both loops run the same admission (`admission.py`), sampling and finish code (`results.py`, the finish
+rules in `output.py`). What keeps the outputs those of the plain loop (docs/architecture.md, "Model
+execution"; constrained rows: "Structured output"; remote rows: docs/remote_attention.md, "Overlap
+scheduling"):
   * only decode steps without logprobs overlap, and only while no member needs landed state
     (`Member.needs_landed_state`); anything else drains the step in flight and runs as the plain loop;
   * a request that stops at t ran one extra row in t+1: its token is dropped and its KV write went
-    to its own page, never a cached one; requests certain to finish at t are left out of t+1;
+    to its own page, never a cached one; requests certain to finish at t (`length_reached`) are left
+    out of t+1, and while a queue stands t+1 is launched only if `Admission.blocked` says no
+    candidate could be admitted;
   * a step with constrained rows is forwarded first and sampled once t's tokens are in the matchers;
   * remote rows are planned on the executor last (at kv_len + 1), so a planned step is always
     launched; a request taken back from its executor meanwhile keeps its step-t token, unless the
@@ -22,32 +27,46 @@ rows: "Structured output"; remote rows: docs/remote_attention.md, "Overlap sched
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from sglang_ext.forward_batch import BatchRow, ForwardBatch, ForwardMode
-from sglang_ext.offload.remote import ExecutorLost, RemoteAttention
+from sglang_ext.offload.remote import ExecutorLost
 from sglang_ext.sampling.batch import SampleRow
+from sglang_ext.scheduler.admission import Admission
 from sglang_ext.scheduler.batch_builder import Entry
 from sglang_ext.scheduler.grammar_rows import GrammarRows
-from sglang_ext.scheduler.output import StepOutput
-from sglang_ext.scheduler.request import KVHome, Req, ReqStatus
-from sglang_ext.scheduler.rotary import Rotation
+from sglang_ext.scheduler.member import Member
+from sglang_ext.scheduler.output import StepOutput, length_reached
+from sglang_ext.scheduler.remote_rows import RemoteRows, Sampled
+from sglang_ext.scheduler.request import Req, ReqStatus
+from sglang_ext.scheduler.results import Results
+from sglang_ext.scheduler.token_table import TokenTable
+from sglang_ext.scheduler.view import LoopView
 
-if TYPE_CHECKING:
-    from sglang_ext.scheduler.scheduler import Scheduler
+
+class Loop(LoopView, Protocol):
+    """What the overlap loop uses of the scheduler beyond a member's view: the plain loop's
+    planning, sampling and finish code, which both loops share."""
+
+    remote_rows: RemoteRows
+    results: Results  # sampling and the finish rules, the plain loop's
+    members: list[Member]
+    admission: Admission  # the plain loop's
+
+    def needs_landed_state(self, reqs: list[Req]) -> bool: ...
+
+    def plan(self, entries: list[Entry], ahead: int = 0) -> list[Entry]: ...
 
 
 @dataclass
 class _Launched:
     entries: list[Entry]
-    tokens: torch.Tensor  # [N] int64 on the device: input ids of the follow-up step
-    host: torch.Tensor  # [N] int64 on the host, valid once `done` has fired
+    host: torch.Tensor  # [N] int64 sampled ids on the host, valid once `done` has fired (on the device:
+    # the token table's slots of the rows' requests)
     done: torch.cuda.Event | None
-    remote: list[Req]  # the rows that attended on the executor (checked for forged results on landing)
-    via: RemoteAttention | None  # that executor's transport
-    planned: int = 0  # its `begins` when this step was planned
+    remote: Sampled  # the rows that attended on an executor (checked for forged results on landing)
 
 
 @dataclass
@@ -57,13 +76,15 @@ class _Forwarded:
     entries: list[Entry]
     logits: torch.Tensor
     rows: list[SampleRow]  # built before the step before it landed (ahead=1); sampled before its finish rules
+    index: torch.Tensor  # its requests' token table slots
 
 
 class Overlap:
     """The scheduler's step in flight and how the next one is launched beside it."""
 
-    def __init__(self, s: Scheduler) -> None:
+    def __init__(self, s: Loop, table: TokenTable) -> None:
         self.s = s
+        self.table = table  # a member of the scheduler: a finished request's slot is released
         self.inflight: _Launched | None = None
         self.overlapped_steps = 0  # decode steps launched before their predecessor landed
         self.grammar_overlapped_steps = 0  # of those, steps with constrained rows (masks filled as t landed)
@@ -79,7 +100,8 @@ class Overlap:
     def launch(self, entries: list[Entry], batch: ForwardBatch) -> None:
         """Forward and sample a step whose constrained rows' matchers are up to date (nothing in flight)."""
         logits = self.s.runner.forward(batch)
-        self.inflight = self._sample(entries, logits, [self.s.sample_row(e.req) for e in entries])
+        index = self.table.index([e.req for e in entries])
+        self.inflight = self._sample(entries, logits, [self.s.results.sample_row(e.req) for e in entries], index)
 
     def step(self) -> list[StepOutput]:
         """Launch step t+1 (if it may be) and land step t."""
@@ -92,99 +114,72 @@ class Overlap:
         landed = self._take(prev)
         if isinstance(follow, _Forwarded):
             # t's tokens are in the matchers: fill t+1's masks while its forward runs, then sample
-            follow = self._sample(follow.entries, follow.logits, follow.rows)
+            follow = self._sample(follow.entries, follow.logits, follow.rows, follow.index)
         self.inflight = follow
-        return self.s.finish_or_report(landed)
+        return self.s.results.finish_or_report(landed)
 
-    def _sample(self, entries: list[Entry], logits: torch.Tensor, rows: list[SampleRow]) -> _Launched:
-        """Sample (constrained rows masked) and copy the tokens to the host behind an event."""
+    def _sample(self, entries: list[Entry], logits: torch.Tensor, rows: list[SampleRow],
+                index: torch.Tensor) -> _Launched:
+        """Sample (constrained rows masked), write the tokens to the token table's slots `index` of
+        the rows' requests, and copy them to the host behind an event."""
         reqs = [e.req for e in entries]
-        tokens = self.s.draw(reqs, logits, rows)
-        remote = [r for r in reqs if r.home is KVHome.REMOTE]
-        via, planned = self.s.remote_rows.transport(reqs)
+        tokens = self.s.results.draw(reqs, logits, rows)
+        self.table.write(index, tokens)
+        remote = self.s.remote_rows.transport(reqs)
         if tokens.is_cuda:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-            return _Launched(entries, tokens, host, done, remote, via, planned)
-        return _Launched(entries, tokens, tokens, None, remote, via, planned)
+            return _Launched(entries, host, done, remote)
+        return _Launched(entries, tokens, None, remote)
 
     def _admission_blocked(self) -> bool:
-        """No waiting request could be admitted now, whatever step t brings, so the loop keeps
-        overlapping while a queue stands. True only where it cannot be wrong: the running batch is
-        full, or the policy's first candidate (where `_schedule` stops) cannot get its first chunk's
-        pages beyond the decode reserve, even counting what its cached prefix may lend. An admission
-        that only step t's finishes make possible waits one step."""
-        s = self.s
-        if len(s.running) >= s.max_running:
-            return True
-        reserve = s.decode_reserve()
-        available = s.kv.available_pages
-        if available - reserve < 1:
-            return True
-        head = next(iter(s.policy.candidates(s.waiting, s.rotary, s.kv.cache)), None)
-        if head is None or head.admitted or head.home is KVHome.REMOTE:
-            return False  # adopted (its KV on an executor): admitted without pages
-        if head.home is KVHome.HOST and Rotation.leaving(head):
-            return False  # still leaving: `_schedule` skips it and may admit the next one
-        match = s.kv.cache.match_prefix(head.fill_ids[: s.kv.match_limit(head)])
-        if head.home is KVHome.STAGED:  # its prompt's KV came from a prefill worker (Handoff.admit)
-            need = s.kv.pages_for(len(head.input_ids) + 1) - len(match.pages)
-        elif head.home is KVHome.HOST:  # a resume brings back all of its KV the cache lacks, at once
-            need = s.kv.pages_for(max(head.rot.host_len, match.num_tokens) + 1) - len(match.pages)
-        else:
-            first = min(head.fill_len - match.num_tokens, s.chunk)
-            need = s.kv.pages_for(match.num_tokens + max(first, 1)) - len(match.pages)
-        return need + reserve > available
+        """No waiting request could be admitted now, whatever step t brings (`Admission.blocked`)."""
+        return self.s.admission.blocked()
 
     def _follow_up(self, prev: _Launched) -> _Launched | _Forwarded | None:
-        """Decode step t+1 from step t's in-flight tokens: launched, or only forwarded when it has
-        constrained rows (sampled once t has landed); None when it needs t's results."""
+        """Decode step t+1 from step t's in-flight tokens (in the token table): launched, or only
+        forwarded when it has constrained rows (sampled once t has landed); None when it needs t's
+        results."""
         s = self.s
-        rows: list[int] = []
+        entries: list[Entry] = []
         live: set[int] = set()
-        for i, e in enumerate(prev.entries):
+        for e in prev.entries:
             r = e.req
             if r.status is not ReqStatus.RUNNING:
                 continue  # aborted while in flight
             live.add(id(r))
-            n_out = len(r.output_ids) + 1
-            if n_out >= r.sampling.max_new_tokens or r.fill_len + 1 >= s.runner.context_len:
-                continue  # finishes at step t for certain
-            rows.append(i)
-        if not rows or any(id(r) not in live for r in s.running):
+            if length_reached(r, s.runner.context_len, ahead=1):
+                continue  # finishes at step t for certain (the finish rule's length clause)
+            entries.append(Entry(r, 1, [], True))
+        if not entries or any(id(r) not in live for r in s.running):
             return None
-        entries = [Entry(prev.entries[i].req, 1, [], True) for i in rows]
+        if any(e.req.token_slot < 0 for e in entries):
+            return None  # (never: a running request keeps the slot its step-t token went to)
         if s.needs_landed_state([e.req for e in entries]):
             return None  # e.g. admission, resume (and prefill) decisions are made on landed state
         if (s.waiting or s.rotary) and not self._admission_blocked():
             return None
         for e in entries:
             r = e.req
-            if r.home is KVHome.REMOTE:
-                continue  # its KV grows on the executor
+            if not s.admission.pooled(r):
+                continue  # its KV grows elsewhere (on the executor)
             if not s.kv.can_grow(r, r.kv_len + 2):
                 return None  # would need preemption: decide on landed state
             s.kv.grow(r, r.kv_len + 2)
         try:
             # Planned last, so that once planned the step is launched. Rows the executor drops are
             # requeued now; their step-t tokens are kept when t lands.
-            kept = s.plan(entries, ahead=1)
-            if len(kept) < len(entries):
-                keep = {id(e.req) for e in kept}
-                rows = [i for i in rows if id(prev.entries[i].req) in keep]
-                entries = kept
-                if not rows:
-                    return None
-            # Each row decodes its in-flight token (id filled in on the device below) at kv_len + 1.
+            entries = s.plan(entries, ahead=1)
+            if not entries:
+                return None
+            # Each row decodes its in-flight token at kv_len + 1: one new token, whose id the batch
+            # gathers from the token table by the slots of its requests.
             ahead = [BatchRow(e.req.kv_len + 1, (0,), e.req.pages, (0,), e.req.remote) for e in entries]
-            batch = ForwardBatch.build(ahead, ForwardMode.DECODE, s.page_size, s.runner.device)
-            if len(rows) == len(prev.entries):
-                batch.input_ids = prev.tokens
-            else:
-                idx = torch.tensor(rows, dtype=torch.int64).to(prev.tokens.device, non_blocking=True)
-                batch.input_ids = prev.tokens[idx]
+            index = self.table.index([e.req for e in entries])
+            batch = ForwardBatch.build(ahead, ForwardMode.DECODE, s.page_size, s.runner.device,
+                                       input_ids=self.table.read(index))
             logits = s.runner.forward(batch)
         except ExecutorLost as e:
             # as without overlap: local rows redo t+1 (idempotent KV writes), remote ones are
@@ -193,11 +188,11 @@ class Overlap:
             return None
         self.overlapped_steps += 1
         # Sample rows now: a row that finishes at t releases its penalty slot when t lands.
-        sample_rows = [s.sample_row(e.req, ahead=1) for e in entries]
+        sample_rows = [s.results.sample_row(e.req, ahead=1) for e in entries]
         if any(e.req.grammar is not None for e in entries):
             self.grammar_overlapped_steps += 1
-            return _Forwarded(entries, logits, sample_rows)
-        return self._sample(entries, logits, sample_rows)
+            return _Forwarded(entries, logits, sample_rows, index)
+        return self._sample(entries, logits, sample_rows, index)
 
     def _take(self, launched: _Launched) -> list[Req]:
         """Wait for a launched step's tokens and keep them (matchers accept them): the requests that
@@ -207,7 +202,7 @@ class Overlap:
         tokens = launched.host.tolist()
         landed: list[Req] = []
         taken_back: list[Req] = []
-        forged = self.s.remote_rows.forged(launched.remote, launched.via, launched.planned)
+        forged = self.s.remote_rows.forged(launched.remote, launched.remote.begins)
         for e, t in zip(launched.entries, tokens, strict=True):
             r = e.req
             if id(r) in forged:

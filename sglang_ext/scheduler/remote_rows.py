@@ -7,24 +7,31 @@ back when its executor drops it or is lost: recomputed from its tokens, like a p
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 from sglang_ext.offload.remote import RemoteAttention
 from sglang_ext.offload.sender import Offloader
 from sglang_ext.scheduler.batch_builder import Entry
-from sglang_ext.scheduler.member import Member
+from sglang_ext.scheduler.member import Residency
 from sglang_ext.scheduler.request import KVHome, Req
-
-if TYPE_CHECKING:
-    from sglang_ext.scheduler.scheduler import Scheduler
+from sglang_ext.scheduler.view import LoopView
 
 logger = logging.getLogger(__name__)
 
 
-class RemoteRows(Member):
-    home = KVHome.REMOTE
+class Sampled(NamedTuple):
+    """A sampled step's remote rows and the transport they attended through (`RemoteRows.transport`)."""
 
-    def __init__(self, s: Scheduler) -> None:
+    remote: list[Req]
+    via: RemoteAttention | None
+    begins: int  # the transport's `begins` then
+
+
+class RemoteRows(Residency):
+    home = KVHome.REMOTE
+    pooled = False  # its KV grows on the executor; admitted without pages here
+
+    def __init__(self, s: LoopView) -> None:
         self.s = s
         self.offload: Offloader | None = None
 
@@ -77,7 +84,7 @@ class RemoteRows(Member):
 
     def requeue(self, r: Req) -> None:
         """A remote request whose executor KV is gone: back to the queue head, recomputed. (With a
-        step in flight, that step's token for it still lands: `Scheduler._land`.)"""
+        step in flight, that step's token for it still lands: `Overlap._take`.)"""
         s = self.s
         r.remote, r.home = None, KVHome.LOCAL
         r.pages, r.cached_pages, r.prefix_node, r.kv_len, r.admitted = [], 0, None, 0, False
@@ -109,19 +116,20 @@ class RemoteRows(Member):
         for r in self.offload.lose_executor(why):
             self.requeue(r)
 
-    def transport(self, reqs: list[Req]) -> tuple[RemoteAttention | None, int]:
-        """For a step over `reqs` about to sample: the transport its remote rows attended through and
-        its `begins` now (to check the rows' results when the step lands)."""
-        via = self.offload.remote if self.offload is not None and any(
-            r.home is KVHome.REMOTE for r in reqs) else None
-        return via, via.begins if via is not None else 0
+    def transport(self, reqs: list[Req]) -> Sampled:
+        """For a step over `reqs` about to sample: its remote rows, the transport they attended
+        through and its `begins` now (to check the rows' results when the step lands)."""
+        remote = [r for r in reqs if r.home is KVHome.REMOTE]
+        via = self.offload.remote if self.offload is not None and remote else None
+        return Sampled(remote, via, via.begins if via is not None else 0)
 
-    def forged(self, remote: list[Req], via: RemoteAttention | None, upto: int | None = None) -> set[int]:
-        """After a step landed: the ids of its `remote` rows' requests when those rows may hold no
+    def forged(self, sampled: Sampled, upto: int | None = None) -> set[int]:
+        """After a step landed: the ids of its remote rows' requests when those rows may hold no
         executor results (the executor died mid-step and the sender's watchdog let the step through:
         `results_forged`). Their tokens must be dropped (their penalty slots are) and the requests
         recomputed; the executor is given up first if it is still the one in force. Empty when the
         results are the executor's. `upto`: the transport's `begins` when the step was planned."""
+        remote, via = sampled.remote, sampled.via
         if via is None or not remote or not via.results_forged(upto):
             return set()
         if self.offload is not None and self.offload.remote is via and self.offload.active:

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from sglang_ext.sampling.params import SamplingParams
+from sglang_ext.sampling.params import InvalidRequest, SamplingParams
 
 
 class ReqStatus(enum.Enum):
@@ -29,6 +29,23 @@ class KVHome(enum.Enum):
     HOST = "host"  # rotated out to host memory (preemption_mode=rotate), waiting to be resumed
     REMOTE = "remote"  # on an attention executor (remote attention)
     STAGED = "staged"  # the prompt's KV came from a prefill worker; copied into pages at admission
+
+
+def check_request(req: Req, vocab_size: int, context_len: int, max_total_tokens: int) -> None:
+    """Raise InvalidRequest (its message names the field) if `req` cannot be served by a model of
+    this vocabulary and context length with a KV cache of `max_total_tokens` tokens."""
+    if not req.input_ids:
+        raise InvalidRequest("the prompt is empty: give text or input_ids with at least one token")
+    if any(not 0 <= t < vocab_size for t in req.input_ids):
+        raise InvalidRequest(f"input_ids must be token ids in [0, {vocab_size})")
+    req.sampling.validate(vocab_size)
+    n = len(req.input_ids)
+    if n >= context_len:
+        raise InvalidRequest(f"the prompt has {n} tokens; this model's context length is {context_len}")
+    if n + 1 > max_total_tokens:
+        raise InvalidRequest(f"the prompt has {n} tokens; the KV cache holds {max_total_tokens}")
+    if req.top_logprobs_num < 0 or req.top_logprobs_num > 64:
+        raise InvalidRequest(f"top_logprobs_num must be in [0, 64], got {req.top_logprobs_num}")
 
 
 @dataclass
@@ -99,6 +116,7 @@ class Req:
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     penalty_slot: int = -1  # row of the sampler's penalty table while the request has one
+    token_slot: int = -1  # row of the overlap loop's token table (token_table.py) while it has one
     grammar: Any = None  # structured output: its GrammarState (sglang_ext/grammar), advanced per kept token
 
     def start_running(self, now: float) -> None:

@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sglang_ext.kvcache.holds import HoldingAllocator
 from sglang_ext.kvcache.host_pool import HostKVPool
 from sglang_ext.kvcache.rotation import RotationEngine, Transfer, host_kv_bytes, make_host_pool, make_rotation_engine
-from sglang_ext.scheduler.member import Member
+from sglang_ext.scheduler.member import Residency
 from sglang_ext.scheduler.output import LoadStats
 from sglang_ext.scheduler.request import KVHome, Req, ReqStatus
+from sglang_ext.scheduler.view import LoopView
 from sglang_ext.server_args import ServerArgs
-
-if TYPE_CHECKING:
-    from sglang_ext.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -37,16 +35,17 @@ class _InFlight:
     fenced: bool = False  # a swap-in the compute stream was made to wait for (readable by the next step)
 
 
-class Rotation(Member):
+class Rotation(Residency):
     """Host pool, engine, transfers in flight and counters of one scheduler, and its rotary rows."""
 
     home = KVHome.HOST
+    wants_deficit = True  # eager copies cover the pages the pool is short of
 
-    def __init__(self, s: Scheduler, engine: RotationEngine, budget: int, eager: bool) -> None:
+    def __init__(self, s: LoopView, engine: RotationEngine, budget: int, eager: bool) -> None:
         self.s = s
         # a rotating scheduler's device pages: freed pages under a copy in flight are parked
-        assert isinstance(s.allocator, HoldingAllocator)
-        self.dev_alloc: HoldingAllocator = s.allocator
+        assert isinstance(s.kv.allocator, HoldingAllocator)
+        self.dev_alloc: HoldingAllocator = s.kv.allocator
         self.engine = engine
         self.budget = budget  # B_xfer, bytes per direction per iteration
         self.eager = eager
@@ -61,7 +60,7 @@ class Rotation(Member):
         s.kv.on_swap = self._swapped
 
     @classmethod
-    def make(cls, s: Scheduler, args: ServerArgs) -> Rotation:
+    def make(cls, s: LoopView, args: ServerArgs) -> Rotation:
         pool = s.runner.pool
         host = make_host_pool(pool.geometry, host_kv_bytes(args.kv_host_size_gb, pool.total_bytes), pool.device)
         host.allocator = HoldingAllocator(host.num_pages)  # fresh: nothing allocated yet
@@ -143,16 +142,24 @@ class Rotation(Member):
         self.waited |= bool(self.inflight)
         return bool(self.inflight)
 
-    @staticmethod
-    def ready(r: Req) -> bool:
+    def ready(self, r: Req) -> bool:
         """A running request may join this step's batch: no swap-in of its KV is still on the way."""
         f = r.rot.copy_in
         return f is None or f.landed or f.fenced
 
-    @staticmethod
-    def leaving(r: Req) -> bool:
-        """A rotary request whose KV is still on the way out: a copy back would race it."""
-        return any(not f.landed for f in r.rot.transfers)
+    def may_admit(self, r: Req) -> bool:
+        """Not while its KV is still on the way out: a copy back would race it."""
+        return all(f.landed for f in r.rot.transfers)
+
+    def first_pages(self, r: Req) -> int | None:
+        """A resume brings back all of its KV the cache lacks, at once."""
+        kv = self.s.kv
+        match = kv.cache.match_prefix(r.fill_ids[: kv.match_limit(r)])
+        return kv.pages_for(max(r.rot.host_len, match.num_tokens) + 1) - len(match.pages)
+
+    def park(self, r: Req) -> bool:
+        """A preemption rotates the victim out when the host pool has room (else it is recomputed)."""
+        return self.rotate_out(r, forced=True)
 
     def fence_arrivals(self) -> bool:
         """Nothing else can run: let the next step read the swap-ins still in flight, the compute
@@ -326,7 +333,7 @@ class Rotation(Member):
         logger.debug("rotated out %s (%d tokens, %d pages copied)", r.rid, r.rot.host_len, len(need))
         return True
 
-    def rotate_for(self, cand: Req, protect: set[int]) -> bool:
+    def make_room_for(self, cand: Req, protect: set[int]) -> bool:
         """Rotate out the policy's voluntary victims (not in this step's batch) until `cand` could
         fit; True if any went. Pages that copies in flight will give back count as room: a victim's
         pages come free only when its copy lands (next iteration on a GPU), so without them every

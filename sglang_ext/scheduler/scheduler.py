@@ -3,10 +3,12 @@
 Each `step()` is one forward: an EXTEND batch of prefill chunks within `chunked_prefill_size`
 tokens with every decoding request riding along, or else a DECODE batch of all running requests.
 When KV pages run out, running requests are preempted in the policy's victim order (`policy.py`):
-recomputed later, or with `preemption_mode=rotate` rotated out to host memory. A request's KV home
-(`Req.home`) says where its KV lives; the mechanisms beside local pages are the scheduler's members
-(`member.py`), and a candidate is admitted by the member of its home. With `overlap` (a CUDA
-worker's default) decode steps are pipelined (`overlap.py`). Details: docs/architecture.md, "Scheduler".
+parked by a member that keeps their KV (rotation to host memory) or recomputed later. Where a
+request's KV lives is answered by the residency member of its home (`Req.home`: local pages,
+host memory, an attention executor, a prefill worker's hand-off); the loop asks its members
+(`member.py`) and never tests a home itself. With `overlap` (a CUDA worker's default) decode steps
+are pipelined (`overlap.py`) over the same admission and finish code. Details: docs/architecture.md,
+"Scheduler".
 """
 
 from __future__ import annotations
@@ -14,44 +16,36 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 
-from sglang_ext.forward_batch import ForwardBatch, ForwardMode
+from sglang_ext.forward_batch import ForwardMode
 from sglang_ext.kvcache.allocator import PageAllocator
 from sglang_ext.kvcache.base import NoPrefixCache, PrefixCache
 from sglang_ext.kvcache.holds import HoldingAllocator
-from sglang_ext.kvcache.pool import KVPool
 from sglang_ext.kvcache.radix_cache import RadixCache
 from sglang_ext.offload.remote import ExecutorLost
 from sglang_ext.offload.sender import Offloader
-from sglang_ext.sampling.batch import SampleRow
-from sglang_ext.sampling.params import InvalidRequest
-from sglang_ext.sampling.sampler import Sampler, logprobs_of
+from sglang_ext.sampling.sampler import Sampler
+from sglang_ext.scheduler.admission import Admission
 from sglang_ext.scheduler.batch_builder import Entry, build_batch
 from sglang_ext.scheduler.grammar_rows import GrammarRows
 from sglang_ext.scheduler.handoff import Handoff
 from sglang_ext.scheduler.kv_manager import KVManager
+from sglang_ext.scheduler.local import LocalPages
 from sglang_ext.scheduler.member import Member
-from sglang_ext.scheduler.output import DecodeFn, LoadStats, StepOutput, check_finish
+from sglang_ext.scheduler.output import DecodeFn, LoadStats, StepOutput, report
 from sglang_ext.scheduler.overlap import Overlap
-from sglang_ext.scheduler.policy import make_policy
+from sglang_ext.scheduler.policy import SchedulePolicy, make_policy
 from sglang_ext.scheduler.remote_rows import RemoteRows
-from sglang_ext.scheduler.request import FinishReason, KVHome, Req, ReqStatus
+from sglang_ext.scheduler.request import FinishReason, Req, ReqStatus, check_request
+from sglang_ext.scheduler.results import Results
 from sglang_ext.scheduler.rotary import Rotation
+from sglang_ext.scheduler.token_table import TokenTable
+from sglang_ext.scheduler.view import Runner
 from sglang_ext.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
-
-
-class Runner(Protocol):
-    device: torch.device
-    num_pages: int
-    context_len: int
-    pool: KVPool
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
 
 
 def default_overlap(device: torch.device | str, disable_overlap_schedule: bool) -> bool:
@@ -82,7 +76,7 @@ class Scheduler:
         self.allocator = HoldingAllocator(runner.num_pages) if rotate else PageAllocator(runner.num_pages)
         cache: PrefixCache = NoPrefixCache(page_size) if args.disable_radix_cache else RadixCache(page_size)
         self.kv = KVManager(self.allocator, cache, page_size)
-        self.policy = make_policy(args.schedule_policy, args)
+        self.policy: SchedulePolicy = make_policy(args.schedule_policy, args)
         self.clock: Callable[[], float] = time.monotonic  # VLT and rotation timing; tests inject one
         self.chunk = args.resolved_chunked_prefill_size or args.max_prefill_tokens
         self.max_running = args.max_running_requests or 256
@@ -98,14 +92,19 @@ class Scheduler:
         self.remote_forward_rows = 0  # ... of which remote rows
         self.deficit = 0  # pages by which all requests' KV exceeds the pool (0: everything fits), per iteration
         self.sampler = Sampler(vocab_size, runner.device, args.random_seed, top_k_window=args.sampling_top_k_window)
-        # members: the mechanisms beside local pages (member.py)
+        # members (member.py): local pages last, as every release ends there
         self.rot = Rotation.make(self, args) if rotate else None
         self.remote_rows = RemoteRows(self)
         self.handoff = Handoff(self)
         self.grammar = GrammarRows(vocab_size, runner.device, not args.disable_grammar_overlap)
-        self.members: list[Member] = [m for m in (self.rot, self.remote_rows, self.handoff, self.grammar) if m]
-        self.homes: dict[KVHome, Member] = {m.home: m for m in self.members if m.home is not None}
-        self.overlap = Overlap(self) if overlap else None
+        self.local = LocalPages(self)
+        table = TokenTable(runner.device) if overlap else None  # the overlap loop's input ids
+        self.results = Results(self, self.sampler, self.grammar, self.remote_rows)
+        self.members: list[Member] = [m for m in (self.rot, self.remote_rows, self.handoff, self.grammar,
+                                                  table, self.local) if m]
+        self.admission = Admission(self, self.members, self._abort_too_long)
+        self.homes = self.admission.homes
+        self.overlap = Overlap(self, table) if table is not None else None
         self.remote_rows.set_offload(offload)
 
     # ---- requests in and out ------------------------------------------------------------------
@@ -123,19 +122,7 @@ class Scheduler:
         return self.overlap.overlapped_steps if self.overlap is not None else 0
 
     def validate(self, req: Req) -> None:
-        if not req.input_ids:
-            raise InvalidRequest("the prompt is empty: give text or input_ids with at least one token")
-        if any(not 0 <= t < self.vocab_size for t in req.input_ids):
-            raise InvalidRequest(f"input_ids must be token ids in [0, {self.vocab_size})")
-        req.sampling.validate(self.vocab_size)
-        n = len(req.input_ids)
-        ctx = self.runner.context_len
-        if n >= ctx:
-            raise InvalidRequest(f"the prompt has {n} tokens; this model's context length is {ctx}")
-        if n + 1 > self.max_total_tokens:
-            raise InvalidRequest(f"the prompt has {n} tokens; the KV cache holds {self.max_total_tokens}")
-        if req.top_logprobs_num < 0 or req.top_logprobs_num > 64:
-            raise InvalidRequest(f"top_logprobs_num must be in [0, 64], got {req.top_logprobs_num}")
+        check_request(req, self.vocab_size, self.runner.context_len, self.max_total_tokens)
 
     def add_request(self, req: Req) -> None:
         self.validate(req)
@@ -151,7 +138,7 @@ class Scheduler:
                 if r.rid == rid:
                     queue.remove(r)
                     self.finish(r, FinishReason("abort", message=message))
-                    self._pending.append(self._output(r))
+                    self._pending.append(report(r, self.sent))
                     return True
         return False
 
@@ -200,14 +187,14 @@ class Scheduler:
         if self.overlap is not None and self.overlap.inflight is not None:
             return outputs + self.overlap.step()  # step t+1 launched (if it may be) as t lands
         entries, mode = self._schedule()
-        if not entries and self.rot is not None and self.rot.fence_arrivals():
+        if not entries and any([m.fence_arrivals() for m in self.members]):
             entries, mode = self._schedule()  # the step waits for those copies on the device
         for m in self.members:
             m.end()
         if entries:
             return outputs + self._run(entries, mode)
-        if not self.running or (self.rot is not None and self.rot.copies_in_flight()):
-            return outputs  # nothing to run, or pages come free as rotation copies land: wait, do not preempt
+        if not self.running or self.copies_in_flight():
+            return outputs  # nothing to run, or pages come free as copies land: wait, do not preempt
         # Part-prefilled requests hold every page and none can grow: free the policy's first
         # victim so the others progress (never spin on empty steps).
         newest = self.policy.victims(self.running)[0]
@@ -216,8 +203,16 @@ class Scheduler:
         else:
             self.running.remove(newest)
             self.finish(newest, FinishReason("abort", message="out of KV cache memory"))
-            outputs.append(self._output(newest))
+            outputs.append(report(newest, self.sent))
         return outputs
+
+    # ---- the members' answers -------------------------------------------------------------------
+    def ready(self, r: Req) -> bool:
+        """Running request `r` may join this step's batch (no member has its KV on the way)."""
+        return all(m.ready(r) for m in self.members)
+
+    def copies_in_flight(self) -> bool:
+        return any([m.copies_in_flight() for m in self.members])
 
     def needs_landed_state(self, reqs: list[Req]) -> bool:
         """Some member needs a decode step over `reqs` scheduled and landed with no step in flight."""
@@ -246,77 +241,31 @@ class Scheduler:
             # idempotent and kv_len did not move); remote rows are recomputed from their tokens.
             self.remote_rows.lose_executor(str(e))
             return []
-        return self._land(entries, logits)
+        return self.results.land(entries, logits)
 
     def _schedule(self) -> tuple[list[Entry], ForwardMode]:
         entries: list[Entry] = []
         budget = self.chunk
         # 1. requests part-way through prefill continue first
         for r in self.running:
-            if r.prefilled or budget <= 0 or not Rotation.ready(r):
+            if r.prefilled or budget <= 0 or not self.ready(r):
                 continue
             n = min(r.fill_len - r.kv_len, budget)
             if not self.kv.can_grow(r, r.kv_len + n):
                 continue
             self.kv.grow(r, r.kv_len + n)
-            entries.append(self._entry(r, n))
+            entries.append(Entry.of(r, n))
             budget -= n
-        # 2. admit waiting requests and resume rotary ones, in the policy's order, while the token
-        # budget, slots, KV headroom and rotation budget last (the policy may rotate some out)
-        if self.rot is not None or self.policy.wants_fit:
-            self.deficit = self._kv_deficit()
-        self.policy.begin(self.clock(), self.deficit == 0)
-        reserve = self.decode_reserve()
-        for r in self.policy.candidates(self.waiting, self.rotary, self.kv.cache):
-            if budget <= 0:
-                break
-            if r.home is KVHome.HOST and Rotation.leaving(r):
-                continue  # its KV is still on the way out: a copy back would race it
-            if self.kv.pages_for(r.fill_len) > self.allocator.capacity:
-                # Grown past the whole pool (its KV was elsewhere, or it was preempted late): it can
-                # never run here again, and it must not block the queue.
-                (self.rotary if r.home is KVHome.HOST else self.waiting).remove(r)
-                self._abort_too_long(r)
-                continue
-            got = self._try_admit(r, budget, reserve)
-            if got is None and self.rot is not None and self.rot.rotate_for(r, protect={id(e.req) for e in entries}):
-                reserve = self.decode_reserve()
-                got = self._try_admit(r, budget, reserve)
-            if got is None:
-                break
-            if got:
-                entries.append(self._entry(r, got))
-                budget -= got
-            elif r.home is not KVHome.REMOTE:  # a resumed decoder: keep its next token's page for it (a
-                reserve += self.kv.pages_for(r.kv_len + 1) - len(r.pages)  # remote one grows on the executor)
+        # 2. admit waiting requests and resume rotary ones, in the policy's order (admission.py)
+        self.admission.admit(entries, budget)
         # 3. decoding requests: alone (DECODE) or riding along a prefill (EXTEND)
         prefill_reqs = {id(e.req) for e in entries}
-        decoders = [r for r in self.running if r.prefilled and id(r) not in prefill_reqs and Rotation.ready(r)]
+        decoders = [r for r in self.running if r.prefilled and id(r) not in prefill_reqs and self.ready(r)]
         self.remote_rows.choose(decoders)
         decoders = self._make_room(decoders, protect=prefill_reqs)
-        entries.extend(self._entry(r, 1) for r in decoders)
+        entries.extend(Entry.of(r, 1) for r in decoders)
         mode = ForwardMode.EXTEND if prefill_reqs else ForwardMode.DECODE
         return entries, mode
-
-    def _try_admit(self, r: Req, budget: int, reserve: int) -> int | None:
-        """Admit a candidate by its home: the tokens it computes this step (0: it decodes with the
-        others, or waits for its KV), or None (nothing changed) if it does not fit now."""
-        if len(self.running) >= self.max_running:
-            return None
-        member = self.homes.get(r.home)
-        if member is not None:
-            return member.admit(r, budget, reserve)
-        self.kv.admit(r)
-        n = min(r.fill_len - r.kv_len, budget)
-        if self.kv.pages_for(r.kv_len + max(n, 1)) - len(r.pages) + reserve > self.kv.available_pages:
-            self.kv.release(r, keep_in_cache=False)
-            return None
-        if r.num_preemptions == 0:
-            r.cached_tokens = r.kv_len
-        self.start_running(r, self.waiting)
-        if n:
-            self.kv.grow(r, r.kv_len + n)
-        return n
 
     def start_running(self, r: Req, queue: list[Req]) -> None:
         """`r` leaves `queue` (waiting or rotary) for the running batch."""
@@ -325,36 +274,15 @@ class Scheduler:
         self.running.append(r)
 
     def decode_reserve(self) -> int:
-        """Pages kept free for running requests' next tokens, so admission does not cause an
-        immediate preemption (a short horizon, not the whole max_new_tokens)."""
-        horizon = 4 * self.page_size
-        total = 0
-        for r in self.running:
-            if r.home is KVHome.LOCAL:
-                left = r.sampling.max_new_tokens - len(r.output_ids)
-                total += max(self.kv.pages_for(r.kv_len + min(left, horizon) + 1) - len(r.pages), 0)
-        return total
-
-    def _kv_deficit(self) -> int:
-        """Pages by which every running, rotary and waiting request's KV (and its next token) exceeds
-        the pool; 0 if it all fits. Stops counting past twice the pool (then it is at least the pool),
-        so a long queue costs no more than the requests that two pools hold."""
-        cap = self.allocator.capacity
-        demand = 0
-        for queue in (self.running, self.rotary, self.waiting):
-            for r in queue:
-                if r.home is not KVHome.REMOTE:
-                    demand += self.kv.pages_for(r.fill_len + 1)
-                    if demand > 2 * cap:
-                        return demand - cap
-        return max(demand - cap, 0)
+        """Pages kept free for running requests' next tokens (`Admission.decode_reserve`)."""
+        return self.admission.decode_reserve()
 
     def _make_room(self, decoders: list[Req], protect: set[int]) -> list[Req]:
         """Grow each decoder by one token, preempting the latest arrivals when pages run out."""
-        kept = [r for r in decoders if r.home is KVHome.REMOTE]  # their KV grows on the executor
+        kept = [r for r in decoders if not self.admission.pooled(r)]  # their KV grows elsewhere (an executor)
         # Grown in the reverse of the policy's victim order: the first victims grow last.
-        decoders = self.policy.victims([r for r in decoders if r.home is not KVHome.REMOTE])[::-1]
-        coming = self.rot.pages_coming() if self.rot is not None else 0
+        decoders = self.policy.victims([r for r in decoders if self.admission.pooled(r)])[::-1]
+        coming = sum(m.pages_coming() for m in self.members)
         while decoders:
             r = decoders.pop(0)
             while not self.kv.can_grow(r, r.kv_len + 1):
@@ -367,11 +295,11 @@ class Scheduler:
                 victim = decoders.pop() if decoders else None
                 if victim is None:
                     others = [x for x in self.running if x is not r and id(x) not in protect and x not in kept
-                              and x.home is KVHome.LOCAL and Rotation.ready(x)]
+                              and self.admission.pooled(x) and self.ready(x)]
                     victim = self.policy.victims(others)[0] if others else r
                 alone = victim is r and len(self.running) == 1
-                if alone and self.rot is not None and self.rot.copies_in_flight():
-                    break  # pages still under rotation copies: it grows once they land
+                if alone and self.copies_in_flight():
+                    break  # pages still under copies in flight: it grows once they land
                 if alone:
                     # Alone and still out of pages: it can never fit, so fail it explicitly.
                     self.running.remove(r)
@@ -388,11 +316,11 @@ class Scheduler:
     def _abort_too_long(self, r: Req) -> None:
         self.finish(r, FinishReason("abort", message=(
             f"out of KV cache memory: the request needs more than {self.max_total_tokens} tokens")))
-        self._pending.append(self._output(r))
+        self._pending.append(report(r, self.sent))
 
     def _preempt(self, r: Req) -> None:
-        if self.rot is not None and self.rot.rotate_out(r, forced=True):
-            return
+        if any(m.park(r) for m in self.members):
+            return  # its KV kept elsewhere (rotated out to host memory)
         logger.debug("preempting %s (kv_len=%d)", r.rid, r.kv_len)
         self.running.remove(r)
         self.release_kv(r)
@@ -405,109 +333,12 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.insert(0, r)
 
-    def _entry(self, r: Req, n: int) -> Entry:
-        start, end = r.kv_len, r.kv_len + n
-        pos: list[int] = []
-        if r.return_logprob:
-            # Input entry p is the logprob of input_ids[p] given the tokens before: logits at p - 1.
-            first = max(r.logprob_start + len(r.input_token_logprobs), 1)
-            pos.extend(range(max(first - 1, start), min(len(r.input_ids) - 1, end)))
-        sample = end == r.fill_len and not (r.sampling.max_new_tokens == 0 and not r.output_ids)
-        return Entry(r, n, pos, sample)
-
-    # ---- results --------------------------------------------------------------------------------
-    def draw(self, reqs: list[Req], logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """Sample one token per row of `logits` (masked in place for constrained rows)."""
-        rows = self.grammar.mask(reqs, logits, rows)
-        return self.sampler.sample(logits, self.sampler.batch(rows))
-
-    def _land(self, entries: list[Entry], logits: torch.Tensor) -> list[StepOutput]:
-        """The results of a forward that lands at once: prompt logprobs, sampled tokens, finishes."""
-        row = 0
-        sample_rows: list[int] = []
-        sample_reqs: list[Req] = []
-        for e in entries:
-            r = e.req
-            n_in = len(e.logprob_positions)
-            if n_in:
-                targets = torch.tensor([r.input_ids[q + 1] for q in e.logprob_positions], device=logits.device)
-                lps, tops = logprobs_of(logits[row : row + n_in], targets, r.top_logprobs_num)
-                for i, q in enumerate(e.logprob_positions):
-                    r.input_token_logprobs.append((lps[i], r.input_ids[q + 1]))
-                    r.input_top_logprobs.append(tops[i] if tops else None)
-                row += n_in
-            r.kv_len += e.extend
-            if e.extend > 1:
-                self.prefill_tokens += e.extend
-                # Publish finished prompt pages now so concurrent requests can share them.
-                self.kv.cache_prefix(r)
-            if e.sample:
-                sample_rows.append(row)
-                sample_reqs.append(r)
-                row += 1
-        if sample_rows:
-            rows_logits = logits[sample_rows]  # a copy: masked in place below
-            tokens = self.draw(sample_reqs, rows_logits, [self.sample_row(r) for r in sample_reqs]).tolist()
-            # (landed) remote rows let through by a watchdog carry no attention results: drop them
-            via, _ = self.remote_rows.transport(sample_reqs)
-            forged = self.remote_rows.forged([r for r in sample_reqs if r.home is KVHome.REMOTE], via)
-            if forged:
-                keep = [i for i, r in enumerate(sample_reqs) if id(r) not in forged]
-                sample_reqs, tokens = [sample_reqs[i] for i in keep], [tokens[i] for i in keep]
-                rows_logits = rows_logits[keep]
-                entries = [e for e in entries if id(e.req) not in forged]
-            want_lp = [i for i, r in enumerate(sample_reqs) if r.return_logprob]
-            if want_lp:
-                top_n = max(sample_reqs[i].top_logprobs_num for i in want_lp)
-                lps, tops = logprobs_of(rows_logits[want_lp], torch.tensor([tokens[i] for i in want_lp],
-                                                                           device=logits.device), top_n)
-                for j, i in enumerate(want_lp):
-                    r = sample_reqs[i]
-                    r.output_token_logprobs.append((lps[j], tokens[i]))
-                    r.output_top_logprobs.append(tops[j][: r.top_logprobs_num] if tops else [])
-            for r, t in zip(sample_reqs, tokens, strict=True):
-                GrammarRows.keep(r, t)
-        return self.finish_or_report([e.req for e in entries])
-
-    def finish_or_report(self, reqs: list[Req]) -> list[StepOutput]:
-        """Apply the finish rules to requests whose forward just landed; report what is new. A
-        request back in the waiting queue (taken back from its executor while its step was in
-        flight: it holds no KV anywhere) that stops here leaves the queue."""
-        outputs: list[StepOutput] = []
-        now = self.clock()
-        for r in reqs:
-            queued = r.status is ReqStatus.WAITING
-            if r.output_ids:
-                r.last_token_time = now
-                if r.first_token_time is None and not queued:
-                    r.first_token_time = now
-            done = queued or r.kv_len >= r.fill_len - 1  # mid-prefill chunks cannot finish
-            reason = check_finish(r, self.eos_ids, self.runner.context_len, self.decode_fn) if done else None
-            if reason is not None:
-                (self.waiting if queued else self.running).remove(r)
-                self.finish(r, reason)
-            if reason is not None or self._has_new(r):
-                outputs.append(self._output(r))
-        return outputs
-
-    def sample_row(self, r: Req, ahead: int = 0) -> SampleRow:
-        """How to sample request r's next token, `ahead` tokens after those already landed."""
-        p = r.sampling
-        n_out = len(r.output_ids) + ahead
-        banned: list[int] = []
-        if n_out < p.min_new_tokens:
-            banned = sorted(set(self.eos_ids) | set(p.stop_token_ids or []))
-        if p.has_penalties and r.penalty_slot < 0:
-            r.penalty_slot = self.sampler.penalties.acquire(r.input_ids, r.output_ids, p.frequency_penalty,
-                                                             p.presence_penalty)
-        return SampleRow(p, n_out, banned, r.penalty_slot)
-
+    # ---- leaving: releases and finishes (what a forward produces: results.py) -----------------
     def release_kv(self, r: Req) -> None:
-        """`r` lets go of its KV wherever it lives: each member gives back what it holds, then its
-        local pages are freed (full ones published to the prefix cache)."""
+        """`r` lets go of its KV wherever it lives: each member gives back what it holds, local pages
+        last (full ones published to the prefix cache)."""
         for m in self.members:
             m.release(r)
-        self.kv.release(r, keep_in_cache=True)
 
     def drop_penalties(self, r: Req) -> None:
         """Free r's penalty slot: at its finish, or when a token the device's statistics counted is
@@ -521,30 +352,3 @@ class Scheduler:
         r.finish_reason = reason
         self.release_kv(r)
         self.drop_penalties(r)
-
-    def _has_new(self, r: Req) -> bool:
-        sent = self.sent.get(r.rid, (0, 0, 0))
-        return len(r.output_ids) > sent[0] or len(r.input_token_logprobs) > sent[1]
-
-    def _output(self, r: Req) -> StepOutput:
-        t0, i0, o0 = self.sent.get(r.rid, (0, 0, 0))
-        out = StepOutput(
-            rid=r.rid,
-            new_token_ids=r.output_ids[t0:],
-            finished=r.finished,
-            finish_reason=r.finish_reason.to_dict() if r.finish_reason else None,
-            prompt_tokens=len(r.input_ids),
-            completion_tokens=len(r.output_ids),
-            cached_tokens=r.cached_tokens,
-            attention_executor=r.attention_executor,
-            rotations=r.rotations,
-            input_token_logprobs=r.input_token_logprobs[i0:],
-            input_top_logprobs=r.input_top_logprobs[i0:],
-            output_token_logprobs=r.output_token_logprobs[o0:],
-            output_top_logprobs=r.output_top_logprobs[o0:],
-        )
-        if r.finished:
-            self.sent.pop(r.rid, None)
-        else:
-            self.sent[r.rid] = (len(r.output_ids), len(r.input_token_logprobs), len(r.output_token_logprobs))
-        return out
