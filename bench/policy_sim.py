@@ -29,14 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.sim.cost import DEFAULT_CALIBRATION, CostModel
-from bench.traces import (
-    MOONCAKE_BLOCK_TOKENS,
-    PromptBuilder,
-    clip_lengths,
-    default_traces_dir,
-    load_trace,
-    poisson_arrivals,
-)
+from bench.traces import WorkloadConfig, build_requests
 from sglang_ext.engine.model_runner import ModelRunner
 from sglang_ext.forward_batch import ForwardBatch
 from sglang_ext.kvcache.rotation import RotationEngine, Transfer
@@ -103,7 +96,12 @@ def tiny_model(context: int) -> ModelConfig:
 
 
 def make_scheduler(policy: str, mode: str, pool_tokens: int, host_gb: float, ttft_s: float, tpot_s: float,
-                   clock: Clock, cost: CostModel, page: int, context: int) -> Scheduler:
+                   clock: Clock, cost: CostModel, page: int, context: int, skip_forward: bool = False) -> Scheduler:
+    """The real Scheduler over a tiny model whose pool holds `pool_tokens` tokens (the modelled GPU's
+    pool) and, with rotation, a host pool of `host_gb` GiB in the modelled model's bytes. Each forward
+    advances `clock` by the cost model's time for the batch. `skip_forward`: do not run the tiny model at
+    all (greedy logits of zeros): no decision reads the tokens it draws (outputs are `ignore_eos` and are
+    never a prompt's prefix), and its float32 attention over 8K-token prompts is most of a replay's CPU."""
     cfg = tiny_model(context)
     tiny_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # float32 K and V
     host_tokens = int(host_gb * 2**30 / cost.kv_bytes_per_token)
@@ -121,20 +119,33 @@ def make_scheduler(policy: str, mode: str, pool_tokens: int, host_gb: float, ttf
 
     def timed(batch: ForwardBatch) -> torch.Tensor:
         clock.t = max(clock.t, clock.stall) + forward_seconds(cost, batch)
-        return forward(batch)
+        return torch.zeros(len(batch.logits_indices), VOCAB) if skip_forward else forward(batch)
 
     runner.forward = timed  # type: ignore[method-assign]
     return s
 
 
-def workload(trace: str, rate: float, n: int, offset: int, max_in: int, max_out: int, seed: int
-             ) -> list[tuple[float, list[int], int]]:
-    """(arrival, prompt, output length) per request; Mooncake's hash blocks become shared token blocks,
-    as in bench/serving.py, so the prefix cache sees the trace's reuse."""
-    rows = clip_lengths(load_trace(trace, default_traces_dir(), offset, n), max_in, max_out)
-    times = poisson_arrivals(len(rows), rate, 1.0, np.random.default_rng(seed))
-    prompts = PromptBuilder(VOCAB, 2, seed, MOONCAKE_BLOCK_TOKENS)
-    return [(t, prompts.build(r, i), r.output_len) for i, (t, r) in enumerate(zip(times, rows, strict=True))]
+def tiny_ids(ids: list[int]) -> list[int]:
+    """bench/serving.py's prompt ids (< 32000) folded into the tiny model's vocabulary: equal tokens stay
+    equal, so shared prefixes stay shared (two different 16-token pages collide with odds 510^-16)."""
+    return [2 + t % (VOCAB - 2) for t in ids]
+
+
+def serving_workload(cfg: WorkloadConfig) -> list[tuple[float, list[int], int]]:
+    """(arrival, prompt, output length) per request, built by bench/serving.py's own function
+    (bench.traces.build_requests): the same trace rows, clipping, arrival process and seed, and prompts
+    whose Mooncake hash blocks are shared token blocks, so the prefix cache sees the trace's reuse."""
+    specs, _ = build_requests(cfg)
+    return [(s.arrival_s, tiny_ids(s.input_ids), s.output_len) for s in specs]
+
+
+def workload(trace: str, rate: float, n: int, offset: int, max_in: int, max_out: int, seed: int,
+             arrival: str = "poisson") -> list[tuple[float, list[int], int]]:
+    """(arrival, prompt, output length) per request, as bench/serving.py builds them for these flags
+    (`arrival` poisson or burst: 4x the quiet rate for 5 s of every 30 s)."""
+    return serving_workload(WorkloadConfig(trace=trace, arrival=arrival, request_rate=rate, num_requests=n,
+                                           trace_offset=offset, max_input_len=max_in, max_output_len=max_out,
+                                           seed=seed))
 
 
 def replay(s: Scheduler, clock: Clock, reqs: list[tuple[float, list[int], int]], horizon_s: float
@@ -183,10 +194,10 @@ def summarize(res: dict[str, Any], n: int, out_len: dict[str, int], ttft_s: floa
 def run_point(run: str, rate: float, a: argparse.Namespace, cost: CostModel) -> dict[str, Any]:
     policy, mode = run.split("-", 1)
     n = max(8, round(rate * a.seconds))
-    reqs = workload(a.trace, rate, n, a.trace_offset, a.max_in, a.max_out, a.seed)
+    reqs = workload(a.trace, rate, n, a.trace_offset, a.max_in, a.max_out, a.seed, a.arrival)
     clock = Clock()
     s = make_scheduler(policy, mode, a.pool_tokens, a.host_gb, a.ttft, a.tpot, clock, cost, a.page_size,
-                       a.max_in + a.max_out + 16)
+                       a.max_in + a.max_out + 16, skip_forward=a.skip_forward)
     res = replay(s, clock, reqs, horizon_s=a.seconds * 3)
     out_len = {f"q{i}": r[2] for i, r in enumerate(reqs)}
     return {"run": run, "rate": rate, **summarize(res, n, out_len, a.ttft, a.tpot)}
@@ -199,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=30.0, help="requests per point = rate x seconds")
     p.add_argument("--pool-tokens", type=int, default=158_656, help="KV pool (default: a quarter H200, 8B)")
     p.add_argument("--host-gb", type=float, default=32.0, help="host KV pool, in the modelled model's bytes")
-    p.add_argument("--trace", default="mooncake")
+    p.add_argument("--trace", default="mooncake", choices=["mooncake", "azure-conv", "azure-code"])
+    p.add_argument("--arrival", default="poisson", choices=["poisson", "burst"],
+                   help="burst: 4x the quiet rate for 5 s of every 30 s, --rates on average (bench/serving.py's)")
     p.add_argument("--trace-offset", type=int, default=0)
     p.add_argument("--max-in", type=int, default=7680)
     p.add_argument("--max-out", type=int, default=256)
@@ -211,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION,
                    help="cost-model calibration (python -m bench.sim.fit writes it)")
     p.add_argument("--model", default="llama-3-8b", help="geometry preset whose steps are priced")
+    p.add_argument("--skip-forward", action="store_true",
+                   help="do not run the tiny model (same decisions, several times faster)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     cost = CostModel.load(a.calibration, a.model)
