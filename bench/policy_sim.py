@@ -21,7 +21,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -34,10 +34,10 @@ from sglang_ext.engine.model_runner import ModelRunner
 from sglang_ext.forward_batch import ForwardBatch
 from sglang_ext.kvcache.rotation import RotationEngine, Transfer
 from sglang_ext.models.config import ModelConfig
-from sglang_ext.sampling.params import SamplingParams
+from sglang_ext.sampling.params import InvalidRequest, SamplingParams
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
-from sglang_ext.server_args import ServerArgs
+from sglang_ext.server_args import PreemptionMode, SchedulePolicy, ServerArgs
 
 VOCAB = 512
 
@@ -108,7 +108,8 @@ def make_scheduler(policy: str, mode: str, pool_tokens: int, host_gb: float, ttf
     rot: dict[str, Any] = {} if mode != "rotate" else dict(
         kv_host_size_gb=host_tokens * tiny_bytes / 2**30, rotation_budget_mb=256 * tiny_bytes / cost.kv_bytes_per_token)
     sa = ServerArgs(device="cpu", dtype="float32", load_format="dummy", page_size=page, max_total_tokens=pool_tokens,
-                    schedule_policy=policy, preemption_mode=mode, chunked_prefill_size=8192,
+                    schedule_policy=cast(SchedulePolicy, policy), preemption_mode=cast(PreemptionMode, mode),
+                    chunked_prefill_size=8192,
                     ttft_slo_ms=ttft_s * 1e3, tpot_slo_ms=tpot_s * 1e3, **rot)
     runner = ModelRunner(sa, None, cfg)  # type: ignore[arg-type]
     s = Scheduler(sa, runner, page, frozenset(), vocab_size=VOCAB)
@@ -157,7 +158,10 @@ def replay(s: Scheduler, clock: Clock, reqs: list[tuple[float, list[int], int]],
     arrival = {r.rid: r.arrival_time for r in todo}
     while (todo or s.has_work()) and clock.t < horizon_s:
         while todo and todo[0].arrival_time <= clock.t:
-            s.add_request(todo.pop(0))
+            try:
+                s.add_request(todo.pop(0))
+            except InvalidRequest:  # the server answers 400 (a prompt longer than the pool): a miss
+                continue
         if not s.has_work():
             clock.t = todo[0].arrival_time
             continue
