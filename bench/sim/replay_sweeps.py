@@ -49,6 +49,7 @@ from sglang_ext.models.config import ModelConfig
 RESULTS: Final = repo_root() / "bench" / "results"
 POOL_LINE: Final = re.compile(r"kv pool [0-9.]+ s \((?P<pages>\d+) pages x (?P<page>\d+) tokens")
 GiB: Final = 2**30
+DETAIL: Final = ("ttft_median_ms", "tpot_mean_ms", "end_s")
 
 
 @dataclass(frozen=True)
@@ -189,8 +190,10 @@ def measured(report: dict[str, Any]) -> dict[str, float]:
     sent = int(m["sent"])
     scheduled = int(report["workload"].get("scheduled", sent))
     slo = m["slo"]
-    return {k: float(slo[f"{k}_attainment"] or 0.0) * sent / scheduled if scheduled else 0.0
-            for k in ("both", "ttft", "tbt")}
+    out = {k: float(slo[f"{k}_attainment"] or 0.0) * sent / scheduled if scheduled else 0.0
+           for k in ("both", "ttft", "tbt")}
+    return {**out, "ttft_median_ms": float(m["ttft_ms"]["median"] or math.nan),
+            "tpot_mean_ms": float(m["tpot_ms"]["mean"] or math.nan), "end_s": float(m["duration_s"])}
 
 
 def predict(report: dict[str, Any], run: str, pool: int, sw: Sweep, cost: CostModel) -> dict[str, Any]:
@@ -208,18 +211,23 @@ def predict(report: dict[str, Any], run: str, pool: int, sw: Sweep, cost: CostMo
     s = make_scheduler(policy, mode, pool, sw.host_gb, ttft, tpot, clock, cost, 16, context, skip_forward=True)
     res = replay(s, clock, [r for r in reqs if r[0] < horizon], horizon_s=horizon)
     met = {"both": 0, "ttft": 0, "tbt": 0}
+    ttfts, tpots = [], []
     for i, (_, _, n_out) in enumerate(reqs):
         ts = res["times"].get(f"q{i}", [])
         if len(ts) < n_out:
             continue  # unsent, or unfinished at max_duration: cancelled, a miss of every SLO
         first = ts[0] - res["arrival"][f"q{i}"]
         mean = (ts[-1] - ts[0]) / (len(ts) - 1) if len(ts) > 1 else 0.0
+        ttfts.append(first)
+        tpots.append(mean)
         met["ttft"] += first <= ttft
         met["tbt"] += mean <= tpot
         met["both"] += first <= ttft and mean <= tpot
     n = len(reqs)
     return {**{k: v / n for k, v in met.items()}, "both_met": met["both"], "scheduled": n,
-            "rotations_out": res["rotations"], "preemptions": res["preemptions"], "sim_end_s": clock.t}
+            "rotations_out": res["rotations"], "preemptions": res["preemptions"], "end_s": clock.t,
+            "ttft_median_ms": 1e3 * float(np.median(ttfts)) if ttfts else math.nan,
+            "tpot_mean_ms": 1e3 * float(np.mean(tpots)) if tpots else math.nan}
 
 
 @dataclass(frozen=True)
@@ -262,7 +270,7 @@ def replay_panel(panel: Panel, costs: dict[str, CostModel], constants: tuple[flo
         t0 = time.perf_counter()
         pred = predict(report, run, pool, sw, costs[sw.model])
         row = Row(panel.name, sw.folder, path.name, label, rate, repeat, pred["scheduled"], pool, source,
-                  measured(report), {k: pred[k] for k in ("both", "ttft", "tbt")}, pred["rotations_out"],
+                  measured(report), {k: pred[k] for k in ("both", "ttft", "tbt", *DETAIL)}, pred["rotations_out"],
                   pred["preemptions"], time.perf_counter() - t0)
         rows.append(row)
         if log:
@@ -310,7 +318,9 @@ def _row_text(r: Row) -> str:
     m, p = r.measured, r.predicted
     return (f"{r.panel:<26} {r.run:<22} {r.rate:>5g} k{r.repeat} n={r.requests:<4} both {100 * m['both']:5.1f} -> "
             f"{100 * p['both']:5.1f}  TTFT {100 * m['ttft']:5.1f} -> {100 * p['ttft']:5.1f}  TPOT "
-            f"{100 * m['tbt']:5.1f} -> {100 * p['tbt']:5.1f}  rot {r.rotations_out}  ({r.wall_s:.0f} s)")
+            f"{100 * m['tbt']:5.1f} -> {100 * p['tbt']:5.1f}  TTFT p50 {m['ttft_median_ms']:5.0f} -> "
+            f"{p['ttft_median_ms']:5.0f} ms  TPOT mean {m['tpot_mean_ms']:4.0f} -> {p['tpot_mean_ms']:4.0f} ms  "
+            f"end {m['end_s']:5.1f} -> {p['end_s']:5.1f} s  rot {r.rotations_out}  ({r.wall_s:.0f} s)")
 
 
 def summary(rows: Sequence[Row]) -> dict[str, Any]:
