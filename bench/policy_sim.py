@@ -42,9 +42,10 @@ from sglang_ext.server_args import PreemptionMode, SchedulePolicy, ServerArgs
 VOCAB = 512
 
 
-def forward_seconds(cost: CostModel, batch: ForwardBatch) -> float:
-    """What the scheduler's batch would take on the calibrated GPU (rows extending by 1 are decode rows)."""
-    return cost.forward_s(batch.extend_lens, batch.seq_lens)
+def forward_seconds(cost: CostModel, batch: ForwardBatch, host: bool = False) -> float:
+    """What the scheduler's batch would take on the calibrated GPU (rows extending by 1 are decode rows);
+    `host`: plus the host time the engine's loop does not hide for a batch with a prefill chunk."""
+    return cost.forward_s(batch.extend_lens, batch.seq_lens, host)
 
 
 class Clock:
@@ -96,12 +97,15 @@ def tiny_model(context: int) -> ModelConfig:
 
 
 def make_scheduler(policy: str, mode: str, pool_tokens: int, host_gb: float, ttft_s: float, tpot_s: float,
-                   clock: Clock, cost: CostModel, page: int, context: int, skip_forward: bool = False) -> Scheduler:
+                   clock: Clock, cost: CostModel, page: int, context: int, skip_forward: bool = False,
+                   host_time: bool = False) -> Scheduler:
     """The real Scheduler over a tiny model whose pool holds `pool_tokens` tokens (the modelled GPU's
     pool) and, with rotation, a host pool of `host_gb` GiB in the modelled model's bytes. Each forward
     advances `clock` by the cost model's time for the batch. `skip_forward`: do not run the tiny model at
     all (greedy logits of zeros): no decision reads the tokens it draws (outputs are `ignore_eos` and are
-    never a prompt's prefix), and its float32 attention over 8K-token prompts is most of a replay's CPU."""
+    never a prompt's prefix), and its float32 attention over 8K-token prompts is most of a replay's CPU.
+    `host_time`: a step with a prefill chunk also pays the engine's unoverlapped host time per step
+    (`CostModel.plain_host_s`, measured by bench/offline.py's plain loop)."""
     cfg = tiny_model(context)
     tiny_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # float32 K and V
     host_tokens = int(host_gb * 2**30 / cost.kv_bytes_per_token)
@@ -119,7 +123,7 @@ def make_scheduler(policy: str, mode: str, pool_tokens: int, host_gb: float, ttf
     forward = runner.forward
 
     def timed(batch: ForwardBatch) -> torch.Tensor:
-        clock.t = max(clock.t, clock.stall) + forward_seconds(cost, batch)
+        clock.t = max(clock.t, clock.stall) + forward_seconds(cost, batch, host_time)
         return torch.zeros(len(batch.logits_indices), VOCAB) if skip_forward else forward(batch)
 
     runner.forward = timed  # type: ignore[method-assign]
@@ -201,7 +205,7 @@ def run_point(run: str, rate: float, a: argparse.Namespace, cost: CostModel) -> 
     reqs = workload(a.trace, rate, n, a.trace_offset, a.max_in, a.max_out, a.seed, a.arrival)
     clock = Clock()
     s = make_scheduler(policy, mode, a.pool_tokens, a.host_gb, a.ttft, a.tpot, clock, cost, a.page_size,
-                       a.max_in + a.max_out + 16, skip_forward=a.skip_forward)
+                       a.max_in + a.max_out + 16, skip_forward=a.skip_forward, host_time=a.host_time)
     res = replay(s, clock, reqs, horizon_s=a.seconds * 3)
     out_len = {f"q{i}": r[2] for i, r in enumerate(reqs)}
     return {"run": run, "rate": rate, **summarize(res, n, out_len, a.ttft, a.tpot)}
@@ -228,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION,
                    help="cost-model calibration (python -m bench.sim.fit writes it)")
     p.add_argument("--model", default="llama-3-8b", help="geometry preset whose steps are priced")
+    p.add_argument("--host-time", action="store_true",
+                   help="a step with a prefill chunk also pays the host time the engine's loop does not overlap")
     p.add_argument("--skip-forward", action="store_true",
                    help="do not run the tiny model (same decisions, several times faster)")
     a = p.parse_args(argv)

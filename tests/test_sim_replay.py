@@ -100,3 +100,14 @@ def test_goodput_table_uses_the_strict_rule() -> None:
     t = R.goodput_table([row(3, 0.95, 0.8), row(4, 0.5, 0.95), row(5, 0.4, 0.3)])[0]
     assert (t["measured"], t["predicted"], t["steps_apart"], t["within_one_step"]) == ("3", "< 3", 1, True)
     assert t["attainment_mae_points"] == pytest.approx(100 * (0.15 + 0.45 + 0.1) / 3)
+
+
+def test_host_time_is_charged_to_prefill_steps_only() -> None:
+    c = CostModel.load()
+    loop = c.cal.raw["loop"]
+    assert 0 < loop["plain_host_us"] < 5000 and 0 <= loop["plain_host_row_us"] < 100  # fitted, in bounds
+    decode = ([1, 1, 1], [900, 1200, 5000])
+    assert c.forward_s(*decode, host=True) == c.forward_s(*decode)  # overlapped in the engine: GPU time only
+    mixed = ([4096, 1, 1], [4096, 1200, 5000])
+    extra = c.forward_s(*mixed, host=True) - c.forward_s(*mixed)
+    assert extra == pytest.approx((loop["plain_host_us"] + 3 * loop["plain_host_row_us"]) * 1e-6)

@@ -196,7 +196,8 @@ def measured(report: dict[str, Any]) -> dict[str, float]:
             "tpot_mean_ms": float(m["tpot_ms"]["mean"] or math.nan), "end_s": float(m["duration_s"])}
 
 
-def predict(report: dict[str, Any], run: str, pool: int, sw: Sweep, cost: CostModel) -> dict[str, Any]:
+def predict(report: dict[str, Any], run: str, pool: int, sw: Sweep, cost: CostModel, host_time: bool = True
+            ) -> dict[str, Any]:
     """Replay one report's requests on the simulator: attainment (both, TTFT, TPOT) over the scheduled."""
     cfg = report["config"]
     ttft, tpot = float(cfg["ttft_slo"]), float(cfg["tbt_slo"])
@@ -208,7 +209,8 @@ def predict(report: dict[str, Any], run: str, pool: int, sw: Sweep, cost: CostMo
     policy, mode = run_of(run)
     clock = Clock()
     context = max(len(ids) + n for _, ids, n in reqs) + 16
-    s = make_scheduler(policy, mode, pool, sw.host_gb, ttft, tpot, clock, cost, 16, context, skip_forward=True)
+    s = make_scheduler(policy, mode, pool, sw.host_gb, ttft, tpot, clock, cost, 16, context, skip_forward=True,
+                       host_time=host_time)
     res = replay(s, clock, [r for r in reqs if r[0] < horizon], horizon_s=horizon)
     met = {"both": 0, "ttft": 0, "tbt": 0}
     ttfts, tpots = [], []
@@ -261,14 +263,14 @@ def reports(panel: Panel) -> list[tuple[Sweep, Path, str, float, int]]:
 
 
 def replay_panel(panel: Panel, costs: dict[str, CostModel], constants: tuple[float, float],
-                 limit: int | None = None, log: bool = True) -> list[Row]:
+                 limit: int | None = None, log: bool = True, host_time: bool = True) -> list[Row]:
     rows = []
     for sw, path, label, rate, repeat in reports(panel)[:limit]:
         report = json.loads(path.read_text())
         run = "-".join(run_of(label))
         pool, source = pool_tokens(path, run, sw, constants)
         t0 = time.perf_counter()
-        pred = predict(report, run, pool, sw, costs[sw.model])
+        pred = predict(report, run, pool, sw, costs[sw.model], host_time)
         row = Row(panel.name, sw.folder, path.name, label, rate, repeat, pred["scheduled"], pool, source,
                   measured(report), {k: pred[k] for k in ("both", "ttft", "tbt", *DETAIL)}, pred["rotations_out"],
                   pred["preemptions"], time.perf_counter() - t0)
@@ -340,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="list the panels and their folders, run nothing")
     p.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION)
     p.add_argument("--target", type=float, default=0.9)
+    p.add_argument("--no-host-time", action="store_true",
+                   help="price GPU time only (before 2026-12-03's fix: no host time for unoverlapped prefill steps)")
     p.add_argument("--out", type=Path, default=None, help="JSON: every point, the goodput table, the MAE")
     a = p.parse_args(argv)
     chosen = [pn for pn in PANELS if a.panels is None
@@ -358,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     costs = {m: CostModel.load(a.calibration, m) for m in {sw.model for pn in chosen for sw in pn.sweeps}}
     rows: list[Row] = []
     for pn in chosen:
-        rows += replay_panel(pn, costs, constants, a.limit)
+        rows += replay_panel(pn, costs, constants, a.limit, host_time=not a.no_host_time)
     table = goodput_table(rows, a.target)
     print("\nstrict goodput (req/s), measured -> predicted, and attainment MAE (points)")
     for t in table:
@@ -373,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({
-            "calibration": str(a.calibration), "memory_constants_bytes": constants, "target": a.target,
+            "calibration": str(a.calibration), "host_time": not a.no_host_time,
+            "memory_constants_bytes": constants, "target": a.target,
             "summary": {**s, "goodput_within_one_step": ok, "goodput_runs": len(table)},
             "goodput": table, "points": [asdict(r) for r in rows]}, indent=1) + "\n")
     return 0
