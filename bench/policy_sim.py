@@ -21,7 +21,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -29,29 +29,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.sim.cost import DEFAULT_CALIBRATION, CostModel
-from bench.traces import (
-    MOONCAKE_BLOCK_TOKENS,
-    PromptBuilder,
-    clip_lengths,
-    default_traces_dir,
-    load_trace,
-    poisson_arrivals,
-)
+from bench.traces import WorkloadConfig, build_requests
 from sglang_ext.engine.model_runner import ModelRunner
 from sglang_ext.forward_batch import ForwardBatch
 from sglang_ext.kvcache.rotation import RotationEngine, Transfer
 from sglang_ext.models.config import ModelConfig
-from sglang_ext.sampling.params import SamplingParams
+from sglang_ext.sampling.params import InvalidRequest, SamplingParams
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
-from sglang_ext.server_args import ServerArgs
+from sglang_ext.server_args import PreemptionMode, SchedulePolicy, ServerArgs
 
 VOCAB = 512
 
 
-def forward_seconds(cost: CostModel, batch: ForwardBatch) -> float:
-    """What the scheduler's batch would take on the calibrated GPU (rows extending by 1 are decode rows)."""
-    return cost.forward_s(batch.extend_lens, batch.seq_lens)
+def forward_seconds(cost: CostModel, batch: ForwardBatch, host: bool = False) -> float:
+    """What the scheduler's batch would take on the calibrated GPU (rows extending by 1 are decode rows);
+    `host`: plus the host time the engine's loop does not hide for a batch with a prefill chunk."""
+    return cost.forward_s(batch.extend_lens, batch.seq_lens, host)
 
 
 class Clock:
@@ -103,14 +97,23 @@ def tiny_model(context: int) -> ModelConfig:
 
 
 def make_scheduler(policy: str, mode: str, pool_tokens: int, host_gb: float, ttft_s: float, tpot_s: float,
-                   clock: Clock, cost: CostModel, page: int, context: int) -> Scheduler:
+                   clock: Clock, cost: CostModel, page: int, context: int, skip_forward: bool = False,
+                   host_time: bool = False) -> Scheduler:
+    """The real Scheduler over a tiny model whose pool holds `pool_tokens` tokens (the modelled GPU's
+    pool) and, with rotation, a host pool of `host_gb` GiB in the modelled model's bytes. Each forward
+    advances `clock` by the cost model's time for the batch. `skip_forward`: do not run the tiny model at
+    all (greedy logits of zeros): no decision reads the tokens it draws (outputs are `ignore_eos` and are
+    never a prompt's prefix), and its float32 attention over 8K-token prompts is most of a replay's CPU.
+    `host_time`: a step with a prefill chunk also pays the engine's unoverlapped host time per step
+    (`CostModel.plain_host_s`, measured by bench/offline.py's plain loop)."""
     cfg = tiny_model(context)
     tiny_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # float32 K and V
     host_tokens = int(host_gb * 2**30 / cost.kv_bytes_per_token)
     rot: dict[str, Any] = {} if mode != "rotate" else dict(
         kv_host_size_gb=host_tokens * tiny_bytes / 2**30, rotation_budget_mb=256 * tiny_bytes / cost.kv_bytes_per_token)
     sa = ServerArgs(device="cpu", dtype="float32", load_format="dummy", page_size=page, max_total_tokens=pool_tokens,
-                    schedule_policy=policy, preemption_mode=mode, chunked_prefill_size=8192,
+                    schedule_policy=cast(SchedulePolicy, policy), preemption_mode=cast(PreemptionMode, mode),
+                    chunked_prefill_size=8192,
                     ttft_slo_ms=ttft_s * 1e3, tpot_slo_ms=tpot_s * 1e3, **rot)
     runner = ModelRunner(sa, None, cfg)  # type: ignore[arg-type]
     s = Scheduler(sa, runner, page, frozenset(), vocab_size=VOCAB)
@@ -120,21 +123,34 @@ def make_scheduler(policy: str, mode: str, pool_tokens: int, host_gb: float, ttf
     forward = runner.forward
 
     def timed(batch: ForwardBatch) -> torch.Tensor:
-        clock.t = max(clock.t, clock.stall) + forward_seconds(cost, batch)
-        return forward(batch)
+        clock.t = max(clock.t, clock.stall) + forward_seconds(cost, batch, host_time)
+        return torch.zeros(len(batch.logits_indices), VOCAB) if skip_forward else forward(batch)
 
     runner.forward = timed  # type: ignore[method-assign]
     return s
 
 
-def workload(trace: str, rate: float, n: int, offset: int, max_in: int, max_out: int, seed: int
-             ) -> list[tuple[float, list[int], int]]:
-    """(arrival, prompt, output length) per request; Mooncake's hash blocks become shared token blocks,
-    as in bench/serving.py, so the prefix cache sees the trace's reuse."""
-    rows = clip_lengths(load_trace(trace, default_traces_dir(), offset, n), max_in, max_out)
-    times = poisson_arrivals(len(rows), rate, 1.0, np.random.default_rng(seed))
-    prompts = PromptBuilder(VOCAB, 2, seed, MOONCAKE_BLOCK_TOKENS)
-    return [(t, prompts.build(r, i), r.output_len) for i, (t, r) in enumerate(zip(times, rows, strict=True))]
+def tiny_ids(ids: list[int]) -> list[int]:
+    """bench/serving.py's prompt ids (< 32000) folded into the tiny model's vocabulary: equal tokens stay
+    equal, so shared prefixes stay shared (two different 16-token pages collide with odds 510^-16)."""
+    return [2 + t % (VOCAB - 2) for t in ids]
+
+
+def serving_workload(cfg: WorkloadConfig) -> list[tuple[float, list[int], int]]:
+    """(arrival, prompt, output length) per request, built by bench/serving.py's own function
+    (bench.traces.build_requests): the same trace rows, clipping, arrival process and seed, and prompts
+    whose Mooncake hash blocks are shared token blocks, so the prefix cache sees the trace's reuse."""
+    specs, _ = build_requests(cfg)
+    return [(s.arrival_s, tiny_ids(s.input_ids), s.output_len) for s in specs]
+
+
+def workload(trace: str, rate: float, n: int, offset: int, max_in: int, max_out: int, seed: int,
+             arrival: str = "poisson") -> list[tuple[float, list[int], int]]:
+    """(arrival, prompt, output length) per request, as bench/serving.py builds them for these flags
+    (`arrival` poisson or burst: 4x the quiet rate for 5 s of every 30 s)."""
+    return serving_workload(WorkloadConfig(trace=trace, arrival=arrival, request_rate=rate, num_requests=n,
+                                           trace_offset=offset, max_input_len=max_in, max_output_len=max_out,
+                                           seed=seed))
 
 
 def replay(s: Scheduler, clock: Clock, reqs: list[tuple[float, list[int], int]], horizon_s: float
@@ -146,7 +162,10 @@ def replay(s: Scheduler, clock: Clock, reqs: list[tuple[float, list[int], int]],
     arrival = {r.rid: r.arrival_time for r in todo}
     while (todo or s.has_work()) and clock.t < horizon_s:
         while todo and todo[0].arrival_time <= clock.t:
-            s.add_request(todo.pop(0))
+            try:
+                s.add_request(todo.pop(0))
+            except InvalidRequest:  # the server answers 400 (a prompt longer than the pool): a miss
+                continue
         if not s.has_work():
             clock.t = todo[0].arrival_time
             continue
@@ -183,10 +202,10 @@ def summarize(res: dict[str, Any], n: int, out_len: dict[str, int], ttft_s: floa
 def run_point(run: str, rate: float, a: argparse.Namespace, cost: CostModel) -> dict[str, Any]:
     policy, mode = run.split("-", 1)
     n = max(8, round(rate * a.seconds))
-    reqs = workload(a.trace, rate, n, a.trace_offset, a.max_in, a.max_out, a.seed)
+    reqs = workload(a.trace, rate, n, a.trace_offset, a.max_in, a.max_out, a.seed, a.arrival)
     clock = Clock()
     s = make_scheduler(policy, mode, a.pool_tokens, a.host_gb, a.ttft, a.tpot, clock, cost, a.page_size,
-                       a.max_in + a.max_out + 16)
+                       a.max_in + a.max_out + 16, skip_forward=a.skip_forward, host_time=a.host_time)
     res = replay(s, clock, reqs, horizon_s=a.seconds * 3)
     out_len = {f"q{i}": r[2] for i, r in enumerate(reqs)}
     return {"run": run, "rate": rate, **summarize(res, n, out_len, a.ttft, a.tpot)}
@@ -199,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=30.0, help="requests per point = rate x seconds")
     p.add_argument("--pool-tokens", type=int, default=158_656, help="KV pool (default: a quarter H200, 8B)")
     p.add_argument("--host-gb", type=float, default=32.0, help="host KV pool, in the modelled model's bytes")
-    p.add_argument("--trace", default="mooncake")
+    p.add_argument("--trace", default="mooncake", choices=["mooncake", "azure-conv", "azure-code"])
+    p.add_argument("--arrival", default="poisson", choices=["poisson", "burst"],
+                   help="burst: 4x the quiet rate for 5 s of every 30 s, --rates on average (bench/serving.py's)")
     p.add_argument("--trace-offset", type=int, default=0)
     p.add_argument("--max-in", type=int, default=7680)
     p.add_argument("--max-out", type=int, default=256)
@@ -211,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION,
                    help="cost-model calibration (python -m bench.sim.fit writes it)")
     p.add_argument("--model", default="llama-3-8b", help="geometry preset whose steps are priced")
+    p.add_argument("--host-time", action="store_true",
+                   help="a step with a prefill chunk also pays the host time the engine's loop does not overlap")
+    p.add_argument("--skip-forward", action="store_true",
+                   help="do not run the tiny model (same decisions, several times faster)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     cost = CostModel.load(a.calibration, a.model)

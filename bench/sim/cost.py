@@ -8,6 +8,7 @@ comes from its Geometry, so one GPU's file prices any model:
     prefill     = max(weight bytes / weights_GBps, tokens' GEMM FLOPs / prefill gemm_TFLOPs)
                   + causal attention FLOPs / attention_TFLOPs + step_us
     mixed batch = the prefill form over every token, plus the decode rows' KV read and per-row cost
+    a step with a prefill chunk also pays the host time of a step the loop cannot overlap (`plain_host_s`)
 
 A quantity the calibration has no measurement for is null there with a reason; asking for it raises
 `Uncalibrated` naming the quantity and the reason, never a guess.
@@ -116,8 +117,10 @@ class CostModel:
                   + decode_rows * self.cal.get("decode", "row_us") * 1e-6)
         return t
 
-    def forward_s(self, extend_lens: Sequence[int], seq_lens: Sequence[int]) -> float:
-        """A scheduler batch: rows extending by 1 are decode rows, longer ones prefill chunks."""
+    def forward_s(self, extend_lens: Sequence[int], seq_lens: Sequence[int], host: bool = False) -> float:
+        """A scheduler batch: rows extending by 1 are decode rows, longer ones prefill chunks. `host`: add
+        the unoverlapped host time to a batch with a prefill chunk (the engine's loop overlaps only decode
+        steps with the previous forward; a calibration without the `loop` rows raises Uncalibrated)."""
         rows = kv = 0
         chunks: list[tuple[int, int]] = []
         for n, end in zip(extend_lens, seq_lens, strict=True):
@@ -125,7 +128,19 @@ class CostModel:
                 rows, kv = rows + 1, kv + end
             else:
                 chunks.append((n, end))
-        return self.prefill_s(chunks, rows, kv)
+        t = self.prefill_s(chunks, rows, kv)
+        return t + self.plain_host_s(rows + len(chunks)) if host and chunks else t
+
+    def plain_host_s(self, rows: int) -> float:
+        """Host time of a step the loop does not overlap with the previous forward (the engine overlaps
+        decode steps only): scheduling, building and landing a batch of `rows` rows while the GPU idles,
+        from bench/offline.py's plain-loop rows (`loop` in the calibration)."""
+        loop = self.cal.raw.get("loop") or {}
+        base, per_row = loop.get("plain_host_us"), loop.get("plain_host_row_us")
+        if base is None or per_row is None:
+            raise Uncalibrated(f"loop.plain_host_us has no measurement on {self.cal.gpu}: "
+                               f"{self.cal.missing.get('loop.plain_host_us', 'not in the calibration file')}")
+        return (float(base) + float(per_row) * rows) * 1e-6
 
     # -- host link -------------------------------------------------------------------------------
     def copy_s(self, nbytes: float, direction: str, duplex: bool = False) -> float:

@@ -129,6 +129,36 @@ def host_link(reports: list[Report]) -> tuple[dict[str, float | None], str]:
             f"{r.rel()} ({r.date}), method {s.get('best_method')}")
 
 
+def plain_loop_host(results: Path, gpu: str) -> tuple[dict[str, float | None], str]:
+    """Host time a step pays when the loop cannot overlap it with the previous step's forward: the engine
+    overlaps decode steps only, so a prefill (or mixed) step is scheduled, built, run and landed with the
+    GPU idle around its host work. bench/offline.py's `loop` rows of the plain Scheduler measure exactly
+    that: step wall time - median forward GPU time; least squares on the batch's rows."""
+    xs, ys, where = [], [], []
+    for path in sorted(results.rglob("*.json")):
+        try:
+            d = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        loop = d.get("loop") if isinstance(d, dict) else None
+        env = d.get("env") if isinstance(d, dict) else None
+        if not isinstance(loop, list) or not isinstance(env, dict):
+            continue
+        if gpu.lower() not in str(env.get("gpu", "")).lower():
+            continue
+        for row in loop:
+            if row.get("scheduler") == "Scheduler" and row.get("step_wall_ms") and row.get("forward_gpu_ms_median"):
+                xs.append(float(row["requests"]))
+                ys.append(float(row["step_wall_ms"]) - float(row["forward_gpu_ms_median"]))
+        if loop:
+            where.append(str(path.relative_to(results)))
+    if len(set(xs)) < 2:
+        return {"plain_host_us": None, "plain_host_row_us": None}, "no bench/offline.py loop rows at two batch sizes"
+    slope, icpt = np.polyfit(np.array(xs), np.array(ys), 1)
+    return ({"plain_host_us": float(icpt) * 1e3, "plain_host_row_us": float(slope) * 1e3},
+            f"{len(xs)} plain-loop rows (step wall - forward GPU) of " + ", ".join(where))
+
+
 EXCHANGE_COLUMNS = {"signalled": "gpu_signalled_graph", "lean": "gpu_signalled_lean_graph",
                     "data_only": "data_only_graph"}
 
@@ -234,6 +264,9 @@ def calibrate(results: Path, model: str, gpu: str, fit_runs: list[str] | None) -
     host, host_src = executor_host(reports, geo)
     if host["uncapped_increase_per_guest_gib"] is None:
         missing["executor_host.uncapped"] = "no two-GPU bench/remote_host.py run"
+    loop, loop_src = plain_loop_host(results, gpu)
+    if loop["plain_host_us"] is None:
+        missing["loop.plain_host_us"] = loop_src
     missing.update(MISSING_ALWAYS)
     used = sorted({r.rel() for r in reports if r.kind != "offline" or r.model == model})
     by_path = {r.rel(): r for r in reports}
@@ -249,7 +282,9 @@ def calibrate(results: Path, model: str, gpu: str, fit_runs: list[str] | None) -
         "host_link": link,
         "remote_exchange": ex,
         "executor_host": host,
-        "sources": {"decode_fit": sorted(fit_paths), "weights_GBps": w_src, "prefill_fit": sorted(fit_paths),
+        "loop": loop,
+        "sources": {"loop": loop_src,
+                    "decode_fit": sorted(fit_paths), "weights_GBps": w_src, "prefill_fit": sorted(fit_paths),
                     "host_link": link_src, "remote_exchange": ex_src, "executor_host": host_src},
         "missing": missing,
         "runs": [{"path": p, "kind": by_path[p].kind, "date": by_path[p].date,

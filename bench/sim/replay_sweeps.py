@@ -1,0 +1,388 @@
+"""Predict every one-GPU goodput sweep in bench/results with the simulator, beside what was measured.
+
+    python -m bench.sim.replay_sweeps                       # every panel (about 10 min on one core)
+    python -m bench.sim.replay_sweeps --panels s3/c2 12-03 --limit 4 --out /tmp/v.json
+
+For each bench/serving.py report of a sweep (`gp_<run>_r<rate>[_k<repeat>].json`) the replay rebuilds
+the request list with serving.py's own function from the report's `config` (trace, offset, number of
+requests, arrival process and seed, length caps: the same rows and arrival times, see
+tests/test_sim_replay.py), and runs it through bench/policy_sim.py: the real Scheduler with the run's
+policy and preemption mode, the report's SLOs, the KV pool the server had, the host pool of the sweep
+(HOST_GB, 32 GiB) and the calibrated H200 clock for the sweep's model. Requests not sent before the
+report's `max_duration`, or unfinished then, are misses, as in serving.py.
+
+KV pool: the server log beside the report (`gp_server_<run>.log`, "kv pool (N pages x P tokens") where
+the sweep kept it, else the memory math of the engine (sglang_ext/engine/model_runner.py: share x GPU
+memory - weights - what the process holds besides, in pages), whose two constants, the GPU's memory as
+torch reports it and the process's own use, are fitted by least squares to every logged pool under
+bench/results (`memory_constants`). Each point says which source it used.
+
+The cost model is fitted to the offline / micro-benchmarks only (bench/sim/fit.py); nothing here is
+fitted to the goodput results it predicts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+import torch
+
+from bench import goodput as G
+from bench.policy_sim import Clock, make_scheduler, replay, serving_workload
+from bench.serving import build_parser as serving_parser
+from bench.serving import workload_config
+from bench.sim.cost import DEFAULT_CALIBRATION, CostModel
+from bench.traces import WorkloadConfig, repo_root
+from sglang_ext.configs import preset_config_file
+from sglang_ext.models.config import ModelConfig
+
+RESULTS: Final = repo_root() / "bench" / "results"
+POOL_LINE: Final = re.compile(r"kv pool [0-9.]+ s \((?P<pages>\d+) pages x (?P<page>\d+) tokens")
+GiB: Final = 2**30
+DETAIL: Final = ("ttft_median_ms", "tpot_mean_ms", "end_s")
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """One folder of reports (one device call) and what the reports do not record: the memory share,
+    the geometry, the host pool, and what code ran."""
+
+    folder: str  # under bench/results
+    share: float
+    model: str = "llama-3-8b"
+    host_gb: float = 32.0
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One goodput setting: one folder, or the folders a panel merges (as docs/benchmarks.md does)."""
+
+    name: str
+    sweeps: tuple[Sweep, ...]
+
+
+OLD_LVF = "older engine (lvf before EDF and the rotation bound); the replay runs today's scheduler"
+PANELS: Final[tuple[Panel, ...]] = (
+    Panel("12-01/c1 1/4", (Sweep("2026-12-01-goodput-fair/c1-gates-landed", 0.25,
+                                 note="4046a55: rotation held steps to landed state; fcfs 6 paid JIT"),)),
+    Panel("12-01/c2 1/4", (Sweep("2026-12-01-goodput-fair/c2-gates-landed", 0.25,
+                                 note="4046a55: rotation held steps to landed state (fcfs-rotate slow)"),)),
+    Panel("12-01/c3 1/4", (Sweep("2026-12-01-goodput-fair/c3-overlap", 0.25, note="a944f9e: " + OLD_LVF),)),
+    Panel("12-01/c4 1/4 burst", (Sweep("2026-12-01-goodput-fair/c4-burst-share025", 0.25,
+                                       note="a944f9e: " + OLD_LVF),)),
+    Panel("12-01/c4 1/2", (Sweep("2026-12-01-goodput-fair/c4-share05", 0.5, note="a944f9e: " + OLD_LVF),)),
+    Panel("12-01/c5 1/4 burst", (Sweep("2026-12-01-goodput-fair/c5-edf-burst-share025", 0.25,
+                                       note="262e9b1: lvf EDF, before the rotation bound"),)),
+    Panel("12-01/c5 1/2", (Sweep("2026-12-01-goodput-fair/c5-edf-share05", 0.5,
+                                 note="262e9b1: lvf EDF, before the rotation bound"),)),
+    Panel("12-01 mooncake 1/4", (
+        Sweep("2026-12-01-goodput-share025-mooncake", 0.25, note="first lvf (rotation whenever ahead)"),
+        Sweep("2026-12-01-goodput-share025-mooncake/high-rates", 0.25, note="first lvf"))),
+    Panel("12-02/c1 1/2 lvf", (Sweep("2026-12-02-h200/c1-disagg-sampling-share05-lvf/goodput", 0.5),)),
+    Panel("12-02/c2 0.9", (Sweep("2026-12-02-h200/c2-routing-share09/goodput", 0.9),)),
+    Panel("12-02/c3 1/8", (Sweep("2026-12-02-h200/c3-share0125/goodput", 0.125),)),
+    Panel("12-02/c4 qwen32b 1/2", (Sweep("2026-12-02-h200/c4-qwen32b-share05/goodput", 0.5, "qwen2.5-32b"),)),
+    Panel("12-02/c5 azure 1/4", (Sweep("2026-12-02-h200/c5-window-sampling-azure-share025/goodput", 0.25),)),
+    Panel("s2/c1 1/4 ttft2", (Sweep("2026-12-02-h200-s2/c1-window-sampling-ttft2-share025/goodput", 0.25),)),
+    Panel("s2/c2 1/4 burst", (Sweep("2026-12-02-h200-s2/c2-window-pick-burst-share025/goodput", 0.25),)),
+    Panel("s3/c1 1/4 ttft2", (Sweep("2026-12-02-h200-s3/c1-ttft2-share025-20s/goodput", 0.25),)),
+    Panel("s3/c2 1/2 burst", (Sweep("2026-12-02-h200-s3/c2-burst-share05/goodput", 0.5),)),
+    Panel("s3/c4 1/4 burst", (Sweep("2026-12-02-h200-s3/c4-burst-share025-repeat/goodput", 0.25),)),
+    Panel("s3/c5+c6 1/8 burst", (Sweep("2026-12-02-h200-s3/c5-burst-share0125/goodput", 0.125),
+                                 Sweep("2026-12-02-h200-s3/c6-burst-share0125-high/goodput", 0.125))),
+    Panel("12-03/c1+c2 1/4 ttft2 knee", (Sweep("2026-12-03-h200/c1-poisson-share025-ttft2/knee", 0.25),
+                                         Sweep("2026-12-03-h200/c2-poisson-share025-ttft2-r4/knee", 0.25))),
+)
+
+
+# ---------------------------------------------------------------------------------------------- the pool
+
+
+def weight_bytes(model: str) -> int:
+    """bf16 bytes of the model's weights as the engine allocates them (embedding and LM head included)."""
+    return 2 * ModelConfig.from_path(preset_config_file(model)).num_params()
+
+
+def logged_pool(server_log: Path) -> tuple[int, int] | None:
+    """(pages, tokens per page) from a server log's startup line, if the log is there and has it."""
+    if not server_log.is_file():
+        return None
+    m = POOL_LINE.search(server_log.read_text(errors="replace"))
+    return (int(m["pages"]), int(m["page"])) if m else None
+
+
+def memory_constants(results: Path = RESULTS) -> tuple[float, float]:
+    """(GPU bytes, bytes the process holds besides weights and pool), least squares over every logged
+    pool of the sweeps in PANELS: pages x page bytes = share x total - weights - other."""
+    rows, rhs = [], []
+    for panel in PANELS:
+        for sw in panel.sweeps:
+            kv = ModelConfig.from_path(preset_config_file(sw.model))
+            for log in sorted((results / sw.folder).glob("gp_server_*.log")):
+                got = logged_pool(log)
+                if got is None:
+                    continue
+                pages, page = got
+                pool_bytes = pages * page * 2 * kv.num_layers * 2 * kv.num_kv_heads * kv.head_dim
+                rows.append([sw.share, -1.0])
+                rhs.append(pool_bytes + weight_bytes(sw.model))
+    if len(rows) < 2 or len({r[0] for r in rows}) < 2:
+        raise ValueError(f"need logged pools at two shares under {results} to fit the memory constants")
+    (total, other), *_ = np.linalg.lstsq(np.array(rows), np.array(rhs), rcond=None)
+    return float(total), float(other)
+
+
+def pages_from_share(share: float, model: str, page: int, total: float, other: float) -> int:
+    """The engine's pool in pages at `share` of a GPU of `total` bytes (kv_budget_bytes // page bytes)."""
+    cfg = ModelConfig.from_path(preset_config_file(model))
+    page_bytes = page * 2 * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+    return int((share * total - other - weight_bytes(model)) // page_bytes)
+
+
+def pool_tokens(report: Path, run: str, sw: Sweep, constants: tuple[float, float], page: int = 16
+                ) -> tuple[int, str]:
+    """The pool the server had, in tokens the scheduler can use ((pages - 1) x page: page 0 is reserved),
+    and where it came from."""
+    got = logged_pool(report.parent / f"gp_server_{run}.log")
+    if got is not None:
+        return (got[0] - 1) * got[1], f"server log ({got[0]} pages)"
+    pages = pages_from_share(sw.share, sw.model, page, *constants)
+    return (pages - 1) * page, f"memory math (share {sw.share:g}: {pages} pages)"
+
+
+# ---------------------------------------------------------------------------------------------- a point
+
+
+def serving_config(config: dict[str, Any]) -> WorkloadConfig:
+    """A report's `config` (serving.py's parsed flags) as the WorkloadConfig serving.py built its
+    requests from; flags a report predates take serving.py's defaults, relative paths the repository's."""
+    ns = serving_parser().parse_args([])
+    for key, value in config.items():
+        if hasattr(ns, key):
+            setattr(ns, key, value)
+    if ns.traces_dir is not None and not Path(ns.traces_dir).is_absolute():
+        ns.traces_dir = repo_root() / ns.traces_dir
+    ns.traces_dir = Path(ns.traces_dir)
+    ns.models = tuple(ns.models or ())
+    return workload_config(ns)
+
+
+def run_of(label: str) -> tuple[str, str]:
+    """(policy, preemption mode) of a sweep label: `lvf-rotate`, `fcfs-recompute-burst`, ..."""
+    policy, mode = label.split("-")[:2]
+    return policy, mode
+
+
+def measured(report: dict[str, Any]) -> dict[str, float]:
+    """Attainment of both SLOs, of TTFT and of TPOT over the scheduled requests (unsent ones miss)."""
+    m = report["metrics"]
+    sent = int(m["sent"])
+    scheduled = int(report["workload"].get("scheduled", sent))
+    slo = m["slo"]
+    out = {k: float(slo[f"{k}_attainment"] or 0.0) * sent / scheduled if scheduled else 0.0
+           for k in ("both", "ttft", "tbt")}
+    return {**out, "ttft_median_ms": float(m["ttft_ms"]["median"] or math.nan),
+            "tpot_mean_ms": float(m["tpot_ms"]["mean"] or math.nan), "end_s": float(m["duration_s"])}
+
+
+def predict(report: dict[str, Any], run: str, pool: int, sw: Sweep, cost: CostModel, host_time: bool = True
+            ) -> dict[str, Any]:
+    """Replay one report's requests on the simulator: attainment (both, TTFT, TPOT) over the scheduled."""
+    cfg = report["config"]
+    ttft, tpot = float(cfg["ttft_slo"]), float(cfg["tbt_slo"])
+    if cfg.get("tbt_stat", "mean") != "mean":
+        raise ValueError(f"tbt_stat {cfg['tbt_stat']!r}: the replay scores the mean TPOT only")
+    wc = serving_config(cfg)
+    reqs = serving_workload(wc)
+    horizon = float(cfg["max_duration"])
+    policy, mode = run_of(run)
+    clock = Clock()
+    context = max(len(ids) + n for _, ids, n in reqs) + 16
+    s = make_scheduler(policy, mode, pool, sw.host_gb, ttft, tpot, clock, cost, 16, context, skip_forward=True,
+                       host_time=host_time)
+    res = replay(s, clock, [r for r in reqs if r[0] < horizon], horizon_s=horizon)
+    met = {"both": 0, "ttft": 0, "tbt": 0}
+    ttfts, tpots = [], []
+    for i, (_, _, n_out) in enumerate(reqs):
+        ts = res["times"].get(f"q{i}", [])
+        if len(ts) < n_out:
+            continue  # unsent, or unfinished at max_duration: cancelled, a miss of every SLO
+        first = ts[0] - res["arrival"][f"q{i}"]
+        mean = (ts[-1] - ts[0]) / (len(ts) - 1) if len(ts) > 1 else 0.0
+        ttfts.append(first)
+        tpots.append(mean)
+        met["ttft"] += first <= ttft
+        met["tbt"] += mean <= tpot
+        met["both"] += first <= ttft and mean <= tpot
+    n = len(reqs)
+    return {**{k: v / n for k, v in met.items()}, "both_met": met["both"], "scheduled": n,
+            "rotations_out": res["rotations"], "preemptions": res["preemptions"], "end_s": clock.t,
+            "ttft_median_ms": 1e3 * float(np.median(ttfts)) if ttfts else math.nan,
+            "tpot_mean_ms": 1e3 * float(np.mean(tpots)) if tpots else math.nan}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One report, measured beside predicted."""
+
+    panel: str
+    folder: str
+    file: str
+    run: str
+    rate: float
+    repeat: int
+    requests: int
+    pool_tokens: int
+    pool_source: str
+    measured: dict[str, float]
+    predicted: dict[str, float]
+    rotations_out: int
+    preemptions: int
+    wall_s: float
+
+
+def reports(panel: Panel) -> list[tuple[Sweep, Path, str, float, int]]:
+    out = []
+    for sw in panel.sweeps:
+        for path in sorted((RESULTS / sw.folder).glob("gp_*.json")):
+            m = G.NAME.match(path.name)
+            if m is not None:
+                out.append((sw, path, m["label"], float(m["rate"]), int(m["repeat"] or 0)))
+    return sorted(out, key=lambda r: (r[2], r[3], r[4]))
+
+
+def replay_panel(panel: Panel, costs: dict[str, CostModel], constants: tuple[float, float],
+                 limit: int | None = None, log: bool = True, host_time: bool = True) -> list[Row]:
+    rows = []
+    for sw, path, label, rate, repeat in reports(panel)[:limit]:
+        report = json.loads(path.read_text())
+        run = "-".join(run_of(label))
+        pool, source = pool_tokens(path, run, sw, constants)
+        t0 = time.perf_counter()
+        pred = predict(report, run, pool, sw, costs[sw.model], host_time)
+        row = Row(panel.name, sw.folder, path.name, label, rate, repeat, pred["scheduled"], pool, source,
+                  measured(report), {k: pred[k] for k in ("both", "ttft", "tbt", *DETAIL)}, pred["rotations_out"],
+                  pred["preemptions"], time.perf_counter() - t0)
+        rows.append(row)
+        if log:
+            print(_row_text(row), flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- goodput
+
+
+def _points(rows: Sequence[Row], which: str) -> dict[str, list[G.Point]]:
+    runs: dict[str, list[G.Point]] = {}
+    for r in rows:
+        att = r.measured["both"] if which == "measured" else r.predicted["both"]
+        runs.setdefault(r.run, []).append(G.Point(r.run, r.rate, r.requests, round(att * r.requests), 0.0,
+                                                  None, None, r.repeat))
+    return runs
+
+
+def grid_index(g: G.Goodput, grid: Sequence[float]) -> int:
+    """Position of a strict goodput on the swept grid: -1 below the lowest rate."""
+    return -1 if g.below_lowest is not None else grid.index(g.rate)
+
+
+def goodput_table(rows: Sequence[Row], target: float = 0.9) -> list[dict[str, Any]]:
+    """Per panel and run: strict goodput (bench/goodput.py's rule, mean curve over repeats) measured and
+    predicted, and whether they are within one step of the swept grid."""
+    out = []
+    panels = dict.fromkeys(r.panel for r in rows)
+    for panel in panels:
+        mine = [r for r in rows if r.panel == panel]
+        meas, pred = _points(mine, "measured"), _points(mine, "predicted")
+        for run in meas:
+            grid = sorted({p.rate for p in meas[run]})
+            gm, gp = G.goodput_of(meas[run], target), G.goodput_of(pred[run], target)
+            steps = abs(grid_index(gm, grid) - grid_index(gp, grid))
+            errs = [abs(r.predicted["both"] - r.measured["both"]) for r in mine if r.run == run]
+            out.append({"panel": panel, "run": run, "grid": grid, "measured": gm.text(), "predicted": gp.text(),
+                        "steps_apart": steps, "within_one_step": steps <= 1,
+                        "attainment_mae_points": 100 * float(np.mean(errs)), "points": len(errs)})
+    return out
+
+
+def _row_text(r: Row) -> str:
+    m, p = r.measured, r.predicted
+    return (f"{r.panel:<26} {r.run:<22} {r.rate:>5g} k{r.repeat} n={r.requests:<4} both {100 * m['both']:5.1f} -> "
+            f"{100 * p['both']:5.1f}  TTFT {100 * m['ttft']:5.1f} -> {100 * p['ttft']:5.1f}  TPOT "
+            f"{100 * m['tbt']:5.1f} -> {100 * p['tbt']:5.1f}  TTFT p50 {m['ttft_median_ms']:5.0f} -> "
+            f"{p['ttft_median_ms']:5.0f} ms  TPOT mean {m['tpot_mean_ms']:4.0f} -> {p['tpot_mean_ms']:4.0f} ms  "
+            f"end {m['end_s']:5.1f} -> {p['end_s']:5.1f} s  rot {r.rotations_out}  ({r.wall_s:.0f} s)")
+
+
+def summary(rows: Sequence[Row]) -> dict[str, Any]:
+    def mae(key: str) -> float:
+        return 100 * float(np.mean([abs(r.predicted[key] - r.measured[key]) for r in rows])) if rows else math.nan
+
+    bias = 100 * float(np.mean([r.predicted["both"] - r.measured["both"] for r in rows])) if rows else math.nan
+    return {"points": len(rows), "mae_both_points": mae("both"), "mae_ttft_points": mae("ttft"),
+            "mae_tpot_points": mae("tbt"), "mean_signed_both_points": bias}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--panels", nargs="*", default=None,
+                   help="panels whose name or folder contains any of these strings (default: all)")
+    p.add_argument("--limit", type=int, default=None, help="at most this many reports per panel")
+    p.add_argument("--list", action="store_true", help="list the panels and their folders, run nothing")
+    p.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION)
+    p.add_argument("--target", type=float, default=0.9)
+    p.add_argument("--no-host-time", action="store_true",
+                   help="price GPU time only (before 2026-12-03's fix: no host time for unoverlapped prefill steps)")
+    p.add_argument("--out", type=Path, default=None, help="JSON: every point, the goodput table, the MAE")
+    a = p.parse_args(argv)
+    chosen = [pn for pn in PANELS if a.panels is None
+              or any(k in pn.name or any(k in sw.folder for sw in pn.sweeps) for k in a.panels)]
+    if a.list:
+        for pn in chosen:
+            print(f"{pn.name:<28} " + " + ".join(f"{sw.folder} (share {sw.share:g}, {sw.model})" for sw in pn.sweeps))
+        return 0
+    if not chosen:
+        print(f"error: no panel matches {a.panels}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    constants = memory_constants()
+    print(f"memory math: GPU {constants[0] / GiB:.2f} GiB, process besides weights and pool "
+          f"{constants[1] / GiB:.2f} GiB (least squares over the logged pools)")
+    costs = {m: CostModel.load(a.calibration, m) for m in {sw.model for pn in chosen for sw in pn.sweeps}}
+    rows: list[Row] = []
+    for pn in chosen:
+        rows += replay_panel(pn, costs, constants, a.limit, host_time=not a.no_host_time)
+    table = goodput_table(rows, a.target)
+    print("\nstrict goodput (req/s), measured -> predicted, and attainment MAE (points)")
+    for t in table:
+        print(f"{t['panel']:<26} {t['run']:<22} {t['measured']:>7} -> {t['predicted']:<7} "
+              f"{'ok' if t['within_one_step'] else 'MISS'} ({t['steps_apart']} steps)  "
+              f"MAE {t['attainment_mae_points']:.1f} over {t['points']}")
+    s = summary(rows)
+    ok = sum(t["within_one_step"] for t in table)
+    print(f"\n{s['points']} points: both-SLO attainment MAE {s['mae_both_points']:.1f} points (mean signed "
+          f"{s['mean_signed_both_points']:+.1f}), TTFT {s['mae_ttft_points']:.1f}, TPOT {s['mae_tpot_points']:.1f}; "
+          f"goodput within one grid step for {ok} of {len(table)} runs")
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps({
+            "calibration": str(a.calibration), "host_time": not a.no_host_time,
+            "memory_constants_bytes": constants, "target": a.target,
+            "summary": {**s, "goodput_within_one_step": ok, "goodput_runs": len(table)},
+            "goodput": table, "points": [asdict(r) for r in rows]}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""bench/sim/replay_sweeps.py: the replay rebuilds serving.py's requests, sizes the pool as the server
+did, and predicts a saved report end to end."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import pytest
+
+from bench import serving
+from bench.policy_sim import VOCAB, serving_workload, workload
+from bench.sim import replay_sweeps as R
+from bench.sim.cost import CostModel
+from bench.traces import WorkloadConfig, build_requests
+
+BURST = R.RESULTS / "2026-12-02-h200-s3/c2-burst-share05/goodput/gp_lvf-rotate-burst_r4.json"
+KNEE = R.RESULTS / "2026-12-03-h200/c1-poisson-share025-ttft2/knee/gp_lvf-rotate_r5_k2.json"
+AZURE = R.RESULTS / "2026-12-02-h200/c5-window-sampling-azure-share025/goodput/gp_fcfs-recompute_r24.json"
+
+
+@pytest.mark.parametrize("path", [BURST, KNEE, AZURE])
+def test_replay_rebuilds_the_rows_and_arrival_times_serving_py_sent(path: Path) -> None:
+    report = json.loads(path.read_text())
+    if report["command"][0].endswith("serving.py"):
+        # what serving.py builds from the command line it ran (argv -> its parser -> its WorkloadConfig)
+        args = serving.build_parser().parse_args(report["command"][1:])
+        args.traces_dir = R.repo_root() / args.traces_dir
+        cfg = serving.workload_config(args)
+    else:  # bench/goodput_knee.py called serving in-process: repeat k replays offset k x 150, arrival seed k
+        cfg = WorkloadConfig(trace="mooncake", arrival="poisson", request_rate=5.0, num_requests=150,
+                             trace_offset=300, max_input_len=7680, max_output_len=256, seed=2)
+    specs, info = build_requests(cfg)
+    mine = serving_workload(R.serving_config(report["config"]))
+    assert len(mine) == len(specs) == report["workload"]["scheduled"]
+    assert [t for t, _, _ in mine] == [s.arrival_s for s in specs]
+    assert [len(ids) for _, ids, _ in mine] == [s.input_len for s in specs]
+    assert [n for _, _, n in mine] == [s.output_len for s in specs]
+    assert all(2 <= t < VOCAB for _, ids, _ in mine for t in ids)
+    # and what the report says serving.py sent
+    assert info["schedule_span_s"] == pytest.approx(report["workload"]["schedule_span_s"], abs=1e-9)
+    assert info["mean_input_len"] == pytest.approx(report["workload"]["mean_input_len"])
+    assert info["mean_output_len"] == pytest.approx(report["workload"]["mean_output_len"])
+
+
+def test_folded_prompts_keep_shared_prefixes_shared() -> None:
+    reqs = workload("mooncake", 4.0, 20, 0, 7680, 256, 0)
+    firsts = [tuple(ids[:512]) for _, ids, _ in reqs]
+    assert len(set(firsts)) < len(firsts)  # the trace's shared hash blocks survive the folding
+
+
+def test_pool_from_the_server_log_and_the_memory_math_agree() -> None:
+    total, other = R.memory_constants()
+    assert 139 * R.GiB < total < 141 * R.GiB and 0 < other < 2 * R.GiB
+    sweep = next(sw for pn in R.PANELS for sw in pn.sweeps if sw.folder.endswith("c2-burst-share05/goodput"))
+    tokens, source = R.pool_tokens(BURST, "lvf-rotate", sweep, (total, other))
+    assert tokens == (27810 - 1) * 16 and source.startswith("server log")
+    # every logged pool is reproduced by the memory math within 0.5 % (llama at four shares, qwen at one)
+    for pn in R.PANELS:
+        for sw in pn.sweeps:
+            for log in (R.RESULTS / sw.folder).glob("gp_server_*.log"):
+                got = R.logged_pool(log)
+                assert got is not None
+                assert R.pages_from_share(sw.share, sw.model, 16, total, other) == pytest.approx(got[0], rel=5e-3)
+    # a folder without logs (2026-12-01) falls back to the math
+    old = R.PANELS[0].sweeps[0]
+    path = R.RESULTS / old.folder / "gp_lvf-rotate_r6.json"
+    tokens, source = R.pool_tokens(path, "lvf-rotate", old, (total, other))
+    assert source.startswith("memory math") and abs(tokens - 9915 * 16) <= 16 * 16
+
+
+def test_one_saved_report_replays_to_an_attainment(tmp_path: Path) -> None:
+    report = json.loads(BURST.read_text())
+    report["config"]["num_requests"] = 12  # the first 12 of its rows: a fast smoke
+    sweep = R.Sweep("x", 0.5)
+    pred = R.predict(report, "lvf-rotate", 16384, sweep, CostModel.load())
+    assert pred["scheduled"] == 12
+    for key in ("both", "ttft", "tbt"):
+        assert 0.0 <= pred[key] <= 1.0
+    assert pred["both"] <= min(pred["ttft"], pred["tbt"])
+    m = R.measured(json.loads(BURST.read_text()))
+    assert m["both"] == pytest.approx(0.9)
+
+
+def test_cli_lists_panels_and_rejects_unknown(capsys: pytest.CaptureFixture[str]) -> None:
+    assert R.main(["--list"]) == 0
+    assert "qwen2.5-32b" in capsys.readouterr().out
+    assert R.main(["--panels", "no-such-panel"]) == 2
+
+
+def test_goodput_table_uses_the_strict_rule() -> None:
+    def row(rate: float, meas: float, pred: float) -> R.Row:
+        return R.Row("p", "f", "x.json", "lvf-rotate", rate, 0, 100, 1, "s", {"both": meas, "ttft": 1, "tbt": 1},
+                     {"both": pred, "ttft": 1, "tbt": 1}, 0, 0, 0.0)
+
+    # measured: 3 passes, 4 fails -> 3; predicted: 3 fails -> "< 3" (one step apart: index -1 vs 0)
+    t = R.goodput_table([row(3, 0.95, 0.8), row(4, 0.5, 0.95), row(5, 0.4, 0.3)])[0]
+    assert (t["measured"], t["predicted"], t["steps_apart"], t["within_one_step"]) == ("3", "< 3", 1, True)
+    assert t["attainment_mae_points"] == pytest.approx(100 * (0.15 + 0.45 + 0.1) / 3)
+
+
+def test_host_time_is_charged_to_prefill_steps_only() -> None:
+    c = CostModel.load()
+    loop = c.cal.raw["loop"]
+    assert 0 < loop["plain_host_us"] < 5000 and 0 <= loop["plain_host_row_us"] < 100  # fitted, in bounds
+    decode = ([1, 1, 1], [900, 1200, 5000])
+    assert c.forward_s(*decode, host=True) == c.forward_s(*decode)  # overlapped in the engine: GPU time only
+    mixed = ([4096, 1, 1], [4096, 1200, 5000])
+    extra = c.forward_s(*mixed, host=True) - c.forward_s(*mixed)
+    assert extra == pytest.approx((loop["plain_host_us"] + 3 * loop["plain_host_row_us"]) * 1e-6)
