@@ -31,7 +31,7 @@ from typing import Any, Final
 import torch
 
 from bench.policy_sim import VOCAB, Clock, TimedEngine, tiny_model
-from bench.sim.cost import CALIBRATION_DIR, GiB, Calibration, CostModel
+from bench.sim.cost import CALIBRATION_DIR, Calibration, CostModel, GiB
 from bench.sim.geometry import Geometry
 from sglang_ext.engine.model_runner import ModelRunner
 from sglang_ext.forward_batch import ForwardBatch
@@ -285,15 +285,17 @@ class Instance:
 
 def run_instances(instances: list[Instance], horizon_s: float, on_step: Callable[[Instance], None] | None = None
                   ) -> int:
-    """The event loop: always advance the instance that acts earliest (ties: list order), until every
-    instance is done or past `horizon_s`. Returns the number of iterations."""
+    """The event loop: always advance the instance that acts earliest, until every instance is done or
+    past `horizon_s`. Ties (instances waiting for one GPU) go to the one whose clock is earliest, i.e.
+    that has waited longest, then to list order. Returns the number of iterations."""
     n = 0
     while True:
-        best, when = None, float("inf")
+        best: Instance | None = None
+        when = (float("inf"), float("inf"))
         for inst in instances:
-            t = inst.next_time(horizon_s)
-            if t < when:
-                best, when = inst, t
+            key = (inst.next_time(horizon_s), inst.clock.t)
+            if key[0] < float("inf") and key < when:
+                best, when = inst, key
         if best is None:
             return n
         best.advance()
