@@ -166,7 +166,8 @@ class Instance:
             extra.update(offload_executor="local", offload_ratio=sp.offload_ratio,
                          executor_mem_gb=sp.executor_tokens * tiny_bytes / GiB)
         sa = ServerArgs(device="cpu", dtype="float32", load_format="dummy", page_size=sp.page_size,
-                        max_total_tokens=sp.pool_tokens, schedule_policy=sp.policy, preemption_mode=sp.mode,
+                        max_total_tokens=sp.pool_tokens, schedule_policy=sp.policy,  # type: ignore[arg-type]
+                        preemption_mode=sp.mode,  # type: ignore[arg-type]
                         chunked_prefill_size=sp.chunked_prefill, ttft_slo_ms=sp.ttft_s * 1e3,
                         tpot_slo_ms=sp.tpot_s * 1e3, **extra)
         runner = ModelRunner(sa, None, cfg)  # type: ignore[arg-type]
