@@ -141,7 +141,8 @@ class Instance:
         self.times: dict[str, list[float]] = {}
         self.failed: dict[str, str] = {}
         self.steps = 0
-        self.remote_row_steps = 0
+        self.remote_row_steps = 0  # remote rows summed over steps
+        self.remote_steps = 0  # steps with at least one remote row
         self.busy_s = 0.0
         self.exchange_s = 0.0
         self.slowed_s = 0.0  # time its forwards lost to guests on its GPU
@@ -234,7 +235,9 @@ class Instance:
         self.exchange_s += ex
         self.slowed_s += base * slow
         self.steps += 1
-        self.remote_row_steps += len(batch.split.remote_handles) if batch.split is not None else 0
+        if batch.split is not None:
+            self.remote_row_steps += len(batch.split.remote_handles)
+            self.remote_steps += 1
         return torch.zeros(int(batch.logits_indices.shape[0]), VOCAB)
 
     # -- requests --------------------------------------------------------------------------------
