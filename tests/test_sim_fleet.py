@@ -110,8 +110,9 @@ def test_weaver_charges_exchange_to_hot_and_slowdown_to_cold(cost: CostModel,
     monkeypatch.setattr(SimGpu, "slowdown", spy)
     run_instances([hot, cold], 60.0)
     assert hot.remote_steps > 0 and hot.remote_row_steps >= hot.remote_steps
-    ex = cost.cal.remote_exchange["lean"]
-    want = cost.geo.layers * 1e-6 * (ex["base_us"] * hot.remote_steps + ex["per_row_us"] * hot.remote_row_steps)
+    base, per_row = (float(cost.cal.remote_exchange["lean"][k] or 0) for k in ("base_us", "per_row_us"))
+    assert base > 0 and per_row > 0
+    want = cost.geo.layers * 1e-6 * (base * hot.remote_steps + per_row * hot.remote_row_steps)
     assert hot.exchange_s == pytest.approx(want, rel=1e-9)  # exchange: on the hot model's steps only
     assert cold.exchange_s == 0.0 and hot.slowed_s == 0.0  # slowdown: on the cold model's steps only
     assert cold.slowed_s > 0 and any(v > 0 for v, _ in seen)
@@ -185,7 +186,7 @@ def test_plan_runs_the_example(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 def test_unknown_gpu_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert "h200" in known_gpus()
-    with pytest.raises(ValueError, match="unknown GPU 'a100'.*h200"):
+    with pytest.raises(ValueError, match=r"unknown GPU 'a100'.*h200"):
         gpu_calibration("a100")
     rc = plan_cmd.main(["--models", str(EXAMPLE), "--gpu", "a100", "--total-rate", "3", "--traffic", "servegen"])
     assert rc == 2
