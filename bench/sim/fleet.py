@@ -175,8 +175,11 @@ class FleetResult:
 
 def run_fleet(plan: FleetPlan, models: Sequence[ModelSpec], cal: Calibration, gpu_mem_gib: float,
               seconds: float, seed: int = 0, horizon_factor: float = 3.0,
-              requests: dict[str, list[tuple[float, list[int], int]]] | None = None) -> FleetResult:
-    """Replay every model's requests on the plan's instances; all times on the calibrated clock."""
+              requests: dict[str, list[tuple[float, list[int], int]]] | None = None,
+              extra_tpot_s: Sequence[float] = ()) -> FleetResult:
+    """Replay every model's requests on the plan's instances; all times on the calibrated clock.
+    `extra_tpot_s`: also report both-SLO attainment under these mean-TPOT SLOs (exact for fcfs, whose
+    decisions do not read the SLO; lvf's would differ under them)."""
     specs = {m.name: m for m in models}
     geos = {m.name: load_geometry(m.model) for m in models}
     gpus = [SimGpu(i, executor_sms=plan.executor_sms) for i in range(plan.gpus)]
@@ -231,17 +234,22 @@ def run_fleet(plan: FleetPlan, models: Sequence[ModelSpec], cal: Calibration, gp
             failed.update(inst.failed)
         summ = summarize(res, len(lens), lens, m.ttft_s, m.tpot_s)
         ttft_ok = tpot_ok = 0
+        at_tpot = dict.fromkeys(extra_tpot_s, 0)
         for rid, ts in res["times"].items():
             if len(ts) < lens[rid]:
                 continue
+            tpot = (ts[-1] - ts[0]) / (len(ts) - 1) if len(ts) > 1 else 0.0
             ttft_ok += ts[0] - res["arrival"][rid] <= m.ttft_s
-            tpot_ok += (len(ts) < 2 or (ts[-1] - ts[0]) / (len(ts) - 1) <= m.tpot_s)
+            tpot_ok += tpot <= m.tpot_s
+            for x in extra_tpot_s:
+                at_tpot[x] += ts[0] - res["arrival"][rid] <= m.ttft_s and tpot <= x
         n = len(lens)
         summ.update(ttft_attainment=ttft_ok / n, tpot_attainment=tpot_ok / n, failed=len(failed),
                     unfinished=n - summ["finished"], rate=m.rate, replicas=len(reps),
                     goodput_rps=m.rate * summ["attainment"],
                     remote_row_steps=sum(i.remote_row_steps for i in reps),
-                    exchange_s=sum(i.exchange_s for i in reps), slowed_by_guests_s=sum(i.slowed_s for i in reps))
+                    exchange_s=sum(i.exchange_s for i in reps), slowed_by_guests_s=sum(i.slowed_s for i in reps),
+                    both_at_tpot={f"{1e3 * x:g}ms": v / n for x, v in at_tpot.items()})
         per_model[name] = summ
         total_ok += summ["both_met"]
         total += n

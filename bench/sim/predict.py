@@ -71,21 +71,25 @@ def weaver(a: argparse.Namespace) -> dict[str, Any]:
                 plan = FleetPlan(2, [Slot("hot", 0, 0.9), Slot("cold", 1, 0.9)],
                                  [Pairing(0, 1, ratio, a.lend_gib)] if ratio else [])
                 t0 = time.time()
-                r = run_fleet(plan, [hot, cold], cal, mem, a.seconds, a.seed)
+                r = run_fleet(plan, [hot, cold], cal, mem, a.seconds, a.seed, extra_tpot_s=(0.02, 0.03, 0.05))
                 h, c = r.per_model["hot"], r.per_model["cold"]
                 res["points"].append({"ctx": label, "offload_ratio": ratio, "rate": rate, "hot": h, "cold": c})
                 print(f"{label:22s} ratio {ratio:.1f} rate {rate:5.1f}: hot both {100 * h['attainment']:5.1f} % "
                       f"(TPOT {h['tpot_mean_ms']:.0f} ms, TTFT p99 {h['ttft_p99_s']:.2f} s), cold TPOT "
                       f"{c['tpot_mean_ms']:.1f} ms  [{time.time() - t0:.0f} s]", flush=True)
-                misses = misses + 1 if h["attainment"] < 0.9 else 0
+                misses = misses + 1 if max(h["attainment"], *h["both_at_tpot"].values()) < 0.9 else 0
                 if misses >= 2:
                     break
     good: dict[str, dict[str, Any]] = {}
     for p in res["points"]:
-        g = good.setdefault(p["ctx"], {"0.0": 0.0, "0.5": 0.0, "cold_tpot_ms": {}})
+        g = good.setdefault(p["ctx"], {"0.0": 0.0, "0.5": 0.0, "cold_tpot_ms": {}, "at_tpot": {}})
         key = f"{p['offload_ratio']:.1f}"
         if p["hot"]["attainment"] >= 0.9:
             g[key] = max(g[key], p["rate"])
+        for slo, att in p["hot"]["both_at_tpot"].items():
+            row = g["at_tpot"].setdefault(slo, {"0.0": 0.0, "0.5": 0.0})
+            if att >= 0.9:
+                row[key] = max(row[key], p["rate"])
         g["cold_tpot_ms"].setdefault(key, []).append((p["rate"], p["cold"]["tpot_mean_ms"]))
     res["goodput"] = good
     return res
@@ -137,12 +141,23 @@ def plot(name: str, data: dict[str, Any], out: Path) -> None:
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
         ctxs = list(data["goodput"])
         xs = range(len(ctxs))
-        ax1.bar([x - 0.2 for x in xs], [data["goodput"][c]["0.0"] for c in ctxs], 0.4, label="hot alone")
-        ax1.bar([x + 0.2 for x in xs], [data["goodput"][c]["0.5"] for c in ctxs], 0.4, label="hot + WEAVER (0.5)")
+        slos = ["100ms"] + [s for s in ("50ms", "30ms")
+                            if all(s in data["goodput"][c].get("at_tpot", {}) for c in ctxs)]
+
+        def good(c: str, slo: str, key: str) -> float:
+            g = data["goodput"][c]
+            return float(g[key] if slo == "100ms" else g["at_tpot"][slo][key])
+
+        w = 0.8 / (2 * len(slos))
+        for j, slo in enumerate(slos):
+            for k, (key, who) in enumerate((("0.0", "alone"), ("0.5", "+ WEAVER 0.5"))):
+                off = (2 * j + k) * w - 0.4 + w / 2
+                ax1.bar([x + off for x in xs], [good(c, slo, key) for c in ctxs], w, label=f"TPOT {slo}, {who}",
+                        hatch="//" if k else None)
         ax1.set_xticks(list(xs), ctxs, fontsize=8)
-        ax1.set_ylabel("hot goodput, req/s (>= 90 % both SLOs)")
+        ax1.set_ylabel("hot goodput, req/s (>= 90 % both SLOs, TTFT 2 s)")
         ax1.set_title("SIMULATED: WEAVER fair, 2 x H200")
-        ax1.legend()
+        ax1.legend(fontsize=6)
         for c in ctxs:
             pts = data["goodput"][c]["cold_tpot_ms"]
             for key, style in (("0.0", "--"), ("0.5", "-")):
