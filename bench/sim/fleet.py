@@ -186,12 +186,15 @@ def run_fleet(plan: FleetPlan, models: Sequence[ModelSpec], cal: Calibration, gp
     lent = [0.0] * plan.gpus
     for p in plan.pairings:
         lent[p.executor_gpu] += p.executor_gib
-    gpu_frac = [sum(s.mem_fraction for s in plan.slots if s.gpu == g) for g in range(plan.gpus)]
+    # memory lent to executors comes out of the GPU's models in proportion to their own KV room
+    room = [pool_tokens_for(geos[s.model], s.mem_fraction, gpu_mem_gib) * geos[s.model].kv_bytes_per_token / GiB
+            for s in plan.slots]
+    gpu_room = [sum(r for r, s in zip(room, plan.slots, strict=True) if s.gpu == g) for g in range(plan.gpus)]
     by_sender = {p.sender: p for p in plan.pairings}
     instances: list[Instance] = []
     for i, s in enumerate(plan.slots):
         m, geo = specs[s.model], geos[s.model]
-        minus = lent[s.gpu] * s.mem_fraction / gpu_frac[s.gpu] if lent[s.gpu] else 0.0
+        minus = lent[s.gpu] * room[i] / gpu_room[s.gpu] if lent[s.gpu] else 0.0
         pair = by_sender.get(i)
         spec = InstanceSpec(
             name=f"{s.model}#{i}", model=s.model, pool_tokens=pool_tokens_for(geo, s.mem_fraction, gpu_mem_gib, minus),
