@@ -22,6 +22,7 @@ lasts what the CostModel says for the modelled geometry:
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -126,6 +127,7 @@ class InstanceSpec:
     page_size: int = 16
     context: int = 32_768
     chunked_prefill: int = 8192
+    decode_only: bool = False  # a PD decode worker: a request's prompt KV arrives by transfer, its prefill is free
 
 
 class Instance:
@@ -140,6 +142,7 @@ class Instance:
         self.out_len: dict[str, int] = {}
         self.times: dict[str, list[float]] = {}
         self.failed: dict[str, str] = {}
+        self.finished: list[str] = []  # request ids in the order they finished here
         self.steps = 0
         self.remote_row_steps = 0  # remote rows summed over steps
         self.remote_steps = 0  # steps with at least one remote row
@@ -207,7 +210,7 @@ class Instance:
         for n, end in zip(batch.extend_lens, batch.seq_lens, strict=True):
             if n == 1:
                 rows, kv = rows + 1, kv + end
-            else:
+            elif not self.spec.decode_only:
                 chunks.append((n, end))
         remote = len(batch.split.remote_handles) if batch.split is not None else 0
         t = cost.prefill_s(chunks, rows + remote, kv)
@@ -242,9 +245,11 @@ class Instance:
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, rid: str, arrival: float, prompt: list[int], out_len: int) -> None:
-        """A request this instance receives at `arrival` (calls must come in arrival order)."""
-        self.todo.append(Req(rid, prompt, SamplingParams(max_new_tokens=out_len, temperature=0.0, ignore_eos=True),
-                             arrival_time=arrival))
+        """A request this instance receives at `arrival` (kept in arrival order; one added behind this
+        instance's clock is delivered at its next iteration)."""
+        req = Req(rid, prompt, SamplingParams(max_new_tokens=out_len, temperature=0.0, ignore_eos=True),
+                  arrival_time=arrival)
+        bisect.insort(self.todo, req, key=lambda r: r.arrival_time)
         self.arrival[rid] = arrival
         self.out_len[rid] = out_len
         self.times[rid] = []
@@ -274,6 +279,8 @@ class Instance:
         before = clock.t
         for o in self.s.step():
             self.times[o.rid].extend([clock.t] * len(o.new_token_ids))
+            if o.finished:
+                self.finished.append(o.rid)
             if o.finished and o.finish_reason and o.finish_reason.get("type") == "abort":
                 self.failed[o.rid] = str(o.finish_reason.get("message", "aborted"))
         if clock.t == before:

@@ -1,6 +1,7 @@
 """The simulator's predictions for issue 35, all SIMULATED (docs/simulator.md has them with their band).
 
     python -m bench.sim.predict weaver   --out bench/results/2026-12-03-sim-predictions
+    python -m bench.sim.predict pd       --out bench/results/2026-12-03-sim-predictions
     python -m bench.sim.predict rotation --out bench/results/2026-12-03-sim-predictions
     python -m bench.sim.predict fleet    --out bench/results/2026-12-03-sim-predictions
 
@@ -9,6 +10,9 @@
   offload (half its decoding requests' attention and KV on the cold GPU, which lends 40 GiB), for
   ctx ~1K (Azure conv), ~4K (Mooncake clipped at 4K) and 8K+ (Mooncake clipped at 16K); and the
   cold model's TPOT while it hosts.
+- pd: Adrenaline fair. Plain PD (prefill and decode instances, a whole H200 each) against PD with
+  Adrenaline's placement (half the decoding requests attended on the prefill GPU), executor uncapped
+  and capped at 24 SMs.
 - rotation: lvf-rotate on a quarter H200 (158,656-token pool, Mooncake), with the H200's measured
   host link and with a GH200-like C2C link (450 GB/s per direction: an ASSUMPTION, only the link
   changed), beside fcfs-recompute.
@@ -116,6 +120,30 @@ def rotation(a: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+def pd(a: argparse.Namespace) -> dict[str, Any]:
+    from bench.sim.pd import run_pd
+
+    cal, mem = load_gpu("h200")
+    res: dict[str, Any] = {"setup": "llama-3-8b; prefill instance on GPU 0 and decode instance on GPU 1, each 0.9 of "
+                                    "its H200; mooncake <= 4K in / 512 out; TTFT 2 s, mean TPOT 100 ms; PD KV "
+                                    "transfer at 390 GB/s (assumed); Adrenaline: half the decoding requests on an "
+                                    f"executor on the prefill GPU lending {a.lend_gib:g} GiB",
+                           "points": []}
+    for run, ratio, sms in (("plain PD", 0.0, None), ("Adrenaline, executor uncapped", 0.5, None),
+                            ("Adrenaline, executor 24 SMs", 0.5, 24)):
+        misses = 0
+        for rate in (6.0, 8.0, 10.0, 12.0, 14.0, 16.0, 18.0):
+            m = ModelSpec("m", "llama-3-8b", rate, trace="mooncake", max_in=4096, max_out=512)
+            r = run_pd(m, cal, mem, a.seconds, a.seed, ratio, a.lend_gib, sms)
+            res["points"].append({"run": run, "rate": rate, **r})
+            print(f"{run:30s} {rate:4.1f} req/s: both {100 * r['attainment']:5.1f} %  "
+                  f"TTFT p99 {r['ttft_p99_s']:.2f} s  TPOT mean {r['tpot_mean_ms']:.1f} ms", flush=True)
+            misses = misses + 1 if r["attainment"] < 0.9 else 0
+            if misses >= 2:
+                break
+    return res
+
+
 def fleet(a: argparse.Namespace) -> dict[str, Any]:
     cal, mem = load_gpu("h200")
     models = read_models(EXAMPLE, "servegen", a.total_rate)
@@ -168,6 +196,18 @@ def plot(name: str, data: dict[str, Any], out: Path) -> None:
         ax2.set_ylabel("cold model's mean TPOT, ms")
         ax2.set_title("SIMULATED: cold model while hosting")
         ax2.legend(fontsize=7)
+    elif name == "pd":
+        fig, ax = plt.subplots(figsize=(6, 4))
+        series: dict[str, list[tuple[float, float]]] = {}
+        for p in data["points"]:
+            series.setdefault(p["run"], []).append((p["rate"], 100 * p["attainment"]))
+        for run, pts in series.items():
+            ax.plot([r for r, _ in pts], [v for _, v in pts], marker="o", label=run)
+        ax.axhline(90, color="grey", lw=0.5)
+        ax.set_xlabel("req/s")
+        ax.set_ylabel("both SLOs, %")
+        ax.set_title("SIMULATED: PD vs Adrenaline, 2 x H200, Mooncake <= 4K")
+        ax.legend(fontsize=7)
     elif name == "rotation":
         fig, ax = plt.subplots(figsize=(6, 4))
         runs: dict[str, list[tuple[float, float]]] = {}
@@ -199,7 +239,7 @@ def plot(name: str, data: dict[str, Any], out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.sim.predict", description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=["weaver", "rotation", "fleet", "plot"])
+    p.add_argument("what", choices=["weaver", "pd", "rotation", "fleet", "plot"])
     p.add_argument("--out", type=Path, default=Path("bench/results/2026-12-03-sim-predictions"))
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--seed", type=int, default=0)
@@ -209,12 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     if a.what == "plot":  # redraw every plot from its JSON
-        for name in ("weaver", "rotation", "fleet"):
+        for name in ("weaver", "pd", "rotation", "fleet"):
             f = a.out / f"{name}.json"
             if f.is_file():
                 plot(name, json.loads(f.read_text()), a.out)
         return 0
-    data = {"weaver": weaver, "rotation": rotation, "fleet": fleet}[a.what](a)
+    data = {"weaver": weaver, "pd": pd, "rotation": rotation, "fleet": fleet}[a.what](a)
     data["args"] = {k: str(v) for k, v in vars(a).items()}
     _save(a.out, a.what, data)
     plot(a.what, json.loads((a.out / f"{a.what}.json").read_text()), a.out)
