@@ -191,3 +191,37 @@ def test_unknown_gpu_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> Non
     rc = plan_cmd.main(["--models", str(EXAMPLE), "--gpu", "a100", "--total-rate", "3", "--traffic", "servegen"])
     assert rc == 2
     assert "unknown GPU 'a100'" in capsys.readouterr().err
+
+
+def test_lent_memory_comes_from_each_model_by_its_room() -> None:
+    cal, mem = load_gpu("h200")
+    models = [ModelSpec("hot", "llama-3-8b", 2.0, max_in=1024, max_out=16),
+              ModelSpec("moe", "qwen3-30b-a3b", 0.5, max_in=1024, max_out=16),
+              ModelSpec("small", "llama-3.2-1b", 0.5, max_in=1024, max_out=16)]
+    # the MoE's 0.45 share leaves it ~4 GiB of KV room, the 1B's 0.225 ~27 GiB: lending half of the sum
+    # by memory share would take more than the MoE has
+    plan = FleetPlan(2, [Slot("hot", 0, 0.9), Slot("moe", 1, 0.45), Slot("small", 1, 0.225)],
+                     [Pairing(0, 1, 0.5, 15.0)])
+    r = run_fleet(plan, models, cal, mem, seconds=2.0)
+    assert r.per_model["moe"]["finished"] == r.per_model["moe"]["scheduled"]
+
+
+def test_pd_hands_requests_over_and_adrenaline_charges_the_prefill_gpu() -> None:
+    from bench.sim.pd import run_pd
+
+    cal, mem = load_gpu("h200")
+    m = ModelSpec("m", "llama-3-8b", 6.0, trace="mooncake", max_in=2048, max_out=32)
+    plain = run_pd(m, cal, mem, seconds=3.0)
+    assert plain["finished"] == plain["scheduled"] == 18 and plain["failed"] == 0
+    assert plain["remote_row_steps"] == 0 and plain["prefill_slowed_s"] == 0.0
+    ad = run_pd(m, cal, mem, seconds=3.0, offload_ratio=0.5, lend_gib=8.0, executor_sms=24)
+    assert ad["finished"] == ad["scheduled"] and ad["remote_row_steps"] > 0
+    assert ad["prefill_slowed_s"] > 0 and ad["decode_exchange_s"] > 0
+
+
+def test_decode_only_instance_prices_no_prefill(cost: CostModel) -> None:
+    inst = Instance(InstanceSpec("d", "d", 20_000, 2.0, 0.1, context=4096, decode_only=True), cost, SimGpu(0))
+    for k, (t, ids, _) in enumerate(synthetic(5, 4.0, 1500, 1, 3)):
+        inst.add(f"r{k}", t, ids, 1)  # prompt only: its KV "arrived", one token out of a free forward
+    run_instances([inst], 10.0)
+    assert len(inst.finished) == 5 and inst.busy_s == 0.0
