@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  gpu{g}: {', '.join(names)}")
         for pair in best["plan"]["pairings"]:
             print(f"  WEAVER pairing: {pair}")
+        if strat in ("weaver", "both") and not best["plan"]["pairings"]:
+            print("  no WEAVER pairing: pairings are made for models with whole GPUs, and none has one here")
         for name, s in best["per_model"].items():
             print(f"  {name:14s} both SLOs {100 * s['attainment']:5.1f} %  TTFT {100 * s['ttft_attainment']:5.1f} %  "
                   f"TPOT {100 * s['tpot_attainment']:5.1f} %  (TTFT p99 {s['ttft_p99_s']:.2f} s, "
