@@ -336,9 +336,10 @@ def place(models: Sequence[ModelSpec], cal: Calibration, gpu_mem_gib: float, str
 
 def fewest_gpus(models: Sequence[ModelSpec], cal: Calibration, gpu_mem_gib: float, strategy: str, seconds: float,
                 target: float = 0.9, scales: Sequence[float] = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0),
-                seed: int = 0, log: Any = None, **kw: Any) -> dict[str, Any]:
+                seed: int = 0, log: Any = None, per_model: bool = False, **kw: Any) -> dict[str, Any]:
     """Plans at growing scales (one per GPU count, fewest first), replayed until the fleet keeps
-    `target` of all requests within both SLOs. Returns the first passing plan and every one tried."""
+    `target` of all requests within both SLOs (`per_model`: of every model's requests). Returns the first
+    passing plan and every one tried."""
     reqs = {m.name: make_requests(m, seconds, seed) for m in models}
     tried: list[dict[str, Any]] = []
     seen: set[int] = set()
@@ -351,7 +352,8 @@ def fewest_gpus(models: Sequence[ModelSpec], cal: Calibration, gpu_mem_gib: floa
         tried.append({"scale": scale, **res.as_dict()})
         if log:
             log(f"  {strategy:9s} scale {scale:4.2f}: {plan.gpus} GPUs, both SLOs {100 * res.attainment:5.1f} %")
-        if res.attainment >= target:
+        if res.attainment >= target and (not per_model or all(v["attainment"] >= target
+                                                               for v in res.per_model.values())):
             return {"strategy": strategy, "gpus": plan.gpus, "passed": True, "result": tried[-1], "tried": tried}
     return {"strategy": strategy, "gpus": None, "passed": False, "result": tried[-1] if tried else None,
             "tried": tried}

@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--total-rate", type=float, help="req/s of the whole fleet (for servegen and share)")
     p.add_argument("--strategy", default="all", choices=[*STRATEGIES, "all"])
     p.add_argument("--target", type=float, default=0.9, help="share of requests to keep within both SLOs")
+    p.add_argument("--per-model", action="store_true",
+                   help="every model must meet --target (default: the fleet's requests as a whole)")
     p.add_argument("--seconds", type=float, default=30.0, help="traffic replayed (requests = rate x seconds)")
     p.add_argument("--scales", type=float, nargs="+", default=[0.25, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0],
                    help="capacity over demand tried, smallest first")
@@ -115,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                            "args": {k: str(v) for k, v in vars(a).items()}, "strategies": {}}
     for strat in STRATEGIES if a.strategy == "all" else (a.strategy,):
         r = fewest_gpus(models, cal, mem, strat, a.seconds, a.target, a.scales, a.seed, log=print,
-                        weaver_ratio=a.weaver_ratio, weaver_lend=a.weaver_lend, executor_sms=a.executor_sms)
+                        per_model=a.per_model, weaver_ratio=a.weaver_ratio, weaver_lend=a.weaver_lend,
+                        executor_sms=a.executor_sms)
         out["strategies"][strat] = r
         best = r["result"]
         head = f"{r['gpus']} GPUs" if r["passed"] else f"not met with up to {best['gpus_used']} GPUs (largest tried)"
