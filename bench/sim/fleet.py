@@ -47,7 +47,7 @@ MAX_PER_GPU: Final = 4
 ERROR_BAND: Final = ("SIMULATED. Cost model error (bench/sim/validate.py, H200, Llama-3-8B): decode step "
                      "<= 5 % on 32 held-out rows (mean 1.4 %), prefill <= 3.9 % on 4; other geometries, MoE, "
                      "mixed prefill+decode batches, the executor's capped SMs and any non-H200 link are "
-                     "unvalidated. Serving attainment (python -m bench.sim.replay_sweeps, 121 measured one-GPU points): "
+                     "unvalidated. Serving attainment (python -m bench.sim.replay_sweeps, 121 measured points): "
                      "mean absolute error 4.1 points, optimistic by +3.6 on average (TTFT near the knee), strict "
                      "goodput within one grid step for 36 of 39 runs.")
 
