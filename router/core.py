@@ -39,12 +39,12 @@ from router.events import (
     WorkerDown,
     WorkerUp,
 )
+from router.limit_spec import ApiKey, LimitSpec
 from router.metrics import RouterMetrics
 from router.placement.base import KeptKV, Placement, PlacementStrategy
 from router.placement.strategies import build_strategies
 from router.registry import Balancer, ModelEntry, Registry
 from router.resilience.hub import Resilience
-from router.resilience.spec import ApiKey, LimitSpec
 from router.routing.balancer import ModelRouting
 from router.routing.keys import route_key
 from router.tracker import Failure, Item, RequestState, Restart, Submission, WorkerState
