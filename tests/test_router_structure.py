@@ -88,3 +88,9 @@ def test_the_shared_types_sit_below_the_folders_that_share_them() -> None:
     assert "errors.py" in graph["resilience"] and "errors.py" in graph["api"]
     assert "limit_spec.py" in graph["config.py"] and "limit_spec.py" in graph["resilience"]
 
+
+
+def test_readiness_sees_placements_only_through_their_interface() -> None:
+    names = [w for (a, b), where in router_edges().items() if a == "readiness.py" and b == "placement"
+             for w in where]
+    assert all(" -> router.placement.base" in w for w in names), names
