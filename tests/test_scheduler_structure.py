@@ -41,7 +41,7 @@ def test_members_see_the_view_not_the_scheduler() -> None:
     graph = scheduler_imports()
     users = {m for m, deps in graph.items() if "scheduler" in deps}
     assert users == set()
-    assert "view" in graph["rotary"] and "view" in graph["remote_rows"] and "view" in graph["handoff"]
+    assert "view" in graph["rotary"] and "view" in graph["remote_residency"] and "view" in graph["handoff"]
 
 
 def _code(name: str) -> str:
