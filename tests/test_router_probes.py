@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from _router_util import info
+from _router_util import info, strategy
 
 from router.api.app import build_app
 from router.config import OffloadSpec, RouterConfig
@@ -52,7 +52,7 @@ def all_up(r: Router) -> None:
     up(r, "hot-0", "hot")
     up(r, "cold-0", "cold", executor_mem_bytes=1 << 30)
     up(r, "remote-x", "remote")  # joined by itself
-    pd, off = r.strategy(PDPlacement), r.strategy(OffloadPlacement)
+    pd, off = strategy(r, PDPlacement), strategy(r, OffloadPlacement)
     assert pd is not None and off is not None
     pd.pairs[("m-p", "m-d")] = KVPair("m-p", "m-d", pairing="kv1", state="active")
     off.pairings["hot-0"] = Pairing("hot-0", off.rules["hot"], executor="cold-0", pairing_id="o1", state="active")
@@ -117,7 +117,7 @@ async def test_readiness_waits_for_every_worker_model_and_pairing(router: Router
                                                  "checked": {"workers": 4, "models": 4, "pairings": 2}}
 
     # every worker up, but the KV pair broke: not ready, and only the pair is named
-    pd = router.strategy(PDPlacement)
+    pd = strategy(router, PDPlacement)
     assert pd is not None
     pd.pairs[("m-p", "m-d")].state = "failed: m-d: no answer in 10 s"
     body = (await client.get("/readiness")).json()
@@ -128,7 +128,7 @@ async def test_readiness_waits_for_every_worker_model_and_pairing(router: Router
     pd.pairs[("m-p", "m-d")].state = "active"
 
     # the offload pairing waits for its executor (the host was given up on: a bad path at its first start)
-    off = router.strategy(OffloadPlacement)
+    off = strategy(router, OffloadPlacement)
     assert off is not None
     off.pairings["hot-0"].state = "detached: executor cold-0 is down"
     cold = router.registry.workers["cold-0"]

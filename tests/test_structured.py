@@ -68,7 +68,7 @@ class Env:
         r = Req(rid, self.tok.encode(prompt), params)
         if kind is not None:
             assert text is not None
-            r.grammar = self.grammars.new_state(Constraint(kind, text))
+            r.grammar = self.grammars.state(self.grammars.compile(Constraint(kind, text)))
         return r
 
     def text(self, r: Req) -> str:
@@ -149,7 +149,7 @@ def test_json_schema_with_free_whitespace(env: Env) -> None:
     reqs = [env.req("w", "Person 0:", max_new_tokens=160, temperature=0.0)]
     for r in reqs:
         r.sampling.json_schema = json.dumps(SCHEMA)
-        r.grammar = free.new_state(Constraint("json_schema", r.sampling.json_schema))
+        r.grammar = free.state(free.compile(Constraint("json_schema", r.sampling.json_schema)))
     run(env.scheduler(), reqs)
     _check_valid(env, reqs)
     assert any(re.search(r"\s\s", env.text(r)) for r in reqs)
@@ -233,7 +233,7 @@ def _check_matchers(env: Env, reqs: list[Req]) -> None:
         c = constraint_of(r.sampling)
         if c is None or r.grammar is None:
             continue
-        fresh = env.grammars.new_state(c)
+        fresh = env.grammars.state(env.grammars.compile(c))
         for t in r.output_ids:
             fresh.accept(t)
         assert fresh.error is None and r.grammar.error is None, r.rid
@@ -359,7 +359,7 @@ def test_invalid_constraints_name_the_problem(env: Env) -> None:
 def test_compiled_grammars_are_cached(env: Env) -> None:
     c = Constraint("regex", "[a-c]{2}")
     assert env.grammars.compile(c) is env.grammars.compile(c)
-    a, b = env.grammars.new_state(c), env.grammars.new_state(c)
+    a, b = env.grammars.state(env.grammars.compile(c)), env.grammars.state(env.grammars.compile(c))
     a.accept(env.tok.encode("a")[-1])
     assert a.matcher is not b.matcher and not b.terminated
 
