@@ -5,7 +5,9 @@ replicas), `routing/` (the per-model policies that pick a replica), `upstream/` 
 over HTTP), `placement/` (strategies over several workers: PD, offload), `events` (the bus strategies and
 planners listen to), `metrics` (Prometheus), `api/` (HTTP), `server`
 (uvicorn + signals), `http_guard` (connection cap, slow-client timeouts), `procs` (local worker
-processes and their supervision), `config` (settings and cluster YAML).
+processes and their supervision), `config` (settings and cluster YAML), `limit_spec` (the cluster file's
+limits and API keys), `resilience/` (retries, breakers, admission), `errors` (ApiError, ClientGone),
+`readiness` (what is not up).
 """
 
 from __future__ import annotations

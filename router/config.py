@@ -19,7 +19,7 @@ import msgspec
 from msgspec import Meta
 
 from router.keyfile import read_key_file
-from router.resilience.spec import ApiKey, ApiKeySpec, LimitSpec, SpecError, check_router, resolve_api_keys
+from router.limit_spec import ApiKey, ApiKeySpec, LimitSpec, SpecError, check_router, resolve_api_keys
 from router.routing.settings import (
     BalanceAbs,
     BalanceRel,

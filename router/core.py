@@ -22,7 +22,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 import zmq
@@ -39,12 +39,12 @@ from router.events import (
     WorkerDown,
     WorkerUp,
 )
+from router.limit_spec import ApiKey, LimitSpec
 from router.metrics import RouterMetrics
-from router.placement.base import KeptKV, Placement, PlacementStrategy
+from router.placement.base import KeptKV, Placement
 from router.placement.strategies import build_strategies
 from router.registry import Balancer, ModelEntry, Registry
 from router.resilience.hub import Resilience
-from router.resilience.spec import ApiKey, LimitSpec
 from router.routing.balancer import ModelRouting
 from router.routing.keys import route_key
 from router.tracker import Failure, Item, RequestState, Restart, Submission, WorkerState
@@ -68,7 +68,6 @@ from sglang_ext.messages import (
 logger = logging.getLogger(__name__)
 _MONITOR_PERIOD_S = 0.25
 _HELLO_REQ_PERIOD_S = 2.0
-S = TypeVar("S", bound=PlacementStrategy)
 
 
 def _names(rid: str, req_rid: str) -> bool:
@@ -207,10 +206,6 @@ class Router:
                         self._fail(st, 503, why)
 
     # ---- placement strategies -----------------------------------------------------------------
-    def strategy(self, kind: type[S]) -> S | None:
-        """The running strategy of that class, if any."""
-        return next((s for s in self.strategies if isinstance(s, kind)), None)
-
     def describe_placement(self) -> dict[str, list[dict[str, Any]]]:
         """Each strategy's links, under its `info_key` (as /get_server_info shows them)."""
         return {s.info_key: s.describe() for s in self.strategies}

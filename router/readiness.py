@@ -9,8 +9,9 @@ Configured means what this launcher was told to run:
     workers    the launcher's own (the cluster file's, supervised here): each must be up
     models     each model the configuration names: at least one worker up, wherever it runs (a model
                served only by workers that join by themselves, `replicas: 0`, is ready once one has)
-    pairings   each KV pair between a model's configured prefill and decode workers, and each offload
-               pairing of a configured sender worker (the cluster file's `offload:`): each must be active
+    pairings   each link a placement strategy keeps among the configured workers (PlacementStrategy.
+               expected_links: each KV pair between a model's prefill and decode workers, each offload
+               pairing of a sender of the cluster file's `offload:`): each must be active
 
 A worker that joined by itself counts only toward its model: one that leaves for good (scaled in) must
 not keep the launcher unready forever.
@@ -22,8 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.core import Router
-from router.placement.offload import OffloadPlacement
-from router.placement.pd import PDPlacement
 from router.tracker import WorkerState
 
 
@@ -69,42 +68,8 @@ def not_up(router: Router) -> NotUp:
               if m.declared or any(w.supervision is not None for w in m.workers.values())]
     out.models = [{"model": m.name, "state": "no worker is up" if m.workers else "no worker has joined"}
                   for m in models if not m.up_workers]
-    pd_pairs = _pd_pairs(router, own)
-    offload = _offload_pairings(router, own)
-    out.pairings = [p for p in pd_pairs + offload if p["state"] != "active"]
-    out.checked = {"workers": len(own), "models": len(models), "pairings": len(pd_pairs) + len(offload)}
-    return out
-
-
-def _pd_pairs(router: Router, own: list[WorkerState]) -> list[dict[str, Any]]:
-    """Every (prefill, decode) pair of configured workers of one model, as the PD strategy pairs them
-    (each prefill worker with each decode worker of its model); a pair it has not opened yet is
-    `not opened`."""
-    pd = router.strategy(PDPlacement)
-    out = []
-    for p in own:
-        if p.role != "prefill":
-            continue
-        for d in own:
-            if d.role == "decode" and d.model == p.model:
-                pair = pd.pairs.get((p.worker_id, d.worker_id)) if pd is not None else None
-                out.append({"kind": "disaggregation", "prefill": p.worker_id, "decode": d.worker_id,
-                            "state": pair.state if pair is not None else "not opened"})
-    return out
-
-
-def _offload_pairings(router: Router, own: list[WorkerState]) -> list[dict[str, Any]]:
-    """The pairing of each configured sender of an `offload:` entry (under Adrenaline placement, from ==
-    to, the model's decode workers send); one not made yet is `not paired`."""
-    off = router.strategy(OffloadPlacement)
-    if off is None:
-        return []
-    out = []
-    for w in own:
-        rule = off.rules.get(w.model)
-        if rule is None or (rule.from_ == rule.to and w.role != "decode"):
-            continue
-        p = off.pairings.get(w.worker_id)
-        out.append({"kind": "offload", "from": w.worker_id, "executor": (p.executor or None) if p else None,
-                    "to_model": rule.to, "state": p.state if p is not None else "not paired"})
+    # each strategy's links among them (PD: KV pairs; offload: pairings), grouped by kind
+    links = sorted((link for s in router.strategies for link in s.expected_links(own)), key=lambda x: str(x["kind"]))
+    out.pairings = [p for p in links if p["state"] != "active"]
+    out.checked = {"workers": len(own), "models": len(models), "pairings": len(links)}
     return out

@@ -124,10 +124,6 @@ class RequestState:
     first_token_id: int = -1  # the prefill worker's first token, once handed
     resumed: bool = False  # its KV never came: the decode worker recomputes the prompt
 
-    @property
-    def disaggregated(self) -> bool:
-        return self.decode is not None
-
     def remaining_tokens(self) -> int:
         prefill = 0 if self.first_token is not None else (self.prompt_tokens or self.est_prompt_tokens)
         return prefill + max(0, self.max_new_tokens - self.completion_tokens)

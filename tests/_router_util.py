@@ -17,12 +17,18 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 import msgspec
 import zmq
 import zmq.asyncio
+
+if TYPE_CHECKING:
+    from router.core import Router
+    from router.placement.base import PlacementStrategy
+
+    S = TypeVar("S", bound=PlacementStrategy)
 
 from sglang_ext.messages import BatchOut, LoadReport, TokenOut, WorkerHello, WorkerInfo, decode_to_worker, encode
 
@@ -225,3 +231,9 @@ async def until(cond: Callable[[], Any], timeout: float = 3.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not reached"
         await asyncio.sleep(0.02)
+
+
+def strategy(router: Router, kind: type[S]) -> S | None:
+    """The router's running placement strategy of that class, if any (the core itself asks only
+    `PlacementStrategy`'s methods)."""
+    return next((s for s in router.strategies if isinstance(s, kind)), None)

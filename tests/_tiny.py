@@ -8,7 +8,7 @@ import torch
 
 from sglang_ext.engine.model_runner import ModelRunner
 from sglang_ext.models.config import ModelConfig
-from sglang_ext.offload.setup import local_offloader
+from sglang_ext.offload.setup import local_sender
 from sglang_ext.sampling.params import SamplingParams
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
@@ -48,7 +48,7 @@ def make_scheduler(device: str = "cpu", page_size: int = 4, dtype: str = "float3
             if p.dim() >= 2:  # stacked experts are 3-D
                 p.mul_(6.0)
     # --offload-ratio / --offload-executor: an in-process executor, as a worker would build it
-    offload = local_offloader(sa, runner, "tiny")
+    offload = local_sender(sa, runner, "tiny")
     return Scheduler(sa, runner, page_size, frozenset([EOS]), vocab_size=VOCAB, offload=offload)
 
 

@@ -152,7 +152,7 @@ def decode_with_placed(s: Scheduler, rs: list[Req], placed: set[str]) -> dict[st
             handle = HANDLE_BASE + int(r.rid[1:])
             remote.executor.load(remote.guest, handle, kv, len(r.input_ids))
             s.handoff.add_prefilled(r, None)
-            assert s.remote_rows.adopt(r, handle)
+            assert s.remote_residency.adopt(r, handle)
         else:
             s.handoff.add_prefilled(r, kv)
     return out

@@ -20,7 +20,7 @@ if importlib.util.find_spec("flashinfer") is None:
 from _tiny import EOS
 from test_gpu_equivalence import GREEDY, VOCAB, _runner, _serve
 
-from sglang_ext.offload.setup import local_offloader
+from sglang_ext.offload.setup import local_sender
 from sglang_ext.scheduler.scheduler import Scheduler
 
 pytestmark = pytest.mark.gpu
@@ -50,7 +50,7 @@ def test_offload_keeps_greedy_tokens(where: str, transport: str) -> None:
     want = _serve(Scheduler(plain.args, plain, 16, frozenset([EOS]), vocab_size=VOCAB, overlap=True), GREEDY)
     r = _runner("flashinfer")
     args = dataclasses.replace(r.args, offload_ratio=0.5, offload_executor=where, offload_transport=transport)
-    off = local_offloader(args, r, "gpu")
+    off = local_sender(args, r, "gpu")
     assert off is not None
     s = Scheduler(args, r, 16, frozenset([EOS]), vocab_size=VOCAB, offload=off)
     reqs_before = off.remote.bytes_out
@@ -77,7 +77,7 @@ def test_offload_with_the_model_in_an_sm_partition_keeps_greedy_tokens() -> None
         assert torch.cuda.current_stream() == stream
         r = _runner("flashinfer")  # its decode graphs are captured on the partition's stream
         args = dataclasses.replace(r.args, offload_ratio=0.5, offload_executor="local", executor_reserved_sms=16)
-        off = local_offloader(args, r, "gpu")
+        off = local_sender(args, r, "gpu")
         assert off is not None
         got = _serve(Scheduler(args, r, 16, frozenset([EOS]), vocab_size=VOCAB, offload=off), GREEDY)
         assert torch.cuda.current_stream() == stream

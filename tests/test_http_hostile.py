@@ -248,7 +248,8 @@ def test_long_paths_are_clipped_in_404s(server: LiveServer) -> None:
 
 
 def test_messages_are_capped_whatever_quotes_input() -> None:
-    from router.api.common import MAX_MESSAGE_CHARS, ApiError, error_body
+    from router.api.common import error_body
+    from router.errors import MAX_MESSAGE_CHARS, ApiError
 
     e = ApiError(400, "library says: " + "v" * 100_000)
     assert len(e.message) < MAX_MESSAGE_CHARS + 40 and e.message.endswith("(100014 characters)")

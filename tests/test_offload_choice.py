@@ -1,4 +1,4 @@
-"""Which newly decoding requests the sender offloads (`Offloader.choose`): longest contexts first, so a
+"""Which newly decoding requests the sender offloads (`RemoteSender.choose`): longest contexts first, so a
 share that lets only some go sends those whose attention is largest; ties keep arrival order;
 Adrenaline's C1/C2 still decide each request, now in that order; a request is considered once. Fakes
 stand in for the executor and the KV pool (no model runs)."""
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from sglang_ext.offload.sender import Offloader, longest_first
+from sglang_ext.offload.sender import RemoteSender, longest_first
 from sglang_ext.sampling.params import SamplingParams
 
 PAGE = 4
@@ -54,9 +54,9 @@ class FakeRemote:
         return True
 
 
-def offloader(ratio: float, ob: float | None = None, room: int = 1_000) -> Offloader[Any]:
+def offloader(ratio: float, ob: float | None = None, room: int = 1_000) -> RemoteSender[Any]:
     pool = SimpleNamespace(page_size=PAGE, data=torch.zeros(64, 1), device=torch.device("cpu"))
-    return Offloader(FakeRemote(room), ratio, pool, ob)  # type: ignore[arg-type]
+    return RemoteSender(FakeRemote(room), ratio, pool, ob)  # type: ignore[arg-type]
 
 
 def names(rows: list[Row]) -> list[str]:

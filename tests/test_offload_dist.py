@@ -27,7 +27,7 @@ from sglang_ext.offload.executor import AttentionExecutor, GuestSpec
 from sglang_ext.offload.host import ExecutorHost
 from sglang_ext.offload.partition import ForeignKVPartition
 from sglang_ext.offload.remote import ExecutorLost
-from sglang_ext.offload.sender import Offloader
+from sglang_ext.offload.sender import RemoteSender
 from sglang_ext.offload.setup import guest_spec
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
@@ -70,7 +70,7 @@ def offload_over_gloo(s: Scheduler, host: ExecutorHost, ratio: float) -> DistRem
     """What a worker does on an OffloadDirective."""
     remote = pair(host, guest_spec(s.runner))  # type: ignore[arg-type]
     s.runner.set_remote(remote)  # type: ignore[attr-defined]
-    s.remote_rows.set_offload(Offloader(remote, ratio, s.runner.pool))
+    s.remote_residency.set_sender(RemoteSender(remote, ratio, s.runner.pool))
     return remote
 
 
@@ -262,7 +262,7 @@ def test_two_processes_executor_killed_mid_generation(reference: dict[str, list[
         address = proc.stdout.readline().strip()  # type: ignore[union-attr]
         remote = DistRemote.connect(address, "gloo", torch.device("cpu"), spec, "host-0", 5.0)
         s.runner.set_remote(remote)  # type: ignore[attr-defined]
-        s.remote_rows.set_offload(Offloader(remote, 0.5, s.runner.pool))
+        s.remote_residency.set_sender(RemoteSender(remote, 0.5, s.runner.pool))
 
         killed = []
 

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq.asyncio
-from _router_util import FakeWorker, until
+from _router_util import FakeWorker, strategy, until
 from test_offload_router import Fleet, next_of, serve_open
 
 import router.placement.steer as steer
@@ -249,7 +249,7 @@ async def test_adaptive_lowers_on_slo_misses_and_raises_with_slack(make_router: 
         assert got == pytest.approx([0.2, 0.1, 0.0]) and all(m.pairing == d.pairing for m in await ratios(s, 0))
         with pytest.raises(TimeoutError):  # clamped at 0: nothing more to say
             await next_of(s, OffloadRatio, timeout=0.5)
-        (p,) = router.strategy(OffloadPlacement).describe()  # type: ignore[union-attr]
+        (p,) = strategy(router, OffloadPlacement).describe()  # type: ignore[union-attr]
         assert (p["ratio"], p["bound"], p["policy"]) == (0.0, 0.4, "adaptive") and "P99 TPOT 80.0 ms" in p["why"]
         # slack on the host, but the sender has nothing to send: held at 0
         reports(h, latency=Latency(tpot_p99_ms=20.0, tpot_samples=20))
@@ -306,7 +306,7 @@ async def test_adaptive_sends_0_while_the_senders_contexts_are_short(make_router
         submit(router, 2)  # and the sender requests to send
         reports(s, decode_context_tokens=900.0)  # but they are short
         assert (await next_of(s, OffloadRatio)).ratio == 0.0
-        (p,) = router.strategy(OffloadPlacement).describe()  # type: ignore[union-attr]
+        (p,) = strategy(router, OffloadPlacement).describe()  # type: ignore[union-attr]
         assert p["ratio"] == 0.0 and "contexts short (mean 900 tokens per decoding request" in p["why"], p
         with pytest.raises(TimeoutError):  # it stays there
             await next_of(s, OffloadRatio, timeout=0.5)
@@ -337,12 +337,12 @@ async def test_adrenaline_sends_its_bound_on_reports_and_arrivals(make_router: A
         submit(router, 3)  # batch 3: dense 4 / 3 - 1
         (m,) = await ratios(s, 1)
         assert m.bound == pytest.approx(1 / 3)
-        (p,) = router.strategy(OffloadPlacement).describe()  # type: ignore[union-attr]
+        (p,) = strategy(router, OffloadPlacement).describe()  # type: ignore[union-attr]
         assert p["ob"] == pytest.approx(1 / 3) and p["ratio"] == pytest.approx(0.25) and "dense 0.333" in p["why"]
         # the executor fills: memory low is published once per fall
         reports(h, executor=ExecutorKV(pairing_tokens={o.pairing: 4000}, free_tokens={o.pairing: 96}))
         await until(lambda: low)
-        await until(lambda: router.strategy(OffloadPlacement).describe()[0]["executor_memory_low"])  # type: ignore[union-attr]
+        await until(lambda: strategy(router, OffloadPlacement).describe()[0]["executor_memory_low"])  # type: ignore[union-attr]
         assert (low[0].sender, low[0].free_tokens, low[0].total_tokens) == ("hot-0", 96, 4096) and len(low) == 1
     finally:
         for w in fleet.workers:

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
-from _router_util import FakeWorker, until
+from _router_util import FakeWorker, strategy, until
 
 import router.placement.offload as planner
 from router.config import ClusterSpec, ConfigError, OffloadSpec, RouterConfig, build_cluster
@@ -218,8 +218,8 @@ async def serve_open(h: FakeWorker, ok: bool = True) -> ExecutorOpen:
 
 
 def states(router: Router) -> dict[str, str]:
-    assert router.strategy(OffloadPlacement) is not None
-    return {p["from"]: p["state"] for p in router.strategy(OffloadPlacement).describe()}
+    assert strategy(router, OffloadPlacement) is not None
+    return {p["from"]: p["state"] for p in strategy(router, OffloadPlacement).describe()}
 
 
 async def test_pairing_on_events_and_detach_when_the_host_goes(router: Router, fleet: Fleet) -> None:
@@ -256,8 +256,8 @@ async def test_a_refusal_or_a_lost_executor_is_tried_again(router: Router, fleet
     s = await fleet.sender("hot-0")
     h = await fleet.host("cold-0")
     await serve_open(h, ok=False)
-    assert router.strategy(OffloadPlacement) is not None
-    await until(lambda: router.strategy(OffloadPlacement).pairings["hot-0"].logged == "failed: cold-0: no room")  # type: ignore[union-attr]
+    assert strategy(router, OffloadPlacement) is not None
+    await until(lambda: strategy(router, OffloadPlacement).pairings["hot-0"].logged == "failed: cold-0: no room")  # type: ignore[union-attr]
     o = await serve_open(h)  # tried again on a later load report
     d = await next_of(s, OffloadDirective)
     await until(lambda: states(router)["hot-0"] == "active")
@@ -320,7 +320,7 @@ async def test_a_wait_for_a_host_is_quiet_while_the_cluster_starts(router: Route
     assert waits(caplog, logging.INFO) == ["offload hot-0 -> ?: waiting: no up worker of 'cold' offers executor memory"]
     await asyncio.sleep(0.5)  # tried again on each load report: still quiet, and not repeated
     assert len(waits(caplog, logging.INFO)) == 1 and waits(caplog, logging.WARNING) == []
-    off = router.strategy(OffloadPlacement)
+    off = strategy(router, OffloadPlacement)
     assert off is not None
     off.quiet.born -= STARTUP_GRACE_S  # the startup is over, and no host came
     await until(lambda: len(waits(caplog, logging.WARNING)) == 1)
@@ -345,7 +345,7 @@ async def test_a_wait_after_a_host_was_up_is_a_warning_at_once(router: Router, f
 async def test_a_launcher_host_on_its_first_start_keeps_the_wait_quiet(router: Router) -> None:
     """Past the grace, a wait is still the startup's while one of the launcher's workers of the host model
     loads for the first time (a large model takes minutes); no longer once that worker was up or restarted."""
-    off = router.strategy(OffloadPlacement)
+    off = strategy(router, OffloadPlacement)
     assert off is not None
     off.quiet.born -= STARTUP_GRACE_S
     assert off.quiet.level("cold") == logging.WARNING  # nobody is coming

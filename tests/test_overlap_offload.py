@@ -45,7 +45,7 @@ def _reqs(params: list[SamplingParams] | None = None, max_new: int = 12) -> list
 
 
 class PlanSpy:
-    """Records the Offloader's plans: those made while the step before was in flight (ahead=1),
+    """Records the RemoteSender's plans: those made while the step before was in flight (ahead=1),
     the requests they named (rid, landed output count) and the rows the executor dropped."""
 
     def __init__(self, s: Scheduler) -> None:

@@ -8,16 +8,18 @@ worker, model and pairing is up, else 503 listing what is not. Neither needs the
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import httpx
 import pytest
-from _router_util import info
+from _router_util import info, strategy
 
 from router.api.app import build_app
 from router.config import OffloadSpec, RouterConfig
 from router.core import Router
+from router.events import LoadReported, WorkerDown, WorkerUp
+from router.placement.base import PlacementStrategy
 from router.placement.offload import OffloadPlacement
 from router.placement.pairing import Pairing
 from router.placement.pd import KVPair, PDPlacement
@@ -50,7 +52,7 @@ def all_up(r: Router) -> None:
     up(r, "hot-0", "hot")
     up(r, "cold-0", "cold", executor_mem_bytes=1 << 30)
     up(r, "remote-x", "remote")  # joined by itself
-    pd, off = r.strategy(PDPlacement), r.strategy(OffloadPlacement)
+    pd, off = strategy(r, PDPlacement), strategy(r, OffloadPlacement)
     assert pd is not None and off is not None
     pd.pairs[("m-p", "m-d")] = KVPair("m-p", "m-d", pairing="kv1", state="active")
     off.pairings["hot-0"] = Pairing("hot-0", off.rules["hot"], executor="cold-0", pairing_id="o1", state="active")
@@ -115,7 +117,7 @@ async def test_readiness_waits_for_every_worker_model_and_pairing(router: Router
                                                  "checked": {"workers": 4, "models": 4, "pairings": 2}}
 
     # every worker up, but the KV pair broke: not ready, and only the pair is named
-    pd = router.strategy(PDPlacement)
+    pd = strategy(router, PDPlacement)
     assert pd is not None
     pd.pairs[("m-p", "m-d")].state = "failed: m-d: no answer in 10 s"
     body = (await client.get("/readiness")).json()
@@ -126,7 +128,7 @@ async def test_readiness_waits_for_every_worker_model_and_pairing(router: Router
     pd.pairs[("m-p", "m-d")].state = "active"
 
     # the offload pairing waits for its executor (the host was given up on: a bad path at its first start)
-    off = router.strategy(OffloadPlacement)
+    off = strategy(router, OffloadPlacement)
     assert off is not None
     off.pairings["hot-0"].state = "detached: executor cold-0 is down"
     cold = router.registry.workers["cold-0"]
@@ -153,3 +155,33 @@ async def test_the_probes_need_no_api_key(router: Router, client: httpx.AsyncCli
     assert (await client.get("/readiness")).status_code == 200
     assert (await client.get("/health")).status_code == 200
     assert (await client.get("/get_server_info")).status_code == 401
+
+
+async def test_readiness_asks_each_strategy_through_the_interface(router: Router, client: httpx.AsyncClient) -> None:
+    """Readiness knows no placement class: a strategy it never heard of is asked `expected_links` like
+    the PD and offload ones, and a link of it that is not active keeps the launcher unready."""
+
+    class Mirror(PlacementStrategy):
+        info_key = "mirror"
+        state = "mirroring"
+
+        def on_worker_up(self, ev: WorkerUp) -> None: ...
+        def on_worker_down(self, ev: WorkerDown) -> None: ...
+        def on_load_report(self, ev: LoadReported) -> None: ...
+        def describe(self) -> list[dict[str, Any]]: return []
+        def close(self) -> None: ...
+
+        def expected_links(self, configured: Sequence[WorkerState]) -> list[dict[str, Any]]:
+            return [{"kind": "mirror", "from": w.worker_id, "state": self.state}
+                    for w in configured if w.model == "cold"]
+
+    all_up(router)
+    mirror = Mirror()
+    router.strategies.append(mirror)
+    r = await client.get("/readiness")
+    assert r.status_code == 503
+    body = r.json()
+    assert body["pairings"] == [{"kind": "mirror", "from": "cold-0", "state": "mirroring"}]
+    assert body["checked"]["pairings"] == 3
+    mirror.state = "active"
+    assert (await client.get("/readiness")).status_code == 200

@@ -23,10 +23,10 @@ from _router_util import FakeWorker, until
 from router.api.app import build_app
 from router.config import ConfigError, RouterConfig, load_cluster, router_config
 from router.core import NoWorker, Router
+from router.limit_spec import ApiKey, ApiKeySpec, LimitSpec, SpecError, resolve_api_keys
 from router.resilience.backoff import RetryPolicy
 from router.resilience.breaker import BreakerPolicy, CircuitBreaker, CircuitState
 from router.resilience.limiter import Limiter, Overloaded, TokenBucket
-from router.resilience.spec import ApiKey, ApiKeySpec, LimitSpec, SpecError, resolve_api_keys
 from sglang_ext.messages import ErrorOut, GenerateReq
 
 

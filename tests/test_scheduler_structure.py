@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from _import_graph import find_cycle, imported_names
+
 PKG = Path(__file__).resolve().parent.parent / "sglang_ext" / "scheduler"
 PREFIX = "sglang_ext.scheduler."
 
@@ -16,45 +18,12 @@ def scheduler_imports() -> dict[str, set[str]]:
     mods = {p.stem for p in PKG.glob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for path in PKG.glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names: list[str] = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:  # relative: `from .x import y` or `from . import x`
-                    base = PREFIX + node.module if node.module else PREFIX.rstrip(".")
-                else:
-                    base = node.module or ""
-                names = [base] + [f"{base}.{a.name}" for a in node.names]
-            for name in names:
-                if name.startswith(PREFIX):
-                    stem = name[len(PREFIX):].split(".")[0]
-                    if stem in mods and stem != path.stem:
-                        graph[path.stem].add(stem)
+        for _, name in imported_names(path, PREFIX.rstrip(".")):
+            if name.startswith(PREFIX):
+                stem = name[len(PREFIX):].split(".")[0]
+                if stem in mods and stem != path.stem:
+                    graph[path.stem].add(stem)
     return graph
-
-
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One import cycle (its modules in order, the first repeated at the end), or None."""
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    path: list[str] = []
-
-    def visit(m: str) -> list[str] | None:
-        state[m] = 1
-        path.append(m)
-        for d in sorted(graph[m]):
-            if state.get(d) == 1:
-                return [*path[path.index(d):], d]
-            if d not in state and (c := visit(d)) is not None:
-                return c
-        path.pop()
-        state[m] = 2
-        return None
-
-    for m in sorted(graph):
-        if m not in state and (c := visit(m)) is not None:
-            return c
-    return None
 
 
 def test_the_cycle_finder_sees_a_cycle() -> None:
@@ -72,7 +41,7 @@ def test_members_see_the_view_not_the_scheduler() -> None:
     graph = scheduler_imports()
     users = {m for m, deps in graph.items() if "scheduler" in deps}
     assert users == set()
-    assert "view" in graph["rotary"] and "view" in graph["remote_rows"] and "view" in graph["handoff"]
+    assert "view" in graph["rotary"] and "view" in graph["remote_residency"] and "view" in graph["handoff"]
 
 
 def _code(name: str) -> str:

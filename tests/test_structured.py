@@ -25,7 +25,7 @@ from sglang_ext.grammar.backend import Constraint, GrammarBackend, constraint_of
 from sglang_ext.grammar.masks import GrammarMasks
 from sglang_ext.models.config import ModelConfig
 from sglang_ext.models.default_model import ensure_default_model
-from sglang_ext.offload.setup import local_offloader
+from sglang_ext.offload.setup import local_sender
 from sglang_ext.sampling.params import InvalidRequest, SamplingParams
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
@@ -60,7 +60,7 @@ class Env:
         sa = ServerArgs(device="cpu", dtype="float32", page_size=4, max_total_tokens=max_total_tokens, **args)
         runner = ModelRunner(sa, self.dir, self.cfg)
         return Scheduler(sa, runner, 4, self.eos, decode_fn=lambda ids: self.tok.decode(ids, False),
-                         vocab_size=self.cfg.vocab_size, offload=local_offloader(sa, runner, "emb"), overlap=overlap)
+                         vocab_size=self.cfg.vocab_size, offload=local_sender(sa, runner, "emb"), overlap=overlap)
 
     def req(self, rid: str, prompt: str, kind: str | None = None, text: str | None = None, **sp: Any) -> Req:
         sp.setdefault("max_new_tokens", 64)
@@ -68,7 +68,7 @@ class Env:
         r = Req(rid, self.tok.encode(prompt), params)
         if kind is not None:
             assert text is not None
-            r.grammar = self.grammars.new_state(Constraint(kind, text))
+            r.grammar = self.grammars.state(self.grammars.compile(Constraint(kind, text)))
         return r
 
     def text(self, r: Req) -> str:
@@ -149,7 +149,7 @@ def test_json_schema_with_free_whitespace(env: Env) -> None:
     reqs = [env.req("w", "Person 0:", max_new_tokens=160, temperature=0.0)]
     for r in reqs:
         r.sampling.json_schema = json.dumps(SCHEMA)
-        r.grammar = free.new_state(Constraint("json_schema", r.sampling.json_schema))
+        r.grammar = free.state(free.compile(Constraint("json_schema", r.sampling.json_schema)))
     run(env.scheduler(), reqs)
     _check_valid(env, reqs)
     assert any(re.search(r"\s\s", env.text(r)) for r in reqs)
@@ -233,7 +233,7 @@ def _check_matchers(env: Env, reqs: list[Req]) -> None:
         c = constraint_of(r.sampling)
         if c is None or r.grammar is None:
             continue
-        fresh = env.grammars.new_state(c)
+        fresh = env.grammars.state(env.grammars.compile(c))
         for t in r.output_ids:
             fresh.accept(t)
         assert fresh.error is None and r.grammar.error is None, r.rid
@@ -359,7 +359,7 @@ def test_invalid_constraints_name_the_problem(env: Env) -> None:
 def test_compiled_grammars_are_cached(env: Env) -> None:
     c = Constraint("regex", "[a-c]{2}")
     assert env.grammars.compile(c) is env.grammars.compile(c)
-    a, b = env.grammars.new_state(c), env.grammars.new_state(c)
+    a, b = env.grammars.state(env.grammars.compile(c)), env.grammars.state(env.grammars.compile(c))
     a.accept(env.tok.encode("a")[-1])
     assert a.matcher is not b.matcher and not b.terminated
 

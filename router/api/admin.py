@@ -15,9 +15,10 @@ import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from router.api.common import ApiError, convert, json_response, read_json
+from router.api.common import convert, json_response, read_json
 from router.api.native_protocol import resolve_model
 from router.core import Router
+from router.errors import ApiError
 from router.registry import ModelEntry
 from router.tracker import WorkerState
 from sglang_ext.messages import DetokenizeReq, ProfileReq, ReplyOut, TokenizeReq, UpdateWeightsReq

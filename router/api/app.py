@@ -12,9 +12,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.api import admin, native, openai_api, probes
 from router.api.answers import CountAnswers
-from router.api.common import ApiError, ClientGone, clip, error_body
+from router.api.common import error_body
 from router.api.limits import BodyLimit
 from router.core import Router
+from router.errors import ApiError, ClientGone, clip
 from router.resilience.admission import KEY_NAME, AdmissionMiddleware
 
 OPEN_PATHS = frozenset({"/health", "/readiness"})  # orchestrators' probes carry no key

@@ -1,16 +1,15 @@
 """Pieces every endpoint shares: errors, JSON in and out, SSE, and waiting on a Submission.
 
-Errors are raised as `ApiError` and rendered by the app: the OpenAI error object on /v1/*, and
-SGLang's `{"error": {"message": ...}}` elsewhere. Both carry a message that names the problem; input
-quoted in it is clipped (`clip`), and no message is longer than MAX_MESSAGE_CHARS, so a huge bad
-input never comes back as a huge error.
+Errors are raised as `ApiError` (router/errors.py, with the clipping of quoted input) and rendered by
+the app: the OpenAI error object on /v1/*, and SGLang's `{"error": {"message": ...}}` elsewhere. Both
+carry a message that names the problem, no longer than MAX_MESSAGE_CHARS.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Final
 
 import msgspec
@@ -19,6 +18,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from router.api.json_body import TooDeep, decode_json
+from router.errors import ECHO_CHARS, MAX_MESSAGE_CHARS, ApiError, ClientGone, clip
 from router.tracker import Failure, Restart, Submission
 from sglang_ext.messages import TokenOut
 
@@ -26,15 +26,6 @@ logger = logging.getLogger(__name__)
 _enc = msgspec.json.Encoder()
 DISCONNECT_POLL_S: Final = 0.5
 DONE: Final = b"data: [DONE]\n\n"
-ECHO_CHARS: Final = 200  # of a client's value quoted in an error message
-MAX_MESSAGE_CHARS: Final = 1000  # of a whole error message (library messages may quote input too)
-
-
-def clip(text: str, limit: int = ECHO_CHARS) -> str:
-    """`text` whole when short; else its first `limit` characters and its length."""
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}... ({len(text)} characters)"
 
 
 def quote(value: object) -> str:
@@ -42,22 +33,6 @@ def quote(value: object) -> str:
     if isinstance(value, str) and len(value) > ECHO_CHARS:
         return f"{value[:ECHO_CHARS]!r}... ({len(value)} characters)"  # no repr of the whole string
     return clip(repr(value))
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: Mapping[str, str] | None = None) -> None:
-        message = clip(message, MAX_MESSAGE_CHARS)
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.headers = dict(headers or {})  # e.g. Retry-After on a 429 or 503
-
-
-class ClientGone(Exception):
-    """The client disconnected before the response started (while uploading, or while waiting)."""
 
 
 def error_type(status: int) -> str:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.api.common import ApiError, error_body
+from router.api.common import error_body
+from router.errors import ApiError
 from sglang_ext.messages import GenerateReq, WorkerInfo
 
 

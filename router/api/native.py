@@ -12,10 +12,11 @@ from starlette.responses import Response
 
 from router.api import probes
 from router.api.answers import note_submitted
-from router.api.common import DONE, ApiError, EventStream, SSEResponse, clip, json_response, read_json, sse
+from router.api.common import DONE, EventStream, SSEResponse, json_response, read_json, sse
 from router.api.limits import check_prompt_size
 from router.api.native_protocol import GeneratePlan, parse_generate, resolve_model
 from router.core import NoWorker, Router, prefix_key
+from router.errors import ApiError, clip
 from router.resilience.admission import retry_after_header
 from router.routing.balancer import ModelRouting
 from router.tracker import Submission

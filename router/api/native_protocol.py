@@ -13,8 +13,9 @@ from typing import Any, Final
 import msgspec
 
 from router.api.answers import note_model
-from router.api.common import ApiError, convert, quote
+from router.api.common import convert, quote
 from router.api.sampling import estimate_tokens, make_sampling_params
+from router.errors import ApiError
 from router.registry import ModelEntry, Registry
 from sglang_ext.entry.outputs import expand_n
 from sglang_ext.messages import GenerateReq

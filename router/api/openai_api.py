@@ -16,17 +16,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from router.api.chat_output import ChoiceOutput
-from router.api.common import (
-    DONE,
-    ApiError,
-    EventStream,
-    SSEResponse,
-    convert,
-    error_type,
-    json_response,
-    read_json,
-    sse,
-)
+from router.api.common import DONE, EventStream, SSEResponse, convert, error_type, json_response, read_json, sse
 from router.api.native import collect, submit
 from router.api.native_protocol import GeneratePlan, resolve_model
 from router.api.openai_format import chat_logprobs, completion_logprobs, finish, new_id, now_s, usage
@@ -41,6 +31,7 @@ from router.api.openai_protocol import (
 from router.api.openai_tools import ToolPlan, constrain, plan_tools
 from router.api.sampling import estimate_tokens
 from router.core import Router
+from router.errors import ApiError
 from router.registry import ModelEntry
 from sglang_ext.entry.outputs import expand_n
 from sglang_ext.messages import GenerateReq, TokenOut

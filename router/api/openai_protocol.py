@@ -11,9 +11,10 @@ from typing import Any, Final
 
 import msgspec
 
-from router.api.common import ApiError, quote
+from router.api.common import quote
 from router.api.openai_tools import template_calls
 from router.api.sampling import check_max_tokens, make_sampling_params
+from router.errors import ApiError
 from router.registry import ModelEntry
 from sglang_ext.sampling.params import SamplingParams
 

@@ -15,7 +15,8 @@ from typing import Any, Final
 
 import msgspec
 
-from router.api.common import ApiError, quote
+from router.api.common import quote
+from router.errors import ApiError
 from sglang_ext.messages import WorkerInfo
 from sglang_ext.parsers import REASONING_PARSERS, TOOL_PARSERS
 from sglang_ext.parsers.base import ToolParser

@@ -8,8 +8,9 @@ from __future__ import annotations
 from fastapi import APIRouter
 from starlette.responses import Response
 
-from router.api.common import ApiError, json_response
+from router.api.common import json_response
 from router.core import Router
+from router.errors import ApiError
 from router.readiness import not_up, workers_not_up
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from router.api.common import ApiError
+from router.errors import ApiError
 from router.registry import ModelEntry
 from sglang_ext.sampling.params import InvalidRequest, SamplingParams, parse_sampling_params
 

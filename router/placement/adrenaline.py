@@ -27,7 +27,7 @@ from router.placement.pairing import Pairing
 from router.tracker import RequestState, WorkerState
 from sglang_ext.offload.conditions import Loads, should_offload
 
-HANDLE_BASE: Final = 1 << 40  # an Offloader numbers the requests it moves itself from 1
+HANDLE_BASE: Final = 1 << 40  # a RemoteSender numbers the requests it moves itself from 1
 
 
 class AdrenalinePlacer:

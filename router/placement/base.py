@@ -10,7 +10,7 @@ router/placement/strategies.py, and a strategy gets the core as a `RouterHandle`
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple, Protocol
 
@@ -75,7 +75,7 @@ class PlacementStrategy(ABC):
     The core calls the event hooks from its event bus (synchronously, inside `EventBus.publish`: a hook
     is short and starts a task for anything that waits on a worker), `place` for each new request,
     `keep_kv` when it sends a disaggregated one, `pair_broken` when a request finds a pair unusable, and
-    `close` when it stops."""
+    `close` when it stops; the readiness probe (router/readiness.py) asks it `expected_links`."""
 
     info_key: ClassVar[str]  # the key of `describe()` in /get_server_info
     # the events it is called on: the three hooks' own, and whatever `on_other` needs
@@ -120,6 +120,12 @@ class PlacementStrategy(ABC):
 
     def pair_broken(self, pairing: str, why: str) -> None:  # noqa: B027 - only pair-keeping strategies care
         """A request found the worker pair `pairing` unusable."""
+
+    def expected_links(self, configured: Sequence[WorkerState]) -> list[dict[str, Any]]:
+        """Every link it should keep among `configured` (the launcher's own workers, in configuration
+        order), as GET /readiness lists them: `kind`, the workers linked, and `state` ("active" once the
+        link serves; one not made yet says so). The probe counts them and reports those not active."""
+        return []
 
     @abstractmethod
     def describe(self) -> list[dict[str, Any]]:

@@ -75,6 +75,19 @@ class OffloadPlacement(PlacementStrategy):
                     out.append(Pairing(wid, self.rules[model], state="sender not up").describe())
         return out
 
+    def expected_links(self, configured: Sequence[WorkerState]) -> list[dict[str, Any]]:
+        """The pairing of each configured sender of an `offload:` entry (under Adrenaline placement, from
+        == to, the model's decode workers send); one not made yet is `not paired`."""
+        out = []
+        for w in configured:
+            rule = self.rules.get(w.model)
+            if rule is None or (rule.from_ == rule.to and w.role != "decode"):
+                continue
+            p = self.pairings.get(w.worker_id)
+            out.append({"kind": "offload", "from": w.worker_id, "executor": (p.executor or None) if p else None,
+                        "to_model": rule.to, "state": p.state if p is not None else "not paired"})
+        return out
+
     # ---- placement --------------------------------------------------------------------------------
     def keep_kv(self, rid: str, prefill: WorkerState, decode: WorkerState) -> KeptKV | None:
         return self.adrenaline.choose(rid, prefill, decode)

@@ -18,7 +18,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -86,6 +86,20 @@ class PDPlacement(PlacementStrategy):
         return [p.describe() for p in self.pairs.values()]
 
     # ---- placement ------------------------------------------------------------------------------
+    def expected_links(self, configured: Sequence[WorkerState]) -> list[dict[str, Any]]:
+        """Every (prefill, decode) pair of configured workers of one model, as this strategy pairs them
+        (each prefill worker with each decode worker of its model); a pair not opened yet is `not opened`."""
+        out = []
+        for p in configured:
+            if p.role != "prefill":
+                continue
+            for d in configured:
+                if d.role == "decode" and d.model == p.model:
+                    pair = self.pairs.get((p.worker_id, d.worker_id))
+                    out.append({"kind": "disaggregation", "prefill": p.worker_id, "decode": d.worker_id,
+                                "state": pair.state if pair is not None else "not opened"})
+        return out
+
     def place(self, model: ModelEntry, balancer: Balancer, prefix_key: str | None,
               avoid: Collection[str]) -> Placement | None:
         """A (prefill, decode) placement over an active pair of `model` without a worker in `avoid`,

@@ -25,9 +25,9 @@ from typing import Final
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router.api.common import ApiError, ClientGone
+from router.errors import ApiError, ClientGone
+from router.limit_spec import ApiKey, LimitSpec
 from router.resilience.limiter import Limiter, Overloaded, Permit
-from router.resilience.spec import ApiKey, LimitSpec
 
 PERMITS: Final = "sglang_ext.permits"  # scope key: the places a request holds, released at its end
 KEY_NAME: Final = "sglang_ext.api_key"  # scope key: the name of the API key it came with (never the key)

@@ -10,11 +10,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from prometheus_client import CollectorRegistry
 
 from router.config import RouterConfig
+from router.limit_spec import PRIMARY_KEY_NAME, ApiKey, LimitSpec
 from router.resilience.admission import Admission
 from router.resilience.backoff import RetryPolicy
 from router.resilience.breaker import BreakerPolicy, Breakers
 from router.resilience.metrics import ResilienceMetrics
-from router.resilience.spec import PRIMARY_KEY_NAME, ApiKey, LimitSpec
 from router.tracker import WorkerState
 
 

@@ -23,7 +23,7 @@ from sglang_ext.models.loader import load_model
 from sglang_ext.server_args import ServerArgs
 
 if TYPE_CHECKING:
-    from sglang_ext.engine.split_attention import RemoteRows
+    from sglang_ext.engine.split_attention import RemoteAttentionRows
 
 logger = logging.getLogger("sglang_ext.startup")  # this module logs only startup stages
 
@@ -200,7 +200,7 @@ class ModelRunner:
     def max_total_tokens(self) -> int:
         return (self.num_pages - 1) * self.pool.page_size
 
-    def set_remote(self, remote: RemoteRows) -> None:
+    def set_remote(self, remote: RemoteAttentionRows) -> None:
         """Batches with remote rows attend through `SplitAttention` (local backend + executor)."""
         self.split = SplitAttention(self.attn, remote)
         if self.graphs is not None and remote.graph_capturable:

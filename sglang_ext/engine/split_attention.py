@@ -1,9 +1,9 @@
 """`SplitAttention`: a batch's local rows on the worker's own backend, its remote rows on an executor.
 
-    q, k, v ──┬─ remote tokens ─> RemoteRows.post ·································· collect ─┐
+    q, k, v ──┬─ remote tokens ─> RemoteAttentionRows.post ·································· collect ─┐
               └─ local tokens ──> local backend (writes KV in the local pool) ── o_local    ├─> o by row
 
-The engine sees the executor only through `RemoteRows`; offload/remote.py's `RemoteAttention`
+The engine sees the executor only through `RemoteAttentionRows`; offload/remote.py's `RemoteAttention`
 (every transport) provides it.
 """
 
@@ -17,7 +17,7 @@ from sglang_ext.attention.base import AttentionBackend
 from sglang_ext.forward_batch import ForwardBatch
 
 
-class RemoteRows(Protocol):
+class RemoteAttentionRows(Protocol):
     """The attention of a step's remote rows, computed elsewhere, one layer at a time."""
 
     # post/collect are stream operations only, so decode CUDA graphs may hold them (split_graph.py)
@@ -31,7 +31,7 @@ class RemoteRows(Protocol):
 
 
 class SplitAttention(AttentionBackend):
-    def __init__(self, local: AttentionBackend, remote: RemoteRows) -> None:
+    def __init__(self, local: AttentionBackend, remote: RemoteAttentionRows) -> None:
         super().__init__(local.pool, local.num_q_heads, local.head_dim, local.scale)
         self.local = local
         self.remote = remote

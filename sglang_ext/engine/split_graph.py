@@ -4,7 +4,7 @@ Adrenaline's 2-D graphs: one graph per (local rows, remote rows) pair, both padd
 size, captured on first use (a pair costs one capture, then replays). In the graph the tokens are
 ordered [local rows | remote rows]; the remote side is the transport's stream operations (peer
 copies, doorbell and completion flags), which graphs capture as nodes, so only transports that work
-without the host on the per-layer path can be captured (`RemoteRows.graph_capturable`). The
+without the host on the per-layer path can be captured (`RemoteAttentionRows.graph_capturable`). The
 executor's own per-step program is queued by `begin_step` before the replay, for the real rows;
 padded remote rows carry garbage that nobody reads.
 

@@ -126,9 +126,6 @@ class GrammarBackend:
         it is not valid (or too long, or over the time limit), GrammarBusy if the pool is full."""
         return self.submit(c).result()
 
-    def new_state(self, c: Constraint) -> GrammarState:
-        return self.state(self.compile(c))
-
     @staticmethod
     def state(compiled: xgr.CompiledGrammar) -> GrammarState:
         """A fresh matcher of a compiled grammar (cheap: the compiled grammar is shared)."""

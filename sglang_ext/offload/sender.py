@@ -1,4 +1,4 @@
-"""The sender's scheduler-side part of remote attention (`Offloader`).
+"""The sender's scheduler-side part of remote attention (`RemoteSender`).
 
 Requests are offloaded whole, when their prefill is done: the KV computed locally (prefix pages
 included, so attention is entirely remote and needs no merge) is copied to the executor, the
@@ -68,7 +68,7 @@ def longest_first(candidates: Iterable[R]) -> list[R]:
     return sorted(candidates, key=lambda r: r.kv_len, reverse=True)
 
 
-class Offloader(Generic[R]):
+class RemoteSender(Generic[R]):
     def __init__(self, remote: RemoteAttention, ratio: float, pool: KVPool, ob: float | None = None,
                  placed_only: bool = False) -> None:
         self.remote = remote

@@ -10,7 +10,7 @@ from sglang_ext.engine.model_runner import ModelRunner
 from sglang_ext.offload.executor import AttentionExecutor, GuestSpec
 from sglang_ext.offload.partition import ForeignKVPartition
 from sglang_ext.offload.remote import LocalRemote, RemoteAttention
-from sglang_ext.offload.sender import Offloader
+from sglang_ext.offload.sender import RemoteSender
 from sglang_ext.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ def executor_backend(device: torch.device, args: ServerArgs) -> str:
     return args.resolved_attention_backend if device.type == "cuda" else "torch"
 
 
-def local_offloader(args: ServerArgs, runner: ModelRunner, worker_id: str) -> Offloader | None:
+def local_sender(args: ServerArgs, runner: ModelRunner, worker_id: str) -> RemoteSender | None:
     """`--offload-executor local|cuda:N`: an executor inside this process (tests, demos, one
     process driving two GPUs)."""
     if args.offload_executor is None or args.offload_ratio <= 0:
@@ -69,4 +69,4 @@ def local_offloader(args: ServerArgs, runner: ModelRunner, worker_id: str) -> Of
     runner.set_remote(remote)
     logger.info("remote attention: %.0f%% of decoding requests on an in-process executor on %s (%.2f GiB, %s)",
                 100 * args.offload_ratio, device, budget / GiB, transport)
-    return Offloader(remote, args.offload_ratio, runner.pool)
+    return RemoteSender(remote, args.offload_ratio, runner.pool)

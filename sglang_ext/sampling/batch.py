@@ -68,10 +68,6 @@ class SamplingBatch:
     pen_again: torch.Tensor | None = None  # [P] float32: frequency
     pen_first: torch.Tensor | None = None  # [P] float32: frequency + presence
 
-    @property
-    def all_greedy(self) -> bool:
-        return all(self.greedy)
-
     @classmethod
     def build(cls, rows: Sequence[SampleRow], vocab_size: int, rng: RowRandom,
               device: torch.device | str, fast_draw: bool = False, top_k_window: int = 0) -> SamplingBatch:

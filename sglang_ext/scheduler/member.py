@@ -1,7 +1,7 @@
 """The interface between the scheduler's loop and the mechanisms installed in it.
 
 A member is one mechanism: local device pages (`local.py`), KV rotation to host memory
-(`rotary.py`), remote rows on an attention executor (`remote_rows.py`), prefill/decode hand-off
+(`rotary.py`), remote rows on an attention executor (`remote_residency.py`), prefill/decode hand-off
 (`handoff.py`), structured output (`grammar_rows.py`). The scheduler holds its members and asks each
 of them the same questions (`Member`: may this request run now, are copies in flight, may a victim
 be parked rather than recomputed, ...); every answer defaults to "nothing to do here". A member that

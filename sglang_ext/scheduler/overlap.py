@@ -39,7 +39,7 @@ from sglang_ext.scheduler.batch_builder import Entry
 from sglang_ext.scheduler.grammar_rows import GrammarRows
 from sglang_ext.scheduler.member import Member
 from sglang_ext.scheduler.output import StepOutput, length_reached
-from sglang_ext.scheduler.remote_rows import RemoteRows, Sampled
+from sglang_ext.scheduler.remote_residency import RemoteResidency, Sampled
 from sglang_ext.scheduler.request import Req, ReqStatus
 from sglang_ext.scheduler.results import Results
 from sglang_ext.scheduler.token_table import TokenTable
@@ -50,7 +50,7 @@ class Loop(LoopView, Protocol):
     """What the overlap loop uses of the scheduler beyond a member's view: the plain loop's
     planning, sampling and finish code, which both loops share."""
 
-    remote_rows: RemoteRows
+    remote_residency: RemoteResidency
     results: Results  # sampling and the finish rules, the plain loop's
     members: list[Member]
     admission: Admission  # the plain loop's
@@ -125,7 +125,7 @@ class Overlap:
         reqs = [e.req for e in entries]
         tokens = self.s.results.draw(reqs, logits, rows)
         self.table.write(index, tokens)
-        remote = self.s.remote_rows.transport(reqs)
+        remote = self.s.remote_residency.transport(reqs)
         if tokens.is_cuda:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
@@ -184,7 +184,7 @@ class Overlap:
         except ExecutorLost as e:
             # as without overlap: local rows redo t+1 (idempotent KV writes), remote ones are
             # recomputed (with their step-t tokens, kept when t lands)
-            s.remote_rows.lose_executor(str(e))
+            s.remote_residency.lose_executor(str(e))
             return None
         self.overlapped_steps += 1
         # Sample rows now: a row that finishes at t releases its penalty slot when t lands.
@@ -202,7 +202,7 @@ class Overlap:
         tokens = launched.host.tolist()
         landed: list[Req] = []
         taken_back: list[Req] = []
-        forged = self.s.remote_rows.forged(launched.remote, launched.remote.begins)
+        forged = self.s.remote_residency.forged(launched.remote, launched.remote.begins)
         for e, t in zip(launched.entries, tokens, strict=True):
             r = e.req
             if id(r) in forged:

@@ -101,7 +101,7 @@ class Req:
     num_preemptions: int = 0
     rotations: int = 0  # times its KV went to host memory and came back (meta_info)
     rot: RotState = field(default_factory=RotState)
-    # remote attention (kept by offload/sender.py's Offloader): the executor's handle while home is REMOTE
+    # remote attention (kept by offload/sender.py's RemoteSender): the executor's handle while home is REMOTE
     remote: int | None = None
     offload_checked: bool = False  # considered for offload once, at its first decode
     attention_executor: str | None = None  # set once its attention ran remotely (meta_info)

@@ -11,17 +11,17 @@ from sglang_ext.scheduler.batch_builder import Entry
 from sglang_ext.scheduler.grammar_rows import GrammarRows
 from sglang_ext.scheduler.logprobs import record_output_logprobs, record_prompt_logprobs
 from sglang_ext.scheduler.output import StepOutput, check_finish, has_new, report
-from sglang_ext.scheduler.remote_rows import RemoteRows
+from sglang_ext.scheduler.remote_residency import RemoteResidency
 from sglang_ext.scheduler.request import Req, ReqStatus
 from sglang_ext.scheduler.view import LoopView
 
 
 class Results:
-    def __init__(self, s: LoopView, sampler: Sampler, grammar: GrammarRows, remote_rows: RemoteRows) -> None:
+    def __init__(self, s: LoopView, sampler: Sampler, grammar: GrammarRows, remote_residency: RemoteResidency) -> None:
         self.s = s  # its eos_ids and decode_fn are read at each use (tests set them after construction)
         self.sampler = sampler
         self.grammar = grammar
-        self.remote_rows = remote_rows
+        self.remote_residency = remote_residency
 
     def sample_row(self, r: Req, ahead: int = 0) -> SampleRow:
         """How to sample request r's next token, `ahead` tokens after those already landed."""
@@ -62,7 +62,7 @@ class Results:
             rows_logits = logits[sample_rows]  # a copy: masked in place below
             tokens = self.draw(sample_reqs, rows_logits, [self.sample_row(r) for r in sample_reqs]).tolist()
             # (landed) remote rows let through by a watchdog carry no attention results: drop them
-            forged = self.remote_rows.forged(self.remote_rows.transport(sample_reqs))
+            forged = self.remote_residency.forged(self.remote_residency.transport(sample_reqs))
             if forged:
                 keep = [i for i, r in enumerate(sample_reqs) if id(r) not in forged]
                 sample_reqs, tokens = [sample_reqs[i] for i in keep], [tokens[i] for i in keep]

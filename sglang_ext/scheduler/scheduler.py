@@ -25,7 +25,7 @@ from sglang_ext.kvcache.base import NoPrefixCache, PrefixCache
 from sglang_ext.kvcache.holds import HoldingAllocator
 from sglang_ext.kvcache.radix_cache import RadixCache
 from sglang_ext.offload.remote import ExecutorLost
-from sglang_ext.offload.sender import Offloader
+from sglang_ext.offload.sender import RemoteSender
 from sglang_ext.sampling.sampler import Sampler
 from sglang_ext.scheduler.admission import Admission
 from sglang_ext.scheduler.batch_builder import Entry, build_batch
@@ -37,7 +37,7 @@ from sglang_ext.scheduler.member import Member
 from sglang_ext.scheduler.output import DecodeFn, LoadStats, StepOutput, report
 from sglang_ext.scheduler.overlap import Overlap
 from sglang_ext.scheduler.policy import SchedulePolicy, make_policy
-from sglang_ext.scheduler.remote_rows import RemoteRows
+from sglang_ext.scheduler.remote_residency import RemoteResidency
 from sglang_ext.scheduler.request import FinishReason, Req, ReqStatus, check_request
 from sglang_ext.scheduler.results import Results
 from sglang_ext.scheduler.rotary import Rotation
@@ -63,7 +63,7 @@ class Scheduler:
         decode_fn: DecodeFn | None = None,
         *,
         vocab_size: int,
-        offload: Offloader | None = None,
+        offload: RemoteSender | None = None,
         overlap: bool = False,
     ) -> None:
         self.args = args
@@ -94,18 +94,18 @@ class Scheduler:
         self.sampler = Sampler(vocab_size, runner.device, args.random_seed, top_k_window=args.sampling_top_k_window)
         # members (member.py): local pages last, as every release ends there
         self.rot = Rotation.make(self, args) if rotate else None
-        self.remote_rows = RemoteRows(self)
+        self.remote_residency = RemoteResidency(self)
         self.handoff = Handoff(self)
         self.grammar = GrammarRows(vocab_size, runner.device, not args.disable_grammar_overlap)
         self.local = LocalPages(self)
         table = TokenTable(runner.device) if overlap else None  # the overlap loop's input ids
-        self.results = Results(self, self.sampler, self.grammar, self.remote_rows)
-        self.members: list[Member] = [m for m in (self.rot, self.remote_rows, self.handoff, self.grammar,
+        self.results = Results(self, self.sampler, self.grammar, self.remote_residency)
+        self.members: list[Member] = [m for m in (self.rot, self.remote_residency, self.handoff, self.grammar,
                                                   table, self.local) if m]
         self.admission = Admission(self, self.members, self._abort_too_long)
         self.homes = self.admission.homes
         self.overlap = Overlap(self, table) if table is not None else None
-        self.remote_rows.set_offload(offload)
+        self.remote_residency.set_sender(offload)
 
     # ---- requests in and out ------------------------------------------------------------------
     @property
@@ -113,8 +113,8 @@ class Scheduler:
         return self.allocator.capacity * self.page_size
 
     @property
-    def offload(self) -> Offloader | None:
-        return self.remote_rows.offload
+    def offload(self) -> RemoteSender | None:
+        return self.remote_residency.sender
 
     @property
     def overlapped_steps(self) -> int:
@@ -221,7 +221,7 @@ class Scheduler:
     def plan(self, entries: list[Entry], ahead: int = 0) -> list[Entry]:
         """The step's rows once its remote rows are planned on the executor (rows it drops are
         recomputed later). Raises ExecutorLost."""
-        entries = self.remote_rows.plan(entries, ahead)
+        entries = self.remote_residency.plan(entries, ahead)
         self.forward_rows += len(entries)  # every forward's rows pass here (the step profile's "rows")
         return entries
 
@@ -239,7 +239,7 @@ class Scheduler:
         except ExecutorLost as e:
             # Nothing of this step is kept: local rows redo it next step (their KV writes are
             # idempotent and kv_len did not move); remote rows are recomputed from their tokens.
-            self.remote_rows.lose_executor(str(e))
+            self.remote_residency.lose_executor(str(e))
             return []
         return self.results.land(entries, logits)
 
@@ -261,7 +261,7 @@ class Scheduler:
         # 3. decoding requests: alone (DECODE) or riding along a prefill (EXTEND)
         prefill_reqs = {id(e.req) for e in entries}
         decoders = [r for r in self.running if r.prefilled and id(r) not in prefill_reqs and self.ready(r)]
-        self.remote_rows.choose(decoders)
+        self.remote_residency.choose(decoders)
         decoders = self._make_room(decoders, protect=prefill_reqs)
         entries.extend(Entry.of(r, 1) for r in decoders)
         mode = ForwardMode.EXTEND if prefill_reqs else ForwardMode.DECODE

@@ -8,7 +8,7 @@ prefill worker that computed its prompt (the router chooses which: router/placem
       decode worker's offload pairing, as `handle`
       (device-local; no network)
     header [PLACED, room, n, handle, first] ───────────> the request is queued with its first token,
-      over the KV pair, after the copy                   adopted as a remote row (RemoteRows.adopt:
+      over the KV pair, after the copy                   adopted as a remote row (RemoteResidency.adopt:
     pages freed (prompt pages to the prefix cache)       no local pages) and decodes on the executor
 
 If the executor cannot take the KV (full, or the pairing is gone), the prefill worker sends it as in

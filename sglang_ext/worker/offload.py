@@ -2,7 +2,7 @@
 
     as a host (executor_mem_gb > 0):  ExecutorOpen -> an ExecutorService thread for that sender
     as a sender:                      OffloadDirective -> DistRemote (torch_dist) or IpcRemote (cuda_ipc)
-                                      + Offloader installed between steps; detach (or ratio 0) -> the
+                                      + RemoteSender installed between steps; detach (or ratio 0) -> the
                                       pair closes once the requests there have finished
                                       OffloadRatio -> a new ratio (and Adrenaline bound) for new requests
 
@@ -26,8 +26,9 @@ from sglang_ext.offload.executor import AttentionExecutor
 from sglang_ext.offload.host import ExecutorHost
 from sglang_ext.offload.partition import ForeignKVPartition
 from sglang_ext.offload.remote import ExecutorLost, LocalRemote, RemoteAttention
-from sglang_ext.offload.sender import Offloader
+from sglang_ext.offload.sender import RemoteSender
 from sglang_ext.offload.setup import GiB, executor_backend, gpu_uuid, guest_spec
+from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
 from sglang_ext.server_args import ServerArgs
 from sglang_ext.transport.choice import check_served
@@ -37,7 +38,7 @@ logger = logging.getLogger(__name__)
 POLICIES: Final = ("fixed", "adrenaline", "adaptive")
 
 
-class WorkerOffload:
+class RemoteAttentionControl:
     def __init__(self, args: ServerArgs, runner: ModelRunner, worker_id: str, model_name: str) -> None:
         self.args = args
         self.runner = runner
@@ -100,7 +101,8 @@ class WorkerOffload:
         ob = d.bound if d.policy == "adrenaline" else None
         # Adrenaline placement: the router places requests on the executor at prefill; none move later
         placed_only = d.placement == "prefill"
-        scheduler.remote_rows.set_offload(Offloader(remote, d.ratio, self.runner.pool, ob, placed_only=placed_only))
+        sender: RemoteSender[Req] = RemoteSender(remote, d.ratio, self.runner.pool, ob, placed_only=placed_only)
+        scheduler.remote_residency.set_sender(sender)
         self.pairing, self.executor, self.state = d.pairing, d.executor, "active"
         logger.info("remote attention: %.0f%% of decoding requests to the executor on %s (pairing %s, %s, "
                     "policy %s)", 100 * d.ratio, d.executor, d.pairing, d.backend, d.policy)
@@ -159,7 +161,7 @@ class WorkerOffload:
         off = scheduler.offload
         if off is None:
             return
-        scheduler.remote_rows.set_offload(None)
+        scheduler.remote_residency.set_sender(None)
         r = off.remote
         self._done = [self._done[0] + r.bytes_out, self._done[1] + r.bytes_in, self._done[2] + r.wait_s,
                       self._done[3] + r.staged_loads]

@@ -49,7 +49,7 @@ from sglang_ext.messages import (
 from sglang_ext.messages.io import RotationStats
 from sglang_ext.models.config import ModelConfig
 from sglang_ext.models.resolve import PRESET_PREFIX, resolve_model_path
-from sglang_ext.offload.setup import local_offloader
+from sglang_ext.offload.setup import local_sender
 from sglang_ext.sampling.params import InvalidRequest
 from sglang_ext.scheduler.output import StepOutput
 from sglang_ext.scheduler.request import Req
@@ -57,7 +57,7 @@ from sglang_ext.scheduler.scheduler import Scheduler, default_overlap
 from sglang_ext.server_args import ServerArgs
 from sglang_ext.transport.choice import cuda_ipc_problem
 from sglang_ext.worker.disagg import PairGone, WorkerDisagg
-from sglang_ext.worker.offload import WorkerOffload
+from sglang_ext.worker.offload import RemoteAttentionControl
 from sglang_ext.worker.profile import make_profiler, on_demand
 from sglang_ext.worker.stats import DECODE_STEP_WINDOW_S, LatencyWindow, latency, present
 from sglang_ext.worker.step_log import make_step_log
@@ -109,7 +109,7 @@ class Worker:
             raise StartupError(str(e)) from None
         self.model_name = args.served_model_name or (
             "default" if args.model_path is None else str(args.model_path).rstrip("/").split("/")[-1])
-        self.offload = WorkerOffload(args, self.runner, worker_id, self.model_name)
+        self.offload = RemoteAttentionControl(args, self.runner, worker_id, self.model_name)
         self.disagg = WorkerDisagg(args.disaggregation_mode or "", self.runner, worker_id)
         self.disagg.placer.host = self.offload.host  # Adrenaline placement: prefill KV kept in its executor
         eos = set(self.cfg.eos_token_ids) | set(self.tokenizer.eos_ids if self.tokenizer else ())
@@ -122,7 +122,7 @@ class Worker:
             self.scheduler = Scheduler(
                 args, self.runner, args.resolved_page_size, frozenset(eos),
                 decode_fn=functools.partial(tok.decode, skip_special_tokens=False) if tok else None,
-                vocab_size=self.cfg.vocab_size, offload=local_offloader(args, self.runner, worker_id), overlap=overlap,
+                vocab_size=self.cfg.vocab_size, offload=local_sender(args, self.runner, worker_id), overlap=overlap,
             )
         # Nothing of xgrammar is loaded until a constrained request comes (grammar/backend.py).
         self.grammars = None
@@ -362,7 +362,7 @@ class Worker:
         if handle:  # Adrenaline placement: its KV is on the prefill worker's executor
             d = live.req.disagg
             ours = d is not None and d.executor_pairing == self.offload.pairing and self.offload.state == "active"
-            if not (ours and self.scheduler.remote_rows.adopt(req, handle)):
+            if not (ours and self.scheduler.remote_residency.adopt(req, handle)):
                 logger.warning("request %s: its KV is on executor pairing %s, which is not this worker's in force; "
                                "its prompt is recomputed here", req.rid, d.executor_pairing if d else "?")
 

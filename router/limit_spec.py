@@ -9,7 +9,8 @@ Secrets never live in the cluster file (which gets copied, committed and logged)
 environment variable (`key_env`) or a file (`key_file`) to read its key from, at start. Nothing here
 ever puts a secret in a message or a repr.
 
-This module imports nothing of the router (router/config.py imports it).
+It lives below both router/config.py (which parses these entries) and router/resilience/ (which
+enforces them), so neither imports the other through it; of the router it imports only router/keyfile.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Remote rows, a scheduler member: requests whose KV lives on an attention executor (home REMOTE).
+"""`RemoteResidency`, a scheduler member: requests whose KV lives on an attention executor (home REMOTE):
+remote attention's rows.
 
 Which remote rows a step plans, how a request's KV leaves the local pool, and how a request comes
 back when its executor drops it or is lost: recomputed from its tokens, like a preempted request.
@@ -10,7 +11,7 @@ import logging
 from typing import NamedTuple
 
 from sglang_ext.offload.remote import RemoteAttention
-from sglang_ext.offload.sender import Offloader
+from sglang_ext.offload.sender import RemoteSender
 from sglang_ext.scheduler.batch_builder import Entry
 from sglang_ext.scheduler.member import Residency
 from sglang_ext.scheduler.request import KVHome, Req
@@ -20,20 +21,20 @@ logger = logging.getLogger(__name__)
 
 
 class Sampled(NamedTuple):
-    """A sampled step's remote rows and the transport they attended through (`RemoteRows.transport`)."""
+    """A sampled step's remote rows and the transport they attended through (`RemoteResidency.transport`)."""
 
     remote: list[Req]
     via: RemoteAttention | None
     begins: int  # the transport's `begins` then
 
 
-class RemoteRows(Residency):
+class RemoteResidency(Residency):
     home = KVHome.REMOTE
     pooled = False  # its KV grows on the executor; admitted without pages here
 
     def __init__(self, s: LoopView) -> None:
         self.s = s
-        self.offload: Offloader | None = None
+        self.sender: RemoteSender | None = None
 
     # ---- member hooks ---------------------------------------------------------------------------
     def admit(self, r: Req, budget: int, reserve: int) -> int | None:
@@ -44,18 +45,18 @@ class RemoteRows(Residency):
 
     def release(self, r: Req) -> None:
         if r.home is KVHome.REMOTE:
-            assert self.offload is not None
-            self.offload.release(r)
+            assert self.sender is not None
+            self.sender.release(r)
             r.kv_len, r.admitted, r.home = 0, False, KVHome.LOCAL
 
     # ---- moving requests ------------------------------------------------------------------------
-    def set_offload(self, offload: Offloader | None) -> None:
+    def set_sender(self, sender: RemoteSender | None) -> None:
         """Another executor, or none (a router's directive, between steps): requests still on the
         current one are released there and recomputed here."""
-        old, self.offload = self.offload, offload
-        if offload is not None:
-            offload.context_len = self.s.runner.context_len
-        if old is None or old is offload:
+        old, self.sender = self.sender, sender
+        if sender is not None:
+            sender.context_len = self.s.runner.context_len
+        if old is None or old is sender:
             return
         for r in list(old.reqs.values()):
             old.release(r)
@@ -65,19 +66,19 @@ class RemoteRows(Residency):
     def adopt(self, r: Req, handle: int) -> bool:
         """Adrenaline placement: a request queued by `Handoff.add_prefilled` (its first token in hand, no
         KV staged) whose prompt KV the prefill worker left in its executor under `handle` is admitted as
-        a remote row (no local pages). False when the offloader in force cannot take it (the caller
+        a remote row (no local pages). False when the sender in force cannot take it (the caller
         then lets it recompute its prompt here)."""
-        if self.offload is None or not self.offload.adopt(r, handle):
+        if self.sender is None or not self.sender.adopt(r, handle):
             return False
         r.kv_len, r.admitted, r.home = len(r.input_ids), True, KVHome.REMOTE
         return True
 
     def choose(self, decoders: list[Req]) -> None:
-        """Move the decoders the offloader chooses to its executor: their prompt pages go to the
+        """Move the decoders the sender chooses to its executor: their prompt pages go to the
         prefix cache, their own pages are freed, and they keep their length."""
-        if self.offload is None:
+        if self.sender is None:
             return
-        for r in self.offload.choose(decoders):
+        for r in self.sender.choose(decoders):
             kv_len = r.kv_len
             self.s.release_kv(r)  # still LOCAL here: frees its pages
             r.kv_len, r.admitted, r.home = kv_len, True, KVHome.REMOTE
@@ -101,8 +102,8 @@ class RemoteRows(Residency):
         remote = [e.req for e in entries if e.req.home is KVHome.REMOTE]
         if not remote:
             return entries
-        assert self.offload is not None
-        dropped = self.offload.begin_step(remote, ahead)
+        assert self.sender is not None
+        dropped = self.sender.begin_step(remote, ahead)
         for r in dropped:
             logger.info("executor full: %s is recomputed locally", r.rid)
             self.requeue(r)
@@ -112,15 +113,15 @@ class RemoteRows(Residency):
 
     def lose_executor(self, why: str) -> None:
         """The executor is gone: every request there is recomputed locally."""
-        assert self.offload is not None
-        for r in self.offload.lose_executor(why):
+        assert self.sender is not None
+        for r in self.sender.lose_executor(why):
             self.requeue(r)
 
     def transport(self, reqs: list[Req]) -> Sampled:
         """For a step over `reqs` about to sample: its remote rows, the transport they attended
         through and its `begins` now (to check the rows' results when the step lands)."""
         remote = [r for r in reqs if r.home is KVHome.REMOTE]
-        via = self.offload.remote if self.offload is not None and remote else None
+        via = self.sender.remote if self.sender is not None and remote else None
         return Sampled(remote, via, via.begins if via is not None else 0)
 
     def forged(self, sampled: Sampled, upto: int | None = None) -> set[int]:
@@ -132,7 +133,7 @@ class RemoteRows(Residency):
         remote, via = sampled.remote, sampled.via
         if via is None or not remote or not via.results_forged(upto):
             return set()
-        if self.offload is not None and self.offload.remote is via and self.offload.active:
+        if self.sender is not None and self.sender.remote is via and self.sender.active:
             self.lose_executor(f"executor {via.executor_id} died mid-step")
         for r in remote:
             self.s.drop_penalties(r)  # the device's statistics counted a token that is dropped
