@@ -242,8 +242,10 @@ def ratio_text(num: Goodput, den: Goodput) -> tuple[float | None, str]:
         r = num.rate / den.below_lowest
         return r, f"> {r:.2f}x (baseline < {den.below_lowest:g})"
     if num.below_lowest is not None:
-        r = num.below_lowest / den.rate if den.rate > 0 else None
-        return r, f"< {r:.2f}x ({num.text()})" if r is not None else "n/a (below the lowest swept rate)"
+        if den.rate <= 0:
+            return None, "n/a (below the lowest swept rate)"
+        upper = num.below_lowest / den.rate
+        return upper, f"< {upper:.2f}x ({num.text()})"
     if den.rate <= 0:
         return None, "n/a (below the lowest swept rate)"
     r = num.rate / den.rate

@@ -36,7 +36,7 @@ from bench.sim.cost import CALIBRATION_DIR, Calibration, CostModel, GiB
 from bench.sim.geometry import Geometry
 from sglang_ext.engine.model_runner import ModelRunner
 from sglang_ext.forward_batch import ForwardBatch
-from sglang_ext.offload.setup import local_offloader
+from sglang_ext.offload.setup import local_sender
 from sglang_ext.sampling.params import SamplingParams
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
@@ -175,7 +175,7 @@ class Instance:
                         chunked_prefill_size=sp.chunked_prefill, ttft_slo_ms=sp.ttft_s * 1e3,
                         tpot_slo_ms=sp.tpot_s * 1e3, **extra)
         runner = ModelRunner(sa, None, cfg)  # type: ignore[arg-type]
-        offloader = local_offloader(sa, runner, sp.name)
+        offloader = local_sender(sa, runner, sp.name)
         s = Scheduler(sa, runner, sp.page_size, frozenset(), vocab_size=VOCAB, offload=offloader)
         s.clock = self.clock
         if s.rot is not None:
