@@ -89,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--total-rate", type=float, help="req/s of the whole fleet (for servegen and share)")
     p.add_argument("--strategy", default="all", choices=[*STRATEGIES, "all"])
     p.add_argument("--target", type=float, default=0.9, help="share of requests to keep within both SLOs")
-    p.add_argument("--per-model", action="store_true",
-                   help="every model must meet --target (default: the fleet's requests as a whole)")
+    p.add_argument("--per-model", action=argparse.BooleanOptionalAction, default=True,
+                   help="every model must meet --target (the default: what a platform owes each model); "
+                        "--no-per-model: the fleet's requests as a whole")
     p.add_argument("--seconds", type=float, default=30.0, help="traffic replayed (requests = rate x seconds)")
     p.add_argument("--scales", type=float, nargs="+", default=[0.25, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0],
                    help="capacity over demand tried, smallest first")
