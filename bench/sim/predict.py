@@ -199,7 +199,7 @@ def plot(name: str, data: dict[str, Any], out: Path) -> None:
         ax2.set_ylabel("cold model's mean TPOT, ms")
         ax2.set_title("SIMULATED: cold model while hosting")
         ax2.legend(fontsize=7)
-    elif name == "pd":
+    elif name in ("pd", "rotation"):  # attainment against rate, one line per run
         fig, ax = plt.subplots(figsize=(6, 4))
         series: dict[str, list[tuple[float, float]]] = {}
         for p in data["points"]:
@@ -209,19 +209,8 @@ def plot(name: str, data: dict[str, Any], out: Path) -> None:
         ax.axhline(90, color="grey", lw=0.5)
         ax.set_xlabel("req/s")
         ax.set_ylabel("both SLOs, %")
-        ax.set_title("SIMULATED: PD vs Adrenaline, 2 x H200, Mooncake <= 4K")
-        ax.legend(fontsize=7)
-    elif name == "rotation":
-        fig, ax = plt.subplots(figsize=(6, 4))
-        runs: dict[str, list[tuple[float, float]]] = {}
-        for p in data["points"]:
-            runs.setdefault(p["run"], []).append((p["rate"], 100 * p["attainment"]))
-        for run, pts in runs.items():
-            ax.plot([r for r, _ in pts], [v for _, v in pts], marker="o", label=run)
-        ax.axhline(90, color="grey", lw=0.5)
-        ax.set_xlabel("req/s")
-        ax.set_ylabel("both SLOs, %")
-        ax.set_title("SIMULATED: rotation, quarter H200, Mooncake")
+        ax.set_title("SIMULATED: PD vs Adrenaline, 2 x H200, Mooncake <= 4K" if name == "pd"
+                     else "SIMULATED: rotation, quarter H200, Mooncake")
         ax.legend(fontsize=7)
     else:
         fig, ax = plt.subplots(figsize=(6, 4))
