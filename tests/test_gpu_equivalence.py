@@ -168,4 +168,4 @@ def test_greedy_serving_matches_torch_backend(reference: ModelRunner) -> None:
             assert gap <= 4 * noise, f"r{i} step {j}: served {t}, reference {best} ahead by {gap:.3g}"
             near_ties += 1
     print(f"served greedy tokens = reference greedy on {steps - near_ties}/{steps} steps (rest: near-ties)")
-    assert near_ties <= steps // 10
+    assert near_ties <= steps // 10, f"{near_ties} near-tie flips in {steps} steps (at most {steps // 10})"
