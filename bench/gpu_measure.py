@@ -100,10 +100,11 @@ def kernel_category(name: str) -> str:
     n = name.lower()
     if any(s in n for s in ("batchprefill", "batchdecode", "flashinfer", "mergestate", "attention")):
         return "attention"
-    # the MoE kernels of sglang_ext/ops/moe: routing (softmax + top-k, per-expert alignment), expert GEMMs
-    if "moe" in n and any(s in n for s in ("route", "routing", "topk", "align", "sort", "count")):
+    # the MoE kernels of sglang_ext/ops/moe (their Triton function names): routing (softmax + top-k, the
+    # per-expert alignment's count and place), then the expert GEMMs and the slot sum
+    if any(s in n for s in ("_route_kernel", "_count_kernel", "_place_kernel")):
         return "moe_routing"
-    if "moe" in n:
+    if any(s in n for s in ("_gate_up_kernel", "_down_kernel", "_sum_kernel")):
         return "moe_experts"
     if any(s in n for s in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "gemv", "splitk")):
         return "gemm"

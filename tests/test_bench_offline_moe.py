@@ -52,3 +52,21 @@ def test_dense_roofline_reads_every_weight() -> None:
     assert b.experts_hit(batch) == [] and b.weight_read_bytes([]) == b.weight_bytes
     with torch.no_grad():
         assert b.roofline_flops_ms(4, 32) >= b.roofline_ms(4, 32) - 1e-12
+
+
+def test_profile_categories_name_the_moe_kernels() -> None:
+    """The profile split reads kernel names: each Triton kernel of sglang_ext/ops/moe lands in its category."""
+    import re
+    from pathlib import Path
+
+    from bench.gpu_measure import kernel_category
+
+    root = Path(__file__).resolve().parents[1] / "sglang_ext" / "ops" / "moe"
+    names = {m for f in ("route.py", "align.py", "kernels.py")
+             for m in re.findall(r"^def (_\w+_kernel)\(", (root / f).read_text(), re.M)}
+    assert names == {"_route_kernel", "_count_kernel", "_place_kernel", "_gate_up_kernel", "_down_kernel",
+                     "_sum_kernel"}
+    assert {kernel_category(n) for n in ("_route_kernel", "_count_kernel", "_place_kernel")} == {"moe_routing"}
+    assert {kernel_category(n) for n in ("_gate_up_kernel", "_down_kernel", "_sum_kernel")} == {"moe_experts"}
+    assert kernel_category("BatchDecodeWithPagedKVCacheKernel") == "attention"
+    assert kernel_category("_rms_norm_kernel") == "fused_ops"
