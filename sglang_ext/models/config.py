@@ -32,13 +32,15 @@ class MoEConfig:
 
     def active_expert_params(self, hidden: int) -> int:
         """Feed-forward parameters one token reads in a sparse layer: k experts, the router, the shared expert."""
-        shared = 3 * hidden * self.shared_intermediate_size + (hidden if self.shared_intermediate_size else 0)
-        return self.top_k * 3 * hidden * self.intermediate_size + hidden * self.num_experts + shared
+        return self._ffn_params(hidden, self.top_k)
 
     def expert_params(self, hidden: int) -> int:
         """All feed-forward parameters of one sparse layer."""
+        return self._ffn_params(hidden, self.num_experts)
+
+    def _ffn_params(self, hidden: int, experts: int) -> int:
         shared = 3 * hidden * self.shared_intermediate_size + (hidden if self.shared_intermediate_size else 0)
-        return self.num_experts * 3 * hidden * self.intermediate_size + hidden * self.num_experts + shared
+        return experts * 3 * hidden * self.intermediate_size + hidden * self.num_experts + shared
 
 
 def _moe(arch: str, cfg: dict[str, Any], layers: int) -> MoEConfig | None:

@@ -149,7 +149,7 @@ class DecoderForCausalLM(nn.Module):
                 loaded |= {k for k in expected_expert_keys(prefix, module) if k.startswith(target + ":")}
             else:
                 loaded.add(target if part is None else f"{target}:{part}")
-        expected = self._expected_keys(shards)
+        expected = self._expected_keys(shards, experts)
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weight(s), e.g. {missing[:3]}")
@@ -168,10 +168,9 @@ class DecoderForCausalLM(nn.Module):
             p.copy_(tensor)
         loaded.add(where.key(expert))
 
-    def _expected_keys(self, shards: dict[str, tuple[str, int]]) -> set[str]:
+    def _expected_keys(self, shards: dict[str, tuple[str, int]], experts: dict[str, Experts]) -> set[str]:
         keys: set[str] = set()
         fused = {f for f, _ in shards.values()}
-        experts = {n: m for n, m in self.named_modules() if isinstance(m, Experts)}
         for prefix, module in experts.items():
             keys |= expected_expert_keys(prefix, module)
         for name, _ in self.named_parameters():

@@ -27,7 +27,6 @@ class Experts(nn.Module):
         super().__init__()
         self.first_expert = first_expert
         self.num_local = moe.num_experts if num_local is None else num_local
-        self.intermediate_size = moe.intermediate_size
         i = moe.intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_local, 2 * i, hidden))
         self.down_proj = nn.Parameter(torch.empty(self.num_local, hidden, i))
