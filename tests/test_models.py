@@ -384,7 +384,7 @@ def test_moe_split_by_expert_loads_its_slice(tmp_path: Path) -> None:
         assert torch.equal(lh.mlp.experts.down_proj, lf.mlp.experts.down_proj[2:])
 
 
-def test_moe_missing_expert_weight_is_named(tmp_path: Path) -> None:
+def test_moe_missing_or_misshapen_expert_weight_is_named(tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
     _, d = _hf_moe_dir(tmp_path, "mixtral-moe")
@@ -393,6 +393,11 @@ def test_moe_missing_expert_weight_is_named(tmp_path: Path) -> None:
     del tensors["model.layers.1.block_sparse_moe.experts.3.w3.weight"]
     save_file(tensors, str(f))
     with pytest.raises(ValueError, match="lacks 1 weight"):
+        load_model(d, ModelConfig.from_path(d), "auto", torch.float32, torch.device("cpu"))
+    # a tensor of the wrong shape is named, not copied in part
+    tensors["model.layers.1.block_sparse_moe.experts.3.w3.weight"] = torch.zeros(5, 64)
+    save_file(tensors, str(f))
+    with pytest.raises(ValueError, match=r"experts\.3\.w3\.weight: shape \(5, 64\)"):
         load_model(d, ModelConfig.from_path(d), "auto", torch.float32, torch.device("cpu"))
 
 
