@@ -168,16 +168,21 @@ def main(argv: list[str] | None = None) -> None:
     table: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
     timings: dict[str, Any] = {}
     print(f"tuning E={e_local} (of {geo['experts']}) k={geo['top_k']} H={hidden} I={inter} {a.dtype} on {device}")
+
+    def write() -> None:  # after every batch size: a run cut short by its time limit keeps what it tuned
+        table["_meta"] = {"written": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": device,
+                          "top_k": geo["top_k"], "experts_total": geo["experts"], "triton": triton.__version__,
+                          "torch": torch.__version__, "timings_ms": old_timings | timings}
+        entries = sorted((k for k in table if not k.startswith("_")), key=int)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({k: table[k] for k in entries} | {"_meta": table["_meta"]}, indent=1) + "\n")
+
+    old_timings = table.get("_meta", {}).get("timings_ms", {})
     for t in (int(s) for s in a.batch_sizes.split(",")):
         t0 = time.perf_counter()
         table[str(t)], timings[str(t)] = tune_batch(t, a, tensors)
         print(f"T={t}: {table[str(t)]} ({time.perf_counter() - t0:.0f} s)")
-    table["_meta"] = {"written": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": device,
-                      "top_k": geo["top_k"], "experts_total": geo["experts"], "triton": triton.__version__,
-                      "torch": torch.__version__, "timings_ms": timings | table.get("_meta", {}).get("timings_ms", {})}
-    entries = sorted((k for k in table if not k.startswith("_")), key=int)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({k: table[k] for k in entries} | {"_meta": table["_meta"]}, indent=1) + "\n")
+        write()
     print(f"wrote {path}")
 
 
