@@ -30,7 +30,7 @@ for s in $steps; do
             2>&1 | tee "$OUT/gpu_test.log" ;;
     gputests) for i in $(seq ${GPUTESTS_REPEATS:-1}); do  # every single-GPU test file at once; issue 34 asks 3 in a row
             PYTHONPATH=$BASE:/tmp/fi timeout ${GPUTESTS_TIMEOUT:-560} python3 -m pytest -q -rfs -p no:cacheprovider \
-              tests/test_gpu_*.py 2>&1 | tail -25 | tee "$OUT/gpu_tests_$i.log"
+              tests/test_gpu_*.py 2>&1 | tee "$OUT/gpu_tests_$i.log" | tail -25
           done ;;
     serving) PYTHONPATH=$BASE:/tmp/fi timeout 400 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_serving.py \
             2>&1 | tee "$OUT/gpu_serving.log" ;;
