@@ -202,7 +202,9 @@ def test_config_file_nearest_batch_and_defaults(tmp_path: Path) -> None:
     args = (2, 8, 14336, 4096, torch.bfloat16, "NVIDIA_H200")
     assert configs.get_config(3, *args, config_dir=tmp_path) == small
     assert configs.get_config(200, *args, config_dir=tmp_path) == big
-    assert configs.get_config(4096, *args, config_dir=tmp_path) == big
+    assert configs.get_config(512, *args, config_dir=tmp_path) == big
+    # past twice the largest tuned T the table is not trusted: the defaults (large prefill tiles)
+    assert configs.get_config(4096, *args, config_dir=tmp_path) == configs.default_config(4096, 2, 8)
     up, down = configs.split(small)
     assert up["BLOCK_N"] == 64 and down["BLOCK_N"] == 128 and down["BLOCK_K"] == 128 and down["BLOCK_M"] == 16
     # no file for this device: the defaults, small tiles for decode and large ones for prefill

@@ -84,9 +84,13 @@ def get_config(
     device: str,
     config_dir: Path = CONFIG_DIR,
 ) -> dict[str, object]:
-    """The config for T tokens: the nearest batch size of a matching file, else the defaults."""
+    """The config for T tokens: the nearest batch size of a matching file, else the defaults.
+
+    A table is trusted up to twice its largest tuned T: a tuning run cut short (Mixtral's first H200
+    table stops at T=64) must not hand a decode tile to a 4096-token prefill.
+    """
     table = _load(config_dir / config_file_name(num_experts, inter, hidden, dtype, device))
-    if table:
+    if table and tokens <= 2 * max(table):
         return table[min(table, key=lambda t: (abs(t - tokens), t))]
     return default_config(tokens, top_k, num_experts)
 
