@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import yaml
+from _moe_ckpt import write_mixtral
 from _router_util import Server, free_port, serve, wait_for
 
-from sglang_ext.models.default_model import VOCAB_SIZE, ensure_default_model
+from sglang_ext.models.default_model import ensure_default_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,25 +24,11 @@ PROMPTS = ["The weather today is", "Once upon a time,", "A list of fruits: apple
            "Hi", "Numbers: 1, 2, 3,", "Dear team,"]
 
 
-def _mixtral(d: Path) -> None:
-    cfg = transformers.MixtralConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=4096,
-        sliding_window=None, bos_token_id=0, eos_token_id=1)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # peaked logits: no near-ties for greedy decoding to break differently
-        for name, p in model.named_parameters():
-            p.copy_(torch.ones_like(p) if "norm" in name else 0.15 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(d, safe_serialization=True)
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("moe")
     moe = tmp / "mixtral"
-    _mixtral(moe)
+    write_mixtral(moe)
     cold = tmp / "cold"
     cold.mkdir()
     (cold / "config.json").write_text(json.dumps({
