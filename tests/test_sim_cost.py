@@ -1,5 +1,6 @@
 """bench/sim: the cost model's fit recovers known rates, the H200 calibration predicts the measured step
-times, missing measurements stay null with a reason, and the MoE expected-experts formula."""
+times, missing measurements stay null with a reason, the MoE expected-experts formula, and the MoE path:
+runs read with their geometry and measured hits, the moe rates' fit and its held-out split."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.sim import fit as fitmod
 from bench.sim.cost import DEFAULT_CALIBRATION, Calibration, CostModel, Uncalibrated
 from bench.sim.geometry import Geometry, expected_experts_hit
+from bench.sim.runs import Report, decode_rows, find_reports, report_geometry
 from bench.sim.validate import validate
 
 LLAMA = Geometry.preset("llama-3-8b")
@@ -69,7 +71,8 @@ def test_h200_calibration_predicts_the_measured_step_times() -> None:
 
 def test_missing_measurements_are_null_with_a_reason() -> None:
     cal = Calibration.load()
-    for key in ("decode.moe", "host_link.c2c", "prefill.mixed_batches", "executor_host.capped_two_gpu"):
+    for key in ("decode.moe_trained_routing", "prefill.moe", "host_link.c2c", "prefill.mixed_batches",
+                "executor_host.capped_two_gpu"):
         assert cal.missing[key]
     for v in cal.missing.values():
         assert isinstance(v, str) and len(v) > 10
@@ -140,3 +143,98 @@ def test_fit_command_writes_a_calibration_with_its_runs(tmp_path: Path) -> None:
     committed = json.loads(DEFAULT_CALIBRATION.read_text())
     for k in ("weights_GBps", "gemm_TFLOPs", "kv_GBps", "row_us", "step_us"):  # refitting is reproducible
         assert d["decode"][k] == pytest.approx(committed["decode"][k], rel=1e-6), k
+
+
+MOE_DIR = "2026-12-03-h200-s4/c2-moebench-bench/"
+
+
+def _moe_reports() -> list[Report]:
+    return [r for r in find_reports(fitmod.RESULTS) if MOE_DIR in r.rel() and r.model != "llama-3-8b"]
+
+
+def test_moe_runs_are_read_with_their_geometry_and_measured_hits() -> None:
+    reports = _moe_reports()
+    assert sorted(r.model for r in reports) == ["mixtral-8x7b", "qwen3-30b-a3b"]
+    for r in reports:
+        geo = report_geometry(r)
+        assert geo.is_moe and geo.name == r.model
+        assert (geo.num_experts, geo.top_k, geo.sparse_layers) == (
+            r.env["moe"]["experts"], r.env["moe"]["top_k"], r.env["moe"]["sparse_layers"])
+        assert geo.dense_weight_bytes == pytest.approx(r.env["dense_weight_GB"] * 1e9, rel=1e-6)
+    rows = decode_rows(reports)
+    assert len(rows) == 18 and all(d.experts_hit is not None for d in rows)
+    mix8k = next(d for d in rows if d.model == "mixtral-8x7b" and (d.bs, d.ctx) == (8, 8192))
+    assert mix8k.experts_hit == pytest.approx(7.09375) and mix8k.ms == pytest.approx(23.05194, rel=1e-5)
+    # a preset that no longer matches the run's weight bytes is an error, not a silent mispricing
+    bad = Report("offline", reports[0].path, {**reports[0].data, "env": {**reports[0].env, "weight_GB": 50.0}})
+    with pytest.raises(ValueError, match="weight"):
+        report_geometry(bad)
+
+
+def test_measured_hits_are_used_when_a_row_has_them() -> None:
+    cm = CostModel(Calibration.load(), Geometry.preset("mixtral-8x7b"))
+    uniform = cm.geo.experts_hit(8)
+    assert uniform == pytest.approx(8 * (1 - 0.75**8))
+    fewer = cm.decode_s(8, 8 * 8192, experts_hit=7.09375)
+    expert_rate = cm.cal.get("moe", "expert_GBps") * 1e9
+    saved = 32 * (uniform - 7.09375) * cm.geo.expert_bytes / expert_rate
+    assert cm.decode_s(8, 8 * 8192) - fewer == pytest.approx(saved)
+    res = validate(DEFAULT_CALIBRATION, fitmod.RESULTS)
+    row = next(r for r in res["rows"] if r["set"] == "moe-held-out" and r["point"] == "mixtral-8x7b bs 8 ctx 8192")
+    assert row["experts_hit_measured"] == pytest.approx(7.09375)
+    assert row["experts_hit_uniform"] == pytest.approx(uniform)
+    assert row["predicted_ms"] == pytest.approx(1e3 * fewer) and row["predicted_uniform_ms"] > row["predicted_ms"]
+
+
+def test_moe_fit_recovers_known_rates_and_the_dense_model_ignores_them() -> None:
+    true = {"expert_GBps": 4000.0, "layer_expert_us": 0.3}
+    cal = _cal(moe=true)
+    geos = [Geometry.preset("mixtral-8x7b"), Geometry.preset("qwen3-30b-a3b")]
+    rows = [(g, bs, ctx, CostModel(cal, g).decode_s(bs, bs * ctx), None) for g in geos
+            for bs in (1, 8, 32, 128) for ctx in (1024, 4096)]
+    got = fitmod.fit_moe(rows, dict(cal.decode))
+    assert got["expert_GBps"] == pytest.approx(4000.0, rel=1e-6)
+    assert got["layer_expert_us"] == pytest.approx(0.3, rel=1e-6)
+    # Qwen3's fixed term: 48 layers x 128 experts x 0.3 us; a dense model pays none
+    assert CostModel(cal, geos[1]).moe_overhead_s() == pytest.approx(48 * 128 * 0.3e-6)
+    assert CostModel(cal, LLAMA).moe_overhead_s() == 0.0
+    assert CostModel(cal, LLAMA).decode_s(64, 64 * 2048) == CostModel(_cal(), LLAMA).decode_s(64, 64 * 2048)
+    # a file without the section prices experts at the dense rate, with no MoE term (the "dense rates")
+    old = {k: v for k, v in json.loads(DEFAULT_CALIBRATION.read_text()).items() if k != "moe"}
+    dense = CostModel(Calibration.from_dict(old), geos[0])
+    assert dense.moe_overhead_s() == 0.0
+    assert dense.decode_s(1, 1024) >= geos[0].weight_read_bytes(1) / (dense.cal.get("decode", "weights_GBps") * 1e9)
+
+
+def test_moe_validation_holds_out_what_the_fit_did_not_see() -> None:
+    cal = json.loads(DEFAULT_CALIBRATION.read_text())
+    src = cal["sources"]["moe_fit"]
+    assert src["ctx"] == 1024 and len(src["rows"]) == 11 and len(src["held_out"]) == 6
+    assert not set(src["rows"]) & set(src["held_out"])
+    assert all("ctx 8192" in p for p in src["held_out"]) and all("ctx 1024" in p for p in src["rows"])
+    assert [(e["bs"], e["ctx"]) for e in src["excluded"]] == [(64, 1024)] and "block-size" in src["excluded"][0]["why"]
+    assert "mixtral-8x7b bs 64 ctx 1024" not in src["rows"]
+    runs = {r["path"]: r for r in cal["runs"]}
+    for name in ("offline-mixtral-8x7b.json", "offline-qwen3-30b-a3b.json"):
+        run = runs["bench/results/" + MOE_DIR + name]
+        assert run["kind"] == "offline" and run["used_for"].startswith("moe fit")
+    assert runs["bench/results/" + MOE_DIR + "offline.json"]["used_for"] == "validation (held out)"
+
+    res = validate(DEFAULT_CALIBRATION, fitmod.RESULTS)
+    by_set: dict[str, list[dict[str, object]]] = {}
+    for r in res["rows"]:
+        by_set.setdefault(r["set"], []).append(r)
+    fitted = {r["point"] for r in by_set["moe-fit"]}
+    assert fitted == set(src["rows"])
+    held = {r["point"] for r in by_set["moe-held-out"] if str(r["what"]).startswith("decode")}
+    assert held == set(src["held_out"]) and not held & fitted
+    assert [r["point"] for r in by_set["moe-outlier"]] == ["mixtral-8x7b bs 64 ctx 1024"]
+    s = res["summary"]
+    # what the committed fit reaches (held out: 4.4 % mean, 11.2 % max), with a margin
+    assert s["moe-held-out decode"]["n"] == 6 and s["moe-held-out decode"]["mape_pct"] < 6.0
+    assert s["moe-held-out decode"]["max_ape_pct"] < 13.0
+    assert s["moe-dense decode"]["n"] == 18 and s["moe-dense decode"]["max_ape_pct"] > 40.0  # Qwen3 bs 1
+    assert s["moe-held-out prefill"]["n"] == 6  # reported, not fitted (under-predicted)
+    # the new dense run is held out and within the dense band
+    new = [r for r in res["rows"] if r["source"].endswith(MOE_DIR + "offline.json")]
+    assert len(new) == 3 and all(r["set"] == "held-out" and abs(float(r["err_pct"])) < 5.0 for r in new)

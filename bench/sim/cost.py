@@ -5,11 +5,17 @@ comes from its Geometry, so one GPU's file prices any model:
 
     decode step = max(weight bytes read / weights_GBps, rows x FLOPs per row / decode gemm_TFLOPs)
                   + KV bytes read / kv_GBps + rows x row_us + step_us
+    an MoE adds   sparse layers x experts hit x expert bytes / moe.expert_GBps (in the max's read side)
+                  + sparse layers x experts of the model x moe.layer_expert_us   (per-expert work of routing
+                    and alignment, and the grouped GEMMs' per-expert blocks: fixed per step; in prefill too)
     prefill     = max(weight bytes / weights_GBps, tokens' GEMM FLOPs / prefill gemm_TFLOPs)
-                  + causal attention FLOPs / attention_TFLOPs + step_us
+                  + causal attention FLOPs / attention_TFLOPs + step_us (+ an MoE's fixed term)
     mixed batch = the prefill form over every token, plus the decode rows' KV read and per-row cost
     a step with a prefill chunk also pays the host time of a step the loop cannot overlap (`plain_host_s`)
 
+The `moe` rates are fitted to MoE decode steps (bench/sim/fit.py); a calibration file without a `moe`
+section (written before any MoE run existed) prices experts at the dense weights' rate with no MoE term,
+which is what `python -m bench.sim.validate` reports as "dense rates". MoE prefill has no term of its own.
 A quantity the calibration has no measurement for is null there with a reason; asking for it raises
 `Uncalibrated` naming the quantity and the reason, never a guess.
 """
@@ -44,6 +50,7 @@ class Calibration:
     host_link: dict[str, float | None]
     remote_exchange: dict[str, dict[str, float | None]]
     executor_host: dict[str, Any]
+    moe: dict[str, float | None] | None = None  # None: a file without the section (dense rates for experts)
     missing: dict[str, str] = field(default_factory=dict)
     runs: list[dict[str, Any]] = field(default_factory=list)
     raw: dict[str, Any] = field(default_factory=dict)
@@ -54,7 +61,7 @@ class Calibration:
             if key not in d:
                 raise ValueError(f"calibration: missing section {key!r}")
         return cls(gpu=d["gpu"], decode=d["decode"], prefill=d["prefill"], host_link=d["host_link"],
-                   remote_exchange=d["remote_exchange"], executor_host=d["executor_host"],
+                   remote_exchange=d["remote_exchange"], executor_host=d["executor_host"], moe=d.get("moe"),
                    missing=d.get("missing", {}), runs=d.get("runs", []), raw=d)
 
     @classmethod
@@ -88,8 +95,24 @@ class CostModel:
 
     # -- compute ---------------------------------------------------------------------------------
     def _dense_s(self, rows: float, flops: float, gemm_TFLOPs: float, experts_hit: float | None) -> float:
-        read = self.geo.weight_read_bytes(rows, experts_hit) / (self.cal.get("decode", "weights_GBps") * 1e9)
+        g = self.geo
+        dense_rate = self.cal.get("decode", "weights_GBps") * 1e9
+        if g.is_moe and self.cal.moe is not None:
+            expert_bytes = g.weight_read_bytes(rows, experts_hit) - g.dense_weight_bytes
+            read = g.dense_weight_bytes / dense_rate + expert_bytes / (self.cal.get("moe", "expert_GBps") * 1e9)
+        else:
+            read = g.weight_read_bytes(rows, experts_hit) / dense_rate
         return max(read, flops / (gemm_TFLOPs * 1e12))
+
+    def moe_overhead_s(self) -> float:
+        """Per forward, an MoE's fixed work: per sparse layer, a cost per expert of the model (the routing
+        and alignment scan every expert; the grouped GEMMs launch blocks per expert). Fitted, it is what
+        makes Qwen3-30B-A3B's bs-1 step (128 experts x 48 layers) twice its bytes' time while Mixtral's
+        (8 x 32) is not. 0 for a dense model or a calibration without the `moe` section."""
+        g = self.geo
+        if not g.is_moe or self.cal.moe is None:
+            return 0.0
+        return g.sparse_layers * g.num_experts * self.cal.get("moe", "layer_expert_us") * 1e-6
 
     def decode_s(self, rows: int, kv_tokens: int, experts_hit: float | None = None) -> float:
         """One decode step over `rows` requests reading `kv_tokens` KV tokens in all (sum of their
@@ -97,7 +120,8 @@ class CostModel:
         if rows <= 0:
             return 0.0
         dense = self._dense_s(rows, rows * self.geo.flops_per_row, self.cal.get("decode", "gemm_TFLOPs"), experts_hit)
-        return (dense + kv_tokens * self.geo.kv_bytes_per_token / (self.cal.get("decode", "kv_GBps") * 1e9)
+        return (dense + self.moe_overhead_s()
+                + kv_tokens * self.geo.kv_bytes_per_token / (self.cal.get("decode", "kv_GBps") * 1e9)
                 + rows * self.cal.get("decode", "row_us") * 1e-6 + self.cal.get("decode", "step_us") * 1e-6)
 
     def prefill_s(self, chunks: Sequence[tuple[int, int]], decode_rows: int = 0, decode_kv_tokens: int = 0) -> float:
@@ -111,7 +135,7 @@ class CostModel:
         dense = self._dense_s(tokens, flops, self.cal.get("prefill", "gemm_TFLOPs"), None)
         attn_flops = sum(g.attention_flops(n, end) for n, end in chunks)
         attn = attn_flops / (self.cal.get("prefill", "attention_TFLOPs") * 1e12)
-        t = dense + attn + self.cal.get("decode", "step_us") * 1e-6
+        t = dense + attn + self.moe_overhead_s() + self.cal.get("decode", "step_us") * 1e-6
         if decode_rows:
             t += (decode_kv_tokens * g.kv_bytes_per_token / (self.cal.get("decode", "kv_GBps") * 1e9)
                   + decode_rows * self.cal.get("decode", "row_us") * 1e-6)

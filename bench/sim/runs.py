@@ -1,7 +1,9 @@
 """The measurements the cost model is fitted to, read from bench/results as each bench script wrote them.
 
 Reports are recognised by their structure, not their names (issue folders hold them under other names):
-- bench/offline.py: `decode` rows (bs, ctx, step_ms) and `prefill` rows (reqs, len, ms), `env.gpu/model`;
+- bench/offline.py: `decode` rows (bs, ctx, step_ms; an MoE run also `experts_hit`, the measured mean of
+  distinct experts per sparse layer) and `prefill` rows (reqs, len, ms), `env.gpu/model` (a preset name,
+  `preset:mixtral-8x7b`, whose geometry `report_geometry` checks against the run's `env.weight_GB`);
 - bench/remote_step.py: `rows` (bs, ctx, share, remote_rows, graph_ms); share 0 is an all-local decode step;
 - bench/remote_host.py: `host_alone_ms` and `rows` with `increase`;
 - bench/kv_rotation.py: `summary.peak_gbps` and `summary.methods`;
@@ -15,6 +17,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from bench.sim.geometry import Geometry
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
@@ -105,6 +109,7 @@ class DecodeRow:
     ctx: int
     ms: float
     what: str  # "offline step_ms" | "remote_step all-local graph_ms" | "remote_host host alone"
+    experts_hit: float | None = None  # MoE: distinct experts per sparse layer the run counted, mean over layers
 
 
 @dataclass(frozen=True)
@@ -122,7 +127,8 @@ def decode_rows(reports: list[Report]) -> list[DecodeRow]:
     rows: list[DecodeRow] = []
     for r in reports:
         if r.kind == "offline":
-            rows += [DecodeRow(r.rel(), r.model, int(d["bs"]), int(d["ctx"]), float(d["step_ms"]), "offline step_ms")
+            rows += [DecodeRow(r.rel(), r.model, int(d["bs"]), int(d["ctx"]), float(d["step_ms"]), "offline step_ms",
+                               float(d["experts_hit"]) if d.get("experts_hit") is not None else None)
                      for d in r.data["decode"] if "step_ms" in d]
         elif r.kind == "remote_step":
             rows += [DecodeRow(r.rel(), r.model, int(d["bs"]), int(d["ctx"]), float(d["graph_ms"]),
@@ -132,6 +138,20 @@ def decode_rows(reports: list[Report]) -> list[DecodeRow]:
             bs, ctx = (int(x) for x in str(r.env["host"]).split(":"))
             rows.append(DecodeRow(r.rel(), r.model, bs, ctx, float(r.data["host_alone_ms"]), "remote_host host alone"))
     return rows
+
+
+def report_geometry(report: Report) -> Geometry:
+    """The geometry preset a report's `env.model` names, checked against the weight bytes the run itself
+    counted (`env.weight_GB`, all experts included): a preset that drifted from the run is an error here,
+    not a silent mispricing."""
+    geo = Geometry.preset(report.model)
+    measured = report.env.get("weight_GB")
+    if measured is not None:
+        total = geo.dense_weight_bytes + geo.sparse_layers * geo.num_experts * geo.expert_bytes
+        if abs(total / (float(measured) * 1e9) - 1.0) > 0.01:
+            raise ValueError(f"{report.rel()}: preset {report.model!r} has {total / 1e9:.2f} GB of weights, "
+                             f"the run counted {float(measured):.2f} GB")
+    return geo
 
 
 def prefill_rows(reports: list[Report]) -> list[PrefillRow]:

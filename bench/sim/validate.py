@@ -4,7 +4,13 @@
 
 Rows of the fit runs are marked `fit`; every other run's rows are `held-out` (other days, other benches,
 ctx 8K which no fit row has). `loo` refits the decode rates without each fit row in turn and predicts
-it. Remote-attention steps and the executor host's slowdown are printed too, outside the 5 % target
+it. MoE runs (bench/offline.py on an MoE preset) are priced with their own geometry and the row's
+measured experts hit: `moe-fit` (the rows the `moe` rates were fitted to), `moe-held-out` (other ctx,
+prefill), `moe-outlier` (measured, never fitted, fit.MOE_OUTLIERS); `moe-dense` prices the same rows
+with the dense rates only (the calibration before any MoE run, held out by construction); `moe-cross`
+refits the `moe` rates on one MoE model's fit rows and predicts the other model's rows. Each MoE row
+prints the measured experts hit beside the uniform-routing expectation.
+Remote-attention steps and the executor host's slowdown are printed too, outside the 5 % target
 (issue 35's target is the one-GPU step time). Errors are (predicted - measured) / measured.
 """
 
@@ -19,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from bench.sim.cost import DEFAULT_CALIBRATION, Calibration, CostModel, GiB
-from bench.sim.fit import fit_decode
+from bench.sim.fit import MoeRow, fit_decode, fit_moe, moe_reports, moe_split
 from bench.sim.geometry import Geometry
-from bench.sim.runs import RESULTS, DecodeRow, decode_rows, find_reports, prefill_rows
+from bench.sim.runs import RESULTS, DecodeRow, decode_rows, find_reports, prefill_rows, report_geometry
 
 
 def _row(group: str, source: str, what: str, point: str, measured_ms: float, predicted_ms: float) -> dict[str, Any]:
@@ -77,6 +83,7 @@ def validate(cal_path: Path, results: Path) -> dict[str, Any]:
         rows.append(_row("executor_host", m["source"],
                          f"host step, executor {cap}{'' if m['two_gpu'] else ' (one GPU, emulated sender)'}",
                          f"guest {m['guest_gib']:.0f} GiB", base * (1 + m["increase"]), pred))
+    rows += moe_rows(cal, reports)
     sets = {k: summary([r for r in rows if r["set"] == k])
             for k in ("fit", "held-out", "loo", "remote", "executor_host")}
     sets["remote, two plan lanes (current sender)"] = summary(
@@ -86,8 +93,62 @@ def validate(cal_path: Path, results: Path) -> dict[str, Any]:
     for kind in ("decode", "prefill"):
         for k in ("fit", "held-out"):
             sets[f"{kind} {k}"] = summary([r for r in rows if r["set"] == k and r["what"].startswith(kind)])
+    for k in ("moe-fit", "moe-held-out", "moe-outlier", "moe-dense", "moe-cross"):
+        for kind in ("decode", "prefill"):
+            for model in ("", *sorted({r["model"] for r in rows if r.get("model")})):
+                sel = [r for r in rows if r["set"] == k and r["what"].startswith(kind)
+                       and (not model or r.get("model") == model)]
+                if sel:
+                    sets[f"{k} {kind}{' ' + model if model else ''}"] = summary(sel)
     return {"calibration": str(cal_path), "gpu": cal.gpu, "model": model, "fitted_at": cal.raw.get("fitted_at"),
             "summary": sets, "rows": rows, "GiB": GiB}
+
+
+def moe_rows(cal: Calibration, reports: list[Any]) -> list[dict[str, Any]]:
+    """The MoE runs' decode and prefill rows, predicted with the calibration's `moe` rates (sets moe-fit,
+    moe-held-out, moe-outlier), with the dense rates only (moe-dense) and cross-model (moe-cross)."""
+    runs = moe_reports(reports)
+    if not runs:
+        return []
+    geos = {r.model: report_geometry(r) for r in runs}
+    dense_only = Calibration.from_dict({k: v for k, v in cal.raw.items() if k != "moe"})
+    fit_ctx = int((cal.raw.get("sources", {}).get("moe_fit") or {}).get("ctx", 1024))
+    split = moe_split(decode_rows(runs), fit_ctx)
+    rows: list[dict[str, Any]] = []
+
+    def add(group: str, d: DecodeRow, c: Calibration, note: str = "") -> None:
+        cm = CostModel(c, geos[d.model])
+        uniform = cm.geo.experts_hit(d.bs)
+        hit = "none" if d.experts_hit is None else f"{d.experts_hit:.2f}"
+        r = _row(group, d.source, f"decode ({d.what}), experts hit {hit} measured / {uniform:.2f} uniform{note}",
+                 f"{d.model} bs {d.bs} ctx {d.ctx}", d.ms, 1e3 * cm.decode_s(d.bs, d.bs * d.ctx, d.experts_hit))
+        r.update(model=d.model, experts_hit_measured=d.experts_hit, experts_hit_uniform=uniform,
+                 predicted_uniform_ms=1e3 * cm.decode_s(d.bs, d.bs * d.ctx))
+        rows.append(r)
+
+    with_moe = cal.moe is not None and all(v is not None for v in cal.moe.values())
+    for group in ("fit", "held-out", "outlier"):
+        for d in split[group]:
+            if with_moe:
+                add(f"moe-{group}", d, cal)
+            add("moe-dense", d, dense_only)
+    for p in prefill_rows(runs):
+        for group, c in ((("moe-held-out", cal),) if with_moe else ()) + (("moe-dense", dense_only),):
+            cm = CostModel(c, geos[p.model])
+            r = _row(group, p.source, "prefill", f"{p.model} {p.reqs} x {p.length}", p.ms,
+                     1e3 * cm.prefill_s([(p.length, p.length)] * p.reqs))
+            r["model"] = p.model
+            rows.append(r)
+    if with_moe and len(geos) >= 2:  # fit on one MoE model, predict the other's rows
+        for model in sorted(geos):
+            train: list[MoeRow] = [(geos[d.model], d.bs, d.ctx, d.ms * 1e-3, d.experts_hit)
+                                   for d in split["fit"] if d.model == model]
+            refit = fit_moe(train, dict(cal.decode))
+            c = Calibration.from_dict({**cal.raw, "moe": refit})
+            for d in split["fit"] + split["held-out"]:
+                if d.model != model:
+                    add("moe-cross", d, c, f", moe rates fitted on {model} alone")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,14 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="validation JSON (default: <calibration>-validation.json)")
     a = p.parse_args(argv)
     res = validate(a.calibration, a.results)
-    print(f"{'set':13s} {'point':28s} {'measured ms':>11s} {'predicted':>9s} {'err %':>7s}  what / source")
+    print(f"{'set':13s} {'point':34s} {'measured ms':>11s} {'predicted':>9s} {'err %':>7s}  what / source")
     for r in res["rows"]:
-        print(f"{r['set']:13s} {r['point']:28s} {r['measured_ms']:11.2f} {r['predicted_ms']:9.2f} "
+        print(f"{r['set']:13s} {r['point']:34s} {r['measured_ms']:11.2f} {r['predicted_ms']:9.2f} "
               f"{r['err_pct']:+7.1f}  {r['what']} / {r['source'].removeprefix('bench/results/')}")
     print()
     for k, s in res["summary"].items():
         if s["n"]:
-            print(f"{k:40s} n {s['n']:3d}  mean |err| {s['mape_pct']:5.2f} %  max {s['max_ape_pct']:5.2f} %  "
+            print(f"{k:44s} n {s['n']:3d}  mean |err| {s['mape_pct']:5.2f} %  max {s['max_ape_pct']:5.2f} %  "
                   f"within 5 %: {s['within_5pct']}/{s['n']}")
     out = a.out or a.calibration.with_name(a.calibration.stem + "-validation.json")
     out.write_text(json.dumps(res, indent=1) + "\n")
