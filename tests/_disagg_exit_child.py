@@ -33,7 +33,7 @@ def fake_worker(mode: str) -> Any:
     runner = SimpleNamespace(device=torch.device("cpu"), pool=pool, args=SimpleNamespace(disable_pd_kv_ipc=False))
     disagg = WorkerDisagg(mode, cast(Any, runner), mode[0])
     # `finish` asks the offload side too: nothing hosted here
-    return SimpleNamespace(disagg=disagg, offload=SimpleNamespace(close=lambda scheduler: False), scheduler=None)
+    return SimpleNamespace(disagg=disagg, remote_control=SimpleNamespace(close=lambda scheduler: False), scheduler=None)
 
 
 def main() -> None:

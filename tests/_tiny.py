@@ -48,8 +48,8 @@ def make_scheduler(device: str = "cpu", page_size: int = 4, dtype: str = "float3
             if p.dim() >= 2:  # stacked experts are 3-D
                 p.mul_(6.0)
     # --offload-ratio / --offload-executor: an in-process executor, as a worker would build it
-    offload = local_sender(sa, runner, "tiny")
-    return Scheduler(sa, runner, page_size, frozenset([EOS]), vocab_size=VOCAB, offload=offload)
+    sender = local_sender(sa, runner, "tiny")
+    return Scheduler(sa, runner, page_size, frozenset([EOS]), vocab_size=VOCAB, remote_sender=sender)
 
 
 def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
@@ -73,7 +73,7 @@ def run_all(s: Scheduler, reqs: list[Req], check: bool = True, max_steps: int = 
             out[o.rid].extend(o.new_token_ids)
         if check:
             s.check()
-            if s.offload is not None:
-                s.offload.remote.executor.check()  # type: ignore[attr-defined]
+            if s.remote_sender is not None:
+                s.remote_sender.remote.executor.check()  # type: ignore[attr-defined]
     assert not s.has_work(), "scheduler did not finish"
     return out

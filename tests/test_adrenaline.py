@@ -98,7 +98,7 @@ def test_a_weaver_entry_places_nothing_at_prefill() -> None:
 # ---- the prefill worker's executor host -------------------------------------------------------------
 def test_the_host_adopts_prefill_kv_into_a_live_pairing() -> None:
     d = make_scheduler(offload_executor="local", offload_ratio=0.5)
-    remote: Any = d.offload.remote  # type: ignore[union-attr]
+    remote: Any = d.remote_sender.remote  # type: ignore[union-attr]
     ex: AttentionExecutor = remote.executor
     host = ExecutorHost(ex)
     svc = SimpleNamespace(guest=remote.guest, ipc=None, ended=SimpleNamespace(is_set=lambda: False))
@@ -140,9 +140,9 @@ def prefill(r: Req) -> tuple[int, torch.Tensor]:
 def decode_with_placed(s: Scheduler, rs: list[Req], placed: set[str]) -> dict[str, list[int]]:
     """The decode worker: every request arrives with its first token; those in `placed` have their KV
     on the executor already (adopted), the others bring it staged (plain PD)."""
-    assert s.offload is not None
-    s.offload.placed_only = True
-    remote: Any = s.offload.remote
+    assert s.remote_sender is not None
+    s.remote_sender.placed_only = True
+    remote: Any = s.remote_sender.remote
     out: dict[str, list[int]] = {}
     for r in rs:
         first, kv = prefill(r)
@@ -162,12 +162,12 @@ def drive(s: Scheduler, out: dict[str, list[int]], lose_after: int = -1) -> None
     steps = 0
     while s.has_work():
         if steps == lose_after:
-            assert s.offload is not None and s.offload.num_remote > 0
+            assert s.remote_sender is not None and s.remote_sender.num_remote > 0
 
             def gone(*_: object) -> None:
                 raise ExecutorLost("the prefill worker died (simulated)")
 
-            s.offload.remote.post = gone  # type: ignore[method-assign]
+            s.remote_sender.remote.post = gone  # type: ignore[method-assign]
         for o in s.step():
             out[o.rid].extend(o.new_token_ids)
         s.check()
@@ -184,8 +184,8 @@ def test_adopted_requests_decode_on_the_executor(reference: dict[str, list[int]]
     drive(s, out)
     assert out == reference
     assert {r.rid for r in rs if r.attention_executor is not None} == placed  # placed_only: nothing else moved
-    remote: Any = s.offload.remote  # type: ignore[union-attr]
-    assert remote.executor.used_tokens(remote.guest) == 0 and s.offload.num_remote == 0  # type: ignore[union-attr]
+    remote: Any = s.remote_sender.remote  # type: ignore[union-attr]
+    assert remote.executor.used_tokens(remote.guest) == 0 and s.remote_sender.num_remote == 0  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("lose_after", [0, 5])
@@ -195,7 +195,7 @@ def test_adopted_requests_are_recomputed_when_the_executor_is_lost(reference: di
     out = decode_with_placed(s, reqs(), {"r1", "r3", "r5"})
     drive(s, out, lose_after)
     assert out == reference
-    assert s.num_preemptions >= 3 and not s.offload.active  # type: ignore[union-attr]
+    assert s.num_preemptions >= 3 and not s.remote_sender.active  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("lose_after", [-1, 6])
@@ -204,8 +204,8 @@ def test_requests_adopted_while_others_decode_under_overlap_scheduling(reference
     """The decode worker on a GPU runs the overlap loop: placed requests arrive while a step is in
     flight (and the executor may be lost after that); outputs are still a plain run's."""
     base = make_scheduler(offload_executor="local", offload_ratio=1.0)
-    s = Scheduler(base.args, base.runner, base.page_size, base.eos_ids, vocab_size=VOCAB, offload=base.offload,
-                  overlap=True)
+    s = Scheduler(base.args, base.runner, base.page_size, base.eos_ids, vocab_size=VOCAB,
+                  remote_sender=base.remote_sender, overlap=True)
     rs = reqs()
     out = decode_with_placed(s, rs[:3], {"r1"})
     for _ in range(3):
@@ -224,7 +224,7 @@ def test_an_adopted_request_aborted_before_it_runs_frees_its_executor_kv() -> No
     rs = reqs()[:2]
     decode_with_placed(s, rs, {"r0", "r1"})
     s.abort("r0")
-    remote: Any = s.offload.remote  # type: ignore[union-attr]
+    remote: Any = s.remote_sender.remote  # type: ignore[union-attr]
     assert HANDLE_BASE + 0 not in remote.executor.guests[remote.guest].seqs
     while s.has_work():
         s.step()

@@ -52,7 +52,7 @@ def test_offload_keeps_greedy_tokens(where: str, transport: str) -> None:
     args = dataclasses.replace(r.args, offload_ratio=0.5, offload_executor=where, offload_transport=transport)
     off = local_sender(args, r, "gpu")
     assert off is not None
-    s = Scheduler(args, r, 16, frozenset([EOS]), vocab_size=VOCAB, offload=off)
+    s = Scheduler(args, r, 16, frozenset([EOS]), vocab_size=VOCAB, remote_sender=off)
     reqs_before = off.remote.bytes_out
     got = _serve(s, GREEDY)
     agree = _agreement(want, got)
@@ -79,7 +79,7 @@ def test_offload_with_the_model_in_an_sm_partition_keeps_greedy_tokens() -> None
         args = dataclasses.replace(r.args, offload_ratio=0.5, offload_executor="local", executor_reserved_sms=16)
         off = local_sender(args, r, "gpu")
         assert off is not None
-        got = _serve(Scheduler(args, r, 16, frozenset([EOS]), vocab_size=VOCAB, offload=off), GREEDY)
+        got = _serve(Scheduler(args, r, 16, frozenset([EOS]), vocab_size=VOCAB, remote_sender=off), GREEDY)
         assert torch.cuda.current_stream() == stream
     finally:
         sm_partition._streams.clear()

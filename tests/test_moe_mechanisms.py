@@ -45,7 +45,7 @@ def test_remote_attention_is_exact(reference: dict[str, list[int]], ratio: float
     rs = _reqs()
     assert run_all(s, rs) == reference
     assert any(r.attention_executor for r in rs)
-    assert s.offload is not None and s.offload.num_remote == 0
+    assert s.remote_sender is not None and s.remote_sender.num_remote == 0
 
 
 def test_preemption_under_kv_pressure_is_exact(reference: dict[str, list[int]]) -> None:

@@ -43,8 +43,8 @@ def test_outputs_equal_without_offload(reference: dict[str, list[int]], ratio: f
     remote = [r for r in reqs if r.attention_executor is not None]
     assert len(remote) >= int(ratio * len(reqs) / 2)  # the share was really offloaded
     assert all(r.attention_executor == "tiny/local" for r in remote)
-    assert s.offload.remote.bytes_out > 0 and s.offload.num_remote == 0
-    assert s.offload.remote.executor.partition.used_pages("tiny") == 0  # everything given back
+    assert s.remote_sender.remote.bytes_out > 0 and s.remote_sender.num_remote == 0
+    assert s.remote_sender.remote.executor.partition.used_pages("tiny") == 0  # everything given back
 
 
 def test_prefix_hits_and_chunked_prefill(reference: dict[str, list[int]]) -> None:
@@ -103,10 +103,10 @@ def test_executor_lost_mid_generation(reference: dict[str, list[int]], after_ste
         s.add_request(r)
     out: dict[str, list[int]] = {r.rid: [] for r in reqs}
     steps = 0
-    remote = s.offload.remote
+    remote = s.remote_sender.remote
     while s.has_work():
         if steps == after_steps:
-            assert s.offload.num_remote > 0, "nothing was offloaded yet"
+            assert s.remote_sender.num_remote > 0, "nothing was offloaded yet"
 
             def gone(*_: object) -> None:
                 raise ExecutorLost("the executor's worker died (simulated)")
@@ -118,7 +118,7 @@ def test_executor_lost_mid_generation(reference: dict[str, list[int]], after_ste
         steps += 1
         assert steps < 2000
     assert out == reference
-    assert not s.offload.active and s.num_preemptions > 0
+    assert not s.remote_sender.active and s.num_preemptions > 0
 
 
 def test_abort_of_a_remote_request_frees_executor_pages() -> None:
@@ -128,13 +128,13 @@ def test_abort_of_a_remote_request_frees_executor_pages() -> None:
         s.add_request(r)
     for _ in range(12):
         s.step()
-    part = s.offload.remote.executor.partition
+    part = s.remote_sender.remote.executor.partition
     assert part.used_pages("tiny") > 0
     for r in reqs:
         s.abort(r.rid)
     while s.has_work():
         s.step()
-    assert part.used_pages("tiny") == 0 and s.offload.num_remote == 0
+    assert part.used_pages("tiny") == 0 and s.remote_sender.num_remote == 0
     assert s.allocator.num_free + s.kv.cache.size_info().cached_pages == s.allocator.capacity
 
 

@@ -20,7 +20,7 @@ PAGE = 4
 
 @dataclass
 class Row:
-    """What the offloader reads and sets of a scheduler's request."""
+    """What the sender reads and sets of a scheduler's request."""
 
     name: str
     kv_len: int
@@ -54,7 +54,7 @@ class FakeRemote:
         return True
 
 
-def offloader(ratio: float, ob: float | None = None, room: int = 1_000) -> RemoteSender[Any]:
+def sender(ratio: float, ob: float | None = None, room: int = 1_000) -> RemoteSender[Any]:
     pool = SimpleNamespace(page_size=PAGE, data=torch.zeros(64, 1), device=torch.device("cpu"))
     return RemoteSender(FakeRemote(room), ratio, pool, ob)  # type: ignore[arg-type]
 
@@ -71,7 +71,7 @@ def test_longest_first_is_stable() -> None:
 @pytest.mark.parametrize("k", [0, 1, 2, 3, 5])
 def test_a_share_of_k_in_n_sends_the_k_longest(k: int) -> None:
     rows = [Row("a", 12), Row("b", 40), Row("c", 7), Row("d", 33), Row("e", 21)]  # arrival order
-    off = offloader(ratio=k / len(rows))
+    off = sender(ratio=k / len(rows))
     moved = off.choose(rows)
     want = ["b", "d", "e", "a", "c"][:k]
     assert names(moved) == want and off.num_remote == k
@@ -83,11 +83,11 @@ def test_a_share_of_k_in_n_sends_the_k_longest(k: int) -> None:
 
 def test_equal_lengths_go_in_arrival_order() -> None:
     rows = [Row("a", 16), Row("b", 16), Row("c", 16), Row("d", 16)]
-    assert names(offloader(ratio=0.5).choose(rows)) == ["a", "b"]
+    assert names(sender(ratio=0.5).choose(rows)) == ["a", "b"]
 
 
 def test_requests_already_decided_count_in_the_share_but_are_not_chosen_again() -> None:
-    off = offloader(ratio=0.5)
+    off = sender(ratio=0.5)
     first = [Row("a", 50), Row("b", 10)]
     assert names(off.choose(first)) == ["a"]
     # a later step: two old requests (one out, one kept local) and two new ones; a share of 0.5 of
@@ -98,7 +98,7 @@ def test_requests_already_decided_count_in_the_share_but_are_not_chosen_again() 
 
 
 def test_an_executor_that_refuses_one_leaves_room_for_the_next() -> None:
-    off = offloader(ratio=1.0, room=2)
+    off = sender(ratio=1.0, room=2)
     rows = [Row("a", 8), Row("b", 40), Row("c", 24)]
     assert names(off.choose(rows)) == ["b", "c"]  # "a" was refused (the executor full): it stays local
     assert off.remote.loaded == [40, 24]  # type: ignore[attr-defined]
@@ -110,8 +110,8 @@ def test_adrenaline_conditions_decide_each_request_longest_first() -> None:
     # C2 5 < 7 but 0 + 1 < 1 no: local (12, 2). e: C2 4 < 12 and 1 < 2: out. b: C1 4 + 13 < 12 no;
     # C2 4 + 3 < 12 but 2 < 2 no: local (15, 3). d: C2 4 + 2 < 15 and 2 < 3: out.
     rows = [Row(n, t, max_new=10) for n, t in (("a", 5), ("b", 3), ("c", 7), ("d", 2), ("e", 4))]
-    off = offloader(ratio=1.0, ob=1.0)
+    off = sender(ratio=1.0, ob=1.0)
     assert names(off.choose(rows)) == ["e", "d"]
     # the share still caps: with 0.2 of 5 only one may go, the first that meets C1/C2
     rows = [Row(n, t, max_new=10) for n, t in (("a", 5), ("b", 3), ("c", 7), ("d", 2), ("e", 4))]
-    assert names(offloader(ratio=0.2, ob=1.0).choose(rows)) == ["e"]
+    assert names(sender(ratio=0.2, ob=1.0).choose(rows)) == ["e"]

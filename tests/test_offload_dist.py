@@ -269,7 +269,7 @@ def test_two_processes_executor_killed_mid_generation(reference: dict[str, list[
         def kill(step: int) -> None:
             if step == after_steps:
                 killed.append(step)
-                assert s.offload is not None and s.offload.num_remote > 0, "nothing was offloaded yet"
+                assert s.remote_sender is not None and s.remote_sender.num_remote > 0, "nothing was offloaded yet"
                 assert not overlap or (s.overlap is not None and s.overlap.inflight is not None)
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait(10)
@@ -278,7 +278,7 @@ def test_two_processes_executor_killed_mid_generation(reference: dict[str, list[
         rs = reqs()
         assert drive(s, rs, each=kill) == reference
         assert killed and time.monotonic() - t0 < 30
-        assert s.offload is not None and not s.offload.active and not remote.alive and s.num_preemptions > 0
+        assert s.remote_sender is not None and not s.remote_sender.active and not remote.alive and s.num_preemptions > 0
         assert any(r.attention_executor == "host-0" for r in rs)
     finally:
         proc.kill()

@@ -68,20 +68,20 @@ def test_a_ratio_update_changes_which_new_requests_go_remote(reference: list[lis
     # an update for another pairing (a stale one) and a bad one are ignored
     sender.handle(OffloadRatio(pairing="p0", ratio=0.0))
     sender.handle(OffloadRatio(pairing="p1", ratio=1.5))
-    assert sender.scheduler.offload is not None and sender.scheduler.offload.ratio == 1.0
+    assert sender.scheduler.remote_sender is not None and sender.scheduler.remote_sender.ratio == 1.0
     # lowered mid-generation: requests already out stay out and finish there, new ones stay local
     lowered: list[int] = []
 
     def lower(w: Any) -> None:
-        if not lowered and w.scheduler.offload.num_remote == len(PROMPTS):
+        if not lowered and w.scheduler.remote_sender.num_remote == len(PROMPTS):
             w.handle(OffloadRatio(pairing="p1", ratio=0.0))
-            lowered.append(w.scheduler.offload.num_remote)
+            lowered.append(w.scheduler.remote_sender.num_remote)
 
     outs, where = run(sender, "d", each=lower)
     assert lowered and outs == reference and where == ["cold-0"] * len(PROMPTS)
     outs, where = run(sender, "e")
     assert outs == reference and where == [None] * len(PROMPTS)
-    sender.offload.close(sender.scheduler)
+    sender.remote_control.close(sender.scheduler)
 
 
 def test_adrenaline_conditions_pick_the_rows_on_a_worker(reference: list[list[int]]) -> None:
@@ -100,7 +100,7 @@ def test_adrenaline_conditions_pick_the_rows_on_a_worker(reference: list[list[in
     assert sent(sender.load_report()).bound == 1.0
     outs, where = run(sender, "g")
     assert outs == reference and where == [None, None, None, "cold-1", "cold-1"]
-    sender.offload.close(sender.scheduler)
+    sender.remote_control.close(sender.scheduler)
 
 
 def _fields(d: OffloadDirective) -> dict[str, Any]:

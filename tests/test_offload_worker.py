@@ -85,13 +85,13 @@ def test_a_directive_pairs_a_sender_with_a_hosting_worker(reference: list[list[i
     assert last.bytes_out > 0 and last.bytes_in > 0 and last.wait_s > 0
     # detach: no new requests go out, the pair closes once those there are done
     sender.handle(OffloadDirective(pairing="p1", detach=True))
-    assert sender.scheduler.offload is None and sent(sender.load_report()).state == ""
+    assert sender.scheduler.remote_sender is None and sent(sender.load_report()).state == ""
     outs, where = run(sender, "c")
     assert outs == reference and where == [None] * len(PROMPTS)
     assert sent(sender.load_report()).bytes_out == last.bytes_out  # totals kept after the close
-    svc = list(host.offload.host.services.values())  # type: ignore[union-attr]
+    svc = list(host.remote_control.host.services.values())  # type: ignore[union-attr]
     assert all(s.ended.wait(5) for s in svc) and hosted(host.load_report()).used_tokens == {}
-    sender.offload.close(sender.scheduler)
+    sender.remote_control.close(sender.scheduler)
 
 
 def test_a_directive_the_sender_cannot_follow_is_reported() -> None:
@@ -100,7 +100,7 @@ def test_a_directive_the_sender_cannot_follow_is_reported() -> None:
     r = sent(w.load_report())
     assert r.pairing == "p9" and r.state == "failed" and r.error.startswith("executor cold-9 at 127.0.0.1:1")
     assert r.state_text().startswith("failed: executor cold-9 at 127.0.0.1:1")
-    assert w.scheduler.offload is None
+    assert w.scheduler.remote_sender is None
     host = make("cold-1")  # executor_mem_gb 0: no executor to open
     (reply,) = host.handle(ExecutorOpen(
         rid="y", guest="hot-1", guest_model="default", pairing="p", num_layers=4, num_kv_heads=4, head_dim=64,

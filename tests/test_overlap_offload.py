@@ -26,11 +26,12 @@ LENGTHS = [5, 17, 33, 9, 40, 3, 21, 12]
 def _overlap(eos: frozenset[int] | None = None, **args: Any) -> Scheduler:
     args.setdefault("offload_ratio", 0.5)
     s = make_scheduler(offload_executor="local", **args)
-    return Scheduler(s.args, s.runner, s.page_size, eos or s.eos_ids, vocab_size=VOCAB, offload=s.offload, overlap=True)
+    return Scheduler(s.args, s.runner, s.page_size, eos or s.eos_ids, vocab_size=VOCAB, remote_sender=s.remote_sender,
+                     overlap=True)
 
 
-def _plain(offload: bool, eos: frozenset[int] | None = None, **args: Any) -> Scheduler:
-    if offload:
+def _plain(remote: bool, eos: frozenset[int] | None = None, **args: Any) -> Scheduler:
+    if remote:
         args.setdefault("offload_ratio", 0.5)
         args["offload_executor"] = "local"
     s = make_scheduler(**args)
@@ -49,11 +50,11 @@ class PlanSpy:
     the requests they named (rid, landed output count) and the rows the executor dropped."""
 
     def __init__(self, s: Scheduler) -> None:
-        assert s.offload is not None
-        self.inner = s.offload.begin_step
+        assert s.remote_sender is not None
+        self.inner = s.remote_sender.begin_step
         self.ahead: list[list[tuple[str, int]]] = []
         self.dropped_ahead = 0
-        s.offload.begin_step = self  # type: ignore[method-assign]
+        s.remote_sender.begin_step = self  # type: ignore[method-assign]
 
     def __call__(self, reqs: list[Req], ahead: int = 0) -> list[Req]:
         named = [(r.rid, len(r.output_ids)) for r in reqs]
@@ -76,8 +77,8 @@ def _drive(s: Scheduler, reqs: list[Req], before_step: Callable[[int], None] | N
         for o in s.step():
             out[o.rid].extend(o.new_token_ids)
         s.check()
-        assert s.offload is not None
-        s.offload.remote.executor.check()  # type: ignore[attr-defined]
+        assert s.remote_sender is not None
+        s.remote_sender.remote.executor.check()  # type: ignore[attr-defined]
         steps += 1
         assert steps < 2000
     return out
@@ -85,7 +86,7 @@ def _drive(s: Scheduler, reqs: list[Req], before_step: Callable[[int], None] | N
 
 @pytest.fixture(scope="module")
 def reference() -> dict[str, list[int]]:
-    return run_all(_plain(offload=False), _reqs())
+    return run_all(_plain(remote=False), _reqs())
 
 
 @pytest.mark.parametrize("args", [{"offload_ratio": 0.25}, {"offload_ratio": 0.5}, {"offload_ratio": 1.0},
@@ -95,11 +96,11 @@ def test_greedy_outputs_equal_plain_loop_and_no_offload(reference: dict[str, lis
     spy = PlanSpy(s)
     reqs = _reqs()
     assert run_all(s, reqs) == reference
-    assert run_all(_plain(offload=True, **args), _reqs()) == reference
+    assert run_all(_plain(remote=True, **args), _reqs()) == reference
     assert spy.ahead, "no remote rows were planned while a step was in flight"
     assert s.overlapped_steps > 0 and any(r.attention_executor for r in reqs)
-    assert s.offload is not None and s.offload.num_remote == 0
-    assert s.offload.remote.executor.partition.used_pages("tiny") == 0  # type: ignore[attr-defined]
+    assert s.remote_sender is not None and s.remote_sender.num_remote == 0
+    assert s.remote_sender.remote.executor.partition.used_pages("tiny") == 0  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("how", ["stop_token_ids", "eos"])
@@ -114,8 +115,8 @@ def test_stops_after_the_extra_row_was_planned(reference: dict[str, list[int]], 
     else:
         params = [greedy(12 + i, stop_token_ids=[stops[f"r{i}"]]) for i in range(len(LENGTHS))]
     want_reqs = _reqs(params)
-    want = run_all(_plain(offload=False, eos=eos), want_reqs)
-    assert run_all(_plain(offload=True, eos=eos), _reqs(params)) == want
+    want = run_all(_plain(remote=False, eos=eos), want_reqs)
+    assert run_all(_plain(remote=True, eos=eos), _reqs(params)) == want
     s = _overlap(eos=eos, offload_ratio=1.0)
     spy = PlanSpy(s)
     reqs = _reqs(params)
@@ -127,7 +128,7 @@ def test_stops_after_the_extra_row_was_planned(reference: dict[str, list[int]], 
     planned_past_stop = {(rid, n) for plan in spy.ahead for rid, n in plan}
     # planned into step t+1 while its stop token (output number n) was in flight at step t
     assert any((r.rid, len(r.output_ids) - 1) in planned_past_stop for r in stopped)
-    assert s.offload is not None and s.offload.remote.executor.partition.used_pages("tiny") == 0  # type: ignore[attr-defined]
+    assert s.remote_sender is not None and s.remote_sender.remote.executor.partition.used_pages("tiny") == 0  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("after_steps", [2, 5, 9])
@@ -152,7 +153,7 @@ def test_abort_of_remote_requests_in_flight(reference: dict[str, list[int]], aft
             assert out[r.rid] == reference[r.rid][: len(out[r.rid])]
         else:
             assert out[r.rid] == reference[r.rid]
-    assert s.offload is not None and s.offload.remote.executor.partition.used_pages("tiny") == 0  # type: ignore[attr-defined]
+    assert s.remote_sender is not None and s.remote_sender.remote.executor.partition.used_pages("tiny") == 0  # type: ignore[attr-defined]
     assert s.allocator.num_free == s.allocator.capacity
 
 
@@ -161,7 +162,7 @@ def test_a_full_executor_drops_rows_while_a_step_is_in_flight(monkeypatch: pytes
     longest (as for a sender that does not ask): requests that cannot grow there while the next step
     is planned are taken back with their in-flight token and recomputed. Outputs do not change."""
     monkeypatch.setattr(sender, "reserve_tokens", lambda r, context_len=None: 0)
-    want = run_all(_plain(offload=False), _reqs(max_new=40))
+    want = run_all(_plain(remote=False), _reqs(max_new=40))
     s = _overlap(offload_ratio=1.0, executor_mem_gb=40 * 4096 / 2**30)
     spy = PlanSpy(s)
     assert run_all(s, _reqs(max_new=40)) == want
@@ -171,7 +172,7 @@ def test_a_full_executor_drops_rows_while_a_step_is_in_flight(monkeypatch: pytes
 def test_a_full_executor_refuses_loads_instead_when_they_reserve() -> None:
     """The sender asks the executor to set pages aside for each request's longest: a small executor
     then refuses loads (the requests stay local) and never drops a planned row. Outputs do not change."""
-    want = run_all(_plain(offload=False), _reqs(max_new=40))
+    want = run_all(_plain(remote=False), _reqs(max_new=40))
     s = _overlap(offload_ratio=1.0, executor_mem_gb=40 * 4096 / 2**30)
     spy = PlanSpy(s)
     assert run_all(s, _reqs(max_new=40)) == want
@@ -187,7 +188,7 @@ def test_rows_dropped_in_flight_keep_their_token(reference: dict[str, list[int]]
     params = [greedy(12 + i) for i in range(len(LENGTHS))]
     if case == "stops_in_flight":
         params[0] = greedy(12, stop_token_ids=[reference["r0"][k]])
-    want = run_all(_plain(offload=False), _reqs(params))
+    want = run_all(_plain(remote=False), _reqs(params))
     s = _overlap(offload_ratio=0.5 if case == "every_remote_row" else 1.0)
     local_only: list[bool] = []  # the batches launched right after every remote row was dropped
     if case == "every_remote_row":
@@ -218,7 +219,7 @@ def test_rows_dropped_in_flight_keep_their_token(reference: dict[str, list[int]]
         assert reqs[0].finish_reason.type == "stop" and len(reqs[0].output_ids) == k + 1
     if case == "every_remote_row":
         assert len(dropped) > 1 and local_only == [True]  # the step went on with its local rows alone
-    assert s.offload is not None and s.offload.remote.executor.partition.used_pages("tiny") == 0  # type: ignore[attr-defined]
+    assert s.remote_sender is not None and s.remote_sender.remote.executor.partition.used_pages("tiny") == 0  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("where", ["post", "begin_step"])
@@ -228,13 +229,13 @@ def test_executor_lost_with_a_step_in_flight(where: str, after_steps: int) -> No
     in-flight token and are recomputed. Penalised rows show that the token is not drawn twice (the
     device's penalty statistics already count it)."""
     params = [greedy(12 + i, frequency_penalty=0.8 if i % 2 else 0.0) for i in range(len(LENGTHS))]
-    want = run_all(_plain(offload=False), _reqs(params))
+    want = run_all(_plain(remote=False), _reqs(params))
     s = _overlap()
-    remote: Any = s.offload.remote if s.offload else None
+    remote: Any = s.remote_sender.remote if s.remote_sender else None
 
     def kill(step: int) -> None:
         if step == after_steps:
-            assert s.offload is not None and s.offload.num_remote > 0
+            assert s.remote_sender is not None and s.remote_sender.num_remote > 0
             assert s.overlap is not None and s.overlap.inflight is not None
 
             def gone(*_: object) -> None:
@@ -243,7 +244,7 @@ def test_executor_lost_with_a_step_in_flight(where: str, after_steps: int) -> No
             setattr(remote, where, gone)
 
     assert _drive(s, _reqs(params), kill) == want
-    assert s.offload is not None and not s.offload.active and s.num_preemptions > 0
+    assert s.remote_sender is not None and not s.remote_sender.active and s.num_preemptions > 0
 
 
 @pytest.mark.parametrize("loop", ["overlap", "plain"])
@@ -254,9 +255,9 @@ def test_steps_let_through_without_the_executor_are_dropped(loop: str, after_ste
     finds the executor gone. Those tokens are dropped and the requests recomputed: outputs equal the
     reference (penalised rows: the garbage token's count is not kept either)."""
     params = [greedy(12 + i, frequency_penalty=0.8 if i % 2 else 0.0) for i in range(len(LENGTHS))]
-    want = run_all(_plain(offload=False), _reqs(params))
-    s = _overlap() if loop == "overlap" else _plain(offload=True)
-    remote: Any = s.offload.remote if s.offload else None
+    want = run_all(_plain(remote=False), _reqs(params))
+    s = _overlap() if loop == "overlap" else _plain(remote=True)
+    remote: Any = s.remote_sender.remote if s.remote_sender else None
     plans = remote.begin_step
     gen = torch.Generator().manual_seed(0)
 
@@ -272,16 +273,16 @@ def test_steps_let_through_without_the_executor_are_dropped(loop: str, after_ste
 
     def die(step: int) -> None:
         if step == after_steps:
-            assert s.offload is not None and s.offload.num_remote > 0
+            assert s.remote_sender is not None and s.remote_sender.num_remote > 0
             remote.plans_left = 1  # the step planned now runs without results, then the loss shows
             remote.begin_step, remote.collect, remote.results_forged = forged_plan, garbage, lambda upto=None: True
 
     assert _drive(s, _reqs(params), die) == want
-    assert s.offload is not None and not s.offload.active and s.num_preemptions > 0
+    assert s.remote_sender is not None and not s.remote_sender.active and s.num_preemptions > 0
 
 
 def test_a_reservation_is_the_requests_longest_capped_by_the_context() -> None:
     s = _overlap()
-    assert s.offload is not None and s.offload.context_len == s.runner.context_len
+    assert s.remote_sender is not None and s.remote_sender.context_len == s.runner.context_len
     r = Req("r", [1] * 10, greedy(20))
     assert sender.reserve_tokens(r) == 31 and sender.reserve_tokens(r, context_len=16) == 17

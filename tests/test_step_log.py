@@ -23,7 +23,7 @@ def test_the_interval_argument_turns_it_on() -> None:
 def test_a_line_per_interval_with_the_means(caplog: pytest.LogCaptureFixture) -> None:
     remote = SimpleNamespace(wait_s=0.0, staged_loads=0)
     sched = SimpleNamespace(running=[1, 2, 3, 4], waiting=[1, 2], overlapped_steps=0, forward_rows=0,
-                            offload=SimpleNamespace(num_remote=2, remote=remote))
+                            remote_sender=SimpleNamespace(num_remote=2, remote=remote))
     log = StepLog(interval_s=0.0, name="w0")  # every step closes an interval
     with caplog.at_level(logging.INFO, logger="sglang_ext.worker.step_log"):
         log.record(sched, 0.010, tokens_out=4, prefill_tokens=0)  # the baseline for the counters
@@ -38,7 +38,7 @@ def test_a_line_per_interval_with_the_means(caplog: pytest.LogCaptureFixture) ->
 def test_steps_with_remote_rows_are_timed_apart(caplog: pytest.LogCaptureFixture) -> None:
     remote = SimpleNamespace(wait_s=0.0, staged_loads=0)
     sched = SimpleNamespace(running=[1, 2], waiting=[], overlapped_steps=0, forward_rows=0, remote_forward_rows=0,
-                            offload=SimpleNamespace(num_remote=1, remote=remote))
+                            remote_sender=SimpleNamespace(num_remote=1, remote=remote))
     log = StepLog(interval_s=3600.0, name="w0")
     with caplog.at_level(logging.INFO, logger="sglang_ext.worker.step_log"):
         for wall, remote_rows in ((0.010, 1), (0.012, 1), (0.004, 0), (0.014, 2)):

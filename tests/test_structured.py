@@ -60,7 +60,7 @@ class Env:
         sa = ServerArgs(device="cpu", dtype="float32", page_size=4, max_total_tokens=max_total_tokens, **args)
         runner = ModelRunner(sa, self.dir, self.cfg)
         return Scheduler(sa, runner, 4, self.eos, decode_fn=lambda ids: self.tok.decode(ids, False),
-                         vocab_size=self.cfg.vocab_size, offload=local_sender(sa, runner, "emb"), overlap=overlap)
+                         vocab_size=self.cfg.vocab_size, remote_sender=local_sender(sa, runner, "emb"), overlap=overlap)
 
     def req(self, rid: str, prompt: str, kind: str | None = None, text: str | None = None, **sp: Any) -> Req:
         sp.setdefault("max_new_tokens", 64)

@@ -151,7 +151,7 @@ class Instance:
         self.slowed_s = 0.0  # time its forwards lost to guests on its GPU
         self._pending_load_s = 0.0
         self.s = self._build()
-        if executor_gpu is not None and self.offloader is not None:
+        if executor_gpu is not None and self.remote_sender is not None:
             executor_gpu.senders.append(self)
 
     # -- construction ----------------------------------------------------------------------------
@@ -175,13 +175,13 @@ class Instance:
                         chunked_prefill_size=sp.chunked_prefill, ttft_slo_ms=sp.ttft_s * 1e3,
                         tpot_slo_ms=sp.tpot_s * 1e3, **extra)
         runner = ModelRunner(sa, None, cfg)  # type: ignore[arg-type]
-        offloader = local_sender(sa, runner, sp.name)
-        s = Scheduler(sa, runner, sp.page_size, frozenset(), vocab_size=VOCAB, offload=offloader)
+        remote_sender = local_sender(sa, runner, sp.name)
+        s = Scheduler(sa, runner, sp.page_size, frozenset(), vocab_size=VOCAB, remote_sender=remote_sender)
         s.clock = self.clock
         if s.rot is not None:
             s.rot.engine = TimedEngine(s.rot.engine, self.clock, cost, sp.page_size)
-        if offloader is not None:
-            load = offloader.remote.load
+        if remote_sender is not None:
+            load = remote_sender.remote.load
 
             def timed_load(handle: int, kv: torch.Tensor, length: int, reserve_tokens: int = 0) -> bool:
                 ok = load(handle, kv, length, reserve_tokens)
@@ -189,16 +189,16 @@ class Instance:
                     self._pending_load_s += length * cost.kv_bytes_per_token / (self.peer_GBps * 1e9)
                 return ok
 
-            offloader.remote.load = timed_load  # type: ignore[method-assign]
+            remote_sender.remote.load = timed_load  # type: ignore[method-assign]
         runner.forward = self._forward  # type: ignore[method-assign]
         return s
 
     @property
-    def offloader(self) -> Any:
-        return self.s.offload if hasattr(self, "s") else None
+    def remote_sender(self) -> Any:
+        return self.s.remote_sender if hasattr(self, "s") else None
 
     def remote_kv_tokens(self) -> int:
-        off = self.s.offload
+        off = self.s.remote_sender
         return sum(r.kv_len for r in off.reqs.values()) if off is not None else 0
 
     # -- time ------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@
       outputs scattered back by row          <───   o
 
 The feature reads across six folders (this package, transport/, engine/split_* and sm_partition,
-scheduler/remote_residency.py, worker/offload.py and adrenaline.py, router/placement/): the map of
+scheduler/remote_residency.py, worker/remote_control.py and adrenaline.py, router/placement/): the map of
 every file, grouped by data plane, control plane, scheduler and router, is at the top of
 docs/remote_attention.md ("Where the code is").
 """

@@ -63,7 +63,7 @@ class Scheduler:
         decode_fn: DecodeFn | None = None,
         *,
         vocab_size: int,
-        offload: RemoteSender | None = None,
+        remote_sender: RemoteSender | None = None,
         overlap: bool = False,
     ) -> None:
         self.args = args
@@ -105,7 +105,7 @@ class Scheduler:
         self.admission = Admission(self, self.members, self._abort_too_long)
         self.homes = self.admission.homes
         self.overlap = Overlap(self, table) if table is not None else None
-        self.remote_residency.set_sender(offload)
+        self.remote_residency.set_sender(remote_sender)
 
     # ---- requests in and out ------------------------------------------------------------------
     @property
@@ -113,7 +113,7 @@ class Scheduler:
         return self.allocator.capacity * self.page_size
 
     @property
-    def offload(self) -> RemoteSender | None:
+    def remote_sender(self) -> RemoteSender | None:
         return self.remote_residency.sender
 
     @property

@@ -69,6 +69,6 @@ def drop_placed(handle: int, scheduler: Scheduler) -> None:
     """The decode side: KV placed on the executor for a request that will not run here (aborted, or
     the pair closed): release it there. (A handle of another pairing is unknown to this one's guest,
     and that pairing's KV went with it.)"""
-    off = scheduler.offload
+    off = scheduler.remote_sender
     if handle and off is not None and off.active:
         off.remote.release(handle)

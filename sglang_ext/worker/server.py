@@ -87,8 +87,8 @@ class WorkerServer:
         self.parent_pid = os.getppid()
         # Executors this worker hosts are reached where the router reaches it.
         toward = local_address_toward(router_addr.split("://", 1)[-1].rpartition(":")[0])
-        if worker.offload.host is not None:
-            worker.offload.host.address = toward
+        if worker.remote_control.host is not None:
+            worker.remote_control.host.address = toward
         worker.disagg.address = toward  # prefill workers reach this one's KV pairs there too
 
     async def send(self, msgs: list[FromWorker]) -> None:
@@ -260,7 +260,7 @@ def finish(worker: Worker, code: int) -> None:
     or, when that teardown could hang or abort, exit at once with `code`."""
     # After a fatal error the process exits at once anyway: no grace for goodbyes.
     pairs_ended = worker.disagg.close(grace_s=0.0 if code else CLOSE_GRACE_S)
-    busy = worker.offload.close(worker.scheduler)
+    busy = worker.remote_control.close(worker.scheduler)
     if code or busy or not pairs_ended:
         # Skip interpreter teardown: after a device fault, joining threads or freeing CUDA memory
         # can hang, and the process must go so that its supervisor can restart it. Executor threads

@@ -66,7 +66,7 @@ class StepLog:
             w.remote_wall_s += wall_s
         self._remote_rows = remote_rows
         w.running += len(scheduler.running)
-        w.remote += scheduler.offload.num_remote if scheduler.offload is not None else 0
+        w.remote += scheduler.remote_sender.num_remote if scheduler.remote_sender is not None else 0
         w.waiting += len(scheduler.waiting)
         w.tokens_out += tokens_out
         w.prefill_tokens += prefill_tokens
@@ -76,7 +76,7 @@ class StepLog:
             self._t0, self._w = now, _Window()
 
     def _counters(self, scheduler: Scheduler) -> tuple[int, float, int, int]:
-        r = scheduler.offload.remote if scheduler.offload is not None else None
+        r = scheduler.remote_sender.remote if scheduler.remote_sender is not None else None
         return (getattr(scheduler, "overlapped_steps", 0), r.wait_s if r else 0.0, r.staged_loads if r else 0,
                 scheduler.forward_rows)
 

@@ -57,8 +57,8 @@ from sglang_ext.scheduler.scheduler import Scheduler, default_overlap
 from sglang_ext.server_args import ServerArgs
 from sglang_ext.transport.choice import cuda_ipc_problem
 from sglang_ext.worker.disagg import PairGone, WorkerDisagg
-from sglang_ext.worker.offload import RemoteAttentionControl
 from sglang_ext.worker.profile import make_profiler, on_demand
+from sglang_ext.worker.remote_control import RemoteAttentionControl
 from sglang_ext.worker.stats import DECODE_STEP_WINDOW_S, LatencyWindow, latency, present
 from sglang_ext.worker.step_log import make_step_log
 from sglang_ext.worker.tokenizer import IncrementalDetokenizer, StartupError, Tokenizer, load_tokenizer
@@ -109,9 +109,9 @@ class Worker:
             raise StartupError(str(e)) from None
         self.model_name = args.served_model_name or (
             "default" if args.model_path is None else str(args.model_path).rstrip("/").split("/")[-1])
-        self.offload = RemoteAttentionControl(args, self.runner, worker_id, self.model_name)
+        self.remote_control = RemoteAttentionControl(args, self.runner, worker_id, self.model_name)
         self.disagg = WorkerDisagg(args.disaggregation_mode or "", self.runner, worker_id)
-        self.disagg.placer.host = self.offload.host  # Adrenaline placement: prefill KV kept in its executor
+        self.disagg.placer.host = self.remote_control.host  # Adrenaline placement: prefill KV kept in its executor
         eos = set(self.cfg.eos_token_ids) | set(self.tokenizer.eos_ids if self.tokenizer else ())
         with timer.stage("scheduler"):
             # A prefill worker hands each request off right after its first token: nothing to overlap,
@@ -122,7 +122,8 @@ class Worker:
             self.scheduler = Scheduler(
                 args, self.runner, args.resolved_page_size, frozenset(eos),
                 decode_fn=functools.partial(tok.decode, skip_special_tokens=False) if tok else None,
-                vocab_size=self.cfg.vocab_size, offload=local_sender(args, self.runner, worker_id), overlap=overlap,
+                vocab_size=self.cfg.vocab_size, remote_sender=local_sender(args, self.runner, worker_id),
+                overlap=overlap,
             )
         # Nothing of xgrammar is loaded until a constrained request comes (grammar/backend.py).
         self.grammars = None
@@ -152,7 +153,7 @@ class Worker:
 
     # ---- identity -----------------------------------------------------------------------------
     def info(self) -> WorkerInfo:
-        return self.offload.info(WorkerInfo(
+        return self.remote_control.info(WorkerInfo(
             worker_id=self.worker_id, model_name=self.model_name, model_path=self.weights_path,
             architecture=self.cfg.architecture, context_length=self.runner.context_len,
             vocab_size=self.cfg.vocab_size, max_total_tokens=self.scheduler.max_total_tokens,
@@ -169,7 +170,7 @@ class Worker:
     def load_report(self) -> LoadReport:
         s = self.scheduler.stats()
         ps = self.args.resolved_page_size
-        offload, executor = self.offload.report(self.scheduler)
+        offload, executor = self.remote_control.report(self.scheduler)
         return LoadReport(
             worker_id=self.worker_id, num_running=s.num_running, num_waiting=s.num_waiting,
             kv_used_tokens=s.kv_used_pages * ps, kv_total_tokens=s.kv_total_pages * ps,
@@ -287,7 +288,7 @@ class Worker:
             elif isinstance(msg, UpdateWeightsReq):
                 self.weights.pending.append(msg)  # applied once the scheduler has drained (step)
             elif isinstance(msg, ExecutorOpen):
-                return [self.offload.open_executor(msg)]
+                return [self.remote_control.open_executor(msg)]
             elif isinstance(msg, KVPairOpen):
                 return [self.disagg.open_pair(msg)]
             elif isinstance(msg, KVPairConnect):
@@ -295,9 +296,9 @@ class Worker:
             elif isinstance(msg, KVPairClose):
                 self.disagg.close_pair(msg.pairing)
             elif isinstance(msg, OffloadDirective):
-                self.offload.apply(msg, self.scheduler)
+                self.remote_control.apply(msg, self.scheduler)
             elif isinstance(msg, OffloadRatio):
-                self.offload.set_ratio(msg, self.scheduler)
+                self.remote_control.set_ratio(msg, self.scheduler)
             elif isinstance(msg, ShutdownReq):
                 self.stopped = True
         except (InvalidRequest, PairGone, GrammarBusy) as e:
@@ -361,7 +362,8 @@ class Worker:
         self.scheduler.handoff.add_prefilled(req, kv)
         if handle:  # Adrenaline placement: its KV is on the prefill worker's executor
             d = live.req.disagg
-            ours = d is not None and d.executor_pairing == self.offload.pairing and self.offload.state == "active"
+            rc = self.remote_control
+            ours = d is not None and d.executor_pairing == rc.pairing and rc.state == "active"
             if not (ours and self.scheduler.remote_residency.adopt(req, handle)):
                 logger.warning("request %s: its KV is on executor pairing %s, which is not this worker's in force; "
                                "its prompt is recomputed here", req.rid, d.executor_pairing if d else "?")
@@ -380,7 +382,7 @@ class Worker:
         if prof is not None:
             prof.before_step()
         results = self.scheduler.step()  # raises on a fatal error (see the module docstring)
-        self.offload.after_step(self.scheduler)
+        self.remote_control.after_step(self.scheduler)
         if prof is not None:
             prof.after_step()
         if self.step_log is not None and (results or self.scheduler.has_work()):

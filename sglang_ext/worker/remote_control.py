@@ -109,7 +109,7 @@ class RemoteAttentionControl:
 
     def set_ratio(self, m: OffloadRatio, scheduler: Scheduler) -> None:
         """A planner's new decision for the pairing in force; a stale one (another pairing) is ignored."""
-        off = scheduler.offload
+        off = scheduler.remote_sender
         if off is None or m.pairing != self.pairing or self.state != "active":
             return
         if not (0 <= m.ratio <= 1 and m.bound >= 0):
@@ -137,7 +137,7 @@ class RemoteAttentionControl:
         self.pairing, self.executor, self.state = d.pairing, "", f"failed: {why}"
 
     def _detach(self, d: OffloadDirective, scheduler: Scheduler) -> None:
-        off = scheduler.offload
+        off = scheduler.remote_sender
         if off is None or d.pairing != self.pairing:
             return  # not the pairing in force (already replaced, or never applied)
         off.ratio = 0.0  # choose() takes no more; those out there finish (or are recomputed if it is gone)
@@ -147,7 +147,7 @@ class RemoteAttentionControl:
 
     def after_step(self, scheduler: Scheduler) -> None:
         """Close a pair that is lost, or drained after a detach."""
-        off = scheduler.offload
+        off = scheduler.remote_sender
         if off is None or self.args.offload_executor is not None:
             return
         if not off.active or not off.remote.alive:
@@ -158,7 +158,7 @@ class RemoteAttentionControl:
             self.state, self.executor = "", ""
 
     def _retire(self, scheduler: Scheduler) -> None:
-        off = scheduler.offload
+        off = scheduler.remote_sender
         if off is None:
             return
         scheduler.remote_residency.set_sender(None)
@@ -170,7 +170,7 @@ class RemoteAttentionControl:
     def close(self, scheduler: Scheduler | None = None) -> bool:
         """At exit: say goodbye to this sender's executor; True while hosted pairings still run
         (their threads wait on their senders and end when those go)."""
-        off = scheduler.offload if scheduler is not None else None
+        off = scheduler.remote_sender if scheduler is not None else None
         if off is not None and self.args.offload_executor is None:
             off.remote.close()
         return bool(self.host and self.host.services)
@@ -188,7 +188,7 @@ class RemoteAttentionControl:
     def report(self, scheduler: Scheduler) -> tuple[OffloadSender | None, ExecutorKV | None]:
         """The load report's parts: the sender's offload figures and the host's KV held per guest model
         (None where there is nothing to report)."""
-        off = scheduler.offload
+        off = scheduler.remote_sender
         r: RemoteAttention | None = off.remote if off is not None else None
         state = self.state
         used = self.host.used_tokens() if self.host else {}
