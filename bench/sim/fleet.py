@@ -44,12 +44,13 @@ from sglang_ext.models.config import ModelConfig
 STRATEGIES: Final = ("dedicated", "weaver", "rotation", "both")
 FULL: Final = 0.9  # memory fraction of a whole GPU (mem_fraction_static), split in quarters between models
 MAX_PER_GPU: Final = 4
-ERROR_BAND: Final = ("SIMULATED. Cost model error (bench/sim/validate.py, H200, Llama-3-8B): decode step "
-                     "<= 5 % on 32 held-out rows (mean 1.4 %), prefill <= 3.9 % on 4; other geometries, MoE, "
-                     "mixed prefill+decode batches, the executor's capped SMs and any non-H200 link are "
-                     "unvalidated. Serving attainment (python -m bench.sim.replay_sweeps, 121 measured points): "
-                     "mean absolute error 4.1 points, optimistic by +3.6 on average (TTFT near the knee), strict "
-                     "goodput within one grid step for 36 of 39 runs.")
+ERROR_BAND: Final = ("SIMULATED. Cost model error (bench/sim/validate.py, H200): Llama-3-8B decode step <= 5 % on "
+                     "35 held-out rows (mean 1.5 %), prefill <= 3.9 % on 4; MoE decode (Mixtral-8x7B, Qwen3-30B-A3B, "
+                     "random routers) 4.4 % mean, 11.2 % max on 6 held-out rows; MoE prefill under-predicted by "
+                     "16-71 %; other geometries, mixed prefill+decode batches, the executor's capped SMs and any "
+                     "non-H200 link are unvalidated. Serving attainment (python -m bench.sim.replay_sweeps, 121 "
+                     "measured points): mean absolute error 4.2 points, optimistic by +3.7 on average (TTFT near the "
+                     "knee), strict goodput within one grid step for 36 of 39 runs.")
 
 
 def load_geometry(model: str) -> Geometry:
