@@ -401,7 +401,32 @@ class Bench:
             self.runner.graphs = graphs
         for ctx in ctxs[1:]:
             out[f"graph_ctx{ctx}"] = self._profile(fitting(ctx), ctx)
+        # prefill (eager, as served): one 1024-token request, where an MoE model's fixed costs show
+        out["prefill_1x1024"] = self._profile_kernels(prefill_batch(self.layout.pages(1, 1024), 1024,
+                                                                    self.cfg.vocab_size), steps=3)
         return out
+
+    def _profile_kernels(self, batch: ForwardBatch, steps: int) -> dict[str, Any]:
+        """Device time per forward of `batch` by kernel category (gpu_measure.kernel_category)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        for _ in range(2):
+            self.runner.forward(batch)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                self.runner.forward(batch)
+            torch.cuda.synchronize()
+        cats: dict[str, float] = {}
+        kernels = []
+        for e in prof.key_averages():
+            us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+            if us > 0:
+                cat = kernel_category(e.key)
+                cats[cat] = cats.get(cat, 0.0) + us / steps
+                kernels.append({"name": e.key[:120], "us": us / steps, "calls": e.count / steps, "category": cat})
+        kernels.sort(key=lambda k: -k["us"])
+        return {"kernel_us": sum(cats.values()), "by_category_us": cats, "top_kernels": kernels[:15]}
 
     def _profile(self, bs: int, ctx: int) -> dict[str, Any]:
         from torch.profiler import ProfilerActivity, profile
