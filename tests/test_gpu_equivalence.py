@@ -165,7 +165,12 @@ def test_greedy_serving_matches_torch_backend(reference: ModelRunner) -> None:
                 continue
             gap = float(rows_ref[j, best] - rows_ref[j, t])
             noise = float((rows_ref[j] - rows_fast[j]).abs().max())
-            assert gap <= 4 * noise, f"r{i} step {j}: served {t}, reference {best} ahead by {gap:.3g}"
+            # on failure, say which fast path chose t: if the FlashInfer prefill also prefers `best`, only
+            # the decode kernels / graphs picked t, and this noise (two prefill paths) did not cover them
+            fast_best, fast_gap = int(rows_fast[j].argmax()), float(rows_fast[j, best] - rows_fast[j, t])
+            assert gap <= 4 * noise, (f"r{i} step {j}: served {t}, reference {best} ahead by {gap:.3g} "
+                                      f"(noise {noise:.3g}); FlashInfer prefill picks {fast_best}, "
+                                      f"{best} ahead of {t} there by {fast_gap:.3g}")
             near_ties += 1
     print(f"served greedy tokens = reference greedy on {steps - near_ties}/{steps} steps (rest: near-ties)")
     assert near_ties <= steps // 10, f"{near_ties} near-tie flips in {steps} steps (at most {steps // 10})"
