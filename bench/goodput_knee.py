@@ -27,6 +27,9 @@ Method (docs/benchmarks.md, "Method"):
   metrics, knee.json (the plan, the offsets, per run its curve, bracket, status; rewritten after each
   point, so a killed call still leaves it), and bench/goodput.py's table (goodput.txt, goodput.json,
   goodput.png).
+- --resume PREV_DIR (bench/knee_resume.py): continue an earlier call's search where it stopped, in a new
+  folder, with the same flags (a plan that differs is refused, naming the field); its points are not
+  rerun, its reports are copied, and knee.json and goodput.txt list the calls merged.
 """
 
 from __future__ import annotations
