@@ -366,8 +366,8 @@ def _panel(ax: Any, runs: dict[str, list[Point]], target: float) -> None:
     for label, pts in runs.items():
         curve = mean_curve(pts)
         mean = [100 * c.mean for c in curve]
-        err = [[m - 100 * c.low for m, c in zip(mean, curve, strict=True)],
-               [100 * c.high - m for m, c in zip(mean, curve, strict=True)]]
+        err = [[max(0.0, m - 100 * c.low) for m, c in zip(mean, curve, strict=True)],  # the mean of equal
+               [max(0.0, 100 * c.high - m) for m, c in zip(mean, curve, strict=True)]]  # repeats can be 1 ulp off
         ax.errorbar([c.rate for c in curve], mean, yerr=err, marker="o", capsize=3,
                     label=f"{label} ({goodput_of(pts, target).text()})")
     ax.axhline(100 * target, color="grey", linestyle="--", linewidth=1)

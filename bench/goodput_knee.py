@@ -27,6 +27,9 @@ Method (docs/benchmarks.md, "Method"):
   metrics, knee.json (the plan, the offsets, per run its curve, bracket, status; rewritten after each
   point, so a killed call still leaves it), and bench/goodput.py's table (goodput.txt, goodput.json,
   goodput.png).
+- --resume PREV_DIR (bench/knee_resume.py): continue an earlier call's search where it stopped, in a new
+  folder, with the same flags (a plan that differs is refused, naming the field); its points are not
+  rerun, its reports are copied, and knee.json and goodput.txt list the calls merged.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -52,6 +56,7 @@ if __package__ in (None, ""):  # executed as ``python bench/goodput_knee.py``
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import goodput as G
+from bench import knee_resume as R
 from bench import serving
 from bench.traces import TRACE_CHOICES, default_traces_dir, repo_root
 
@@ -179,8 +184,18 @@ class Estimator:
 @dataclass
 class RunState:
     curve: dict[float, float] = field(default_factory=dict)
-    order: list[dict[str, float]] = field(default_factory=list)  # rate, attainment, seconds, in order
+    order: list[dict[str, Any]] = field(default_factory=list)  # rate, attainment, seconds, call, in order
     error: str | None = None
+
+
+@dataclass
+class Cursor:
+    """Where a search stands: pass `pass_no`, turn `index` of that pass's runs `todo` (None: a pass not begun,
+    its runs are those with a point pending then). A resumed call starts there (``--resume``)."""
+
+    pass_no: int = 0
+    todo: list[str] | None = None
+    index: int = 0
 
 
 @dataclass
@@ -193,10 +208,14 @@ class Search:
     estimator: Estimator | None = None
     max_passes: int = 3
     on_point: Callable[[Search], None] | None = None
-    state: dict[str, RunState] = field(default_factory=dict)
+    state: dict[str, RunState] = field(default_factory=dict)  # preloaded by --resume: the points measured before
+    start_at: Cursor = field(default_factory=Cursor)  # preloaded by --resume: where the earlier call stopped
+    call_id: str | None = None  # tags each point this call measures (knee.json's order, per call)
     stopped: str = "running"
     elapsed_s: float = 0.0
     budget_hit: bool = False
+    at: Cursor = field(default_factory=Cursor)  # the turn in progress (the pass after the last one, at the end)
+    cut: Cursor | None = None  # the first turn the budget cut short: where a resumed call goes on
 
     def others(self, run: str) -> list[float]:
         return sorted({r for name, s in self.state.items() if name != run for r in s.curve})
@@ -209,14 +228,19 @@ class Search:
         est = self.estimator = self.estimator or Estimator(self.plan)
         t0 = self.clock()
         deadline = t0 + self.budget_s
-        self.state = {r: RunState() for r in self.runs}
-        for _ in range(self.max_passes):
-            todo = [r for r in self.runs if self.pending(r) is not None]
-            if not todo:
-                break
-            for i, run in enumerate(todo):
+        self.state = {r: self.state.get(r) or RunState() for r in self.runs}
+        p, todo, first = self.start_at.pass_no, self.start_at.todo, self.start_at.index
+        while p < self.max_passes:
+            if todo is None:
+                todo = [r for r in self.runs if self.pending(r) is not None]
+                if not todo:
+                    break
+            for i in range(first, len(todo)):
+                self.at = Cursor(p, list(todo), i)
                 share_end = self.clock() + (deadline - self.clock()) / (len(todo) - i)
-                self._turn(run, share_end, est)
+                self._turn(todo[i], share_end, est)
+            p, todo, first = p + 1, None, 0
+        self.at = Cursor(p)
         self.elapsed_s = self.clock() - t0
         left = [r for r in self.runs if self.pending(r) is not None]
         self.stopped = ("budget" if self.budget_hit else "max passes") if left else "settled"
@@ -230,6 +254,7 @@ class Search:
             while (rate := self.pending(run)) is not None:
                 if self.clock() + est.point(rate) + (0 if started else est.start_s) > share_end:
                     self.budget_hit = True
+                    self.cut = self.cut or self.at
                     return
                 if not started:
                     t = self.clock()
@@ -240,7 +265,8 @@ class Search:
                 s.curve[rate] = self.executor.measure(run, rate)
                 seconds = self.clock() - t
                 est.saw_point(rate, seconds)
-                s.order.append({"rate": rate, "attainment": s.curve[rate], "seconds": round(seconds, 1)})
+                s.order.append({"rate": rate, "attainment": s.curve[rate], "seconds": round(seconds, 1),
+                                **({"call": self.call_id} if self.call_id else {})})
                 if self.on_point:
                     self.on_point(self)
         except Exception as exc:  # a server that died: this run stops, the others go on
@@ -260,7 +286,10 @@ class Search:
                          "goodput_rps": g.rate, "goodput_text": g.text(), "goodput_lower_bound": g.lower_bound,
                          "last_passing": lo, "first_failing": hi, "next_rate": self.pending(run),
                          "curve": {f"{r:g}": a for r, a in sorted(s.curve.items())}, "order": s.order}
+        est = self.estimator or Estimator(self.plan)
         return {"stopped": self.stopped, "elapsed_s": round(self.elapsed_s, 1), "budget_s": self.budget_s,
+                "resume_at": asdict(self.cut or self.at),
+                "estimator": {"start_s": round(est.start_s, 1), "overhead_s": round(est.overhead_s, 1)},
                 "runs": runs}
 
 
@@ -406,6 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-s", type=float, default=540.0, help="stop the search cleanly after this long")
     p.add_argument("--max-passes", type=int, default=3, help="turns per run (later ones only add others' points)")
     p.add_argument("--out", type=Path, default=Path("/tmp/out/knee"), help="folder for every report")
+    p.add_argument("--resume", type=Path, default=None, metavar="PREV_DIR",
+                   help="continue the search of an earlier call's --out folder (the same flags; its reports are "
+                        "copied here, its points not rerun): one folder, the latest call's")
     p.add_argument("--call-id", default=None, help="id of this call in every report (default: $SGLANG_EXT_CALL_ID, "
                    "else a fresh knee-<time>-<hex>)")
     g = p.add_argument_group("server (bench/goodput_sweep.sh's flags)")
@@ -443,7 +475,25 @@ def _check_rows(a: argparse.Namespace, plan: Plan) -> None:
         raise ValueError(f"{plan.repeats} repeats of {plan.stride} rows need {need} rows; {path.name} has {rows}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _resume(a: argparse.Namespace, plan: Plan, head: dict[str, Any], call_id: str) -> R.Previous:
+    """Check the previous folder against this call's plan and flags (ResumeError naming the field), then copy."""
+    R.check_out(a.resume, a.out)
+
+    def config(run: str, rate: float, k: int) -> dict[str, Any]:
+        argv = serving_argv(a, plan, run, rate, k, "http://127.0.0.1:1", a.out, call_id)
+        return vars(serving.build_parser().parse_args(argv))
+
+    prev = R.load(a.resume, R.measurement(head["setting"], head["plan"]), plan.repeats,
+                  lambda run, rate, k: report_name(run, a.arrival, rate, k), config)
+    if call_id in {c.get("call_id") for c in prev.calls}:
+        raise R.ResumeError(f"--call-id {call_id} is an earlier call's too: give each call its own id")
+    R.carry_over(prev, a.out)
+    return prev
+
+
+def main(argv: list[str] | None = None, *, executor: Executor | None = None,
+         clock: Callable[[], float] = time.monotonic) -> int:
+    """`executor`, `clock`: tests drive the search without a server."""
     a = build_parser().parse_args(argv)
     try:
         plan = Plan(tuple(a.grid), a.repeats, a.seconds, a.min_req, a.target, TOLERANCE, a.extend)
@@ -454,10 +504,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    a.out.mkdir(parents=True, exist_ok=True)
     call_id = a.call_id or os.environ.get(serving.CALL_ENV) or serving.new_call_id("knee")
-    os.environ[serving.CALL_ENV] = call_id
-    head = {"call_id": call_id, **{k: v for k, v in serving.provenance(call_id).items() if k != "call_id"},
+    date = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    head = {"call_id": call_id, "date": date,
+            **{k: v for k, v in serving.provenance(call_id).items() if k != "call_id"},
             "plan": {**asdict(plan), "rates": plan.rates, "extension": plan.extension(), "stride": plan.stride,
                      "offsets": [plan.offset(k) for k in range(plan.repeats)],
                      "n_per_rate": {f"{r:g}": plan.n(r) for r in (*plan.rates, *plan.extension())}},
@@ -465,16 +515,48 @@ def main(argv: list[str] | None = None) -> int:
             "rule": "union: a rate any run measured is run for every run below that run's first failing rate",
             "warnings": [f"--min-req {a.min_req} < {MIN_REQ}: below the method's minimum"] if a.min_req < MIN_REQ
             else []}
+    prev: R.Previous | None = None
+    if a.resume is not None:
+        try:
+            prev = _resume(a, plan, head, call_id)
+        except R.ResumeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    a.out.mkdir(parents=True, exist_ok=True)
+    os.environ[serving.CALL_ENV] = call_id
     knee_json = a.out / "knee.json"
-    executor = ServerExecutor(a, plan, a.out, call_id)
+    executor = executor or ServerExecutor(a, plan, a.out, call_id)
+    search = Search(plan, list(a.runs), executor, a.budget_s - 15, clock=clock, max_passes=a.max_passes,
+                    call_id=call_id)
+    if prev is not None:
+        search.state = {run: RunState(dict(prev.curves.get(run, {})), list(prev.orders.get(run, [])))
+                        for run in a.runs}
+        search.start_at = Cursor(**prev.resume_at)
+        search.estimator = Estimator(plan, **prev.estimator)
+        head["resumed_from"] = str(a.resume)
+
+    def calls(search: Search) -> dict[str, Any]:
+        mine = {k: head[k] for k in ("call_id", "git_commit", "git_dirty", "commit_source", "date")}
+        mine.update(stopped=search.stopped, elapsed_s=round(search.elapsed_s, 1), budget_s=search.budget_s,
+                    points={run: [e["rate"] for e in s.order if e.get("call") == call_id]
+                            for run, s in search.state.items()})
+        return R.merged([*(prev.calls if prev else []), mine])
 
     def save(search: Search) -> None:
-        doc = {**head, **search.summary(), "flush_refused": executor.flush_refused}
+        merge = calls(search)
+        doc = {**head, **search.summary(), "flush_refused": getattr(executor, "flush_refused", 0),
+               "calls": merge["calls"]}
+        if prev is not None:  # a search over several calls: say so where a reader looks first
+            doc.update(warnings=[*head["warnings"], *merge["warnings"]], merged_calls=merge["merged_calls"],
+                       commits_differ=merge["commits_differ"])
         knee_json.write_text(json.dumps(doc, indent=2) + "\n")
 
-    search = Search(plan, list(a.runs), executor, a.budget_s - 15, max_passes=a.max_passes, on_point=save)
+    search.on_point = save
     print(f"knee search {call_id}: runs {' '.join(a.runs)}, grid {' '.join(f'{r:g}' for r in plan.rates)}, "
           f"{plan.repeats} repeats at offsets {head['plan']['offsets']}, budget {a.budget_s:g} s", flush=True)
+    if prev is not None:
+        print(f"resumed from {a.resume} ({len(prev.calls)} earlier call(s), {len(prev.points())} points measured), "
+              f"at pass {search.start_at.pass_no} turn {search.start_at.index}", flush=True)
     search.run()
     for run, r in search.summary()["runs"].items():
         print(f"{run}: {r['status']}; goodput {r['goodput_text']} (last passing {r['last_passing']}, first failing "
@@ -484,6 +566,12 @@ def main(argv: list[str] | None = None) -> int:
     with open(buf, "w") as f, contextlib.redirect_stdout(f):
         rc = G.main([str(a.out), "--target", f"{a.target:g}", "--out", str(a.out / "goodput.json"),
                      "--plot", str(a.out / "goodput.png")])
+    if prev is not None and rc == 0:  # the panel merges calls: say which, and flag commits that differ
+        merge = calls(search)
+        with open(buf, "a") as f:
+            f.write(R.calls_text(merge) + "\n")
+        gj = a.out / "goodput.json"
+        gj.write_text(json.dumps({**json.loads(gj.read_text()), "knee_calls": merge}, indent=2) + "\n")
     print(buf.read_text(), end="")
     return 0 if rc == 0 and not any(s.error for s in search.state.values()) else 1
 

@@ -77,7 +77,12 @@ for s in $steps; do
             --repeats "${REPEATS:-3}" --min-req "${MIN_REQ:-150}" --seconds "${SECONDS_PER_POINT:-30}" \
             --budget-s "$BUDGET_S" --model "${MODEL:-preset:llama-3-8b}" --host-gb "${HOST_GB:-32}" \
             --max-in "${MAX_IN:-7680}" --max-out "${MAX_OUT:-256}" --traces-dir "${TRACES:-bench/data/traces}" \
-            --out "$OUT/knee" 2>&1 | tee "$OUT/knee.log" ;;  # set SGLANG_EXT_COMMIT (+ SGLANG_EXT_DIRTY) where git is absent
+            ${RESUME:+--resume "$RESUME"} --out "$OUT/knee" 2>&1 | tee "$OUT/knee.log" ;;  # set SGLANG_EXT_COMMIT (+ SGLANG_EXT_DIRTY) where git is absent
+          # RESUME=DIR continues the search of an earlier call's knee folder (the same env otherwise; its points are not
+          # rerun, its reports are copied to $OUT/knee). The device machine sees only what is sent: a call's $OUT comes back
+          # here as files under /work/.device/N/, so put its knee/ in the tree before the next call, e.g. committed under
+          # bench/results/<date>/, or copied to the ignored bench/results/tmp/knee-c1 and named in the run's carry
+          # (64 MiB in all), then RESUME=bench/results/tmp/knee-c1.
     disagg) for i in $(seq ${DISAGG_REPEATS:-3}); do  # the served PD failure tests (CPU workers), repeated: races show
             PYTHONPATH=$BASE timeout 300 python3 -m pytest -q -rfs -p no:cacheprovider tests/test_disagg_failures.py \
               2>&1 | tail -4 | tee "$OUT/disagg_failures_$i.log"
