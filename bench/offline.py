@@ -383,7 +383,7 @@ class Bench:
     def profile(self, bs: int, ctxs: list[int]) -> dict[str, Any]:
         """The first context with and without graphs; the others with graphs (the attention share). A
         context whose batch does not fit the pool is profiled at the largest halved batch that does
-        (Mixtral at ctx 8K holds 36 rows on one H200); each row records its bs. Filled in as it goes, so
+        (Mixtral at ctx 8K: 300K KV tokens hold 36 rows, so bs 32); each row records its bs. Filled in as it goes, so
         a later failure keeps the earlier contexts."""
         out: dict[str, Any] = self.res.setdefault("profile", {})
 
@@ -402,44 +402,23 @@ class Bench:
         for ctx in ctxs[1:]:
             out[f"graph_ctx{ctx}"] = self._profile(fitting(ctx), ctx)
         # prefill (eager, as served): one 1024-token request, where an MoE model's fixed costs show
-        out["prefill_1x1024"] = self._profile_kernels(prefill_batch(self.layout.pages(1, 1024), 1024,
-                                                                    self.cfg.vocab_size), steps=3)
+        prefill = prefill_batch(self.layout.pages(1, 1024), 1024, self.cfg.vocab_size)
+        cats, kernels = self._kernels(lambda: self.runner.forward(prefill), steps=3)
+        out["prefill_1x1024"] = {"kernel_us_per_step": sum(cats.values()), "by_category_us": cats,
+                                 "top_kernels": kernels[:15]}
         return out
 
-    def _profile_kernels(self, batch: ForwardBatch, steps: int) -> dict[str, Any]:
-        """Device time per forward of `batch` by kernel category (gpu_measure.kernel_category)."""
+    def _kernels(self, step: Callable[[], Any], steps: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """Device time per step by kernel category (gpu_measure.kernel_category), and the kernels
+        slowest first, from the torch profiler over `steps` calls of `step` after 3 warm-up calls."""
         from torch.profiler import ProfilerActivity, profile
 
-        for _ in range(2):
-            self.runner.forward(batch)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                self.runner.forward(batch)
-            torch.cuda.synchronize()
-        cats: dict[str, float] = {}
-        kernels = []
-        for e in prof.key_averages():
-            us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
-            if us > 0:
-                cat = kernel_category(e.key)
-                cats[cat] = cats.get(cat, 0.0) + us / steps
-                kernels.append({"name": e.key[:120], "us": us / steps, "calls": e.count / steps, "category": cat})
-        kernels.sort(key=lambda k: -k["us"])
-        return {"kernel_us": sum(cats.values()), "by_category_us": cats, "top_kernels": kernels[:15]}
-
-    def _profile(self, bs: int, ctx: int) -> dict[str, Any]:
-        from torch.profiler import ProfilerActivity, profile
-
-        r, cfg = self.runner, self.cfg
-        batch = decode_batch(self.layout.pages(bs, ctx), ctx, cfg.vocab_size)
-        steps = 5
         for _ in range(3):
-            r.forward(batch)
+            step()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
-                r.forward(batch).argmax(-1)
+                step()
             torch.cuda.synchronize()
         kernels = []
         for e in prof.key_averages():
@@ -453,6 +432,11 @@ class Bench:
         cats: dict[str, float] = {}
         for k in kernels:
             cats[k["category"]] = cats.get(k["category"], 0.0) + k["us_per_step"]
+        return cats, kernels
+
+    def _profile(self, bs: int, ctx: int) -> dict[str, Any]:
+        batch = decode_batch(self.layout.pages(bs, ctx), ctx, self.cfg.vocab_size)
+        cats, kernels = self._kernels(lambda: self.runner.forward(batch).argmax(-1), steps=5)
         kv = bs * ctx * self.kv_token_bytes
         hit = self.experts_hit(batch)
         ideal = {"gemm": self.dense_bytes / self.bw * 1e6, "attention": kv / self.bw * 1e6}
