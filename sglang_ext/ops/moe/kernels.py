@@ -40,6 +40,16 @@ def _block_of(pid, num_blocks_m, n_cols, BLOCK_N: tl.constexpr, GROUP_M: tl.cons
 
 
 @triton.jit
+def _rows_of(pid_m, pid_n, sorted_ptr, expert_ids_ptr, n_pairs, n_cols,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Block pid_m's pairs (padding slots hold n_pairs or more), their expert, and column tile pid_n."""
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pair, pair < n_pairs, e, cols, cols < n_cols
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
                     n_pairs, top_k, n_inter, n_hidden, num_blocks_m,
                     stride_xt, stride_we, stride_wn, stride_wk, stride_ot,
@@ -48,12 +58,9 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_padde
     pid_m, pid_n = _block_of(tl.program_id(0), num_blocks_m, n_inter, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pair < n_pairs
+    pair, row_ok, e, cols, col_ok = _rows_of(pid_m, pid_n, sorted_ptr, expert_ids_ptr, n_pairs, n_inter,
+                                             BLOCK_M, BLOCK_N)
     tok = (pair // top_k).to(tl.int64)
-    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < n_inter
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * stride_xt + ks[None, :]
     g_ptrs = w_ptr + e * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
@@ -91,12 +98,9 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr, 
     pid_m, pid_n = _block_of(tl.program_id(0), num_blocks_m, n_hidden, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pair < n_pairs
+    pair, row_ok, e, cols, col_ok = _rows_of(pid_m, pid_n, sorted_ptr, expert_ids_ptr, n_pairs, n_hidden,
+                                             BLOCK_M, BLOCK_N)
     rows = pair.to(tl.int64)
-    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < n_hidden
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + rows[:, None] * stride_ht + ks[None, :]
     b_ptrs = w_ptr + e * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
