@@ -54,3 +54,19 @@ def patch() -> None:
 
     builder.cast_impl = _cast_impl
     _done = True
+
+
+def device(fixes: bool = True) -> str:
+    """'cuda' where a GPU is. Otherwise Triton's interpreter is switched on and 'cpu' returned:
+    TRITON_INTERPRET is read when a kernel is decorated and at each launch, so call this before
+    importing the kernels; `fixes` applies `patch()` too."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    os.environ["TRITON_INTERPRET"] = "1"
+    if fixes:
+        patch()
+    return "cpu"

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+import _triton_interp
 import pytest
 import torch
 
@@ -22,13 +22,7 @@ from sglang_ext.ops.moe import configs, fused_moe_ref, moe_route_ref
 if importlib.util.find_spec("triton") is None:
     pytest.skip("needs triton (pip install triton; runs under its interpreter without a GPU)",
                 allow_module_level=True)
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    # read when the kernels are decorated (the imports below) and at each launch
-    os.environ["TRITON_INTERPRET"] = "1"
-    import _triton_interp
-
-    _triton_interp.patch()
+DEVICE = _triton_interp.device()  # before the kernels are imported below
 from sglang_ext.ops.moe import align, kernels, route  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

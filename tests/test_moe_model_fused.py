@@ -7,10 +7,10 @@ rounding and greedy tokens must be identical."""
 from __future__ import annotations
 
 import importlib.util
-import os
 from typing import Any
 
 import _tiny
+import _triton_interp
 import pytest
 import torch
 from _tiny import greedy, make_scheduler, prompts, run_all, tiny_moe_config
@@ -21,12 +21,8 @@ from sglang_ext.scheduler.request import Req
 if importlib.util.find_spec("triton") is None:
     pytest.skip("needs triton (pip install triton; runs under its interpreter without a GPU)",
                 allow_module_level=True)
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-    import _triton_interp
-
-    _triton_interp.patch()
-from sglang_ext.ops.moe import kernels, route
+_triton_interp.device()  # before the kernels are imported below
+from sglang_ext.ops.moe import kernels, route  # noqa: E402
 
 
 def _reqs() -> list[Req]:

@@ -6,8 +6,8 @@ is not installed (`pip install triton`)."""
 from __future__ import annotations
 
 import importlib.util
-import os
 
+import _triton_interp
 import pytest
 import torch
 from test_sampling import StubFlashInfer, V, _logits, _sample, chi2_pvalue, ref_filtered
@@ -18,11 +18,7 @@ from sglang_ext.sampling.sampler import Sampler
 if importlib.util.find_spec("triton") is None:
     pytest.skip("needs triton (pip install triton; runs under its interpreter without a GPU)",
                 allow_module_level=True)
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    # read when the kernel is decorated (the import below) and again at its first launch; nothing
-    # else runs Triton on a CPU machine, so it stays set
-    os.environ["TRITON_INTERPRET"] = "1"
+DEVICE = _triton_interp.device(fixes=False)  # before the kernel is imported below
 from sglang_ext.sampling import window_pick  # noqa: E402
 
 # The interpreter runs ~30 ms per row (one program each): the CPU draws few rows, the GPU ten times more.
