@@ -77,7 +77,7 @@ def test_moe_logits_match_the_torch_reference(geom: str) -> None:
     their torch reference (`mid`) sets the noise; errors add in quadrature, so twice it lets the Triton
     GEMMs add at most ~1.7x the rest of the fast path's own error, and a wrong expert or weight is far
     above it. `mid` keeps the Triton router: bf16 router logits tie exactly at the k-th place in about
-    1 % of this model's routing decisions (4 of 334 for the Mixtral geometry, counted on CPU), the
+    1 % of this model's routing decisions (4 of 334 for the Mixtral geometry: bench/moe_numerics.py), the
     kernel takes the lowest index and torch.topk's order on ties is unspecified, and one swapped
     expert moves a Mixtral token's output by half. The router is held to the reference on its own
     in tests/test_moe_kernels.py."""
