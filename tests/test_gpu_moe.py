@@ -71,16 +71,17 @@ def _forward(runner: ModelRunner, batch: ForwardBatch, fused: bool, moe_fused: b
 
 @pytest.mark.parametrize("geom", list(GEOMETRIES))
 def test_moe_logits_match_the_torch_reference(geom: str) -> None:
-    """Teacher-forced prefill + 10 decode steps. The bar is measured, not guessed: bf16 logits of this
-    sharpened tiny model drift from the torch reference through the KV cache whatever the MoE does
-    (FlashInfer and the fused norms sum in another order), so the fast path with the expert GEMMs on
-    their torch reference (`mid`) sets the noise; errors add in quadrature, so twice it lets the Triton
-    GEMMs add at most ~1.7x the rest of the fast path's own error, and a wrong expert or weight is far
-    above it. `mid` keeps the Triton router: bf16 router logits tie exactly at the k-th place in about
-    1 % of this model's routing decisions (4 of 334 for the Mixtral geometry: bench/moe_numerics.py), the
-    kernel takes the lowest index and torch.topk's order on ties is unspecified, and one swapped
-    expert moves a Mixtral token's output by half. The router is held to the reference on its own
-    in tests/test_moe_kernels.py."""
+    """Teacher-forced prefill + 10 decode steps, 66 logit rows. The bar is measured, not guessed: bf16
+    logits of this sharpened tiny model drift from the torch reference whatever the MoE does (FlashInfer
+    and the fused norms sum in another order), so the fast path with the expert GEMMs on their torch
+    reference (`mid`) sets the noise. Rows, not whole steps, are compared, at their 75th percentile:
+    bf16 router logits tie or nearly tie at the k-th place in about 1 % of routing decisions (4 of 334
+    exact ties for the Mixtral geometry: bench/moe_numerics.py), so any drift swaps an expert somewhere
+    and one swapped expert moves that token's logits by half (on the H200 a single such row put `mid`
+    0.21 off the reference over a whole step, 2026-12-03). A swap touches a row or two; a wrong expert,
+    weight or layout in the Triton MoE touches nearly every row and lands far above twice the noise.
+    `mid` keeps the Triton router (the kernel takes the lowest index on ties, torch.topk's order is
+    unspecified); the router is held to the reference on its own in tests/test_moe_kernels.py."""
     ref, fast = _runner(geom, False), _runner(geom, True)
     mid = _runner(geom, True, graphs=False)  # the torch MoE reference syncs the host: no graph capture
     fast.model.load_state_dict(ref.model.state_dict())  # in place, under the captured graphs
@@ -90,7 +91,8 @@ def test_moe_logits_match_the_torch_reference(geom: str) -> None:
     for name, r in (("ref", ref), ("fast", fast), ("mid", mid)):
         paged = PagedSeqs(r.pool, seed=1)
         seqs[name] = (paged, [paged.new_seq() for _ in ps])
-    errs: list[tuple[float, float]] = []
+    fused_rows: list[torch.Tensor] = []
+    noise_rows: list[torch.Tensor] = []
 
     def step(mode: ForwardMode, toks: list[list[int]]) -> torch.Tensor:
         def run(name: str, r: ModelRunner, fused: bool, moe_fused: bool = True) -> torch.Tensor:
@@ -98,17 +100,22 @@ def test_moe_logits_match_the_torch_reference(geom: str) -> None:
             return _forward(r, paged.batch(mode, ss, toks), fused, moe_fused).float()
 
         a, b, c = run("ref", ref, False), run("fast", fast, True), run("mid", mid, True, moe_fused=False)
-        errs.append((float((a - b).norm() / a.norm()), float((a - c).norm() / a.norm())))
+        scale = a.norm(dim=-1)
+        fused_rows.append((a - b).norm(dim=-1) / scale)
+        noise_rows.append((a - c).norm(dim=-1) / scale)
         return a.argmax(-1)
 
     nxt = step(ForwardMode.EXTEND, ps)
     for _ in range(10):  # decode: CUDA graphs padded from 6 rows to 8
         nxt = step(ForwardMode.DECODE, [[t] for t in nxt.tolist()])
-    fused_err, noise = max(e for e, _ in errs), max(n for _, n in errs)
-    print(f"{geom}: logits rel err per step, Triton MoE {[f'{e:.1e}' for e, _ in errs]}, "
-          f"torch MoE on the fast path {[f'{n:.1e}' for _, n in errs]}")
-    assert noise < 0.1, f"{geom}: the fast path without the Triton MoE is already off by {noise:.2e}"
-    assert fused_err <= 2 * noise + 2e-3, f"{geom}: Triton MoE {fused_err:.2e} vs noise {noise:.2e}"
+    fused_all, noise_all = torch.cat(fused_rows), torch.cat(noise_rows)
+    fused_err, noise = float(fused_all.quantile(0.75)), float(noise_all.quantile(0.75))
+    q = torch.tensor([0.5, 0.75, 0.9, 1.0], device=fused_all.device)
+    print(f"{geom}: logits rel err per row over {fused_all.numel()} rows at quantiles 50/75/90/100 %: "
+          f"Triton MoE {[f'{v:.1e}' for v in fused_all.quantile(q).tolist()]}, "
+          f"torch MoE on the fast path {[f'{v:.1e}' for v in noise_all.quantile(q).tolist()]}")
+    assert noise < 0.05, f"{geom}: the fast path without the Triton MoE is already off by {noise:.2e} (p75 row)"
+    assert fused_err <= 2 * noise + 2e-3, f"{geom}: Triton MoE {fused_err:.2e} vs noise {noise:.2e} (p75 row)"
 
 
 @pytest.mark.parametrize("geom", list(GEOMETRIES))
