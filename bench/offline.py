@@ -531,10 +531,12 @@ def summary(res: dict[str, Any]) -> str:
                      f"forward on host {lp['forward_host_ms_median'] or 0:.2f} ms")
     for mode, pr in (res.get("profile") or {}).items():
         cats = ", ".join(f"{k} {v:.0f}" for k, v in sorted(pr["by_category_us"].items(), key=lambda kv: -kv[1]))
-        share = pr.get("attention_share")
-        lines.append(f"profile[{mode}] bs={pr['bs']} ctx={pr['ctx']}: {pr['kernel_us_per_step']:.0f} us/step ({cats}); "
-                     f"attention {100 * (share or 0):.0f}% of kernel time; "
-                     f"largest gap: {pr['largest_gap']} (+{pr['gap_us'].get(pr['largest_gap'], 0):.0f} us)")
+        share, gap = pr.get("attention_share"), pr.get("largest_gap")
+        # a prefill profile has no batch geometry, share or roofline gap (they are decode figures)
+        where = f" bs={pr['bs']} ctx={pr['ctx']}" if "bs" in pr else ""
+        tail = "" if share is None else f"; attention {100 * share:.0f}% of kernel time"
+        tail += "" if gap is None else f"; largest gap: {gap} (+{pr['gap_us'].get(gap, 0):.0f} us)"
+        lines.append(f"profile[{mode}]{where}: {pr['kernel_us_per_step']:.0f} us/step ({cats}){tail}")
         for k in pr["top_kernels"][:8]:
             lines.append(f"   {k['us_per_step']:8.1f} us x{k['calls_per_step']:.0f}  {k['name'][:90]}")
     for sk in res.get("skipped", []):

@@ -5,10 +5,13 @@ reads all its weights; the FLOP roofline counts active parameters."""
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import torch
 from _tiny import make_scheduler, tiny_moe_config
 
+from bench import offline
 from bench.gpu_measure import PAGE, Layout, decode_batch
 from bench.offline import Bench
 
@@ -70,3 +73,12 @@ def test_profile_categories_name_the_moe_kernels() -> None:
     assert {kernel_category(n) for n in ("_gate_up_kernel", "_down_kernel", "_sum_kernel")} == {"moe_experts"}
     assert kernel_category("BatchDecodeWithPagedKVCacheKernel") == "attention"
     assert kernel_category("_rms_norm_kernel") == "fused_ops"
+
+
+def test_summary_prints_a_prefill_profile_beside_the_decode_ones() -> None:
+    """The H200 run of 2026-12-03 (session 5) wrote its JSON and then died in `summary` on the prefill
+    profile, which has no batch geometry: the summary must print every profile the bench writes."""
+    run = Path(__file__).parents[1] / "bench/results/2026-12-03-h200-s5/c2-moetune-moebench/offline-mixtral-8x7b.json"
+    text = offline.summary(json.loads(run.read_text()))
+    assert "profile[prefill_1x1024]: " in text
+    assert "profile[graph] bs=64 ctx=2048" in text and "attention 15% of kernel time" in text
