@@ -3,7 +3,8 @@
 # Needs the carried wheel folder .whl (bash bench/fetch_wheels.sh). Writes logs and JSON to $OUT.
 #   bash bench/gpu_session.sh [test] [gputests] [serving] [bench] [cputests] [sampling] [offload] [ipc] [served]
 #                             [structured] [rotation] [rotation_e2e] [gated] [goodput] [knee] [disagg] [routing] [host]
-#                             [warm]  (compile and cache the JIT kernels before a timed step such as knee)
+#                             [warm]  (compile and cache the JIT kernels before a timed step such as knee; the engine takes
+#                                      WARM_FRACTION, else SHARE, else 0.25 of the GPU: a Mixtral needs 0.9)
 #                             [moetests] [moetune] [moebench]  (issue 33: MoE kernels and models on one GPU)
 # On the two-GPU kind export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 first.
 # served and the two-GPU cases of gputests need two GPUs (the executor sits on cuda:1).
@@ -29,8 +30,10 @@ for s in $steps; do
     test) PYTHONPATH=$BASE:/tmp/fi timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_equivalence.py \
             2>&1 | tee "$OUT/gpu_test.log" ;;
     gputests) for i in $(seq ${GPUTESTS_REPEATS:-1}); do  # every single-GPU test file at once; issue 34 asks 3 in a row
-            PYTHONPATH=$BASE:/tmp/fi timeout ${GPUTESTS_TIMEOUT:-560} python3 -m pytest -q -rfs -p no:cacheprovider \
-              tests/test_gpu_*.py 2>&1 | tee "$OUT/gpu_tests_$i.log" | tail -25
+            # one line per test with the clock: a run killed by its timeout still says which test was slow or hung
+            PYTHONPATH=$BASE:/tmp/fi timeout ${GPUTESTS_TIMEOUT:-560} python3 -m pytest -v -rfs -p no:cacheprovider \
+              tests/test_gpu_*.py 2>&1 | python3 -u -c "import sys, time; [print(time.strftime('%H:%M:%S'), l, end='') for l in sys.stdin]" \
+              | tee "$OUT/gpu_tests_$i.log" | grep -E "FAILED|ERROR|passed|failed" | tail -25
           done ;;
     serving) PYTHONPATH=$BASE:/tmp/fi timeout 400 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_serving.py \
             2>&1 | tee "$OUT/gpu_serving.log" ;;
@@ -68,7 +71,7 @@ for s in $steps; do
     goodput) PYTHONPATH=$BASE:/tmp/fi OUT=$OUT/goodput timeout ${GOODPUT_TIMEOUT:-560} bash bench/goodput_sweep.sh \
             ${GOODPUT_RUNS:-} 2>&1 | tee "$OUT/goodput.log" ;;  # SHARE, RATES, SECONDS, TRACE, ARRIVAL, ...: goodput_sweep.sh
     warm) PYTHONPATH=$BASE:/tmp/fi timeout 300 python3 -c "import sglang_ext as s; e = s.Engine(model_path='${MODEL:-preset:llama-3-8b}', \
-            load_format='dummy', device='cuda', dtype='bfloat16', mem_fraction_static=0.25); print(e.generate(prompt=['warm up'] * 8, \
+            load_format='dummy', device='cuda', dtype='bfloat16', mem_fraction_static=${WARM_FRACTION:-${SHARE:-0.25}}); print(e.generate(prompt=['warm up'] * 8, \
             sampling_params={'max_new_tokens': 8})[0]['meta_info']); e.shutdown()" 2>&1 | tail -3 ;;  # JIT kernels compiled and cached
     knee) BUDGET_S=${BUDGET_S:-$(( ${KNEE_END_S:-560} - SECONDS ))}  # the knee search of bench/goodput_knee.py (docs/benchmarks.md, "Method")
           PYTHONPATH=$BASE:/tmp/fi timeout -s KILL $((${BUDGET_S%.*} + 40)) python3 bench/goodput_knee.py \
@@ -112,5 +115,10 @@ for s in $steps; do
             --continue-on-collection-errors tests -k "engine or scheduler or models or overlap" 2>&1 | tee "$OUT/cpu_tests_on_cuda.log" ;;
   esac
 done
+# The carried kernels plus the ones this call compiled, in one archive: a cache holding only the new ones
+# made the next call compile the rest again (2026-12-03: the head-dim-128 prefill kernel, every call).
 jit=$(ls -d ~/.cache/flashinfer/*/*/cached_ops 2>/dev/null | head -1)
-if [ -n "$jit" ]; then (cd "$jit" && tar czf "$OUT/fi_so.tgz" */*.so && ls -la "$OUT/fi_so.tgz"); fi
+if [ -n "$jit" ]; then
+  mkdir -p /tmp/fi_all && cp -r /tmp/fi/flashinfer/data/aot/. /tmp/fi_all/ 2>/dev/null; cp -r "$jit"/. /tmp/fi_all/
+  (cd /tmp/fi_all && tar czf "$OUT/fi_so.tgz" */*.so && ls -la "$OUT/fi_so.tgz")
+fi
