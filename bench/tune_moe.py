@@ -99,6 +99,25 @@ def best_of(fn: Any, cands: list[dict[str, int]], rep_ms: int) -> tuple[float, d
     return best
 
 
+def block_m_choices(pairs_per_expert: float, quick: bool) -> list[int]:
+    """The BLOCK_M values worth timing when each expert draws `pairs_per_expert` (token, slot) pairs.
+
+    A tile much taller than an expert's rows only computes padding, so BLOCK_M stops at twice the
+    next power of two. With `--quick` a tile much shorter than them is skipped too (more than 4 row
+    blocks per expert): on the H200 such tiles lost every time they were timed (Mixtral T=128: BLOCK_M
+    16 took 0.97 ms against 0.76 for 64; T=256: 1.41 against 0.81 for 128), and at prefill sizes they
+    cost most of the tuning time (T=512 was cut by the time limit while timing them, 2026-12-03).
+    """
+    top = max(16, 2 * _next_pow2(int(pairs_per_expert) + 1))
+    low = pairs_per_expert / 4 if quick else 0.0
+    keep = [bm for bm in (16, 32, 64, 128) if low <= bm <= top]
+    return keep or [128]
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def tune_batch(t: int, a: argparse.Namespace, tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
     import torch
     import triton
@@ -112,7 +131,7 @@ def tune_batch(t: int, a: argparse.Namespace, tensors: dict[str, Any]) -> tuple[
     x = torch.randn(t, hidden, device=w13.device, generator=g).to(tensors["dtype"])
     weights, ids = route.route(torch.randn(t, geo["experts"], device=w13.device, generator=g), k, True)
     pairs_per_expert = t * k / geo["experts"]
-    block_ms = [bm for bm in (16, 32, 64, 128) if bm <= max(16, 2 * triton.next_power_of_2(int(pairs_per_expert) + 1))]
+    block_ms = block_m_choices(pairs_per_expert, a.quick)
     best: tuple[float, dict[str, Any], dict[str, float]] = (float("inf"), {}, {})
     for bm in block_ms:
         al = align.align_block_size(ids, bm, e_local)
