@@ -187,3 +187,21 @@ def test_end_to_end_on_cpu(tmp_path: Path) -> None:
     assert a["workload"]["mean_input_len"] == b["workload"]["mean_input_len"]
     text = (out / "goodput.txt").read_text()
     assert ">= 4" in text and "knee-cpu-test x8" in text and (out / "goodput.png").stat().st_size > 0
+
+
+def test_variant_server_args_and_old_runs_unchanged() -> None:
+    """A run without a variant gets exactly goodput_sweep.sh's flags (and --server-arg's); POLICY-MODE.NAME
+    gets them plus the variant's, after --server-arg's (its flag wins); both replay the same serving rows."""
+    a = K.build_parser().parse_args(["--model", "", "--device", "cpu", "--share", "0.25", "--server-arg=--x",
+                                     "--variant", "v=--offload-executor local --offload-policy adaptive"])
+    plain = K.server_argv(a, "fcfs-recompute")
+    assert plain == ["--device", "cpu", "--dtype", "bfloat16", "--port", "31000", "--mem-fraction-static", "0.25",
+                     "--schedule-policy", "fcfs", "--preemption-mode", "recompute", "--ttft-slo-ms", "5000",
+                     "--tpot-slo-ms", "100", "--x"]
+    assert K.server_argv(a, "fcfs-recompute.v") == [*plain, "--offload-executor", "local", "--offload-policy",
+                                                    "adaptive"]
+    rot = K.server_argv(a, "lvf-rotate.v")
+    assert rot[rot.index("--schedule-policy") + 1] == "lvf" and "--kv-host-size-gb" in rot
+    assert K.parse_run("lvf-rotate.v") == ("lvf", "rotate", "v") and K.parse_run("lvf-rotate").variant is None
+    assert K.baseline(["lvf-rotate", "fcfs-recompute.v", "fcfs-recompute"]) == "fcfs-recompute"
+    assert K.baseline(["lvf-rotate.v"]) is None
