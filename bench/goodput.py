@@ -261,7 +261,9 @@ def ratio_text(num: Goodput, den: Goodput) -> tuple[float | None, str]:
 def pick_baseline(labels: Sequence[str], baseline: str | None) -> str | None:
     if baseline is not None:
         return baseline if baseline in labels else None
-    return next((lb for lb in labels if lb.startswith("fcfs")), labels[0] if labels else None)
+    # a knee run variant (POLICY-MODE.VARIANT, e.g. fcfs-recompute.fixed) is compared with its plain run
+    plain = [lb for lb in labels if "." not in lb] or list(labels)
+    return next((lb for lb in plain if lb.startswith("fcfs")), plain[0] if plain else None)
 
 
 def ratios(runs: dict[str, list[Point]], target: float, baseline: str | None = None) -> dict[str, dict[str, Any]]:
@@ -418,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("results_dir", nargs="+", help="a sweep's folder, or several as TITLE=DIR (one setting each)")
     p.add_argument("--target", type=float, default=0.9, help="attainment that counts as meeting the SLOs")
     p.add_argument("--baseline", default=None,
-                   help="the run the goodput ratios divide by (default: the first fcfs run)")
+                   help="the run the goodput ratios divide by (default: the first fcfs run without a knee variant)")
     p.add_argument("--plot", type=Path, default=None, help="PNG of attainment against rate")
     p.add_argument("--out", type=Path, default=None, help="JSON with every point and each run's goodput")
     p.add_argument("--model", default=None,

@@ -1,8 +1,18 @@
-"""Knee search for goodput: per run (POLICY-MODE, as bench/goodput_sweep.sh), a coarse rate grid, then
-bisection between the last passing and the first failing rate until they are within 10 % of each other.
+"""Knee search for goodput: per run (POLICY-MODE, as bench/goodput_sweep.sh, or POLICY-MODE.VARIANT), a coarse
+rate grid, then bisection between the last passing and the first failing rate until they are within 10 % of
+each other.
 
   python bench/goodput_knee.py --runs fcfs-recompute lvf-rotate --share 0.25 --grid 6 7 8 --repeats 3 \
       --budget-s 500 --out /tmp/out/knee
+  python bench/goodput_knee.py --runs fcfs-recompute fcfs-recompute.fixed \
+      --variant fixed="--offload-executor local --offload-ratio 0.5 --executor-mem-gb 7" ...
+
+Run variants: `--variant NAME="LAUNCHER ARGS"` (repeatable; NAME letters, digits and _; the args split as a
+shell would) names extra launcher flags, and a run POLICY-MODE.NAME is POLICY-MODE's server plus them (after
+every --server-arg, so a variant's flag wins). It is one more run of the call: the same rows, plan, repeats,
+budget share, union rule, --resume and reports (gp_POLICY-MODE.NAME_r<rate>_k<k>.json); knee.json records
+each variant's args and each run's launcher flags, goodput.txt lists them under the table. So "off" and
+"fixed" offload (both fcfs-recompute) compare in one call on the same rows.
 
 Method (docs/benchmarks.md, "Method"):
 - A point (run, rate) is REPEATS serving.py runs of n = max(MIN_REQ, rate x SECONDS) requests each.
@@ -40,6 +50,8 @@ import contextlib
 import json
 import math
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -50,7 +62,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 if __package__ in (None, ""):  # executed as ``python bench/goodput_knee.py``
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -61,6 +73,8 @@ from bench import serving
 from bench.traces import TRACE_CHOICES, default_traces_dir, repo_root
 
 MIN_REQ = 150  # requests per point and repeat: one request is then at most 0.67 points of attainment
+RUN = re.compile(r"^(?P<policy>[a-z0-9_]+)-(?P<mode>[a-z0-9_]+)(?:\.(?P<variant>[A-Za-z0-9_]+))?$")
+VARIANT_NAME = re.compile(r"^[A-Za-z0-9_]+$")
 TOLERANCE = 0.10  # bisect until the first failing rate is within 10 % of the last passing one
 
 
@@ -320,15 +334,70 @@ def serving_argv(a: argparse.Namespace, plan: Plan, run: str, rate: float, repea
             "--output-json", str(out / report_name(run, a.arrival, rate, repeat))]
 
 
+class Run(NamedTuple):
+    policy: str
+    mode: str
+    variant: str | None  # a --variant's name: its launcher args on top of POLICY-MODE's
+
+
+def parse_run(run: str) -> Run:
+    """POLICY-MODE or POLICY-MODE.VARIANT; ValueError naming --runs otherwise."""
+    m = RUN.match(run)
+    if m is None:
+        raise ValueError(f"--runs: {run!r} is not POLICY-MODE or POLICY-MODE.VARIANT (e.g. lvf-rotate, "
+                         "fcfs-recompute.fixed)")
+    return Run(m["policy"], m["mode"], m["variant"])
+
+
+def parse_variants(specs: Sequence[str]) -> dict[str, list[str]]:
+    """--variant NAME=ARGS, each ARGS split as a shell would; ValueError naming --variant."""
+    out: dict[str, list[str]] = {}
+    for spec in specs:
+        name, sep, rest = spec.partition("=")
+        if not sep or not VARIANT_NAME.match(name):
+            raise ValueError(f"--variant {spec!r}: give NAME=\"LAUNCHER ARGS\", NAME letters, digits and _")
+        if name in out:
+            raise ValueError(f"--variant {name}: defined twice")
+        try:
+            args = shlex.split(rest)
+        except ValueError as e:
+            raise ValueError(f"--variant {name}: cannot split its args ({e})") from e
+        if not args:
+            raise ValueError(f"--variant {name}: no launcher args")
+        out[name] = args
+    return out
+
+
+def check_runs(runs: Sequence[str], variants: dict[str, list[str]]) -> None:
+    """Every run well formed, named once, its variant defined; every variant used by a run."""
+    seen = set()
+    for run in runs:
+        v = parse_run(run).variant
+        if v is not None and v not in variants:
+            raise ValueError(f"--runs: {run!r} names variant {v!r}, which no --variant defines")
+        if run in seen:
+            raise ValueError(f"--runs: {run!r} given twice")
+        seen.add(run)
+    unused = sorted(set(variants) - {parse_run(r).variant for r in runs})
+    if unused:
+        raise ValueError(f"--variant {unused[0]}: no run uses it (a run POLICY-MODE.{unused[0]})")
+
+
+def extra_args(a: argparse.Namespace, run: str) -> list[str]:
+    """The launcher args a run adds to POLICY-MODE's: every --server-arg, then its variant's."""
+    v = parse_run(run).variant
+    return [*a.server_arg, *(parse_variants(a.variant)[v] if v is not None else [])]
+
+
 def server_argv(a: argparse.Namespace, run: str) -> list[str]:
-    """The launcher flags of bench/goodput_sweep.sh for POLICY-MODE."""
-    pol, _, mode = run.partition("-")
+    """The launcher flags of bench/goodput_sweep.sh for POLICY-MODE, then --server-arg's and the variant's."""
+    pol, mode, _ = parse_run(run)
     model = ["--model-path", a.model, "--load-format", "dummy"] if a.model else []
     share = ["--mem-fraction-static", f"{a.share:g}"] if a.share > 0 else []
     host = ["--kv-host-size-gb", f"{a.host_gb:g}"] if mode == "rotate" else []
     return [*model, "--device", a.device, "--dtype", a.dtype, "--port", str(a.port), *share,
             "--schedule-policy", pol, "--preemption-mode", mode, "--ttft-slo-ms", f"{a.ttft * 1000:g}",
-            "--tpot-slo-ms", f"{a.tpot * 1000:g}", *host, *a.server_arg]
+            "--tpot-slo-ms", f"{a.tpot * 1000:g}", *host, *extra_args(a, run)]
 
 
 def _http(url: str, method: str = "GET", timeout: float = 5.0) -> tuple[int, str]:
@@ -413,7 +482,7 @@ class ServerExecutor:
         with contextlib.suppress(OSError):
             text = _http(self.url + "/metrics", timeout=10)[1]
             keep = [ln for ln in text.splitlines() if ln.startswith(("sglang_ext:kv_rot", "sglang_ext:rotary",
-                                                                       "sglang_ext:num_preempt"))]
+                                                                       "sglang_ext:num_preempt", "sglang_ext:offload"))]
             with open(self.out / f"gp_metrics_{label(run, self.a.arrival)}.txt", "a") as f:  # one block per server
                 f.write(f"# {time.strftime('%H:%M:%S')}\n" + "\n".join(keep) + "\n")
         self._kill()
@@ -424,7 +493,8 @@ class ServerExecutor:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--runs", nargs="+", default=["fcfs-recompute", "lvf-rotate"], help="POLICY-MODE runs")
+    p.add_argument("--runs", nargs="+", default=["fcfs-recompute", "lvf-rotate"],
+                   help="POLICY-MODE runs, or POLICY-MODE.VARIANT (that server plus the --variant's args)")
     p.add_argument("--grid", nargs="+", type=float, default=[4.0, 6.0, 8.0], help="coarse rates (req/s)")
     p.add_argument("--repeats", type=int, default=3, help="repeats per point, each at its own trace offset")
     p.add_argument("--seconds", type=float, default=30.0, help="n = max(MIN_REQ, rate x SECONDS) per repeat")
@@ -449,6 +519,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--port", type=int, default=31000)
     g.add_argument("--server-arg", action="append", default=[], help="one more launcher argument (repeatable; "
                    "--server-arg=--max-total-tokens --server-arg=16384)")
+    g.add_argument("--variant", action="append", default=[], metavar='NAME="ARGS"',
+                   help="launcher args of the runs POLICY-MODE.NAME, on top of every --server-arg (repeatable; "
+                        "--variant fixed=\"--offload-executor local --offload-ratio 0.5 --executor-mem-gb 7\")")
     g.add_argument("--start-timeout-s", type=float, default=300.0)
     w = p.add_argument_group("workload (serving.py)")
     w.add_argument("--trace", choices=TRACE_CHOICES, default="mooncake")
@@ -491,15 +564,35 @@ def _resume(a: argparse.Namespace, plan: Plan, head: dict[str, Any], call_id: st
     return prev
 
 
+def baseline(runs: Sequence[str]) -> str | None:
+    """The run goodput ratios divide by: the first fcfs run without a variant (the "off" of an offload
+    comparison), else the first run without one; None leaves goodput.py's default."""
+    plain = [r for r in runs if parse_run(r).variant is None]
+    return next((r for r in plain if r.startswith("fcfs")), plain[0] if plain else None)
+
+
+def runs_text(a: argparse.Namespace) -> str:
+    """goodput.txt's lines on each run's launcher flags beyond POLICY-MODE's (its variant's name and args)."""
+    variants = parse_variants(a.variant)
+    lines = ["runs (bench/goodput_knee.py; every run the same rows, plan and repeats), launcher flags beyond "
+             "POLICY-MODE's:"]
+    for run in a.runs:
+        v = parse_run(run).variant
+        own = f"variant {v}: {shlex.join(variants[v])}" if v is not None else "no variant"
+        lines.append(f"  {run}: {own}")
+    if a.server_arg:
+        lines.append(f"  every run: {shlex.join(a.server_arg)}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None, *, executor: Executor | None = None,
          clock: Callable[[], float] = time.monotonic) -> int:
     """`executor`, `clock`: tests drive the search without a server."""
     a = build_parser().parse_args(argv)
     try:
         plan = Plan(tuple(a.grid), a.repeats, a.seconds, a.min_req, a.target, TOLERANCE, a.extend)
-        bad = [r for r in a.runs if r.count("-") != 1]
-        if bad:
-            raise ValueError(f"--runs: {bad[0]!r} is not POLICY-MODE (e.g. lvf-rotate)")
+        variants = parse_variants(a.variant)
+        check_runs(a.runs, variants)
         _check_rows(a, plan)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -512,6 +605,7 @@ def main(argv: list[str] | None = None, *, executor: Executor | None = None,
                      "offsets": [plan.offset(k) for k in range(plan.repeats)],
                      "n_per_rate": {f"{r:g}": plan.n(r) for r in (*plan.rates, *plan.extension())}},
             "setting": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
+            "variants": variants, "servers": {run: server_argv(a, run) for run in a.runs},
             "rule": "union: a rate any run measured is run for every run below that run's first failing rate",
             "warnings": [f"--min-req {a.min_req} < {MIN_REQ}: below the method's minimum"] if a.min_req < MIN_REQ
             else []}
@@ -563,9 +657,16 @@ def main(argv: list[str] | None = None, *, executor: Executor | None = None,
               f"{r['first_failing']}, next {r['next_rate']})")
     print(f"stopped: {search.stopped} after {search.elapsed_s:.0f} s")
     buf = a.out / "goodput.txt"
+    base = baseline(a.runs)
     with open(buf, "w") as f, contextlib.redirect_stdout(f):
         rc = G.main([str(a.out), "--target", f"{a.target:g}", "--out", str(a.out / "goodput.json"),
-                     "--plot", str(a.out / "goodput.png")])
+                     "--plot", str(a.out / "goodput.png"), *(["--baseline", base] if base else [])])
+    if rc == 0:  # which launcher flags each run added: a variant's name and args, beside the table
+        with open(buf, "a") as f:
+            f.write(runs_text(a) + "\n")
+        gj = a.out / "goodput.json"
+        gj.write_text(json.dumps({**json.loads(gj.read_text()), "variants": variants,
+                                  "servers": head["servers"]}, indent=2) + "\n")
     if prev is not None and rc == 0:  # the panel merges calls: say which, and flag commits that differ
         merge = calls(search)
         with open(buf, "a") as f:

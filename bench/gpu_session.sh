@@ -74,13 +74,16 @@ for s in $steps; do
             load_format='dummy', device='cuda', dtype='bfloat16', mem_fraction_static=${WARM_FRACTION:-${SHARE:-0.25}}); print(e.generate(prompt=['warm up'] * 8, \
             sampling_params={'max_new_tokens': 8})[0]['meta_info']); e.shutdown()" 2>&1 | tail -3 ;;  # JIT kernels compiled and cached
     knee) BUDGET_S=${BUDGET_S:-$(( ${KNEE_END_S:-560} - SECONDS ))}  # the knee search of bench/goodput_knee.py (docs/benchmarks.md, "Method")
+          # VARIANTS="NAME=ARGS;NAME=ARGS": one --variant each (runs POLICY-MODE.NAME in RUNS); SERVER_ARGS: --server-arg each
+          kv=(); IFS=';' read -ra vs <<< "${VARIANTS:-}"; for v in ${vs[@]+"${vs[@]}"}; do [ -n "$v" ] && kv+=(--variant "$v"); done
+          for v in ${SERVER_ARGS:-}; do kv+=("--server-arg=$v"); done
           PYTHONPATH=$BASE:/tmp/fi timeout -s KILL $((${BUDGET_S%.*} + 40)) python3 bench/goodput_knee.py \
             --runs ${RUNS:-fcfs-recompute lvf-rotate} --share "${SHARE:-0.25}" --trace "${TRACE:-mooncake}" \
             --arrival "${ARRIVAL:-poisson}" --ttft "${TTFT:-5}" --tpot "${TPOT:-0.1}" --grid ${GRID:-6 7 8} \
             --repeats "${REPEATS:-3}" --min-req "${MIN_REQ:-150}" --seconds "${SECONDS_PER_POINT:-30}" \
             --budget-s "$BUDGET_S" --model "${MODEL:-preset:llama-3-8b}" --host-gb "${HOST_GB:-32}" \
             --max-in "${MAX_IN:-7680}" --max-out "${MAX_OUT:-256}" --traces-dir "${TRACES:-bench/data/traces}" \
-            ${RESUME:+--resume "$RESUME"} --out "$OUT/knee" 2>&1 | tee "$OUT/knee.log" ;;  # set SGLANG_EXT_COMMIT (+ SGLANG_EXT_DIRTY) where git is absent
+            ${RESUME:+--resume "$RESUME"} ${kv[@]+"${kv[@]}"} --out "$OUT/knee" 2>&1 | tee "$OUT/knee.log" ;;  # set SGLANG_EXT_COMMIT (+ SGLANG_EXT_DIRTY) where git is absent
           # RESUME=DIR continues the search of an earlier call's knee folder (the same env otherwise; its points are not
           # rerun, its reports are copied to $OUT/knee). The device machine sees only what is sent: a call's $OUT comes back
           # here as files under /work/.device/N/, so put its knee/ in the tree before the next call, e.g. committed under

@@ -27,7 +27,7 @@ from bench import goodput as G
 # workload); the budget, passes, port, paths and call id do not. The plan's derived stride and offsets
 # (which trace rows each repeat replays) are compared too.
 SETTING_KEYS = ("runs", "repeats", "min_req", "seconds", "target", "extend", "model", "device", "dtype",
-                "share", "host_gb", "server_arg", "trace", "arrival", "ttft", "tpot", "max_in", "max_out",
+                "share", "host_gb", "server_arg", "variant", "trace", "arrival", "ttft", "tpot", "max_in", "max_out",
                 "vocab_size")
 # serving.py's config keys each earlier report must share with what this call would run at that point.
 REPORT_KEYS = ("trace", "num_requests", "trace_offset", "seed", "arrival", "request_rate", "max_input_len",
@@ -41,6 +41,7 @@ class ResumeError(ValueError):
 def measurement(setting: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
     """The fields two calls of one search must share, from knee.json's "setting" and "plan"."""
     doc = {k: setting.get(k) for k in SETTING_KEYS}
+    doc["variant"] = doc["variant"] or []  # a knee.json from before --variant: none
     doc.update(grid=plan.get("rates"), stride=plan.get("stride"), offsets=plan.get("offsets"))
     return json.loads(json.dumps(doc, default=str))  # tuples as lists, Paths as text: as knee.json has them
 

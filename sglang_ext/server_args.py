@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -150,6 +151,13 @@ class ServerArgs:
     offload_executor: str | None = field(default=None, metadata=_help(
         "an in-process executor for this worker's offloaded requests: 'local' (same device) or a device "
         "such as cuda:1; served clusters pair workers with the cluster file's offload: entries instead", "none"))
+    offload_policy: str = field(default="fixed", metadata=_help(
+        "who sets an in-process executor's share: fixed (offload_ratio, always) or adaptive (the router's "
+        "adaptive controller run by this worker on its own measurements, starting at offload_ratio; "
+        "docs/configuration.md); served pairings take the cluster file's offload: policy instead"))
+    offload_adaptive: str | None = field(default=None, metadata=_help(
+        "offload_policy adaptive's settings as JSON, the keys of a cluster file's adaptive: (step_down, "
+        "step_up, slack, interval_s, min_context_tokens)", "their defaults"))
     executor_mem_gb: float = field(default=0.0, metadata=_help(
         "memory this worker offers other models' offloaded KV (GiB; 0: hosts nothing). For "
         "--offload-executor, the executor's size (0: as large as this worker's own KV pool)"))
@@ -238,6 +246,24 @@ class ServerArgs:
                              f"got {self.disaggregation_mode!r}")
         if self.offload_executor is not None and self.offload_ratio == 0.0:
             raise ValueError("offload_executor is set but offload_ratio is 0: give the share to offload")
+        self._check_offload_policy()
+
+    def _check_offload_policy(self) -> None:
+        if self.offload_policy not in ("fixed", "adaptive"):
+            raise ValueError(f"offload_policy must be 'fixed' or 'adaptive', got {self.offload_policy!r} (adrenaline "
+                             "is for served pairings: a cluster file's offload: entry)")
+        if self.offload_policy != "fixed" and self.offload_executor is None:
+            raise ValueError("offload_policy is for an in-process executor (offload_executor); served pairings "
+                             "take the cluster file's offload: policy")
+        if self.offload_adaptive is not None:
+            if self.offload_policy != "adaptive":
+                raise ValueError("offload_adaptive is set but offload_policy is not 'adaptive'")
+            try:
+                ok = isinstance(json.loads(self.offload_adaptive), dict)
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f"offload_adaptive must be a JSON object, got {self.offload_adaptive!r}")
 
     def _check_rotation(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:

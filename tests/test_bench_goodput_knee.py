@@ -158,32 +158,63 @@ def test_cli_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 
 def test_end_to_end_on_cpu(tmp_path: Path) -> None:
-    """Two runs against the embedded model, tiny rates, 6 requests a repeat, 2 repeats: the folder holds every
-    report, knee.json and goodput.py's table, and both runs replayed the same rows."""
+    """Three runs against the embedded model, tiny rates, 6 requests a repeat, 2 repeats: the folder holds every
+    report, knee.json and goodput.py's table, and every run replayed the same rows; the third is a variant
+    (fcfs-recompute with an in-process executor whose share the adaptive policy moves)."""
     from tests._router_util import free_port
 
     out = tmp_path / "knee"
     t0 = time.monotonic()
-    rc = K.main(["--runs", "fcfs-recompute", "lvf-rotate", "--grid", "2", "4", "--extend", "0", "--repeats", "2",
+    runs = ["fcfs-recompute", "lvf-rotate", "fcfs-recompute.adaptive"]
+    # min_context_tokens 0: no context rule, so with no miss the share only rises and requests go out
+    variant = ("adaptive=--offload-executor local --offload-ratio 0.5 --offload-policy adaptive "
+               "--offload-adaptive '{\"min_context_tokens\": 0}'")
+    rc = K.main(["--runs", *runs, "--variant", variant, "--grid", "2", "4", "--extend", "0", "--repeats", "2",
                  "--min-req", "6", "--seconds", "1", "--model", "", "--device", "cpu", "--dtype", "float32",
                  "--share", "0", "--host-gb", "1", "--port", str(free_port()), "--server-arg=--max-total-tokens",
                  "--server-arg=8192", "--server-arg=--log-level", "--server-arg=warning", "--trace", "azure-conv",
                  "--max-in", "48", "--max-out", "4", "--vocab-size", "250", "--ttft", "10", "--tpot", "2",
                  "--budget-s", "240", "--call-id", "knee-cpu-test", "--out", str(out)])
     assert rc == 0, (out / "knee.json").read_text() if (out / "knee.json").exists() else "no knee.json"
-    assert time.monotonic() - t0 < 200
+    assert time.monotonic() - t0 < 300
     doc = json.loads((out / "knee.json").read_text())
     assert doc["stopped"] == "settled" and doc["call_id"] == "knee-cpu-test" and doc["plan"]["offsets"] == [0, 6]
     assert doc["warnings"] and "below the method's minimum" in doc["warnings"][0]
-    for run in ("fcfs-recompute", "lvf-rotate"):
+    for run in runs:
         assert doc["runs"][run]["status"] == "lower bound (every rate passed)"
         assert doc["runs"][run]["goodput_text"] == ">= 4"
     reports = {p.name: json.loads(p.read_text()) for p in out.glob("gp_*_k*.json")}
-    assert len(reports) == 8
+    assert len(reports) == 12
     for name, rep in reports.items():
         assert rep["call_id"] == "knee-cpu-test" and rep["git_commit"] != "unknown", name
-    a, b = reports["gp_fcfs-recompute_r4_k1.json"], reports["gp_lvf-rotate_r4_k1.json"]
-    assert a["config"]["trace_offset"] == b["config"]["trace_offset"] == 6
-    assert a["workload"]["mean_input_len"] == b["workload"]["mean_input_len"]
+    a, b, c = (reports[f"gp_{run}_r4_k1.json"] for run in runs)
+    assert a["config"]["trace_offset"] == b["config"]["trace_offset"] == c["config"]["trace_offset"] == 6
+    assert a["workload"]["mean_input_len"] == b["workload"]["mean_input_len"] == c["workload"]["mean_input_len"]
     text = (out / "goodput.txt").read_text()
-    assert ">= 4" in text and "knee-cpu-test x8" in text and (out / "goodput.png").stat().st_size > 0
+    assert ">= 4" in text and "knee-cpu-test x12" in text and (out / "goodput.png").stat().st_size > 0
+    assert ("fcfs-recompute.adaptive: variant adaptive: --offload-executor local --offload-ratio 0.5 "
+            "--offload-policy adaptive --offload-adaptive '{\"min_context_tokens\": 0}'") in text
+    def sent_bytes(run: str) -> float:  # the server's offload bytes out, from its /metrics at stop
+        lines = (out / f"gp_metrics_{run}.txt").read_text().splitlines()
+        return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith("sglang_ext:offload_bytes_total")
+                   and 'direction="out"' in ln)
+
+    assert sent_bytes("fcfs-recompute.adaptive") > 0 and sent_bytes("fcfs-recompute") == 0  # the variant's flags
+
+
+def test_variant_server_args_and_old_runs_unchanged() -> None:
+    """A run without a variant gets exactly goodput_sweep.sh's flags (and --server-arg's); POLICY-MODE.NAME
+    gets them plus the variant's, after --server-arg's (its flag wins); both replay the same serving rows."""
+    a = K.build_parser().parse_args(["--model", "", "--device", "cpu", "--share", "0.25", "--server-arg=--x",
+                                     "--variant", "v=--offload-executor local --offload-policy adaptive"])
+    plain = K.server_argv(a, "fcfs-recompute")
+    assert plain == ["--device", "cpu", "--dtype", "bfloat16", "--port", "31000", "--mem-fraction-static", "0.25",
+                     "--schedule-policy", "fcfs", "--preemption-mode", "recompute", "--ttft-slo-ms", "5000",
+                     "--tpot-slo-ms", "100", "--x"]
+    assert K.server_argv(a, "fcfs-recompute.v") == [*plain, "--offload-executor", "local", "--offload-policy",
+                                                    "adaptive"]
+    rot = K.server_argv(a, "lvf-rotate.v")
+    assert rot[rot.index("--schedule-policy") + 1] == "lvf" and "--kv-host-size-gb" in rot
+    assert K.parse_run("lvf-rotate.v") == ("lvf", "rotate", "v") and K.parse_run("lvf-rotate").variant is None
+    assert K.baseline(["lvf-rotate", "fcfs-recompute.v", "fcfs-recompute"]) == "fcfs-recompute"
+    assert K.baseline(["lvf-rotate.v"]) is None

@@ -190,3 +190,78 @@ def test_reports_that_do_not_fit_are_refused(tmp_path: Path, monkeypatch: pytest
     rp.unlink()
     assert call(tmp_path / "c3", 900, "knee-c3", *resume)[0] == 2
     assert "gp_fcfs-recompute_r2_k1.json of a measured point cannot be read" in capsys.readouterr().err
+
+
+# ---- run variants (POLICY-MODE.VARIANT, --variant NAME=ARGS) -----------------------------------------------------
+FIXED = "fixed=--offload-executor local --offload-ratio 0.5 --executor-mem-gb 7"
+VARIED = ["--runs", "fcfs-recompute", "lvf-rotate", "fcfs-recompute.fixed", "--variant", FIXED]
+
+
+def test_a_variant_is_one_more_run_on_the_same_rows_named_with_its_args_in_the_reports(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """fcfs-recompute.fixed is searched like the other runs (its own knee, the union rule), its server gets the
+    variant's args, knee.json and goodput.txt name the variant and its args, the ratio divides by plain fcfs,
+    and a call resumes it."""
+    monkeypatch.setenv(serving.COMMIT_ENV, "a" * 40)
+    att = knees(**{"fcfs-recompute": 5.3, "lvf-rotate": 6.7, "fcfs-recompute.fixed": 4.2})
+    argv = [*ARGS, *VARIED, "--budget-s", "100000", "--call-id", "knee-v", "--out", str(tmp_path / "v")]
+    a = K.build_parser().parse_args(argv)
+    plan = K.Plan(tuple(a.grid), a.repeats, a.seconds, a.min_req, a.target, K.TOLERANCE, a.extend)
+    clock = Clock()
+    fake = Reporting(a, plan, clock, att, "knee-v")
+    a.out.mkdir(parents=True)
+    assert K.main(argv, executor=fake, clock=clock) == 0
+    assert fake.measured("fcfs-recompute.fixed") == [2, 4, 5, 4.5, 4.25]  # 5: fcfs's bisection point (union)
+    d = doc(a.out)
+    assert [d["runs"][r]["goodput_text"] for r in ("fcfs-recompute.fixed", "fcfs-recompute")] == ["4", "5"]
+    args = ["--offload-executor", "local", "--offload-ratio", "0.5", "--executor-mem-gb", "7"]
+    assert d["variants"] == {"fixed": args}
+    fixed, off = d["servers"]["fcfs-recompute.fixed"], d["servers"]["fcfs-recompute"]
+    assert fixed == [*off, *args]
+    # the same rows and arrivals as the plain run at every rate and repeat
+    for k in range(3):
+        v = json.loads((a.out / f"gp_fcfs-recompute.fixed_r4_k{k}.json").read_text())["config"]
+        p = json.loads((a.out / f"gp_fcfs-recompute_r4_k{k}.json").read_text())["config"]
+        assert {x: v[x] for x in REPORT_SAME} == {x: p[x] for x in REPORT_SAME}
+    text = (a.out / "goodput.txt").read_text()
+    assert "fcfs-recompute.fixed: variant fixed: --offload-executor local --offload-ratio 0.5 --executor-mem-gb 7" \
+        in text and "  fcfs-recompute: no variant" in text
+    assert "goodput ratio fcfs-recompute.fixed / fcfs-recompute: 0.80x" in text  # the plain run is the baseline
+    gp = doc(a.out, "goodput.json")
+    assert gp["variants"]["fixed"][0] == "--offload-executor" and gp["servers"]["fcfs-recompute.fixed"] == fixed
+    # resumed with the same variant: nothing left to run; with other args: refused, naming the flag
+    rc, again = call(tmp_path / "v2", 900, "knee-v2", *VARIED, "--resume", str(a.out))
+    assert rc == 0 and not [c for c in again.calls if c[0] == "measure"]
+    capsys.readouterr()
+    rc, _ = call(tmp_path / "v3", 900, "knee-v3", *VARIED[:-1], FIXED.replace("0.5", "0.4"), "--resume", str(a.out))
+    assert rc == 2 and "the plan differs in variant (--variant)" in capsys.readouterr().err
+
+
+REPORT_SAME = ("trace", "trace_offset", "seed", "num_requests", "request_rate", "arrival", "max_input_len")
+
+
+def test_a_folder_from_before_variants_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """knee.json written before --variant has no "variant" setting: it reads as none, so it still resumes."""
+    monkeypatch.setenv(serving.COMMIT_ENV, "a" * 40)
+    assert call(tmp_path / "c0", 900, "knee-c0")[0] == 0
+    d = doc(tmp_path / "c0")
+    del d["setting"]["variant"]
+    (tmp_path / "c0" / "knee.json").write_text(json.dumps(d))
+    assert call(tmp_path / "c1", 900, "knee-c1", "--resume", str(tmp_path / "c0"))[0] == 0
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--runs", "fcfs-recompute.fixed"], "names variant 'fixed', which no --variant defines"),
+    (["--runs", "fcfs-recompute", "--variant", FIXED], "--variant fixed: no run uses it"),
+    (["--runs", "fcfs-recompute.fixed", "--variant", "fixed="], "--variant fixed: no launcher args"),
+    (["--runs", "fcfs-recompute.a.b"], "is not POLICY-MODE or POLICY-MODE.VARIANT"),
+    (["--runs", "fcfs-recompute.x", "--variant", "a-b=--x 1"], "NAME letters, digits and _"),
+    (["--runs", "fcfs-recompute.x", "--variant", "x=--a", "--variant", "x=--b"], "--variant x: defined twice"),
+    (["--runs", "fcfs-recompute", "fcfs-recompute"], "'fcfs-recompute' given twice"),
+    (["--runs", "fcfs-recompute.x", "--variant", "x=--a 'b"], "cannot split its args"),
+])
+def test_bad_variants_are_refused_naming_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                  flags: list[str], message: str) -> None:
+    assert K.main([*ARGS, *flags, "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "knee.json").exists()

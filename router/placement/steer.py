@@ -36,7 +36,7 @@ from router.events import (
 )
 from router.placement.base import RouterHandle
 from router.placement.pairing import Pairing
-from router.placement.planning.base import PairView
+from router.placement.planning import PairView
 from sglang_ext.messages import LoadReport, OffloadRatio
 from sglang_ext.messages.io import Latency
 

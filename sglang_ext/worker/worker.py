@@ -57,6 +57,7 @@ from sglang_ext.scheduler.scheduler import Scheduler, default_overlap
 from sglang_ext.server_args import ServerArgs
 from sglang_ext.transport.choice import cuda_ipc_problem
 from sglang_ext.worker.disagg import PairGone, WorkerDisagg
+from sglang_ext.worker.local_planning import LocalPlanning
 from sglang_ext.worker.profile import make_profiler, on_demand
 from sglang_ext.worker.remote_control import RemoteAttentionControl
 from sglang_ext.worker.stats import DECODE_STEP_WINDOW_S, LatencyWindow, latency, present
@@ -148,6 +149,9 @@ class Worker:
         self.ttft = LatencyWindow()  # first tokens computed here (a decode worker's come from prefill)
         # steps that decoded a running request: a short window, the planner looks every few seconds
         self.decode_steps = LatencyWindow(window_s=DECODE_STEP_WINDOW_S, max_samples=4096)
+        # --offload-policy adaptive: this worker moves its in-process executor's share (worker/local_planning.py)
+        self.local_planning = (LocalPlanning(args, self.scheduler, self.tpot, self.decode_steps)
+                               if args.offload_executor is not None and args.offload_policy != "fixed" else None)
         self.stopped = False
         logging.getLogger("sglang_ext.startup").info("worker %s ready in %s", worker_id, timer.summary())
 
@@ -383,6 +387,8 @@ class Worker:
             prof.before_step()
         results = self.scheduler.step()  # raises on a fatal error (see the module docstring)
         self.remote_control.after_step(self.scheduler)
+        if self.local_planning is not None:
+            self.local_planning.after_step()
         if prof is not None:
             prof.after_step()
         if self.step_log is not None and (results or self.scheduler.has_work()):
@@ -495,7 +501,10 @@ class Worker:
         if r.finished:
             del self.live[r.rid]
             if live.first_token_time is not None and r.completion_tokens > 1:
-                self.tpot.add((now - live.first_token_time) / (r.completion_tokens - 1))
+                tpot = (now - live.first_token_time) / (r.completion_tokens - 1)
+                self.tpot.add(tpot)
+                if self.local_planning is not None:
+                    self.local_planning.request_finished(tpot)
         return TokenOut(rid=r.rid, text_delta=text, token_ids=r.new_token_ids, finished=r.finished, meta_info=meta)
 
     def _lp(self, lp: float | None, tok: int, with_text: bool) -> list[Any]:

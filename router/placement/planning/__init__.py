@@ -1,4 +1,6 @@
-"""Offload policies: what share of a sender's decoding requests its executor takes, decided on events.
+"""Offload policies for a cluster file's `offload:` entries: `make_policy` picks the class named by the entry's
+`policy:`. The policies themselves are pure code in sglang_ext/offload/planning/ (the worker's in-process
+executor runs the same classes, `--offload-policy`); what they decide:
 
     fixed       WEAVER: the entry's `ratio`, always
     adrenaline  Adrenaline's upper bound OB(n, B_max) from the executor's KV capacity and bandwidth
@@ -14,16 +16,18 @@ decision, so a lost event costs nothing but a late decision) into a `Decision`. 
 
 from __future__ import annotations
 
-from router.config import OffloadSpec
-from router.placement.planning.adaptive import Adaptive
-from router.placement.planning.adrenaline import Adrenaline, Bound, offload_bound
-from router.placement.planning.base import Decision, PairView, Policy
-from router.placement.planning.fixed import Fixed
+from sglang_ext.offload.planning import (
+    Adaptive,
+    Adrenaline,
+    Bound,
+    Decision,
+    Fixed,
+    PairView,
+    Policy,
+    make_policy,
+    offload_bound,
+)
 
 __all__ = ["Adaptive", "Adrenaline", "Bound", "Decision", "Fixed", "PairView", "Policy", "make_policy",
            "offload_bound"]
 
-
-def make_policy(rule: OffloadSpec) -> Policy:
-    kinds: dict[str, type[Policy]] = {"fixed": Fixed, "adrenaline": Adrenaline, "adaptive": Adaptive}
-    return kinds[rule.policy](rule)

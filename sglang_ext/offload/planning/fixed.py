@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.placement.planning.base import Decision, PairView, Policy
+from sglang_ext.offload.planning.base import Decision, PairView, Policy
 
 
 class Fixed(Policy):

@@ -22,8 +22,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from router.config import AdrenalineSpec
-from router.placement.planning.base import Decision, PairView, Policy
+from sglang_ext.offload.planning.base import Decision, PairView, Policy
+from sglang_ext.offload.planning.spec import AdrenalineSpec
 
 
 class Bound(NamedTuple):

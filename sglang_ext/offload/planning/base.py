@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from router.config import OffloadSpec
+from sglang_ext.offload.planning.spec import Rule
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class Decision(NamedTuple):
 class Policy(ABC):
     name: str
 
-    def __init__(self, rule: OffloadSpec) -> None:
+    def __init__(self, rule: Rule) -> None:
         self.rule = rule
 
     @abstractmethod

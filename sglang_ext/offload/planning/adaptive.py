@@ -42,14 +42,14 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from router.config import AdaptiveSpec, OffloadSpec
-from router.placement.planning.base import Decision, PairView, Policy
+from sglang_ext.offload.planning.base import Decision, PairView, Policy
+from sglang_ext.offload.planning.spec import AdaptiveSpec, Rule
 
 
 class Adaptive(Policy):
     name = "adaptive"
 
-    def __init__(self, rule: OffloadSpec) -> None:
+    def __init__(self, rule: Rule) -> None:
         super().__init__(rule)
         self.spec = rule.adaptive or AdaptiveSpec()
         self.ratio = rule.start
