@@ -469,7 +469,8 @@ MISSING_ALWAYS: dict[str, str] = {
                                   "expectation within 1.5 %; a trained router's skew (fewer experts hit) is not "
                                   "measured",
     "decode.moe_other": "moe rates come from two MoE geometries (8 x 14336 and 128 x 768 experts) at ctx 1K "
-                        "with the Triton MoE kernels; other expert shapes and other kernels are unvalidated",
+                        "with the Triton MoE kernels (Mixtral with the tuned block-size table of 2026-12-03 s5); "
+                        "other expert shapes and other kernels are unvalidated",
     "prefill.moe": "the moe_prefill rates come from two MoE geometries' single-request prefills of 1K and 8K tokens "
                    "(2026-12-03, Mixtral-8x7B tuned table, Qwen3-30B-A3B): each model alone cannot identify the "
                    "three rates (fitted on Qwen3 alone, Mixtral is 8-23 % over; on Mixtral alone, Qwen3 130-430 % "
