@@ -111,3 +111,42 @@ def test_host_time_is_charged_to_prefill_steps_only() -> None:
     mixed = ([4096, 1, 1], [4096, 1200, 5000])
     extra = c.forward_s(*mixed, host=True) - c.forward_s(*mixed)
     assert extra == pytest.approx((loop["plain_host_us"] + 3 * loop["plain_host_row_us"]) * 1e-6)
+
+
+MIXTRAL = R.RESULTS / "2026-12-03-h200-s5/c3-mixtral-knee/gp_lvf-rotate_r3_k1.json"
+
+
+def test_the_mixtral_knee_folder_is_a_panel_with_its_logged_pool_and_moe_clock() -> None:
+    panel = next(pn for pn in R.PANELS if "mixtral" in pn.name)
+    (sw,) = panel.sweeps
+    assert (sw.share, sw.model, sw.host_gb) == (0.9, "mixtral-8x7b", 32.0)
+    found = R.reports(panel)  # the knee's per-repeat files: gp_<run>_r<rate>_k<repeat>.json
+    assert sorted((label, rate, k) for _, _, label, rate, k in found) == [
+        ("lvf-rotate", rate, k) for rate in (2.0, 3.0) for k in (0, 1, 2)]
+    tokens, source = R.pool_tokens(MIXTRAL, "lvf-rotate", sw, R.memory_constants())
+    assert tokens == (19550 - 1) * 16 and source == "server log (19550 pages)"
+    assert R.weight_bytes("mixtral-8x7b") / R.GiB == pytest.approx(86.99, abs=0.01)  # the log's weights
+    report = json.loads(MIXTRAL.read_text())
+    assert (report["config"]["ttft_slo"], report["config"]["tbt_slo"]) == (5.0, 0.1)
+    assert R.measured(report)["both"] == pytest.approx(10 / 150)
+    report["config"]["num_requests"] = 10  # a fast smoke on the MoE clock (prefill term included)
+    cost = CostModel.load(model="mixtral-8x7b")
+    assert cost.has_moe_prefill()
+    pred = R.predict(report, "lvf-rotate", tokens, sw, cost)
+    assert pred["scheduled"] == 10 and 0.0 <= pred["both"] <= 1.0 and pred["ttft_median_ms"] > 0
+
+
+def test_goodput_table_gives_the_mean_curve_per_rate() -> None:
+    def row(rate: float, k: int, meas: float, pred: float) -> R.Row:
+        return R.Row("p", "f", "x.json", "lvf-rotate", rate, k, 150, 1, "s", {"both": meas, "ttft": 1, "tbt": 1},
+                     {"both": pred, "ttft": 1, "tbt": 1}, 0, 0, 0.0)
+
+    rows = [row(2, 0, 0.95, 0.97), row(2, 1, 0.95, 0.95), row(2, 2, 0.88, 0.90),
+            row(3, 0, 0.04, 0.20), row(3, 1, 0.07, 0.13), row(3, 2, 0.05, 0.03)]
+    t = R.goodput_table(rows)[0]
+    assert (t["measured"], t["predicted"]) == ("2", "2")
+    two, three = t["by_rate"]
+    assert (two["rate"], two["repeats"], two["requests"]) == (2, 3, 450)
+    assert two["measured"] == pytest.approx((0.95 + 0.95 + 0.88) / 3)
+    assert two["measured_range"] == [0.88, 0.95] and three["predicted_range"] == [0.03, 0.20]
+    assert three["error_points"] == pytest.approx(100 * ((0.20 + 0.13 + 0.03) - (0.04 + 0.07 + 0.05)) / 3)

@@ -10,12 +10,21 @@ comes from its Geometry, so one GPU's file prices any model:
                     and alignment, and the grouped GEMMs' per-expert blocks: fixed per step; in prefill too)
     prefill     = max(weight bytes / weights_GBps, tokens' GEMM FLOPs / prefill gemm_TFLOPs)
                   + causal attention FLOPs / attention_TFLOPs + step_us (+ an MoE's fixed term)
+    MoE prefill (with `moe_prefill`): the dense part as above on the non-expert FLOPs, and the experts
+                  max(the decode form's expert read + fixed term,
+                      sparse layers x experts hit x (expert bytes / moe_prefill.expert_GBps
+                                                     + moe_prefill.layer_expert_us)
+                      + expert GEMM FLOPs / moe_prefill.gemm_TFLOPs)
+                  from blend_to_tokens (1K) tokens up; the decode form up to blend_from_tokens (256);
+                  linear in tokens between (unmeasured there)
     mixed batch = the prefill form over every token, plus the decode rows' KV read and per-row cost
     a step with a prefill chunk also pays the host time of a step the loop cannot overlap (`plain_host_s`)
 
 The `moe` rates are fitted to MoE decode steps (bench/sim/fit.py); a calibration file without a `moe`
 section (written before any MoE run existed) prices experts at the dense weights' rate with no MoE term,
-which is what `python -m bench.sim.validate` reports as "dense rates". MoE prefill has no term of its own.
+which is what `python -m bench.sim.validate` reports as "dense rates". The `moe_prefill` rates are fitted to
+MoE prefill forwards (1-8K tokens); a file without them prices an MoE prefill with the dense prefill rates
+on the active FLOPs (under-predicted by 16-72 % on the measured rows).
 A quantity the calibration has no measurement for is null there with a reason; asking for it raises
 `Uncalibrated` naming the quantity and the reason, never a guess.
 """
@@ -51,6 +60,7 @@ class Calibration:
     remote_exchange: dict[str, dict[str, float | None]]
     executor_host: dict[str, Any]
     moe: dict[str, float | None] | None = None  # None: a file without the section (dense rates for experts)
+    moe_prefill: dict[str, float | None] | None = None  # None: no MoE prefill term (dense prefill rates)
     missing: dict[str, str] = field(default_factory=dict)
     runs: list[dict[str, Any]] = field(default_factory=list)
     raw: dict[str, Any] = field(default_factory=dict)
@@ -62,7 +72,7 @@ class Calibration:
                 raise ValueError(f"calibration: missing section {key!r}")
         return cls(gpu=d["gpu"], decode=d["decode"], prefill=d["prefill"], host_link=d["host_link"],
                    remote_exchange=d["remote_exchange"], executor_host=d["executor_host"], moe=d.get("moe"),
-                   missing=d.get("missing", {}), runs=d.get("runs", []), raw=d)
+                   moe_prefill=d.get("moe_prefill"), missing=d.get("missing", {}), runs=d.get("runs", []), raw=d)
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> Calibration:
@@ -132,14 +142,49 @@ class CostModel:
         g = self.geo
         tokens = sum(n for n, _ in chunks) + decode_rows
         flops = 2.0 * g.layer_params * tokens + 2.0 * g.lm_head_params * (len(chunks) + decode_rows)
-        dense = self._dense_s(tokens, flops, self.cal.get("prefill", "gemm_TFLOPs"), None)
         attn_flops = sum(g.attention_flops(n, end) for n, end in chunks)
         attn = attn_flops / (self.cal.get("prefill", "attention_TFLOPs") * 1e12)
-        t = dense + attn + self.moe_overhead_s() + self.cal.get("decode", "step_us") * 1e-6
+        if self.has_moe_prefill():
+            dense_rate = self.cal.get("decode", "weights_GBps") * 1e9
+            rest = flops - g.expert_flops(tokens)
+            t = (max(g.dense_weight_bytes / dense_rate, rest / (self.cal.get("prefill", "gemm_TFLOPs") * 1e12))
+                 + self.moe_prefill_experts_s(tokens))
+        else:
+            t = self._dense_s(tokens, flops, self.cal.get("prefill", "gemm_TFLOPs"), None) + self.moe_overhead_s()
+        t += attn + self.cal.get("decode", "step_us") * 1e-6
         if decode_rows:
             t += (decode_kv_tokens * g.kv_bytes_per_token / (self.cal.get("decode", "kv_GBps") * 1e9)
                   + decode_rows * self.cal.get("decode", "row_us") * 1e-6)
         return t
+
+    def has_moe_prefill(self) -> bool:
+        """An MoE priced with the fitted `moe_prefill` rates (and the `moe` ones they fall back to)."""
+        mp, m = self.cal.moe_prefill, self.cal.moe
+        return (self.geo.is_moe and mp is not None and m is not None
+                and all(mp.get(k) is not None for k in ("expert_GBps", "layer_expert_us", "gemm_TFLOPs",
+                                                         "blend_from_tokens", "blend_to_tokens"))
+                and all(v is not None for v in m.values()))
+
+    def moe_prefill_experts_s(self, tokens: int) -> float:
+        """The routed experts of one forward over `tokens` tokens (a prefill, or a mixed batch). Prefill form,
+        fitted to prefills of `blend_to_tokens` (1K) to 8K tokens: every expert hit is read once per sparse
+        layer and pays a fixed cost (its grouped-GEMM tiles, alignment), and the expert FLOPs run at the
+        grouped GEMM's rate (never less than the decode form). Decode form, fitted to decode batches up to
+        `blend_from_tokens` (256) rows: the experts hit read at moe.expert_GBps plus the per-model-expert
+        term. The same kernels run both (their block sizes keyed by the token count), and nothing between
+        256 and 1K tokens is measured: there the two are blended linearly in tokens, so a short chunk is
+        priced like a decode batch of as many rows, not by the prefill form extrapolated down."""
+        g = self.geo
+        hit = g.experts_hit(tokens)
+        decode = (g.sparse_layers * hit * g.expert_bytes / (self.cal.get("moe", "expert_GBps") * 1e9)
+                  + self.moe_overhead_s())
+        per_expert = (g.expert_bytes / (self.cal.get("moe_prefill", "expert_GBps") * 1e9)
+                      + self.cal.get("moe_prefill", "layer_expert_us") * 1e-6)
+        prefill = max(decode, g.sparse_layers * hit * per_expert
+                      + g.expert_flops(tokens) / (self.cal.get("moe_prefill", "gemm_TFLOPs") * 1e12))
+        lo, hi = self.cal.get("moe_prefill", "blend_from_tokens"), self.cal.get("moe_prefill", "blend_to_tokens")
+        w = min(1.0, max(0.0, (tokens - lo) / (hi - lo))) if hi > lo else float(tokens >= hi)
+        return (1.0 - w) * decode + w * prefill
 
     def forward_s(self, extend_lens: Sequence[int], seq_lens: Sequence[int], host: bool = False) -> float:
         """A scheduler batch: rows extending by 1 are decode rows, longer ones prefill chunks. `host`: add

@@ -11,8 +11,10 @@ fit gives the rest. Prefill: GEMM FLOPs / gemm_TFLOPs + causal attention FLOPs /
 fit runs' single-request prefills. Host link, exchange and the executor host's slowdown are read from
 their benches (see each function). MoE: the `moe` rates (expert bytes' read rate and a fixed cost per
 sparse layer per expert; see `fit_moe`) are fitted to the MoE offline runs'
-decode rows at `--moe-fit-ctx` (1K), the dense rates held fixed; their other rows (ctx 8K, prefill) are
-held out, and rows in `MOE_OUTLIERS` are reported, never fitted. Anything not measured is null, with the
+decode rows at `--moe-fit-ctx` (1K), the dense rates held fixed, and the `moe_prefill` rates (see
+`fit_moe_prefill`) to their single-request prefills; their other rows (ctx 8K, prefill) are
+held out, rows in `MOE_OUTLIERS` are reported, never fitted, and runs in `MOE_SUPERSEDED` (measured with
+kernels the runtime no longer runs) are listed, never used. Anything not measured is null, with the
 reason under `missing`.
 """
 
@@ -117,13 +119,64 @@ def fit_moe(rows: Sequence[MoeRow], dec: dict[str, Any]) -> dict[str, float]:
     return {"expert_GBps": float(1 / x[0] / 1e9) if x[0] > 0 else float("inf"), "layer_expert_us": float(x[1])}
 
 
+MoePrefillRow = tuple[Geometry, int, int, float]  # geometry, requests, tokens each, seconds
+
+
+def moe_prefill_columns(geo: Geometry, reqs: int, length: int, dec: dict[str, Any], pre: dict[str, Any]
+                        ) -> tuple[list[float], float]:
+    """One MoE prefill's design row for fit_moe_prefill (expert bytes read, expert-layers hit, expert FLOPs)
+    and its known part: the non-expert GEMMs at the dense prefill rate, the attention, the step constant."""
+    tokens = reqs * length
+    hit = geo.experts_hit(tokens)
+    rest = 2.0 * geo.layer_params * tokens + 2.0 * geo.lm_head_params * reqs - geo.expert_flops(tokens)
+    known = (max(geo.dense_weight_bytes / (dec["weights_GBps"] * 1e9), rest / (pre["gemm_TFLOPs"] * 1e12))
+             + reqs * geo.attention_flops(length, length) / (pre["attention_TFLOPs"] * 1e12) + dec["step_us"] * 1e-6)
+    return [geo.sparse_layers * hit * geo.expert_bytes, geo.sparse_layers * hit, geo.expert_flops(tokens)], known
+
+
+def fit_moe_prefill(rows: Sequence[MoePrefillRow], dec: dict[str, Any], pre: dict[str, Any]) -> dict[str, float]:
+    """MoE prefill rows -> moe_prefill.expert_GBps, layer_expert_us, gemm_TFLOPs, the dense decode and prefill
+    rates held fixed. Per sparse layer each expert hit is read once and pays a fixed cost, and the expert
+    FLOPs run at one grouped-GEMM rate: linear in the three unknowns, non-negative least squares on
+    relative error (columns scaled first: their magnitudes are 1e10 bytes, 1e3 expert-layers, 1e13 FLOPs).
+    A rate whose column the fit drops is infinite (that term costs nothing). With one model's rows (two
+    token counts) the three are not identifiable: the fit then drops columns and what it returns does not
+    transfer (validate's moe-cross prefill shows it)."""
+    A, y, known = [], [], []
+    for geo, reqs, length, sec in rows:
+        cols, k = moe_prefill_columns(geo, reqs, length, dec, pre)
+        A.append(cols)
+        known.append(k)
+        y.append(sec)
+    a, t = np.array(A), np.array(y)
+    sc = np.abs(a).max(axis=0)
+    x, _ = _nnls_rel(a / sc, t - np.array(known), scale=t)
+    x = x / sc
+    return {"expert_GBps": float(1 / x[0] / 1e9) if x[0] > 0 else float("inf"),  # dropped: no such term
+            "layer_expert_us": float(x[1] * 1e6),
+            "gemm_TFLOPs": float(1 / x[2] / 1e12) if x[2] > 0 else float("inf")}
+
+
 # Rows measured but not fitted, with the reason (source path suffix, bs, ctx): kept out of the fit and
-# reported on their own by validate.
-MOE_OUTLIERS: dict[tuple[str, int, int], str] = {
-    ("2026-12-03-h200-s4/c2-moebench-bench/offline-mixtral-8x7b.json", 64, 1024):
-        "Mixtral bs 64 ctx 1K: 31.8 ms, no faster than bs 128 (31.2) while bs 32 takes 24.75; suspected a "
-        "block-size config problem at 64 tokens (issue 33), not profiled",
+# reported on their own by validate. Empty since 2026-12-03 s5: the one outlier (Mixtral bs 64 ctx 1K,
+# 31.8 ms, no faster than bs 128) was in the s4 Mixtral run, superseded below; in the tuned-table rerun
+# bs 64 takes 26.9 ms (bs 32 23.5, bs 128 27.8) and, held out of a trial fit, was predicted within 4.4 %
+# like its neighbours, so it is fitted.
+MOE_OUTLIERS: dict[tuple[str, int, int], str] = {}
+
+# MoE offline runs measured with kernels the runtime no longer runs (path suffix -> why, and the run that
+# replaces it): neither fitted nor validated, listed in the calibration's sources.
+MOE_SUPERSEDED: dict[str, str] = {
+    "2026-12-03-h200-s4/c2-moebench-bench/offline-mixtral-8x7b.json":
+        "measured with the untuned MoE block-size table (bs 64: 31.8 ms); superseded by "
+        "2026-12-03-h200-s5/c2-moetune-moebench/offline-mixtral-8x7b.json, measured with the tuned table (T up "
+        "to 256) and the GROUP_M 16 default the runtime now runs (bs 64: 26.9 ms)",
 }
+
+
+def superseded_why(report: Report) -> str | None:
+    """Why an MoE run is no longer used (MOE_SUPERSEDED), or None."""
+    return next((why for suffix, why in MOE_SUPERSEDED.items() if report.rel().endswith(suffix)), None)
 
 
 def moe_split(rows: Sequence[DecodeRow], fit_ctx: int) -> dict[str, list[DecodeRow]]:
@@ -137,9 +190,11 @@ def moe_split(rows: Sequence[DecodeRow], fit_ctx: int) -> dict[str, list[DecodeR
     return out
 
 
-def moe_reports(reports: list[Report]) -> list[Report]:
-    """bench/offline.py reports of MoE geometries (their preset checked against the run's weight bytes)."""
-    return [r for r in reports if r.kind == "offline" and report_geometry(r).is_moe]
+def moe_reports(reports: list[Report], superseded: bool = False) -> list[Report]:
+    """bench/offline.py reports of MoE geometries (their preset checked against the run's weight bytes):
+    the current ones, or (`superseded`) those MOE_SUPERSEDED retires."""
+    return [r for r in reports if r.kind == "offline" and report_geometry(r).is_moe
+            and (superseded_why(r) is not None) == superseded]
 
 
 def fit_prefill(rows: Sequence[tuple[int, int, float]], geo: Geometry, step_us: float) -> dict[str, float]:
@@ -332,8 +387,21 @@ def calibrate(results: Path, model: str, gpu: str, fit_runs: list[str] | None,
         moe = {"expert_GBps": None, "layer_expert_us": None}
         missing["moe.expert_GBps"] = missing["moe.layer_expert_us"] = (
             f"fewer than 3 MoE bench/offline.py decode rows at ctx {moe_fit_ctx} on {gpu}")
+    moe_pre: dict[str, float | None] = {"expert_GBps": None, "layer_expert_us": None, "gemm_TFLOPs": None}
+    pre_fit = [p for p in prefill_rows(moe_runs) if p.reqs == 1]
+    if moe["expert_GBps"] is not None and pre["gemm_TFLOPs"] is not None and len(pre_fit) >= 3:
+        geos = {r.model: report_geometry(r) for r in moe_runs}
+        moe_pre = dict(fit_moe_prefill([(geos[p.model], p.reqs, p.length, p.ms * 1e-3) for p in pre_fit], dec, pre))
+        # where each form was measured: decode batches up to this many rows, prefills from this many tokens
+        moe_pre["blend_from_tokens"] = float(max(d.bs for d in split["fit"]))
+        moe_pre["blend_to_tokens"] = float(min(p.reqs * p.length for p in pre_fit))
+    if any(v is None or not np.isfinite(v) for v in moe_pre.values()):
+        missing["moe_prefill"] = (f"fewer than 3 single-request MoE prefill rows on {gpu}, or a rate the fit "
+                                  "dropped: MoE prefill is priced with the dense prefill rates")
     missing.update(MISSING_ALWAYS)
-    used = sorted({r.rel() for r in reports if r.kind != "offline" or r.model == model or r.rel() in moe_paths})
+    retired = {r.rel() for r in moe_reports(reports, superseded=True)}
+    used = sorted({r.rel() for r in reports if r.kind != "offline" or r.model == model or r.rel() in moe_paths}
+                  | retired)
     by_path = {r.rel(): r for r in reports}
     return {
         "schema": 1,
@@ -349,6 +417,7 @@ def calibrate(results: Path, model: str, gpu: str, fit_runs: list[str] | None,
         "executor_host": host,
         "loop": loop,
         "moe": moe,
+        "moe_prefill": moe_pre,
         "sources": {"loop": loop_src,
                     "moe_fit": {"ctx": moe_fit_ctx, "runs": sorted(moe_paths),
                                 "rows": [f"{d.model} bs {d.bs} ctx {d.ctx}" for d in split["fit"]],
@@ -356,7 +425,12 @@ def calibrate(results: Path, model: str, gpu: str, fit_runs: list[str] | None,
                                 "excluded": [{"source": d.source, "bs": d.bs, "ctx": d.ctx,
                                               "why": next(w for (s, b, c), w in MOE_OUTLIERS.items()
                                                           if d.source.endswith(s) and (b, c) == (d.bs, d.ctx))}
-                                             for d in split["outlier"]]},
+                                             for d in split["outlier"]],
+                                "superseded": [{"source": r.rel(), "why": superseded_why(r)}
+                                               for r in moe_reports(reports, superseded=True)]},
+                    "moe_prefill_fit": {"rows": [f"{p.model} {p.reqs} x {p.length}" for p in pre_fit],
+                                        "held_out": [f"{p.model} {p.reqs} x {p.length}"
+                                                     for p in prefill_rows(moe_runs) if p.reqs != 1]},
                     "decode_fit": sorted(fit_paths), "weights_GBps": w_src, "prefill_fit": sorted(fit_paths),
                     "host_link": link_src, "remote_exchange": ex_src, "executor_host": host_src},
         "missing": missing,
@@ -369,9 +443,12 @@ def calibrate(results: Path, model: str, gpu: str, fit_runs: list[str] | None,
 
 
 def _used_for(r: Report, fit_paths: set[str], sources: list[str], moe_paths: set[str], moe_ctx: int) -> str:
+    why = superseded_why(r) if r.kind == "offline" else None
+    if why is not None:
+        return "not used: " + why
     if r.rel() in moe_paths:
-        return (f"moe fit (decode rows at ctx {moe_ctx}, outliers excepted); validation (held out): its other "
-                "decode rows and its prefill rows")
+        return (f"moe fit (decode rows at ctx {moe_ctx}, outliers excepted) and moe_prefill fit (single-request "
+                "prefills); validation (held out): its other decode rows and its batched prefill")
     if r.kind == "offline":
         return "decode and prefill fit" if r.rel() in fit_paths else "validation (held out)"
     if r.kind == "remote_step" and r.env.get("executor_load"):
@@ -392,12 +469,13 @@ MISSING_ALWAYS: dict[str, str] = {
                                   "expectation within 1.5 %; a trained router's skew (fewer experts hit) is not "
                                   "measured",
     "decode.moe_other": "moe rates come from two MoE geometries (8 x 14336 and 128 x 768 experts) at ctx 1K "
-                        "with the Triton MoE kernels; other expert shapes and other kernels are unvalidated",
-    "prefill.moe": "MoE prefill has no fitted term of its own: priced by the dense prefill rates on the active "
-                   "FLOPs (plus the decode-fitted per-expert term), it is under-predicted by 16-71 % (python -m "
-                   "bench.sim.validate); expert GEMM "
-                   "efficiency depends on the expert width and tokens per expert, and two models do not "
-                   "give a rate that transfers",
+                        "with the Triton MoE kernels (Mixtral with the tuned block-size table of 2026-12-03 s5); "
+                        "other expert shapes and other kernels are unvalidated",
+    "prefill.moe": "the moe_prefill rates come from two MoE geometries' single-request prefills of 1K and 8K tokens "
+                   "(2026-12-03, Mixtral-8x7B tuned table, Qwen3-30B-A3B): each model alone cannot identify the "
+                   "three rates (fitted on Qwen3 alone, Mixtral is 8-23 % over; on Mixtral alone, Qwen3 130-430 % "
+                   "over), forwards below 1K tokens and other expert shapes are extrapolations, and a prefill chunk "
+                   "mixed with decode rows is unmeasured",
     "decode.other_models": "dense decode rows are Llama-3-8B only; other dense geometries (Qwen2.5-32B) are "
                            "priced by bytes and FLOPs with the 8B's rates, unvalidated",
     "prefill.mixed_batches": "no measurement of a prefill chunk and decode rows in one forward; the sum form is "
@@ -437,6 +515,11 @@ def main(argv: list[str] | None = None) -> int:
     d, pr = cal["decode"], cal["prefill"]
     print(f"decode: weights {d['weights_GBps']:.0f} GB/s, KV {d['kv_GBps']:.0f} GB/s, GEMM {d['gemm_TFLOPs']:.0f} "
           f"TFLOP/s, {d['row_us']:.2f} us/row, {d['step_us']:.0f} us/step")
+    mp = cal["moe_prefill"]
+    if all(v is not None for v in mp.values()):
+        print(f"moe prefill: experts hit read at {mp['expert_GBps']:.0f} GB/s + {mp['layer_expert_us']:.2f} us per "
+              f"sparse layer per expert hit, expert GEMMs {mp['gemm_TFLOPs']:.0f} TFLOP/s "
+              f"({len(cal['sources']['moe_prefill_fit']['rows'])} rows)")
     if pr["gemm_TFLOPs"] is not None:
         print(f"prefill: GEMM {pr['gemm_TFLOPs']:.0f} TFLOP/s, attention {pr['attention_TFLOPs']:.0f} TFLOP/s")
     m = cal["moe"]

@@ -46,11 +46,12 @@ FULL: Final = 0.9  # memory fraction of a whole GPU (mem_fraction_static), split
 MAX_PER_GPU: Final = 4
 ERROR_BAND: Final = ("SIMULATED. Cost model error (bench/sim/validate.py, H200): Llama-3-8B decode step <= 5 % on "
                      "35 held-out rows (mean 1.5 %), prefill <= 3.9 % on 4; MoE decode (Mixtral-8x7B, Qwen3-30B-A3B, "
-                     "random routers) 4.4 % mean, 11.2 % max on 6 held-out rows; MoE prefill under-predicted by "
-                     "16-71 %; other geometries, mixed prefill+decode batches, the executor's capped SMs and any "
-                     "non-H200 link are unvalidated. Serving attainment (python -m bench.sim.replay_sweeps, 121 "
-                     "measured points): mean absolute error 4.2 points, optimistic by +3.7 on average (TTFT near the "
-                     "knee), strict goodput within one grid step for 36 of 39 runs.")
+                     "random routers) 3.9 % mean, 11.6 % max on 6 held-out rows; MoE prefill 2.5 % max on 2 held-out "
+                     "rows, 11.1 % mean / 26.7 % max leave-one-out (its term needs both measured geometries); other "
+                     "geometries, mixed prefill+decode batches, the executor's capped SMs and any non-H200 link are "
+                     "unvalidated. Serving attainment (python -m bench.sim.replay_sweeps, 127 measured points, "
+                     "Mixtral-8x7B's knee included): mean absolute error 4.2 points, optimistic by +3.7 on average "
+                     "(TTFT near the knee), strict goodput within one grid step for 37 of 40 runs.")
 
 
 def load_geometry(model: str) -> Geometry:

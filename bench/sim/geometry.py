@@ -72,6 +72,10 @@ class Geometry:
         hit = self.experts_hit(rows) if experts_hit is None else experts_hit
         return self.dense_weight_bytes + self.sparse_layers * hit * self.expert_bytes
 
+    def expert_flops(self, tokens: float) -> float:
+        """GEMM FLOPs of the routed experts for `tokens` tokens (top-k experts each, every sparse layer)."""
+        return self.expert_bytes / DTYPE_BYTES * 2.0 * self.top_k * tokens * self.sparse_layers
+
     def attention_flops(self, new: int, end: int) -> float:
         """Causal attention FLOPs (QK^T and PV) of `new` tokens ending at position `end`."""
         before = end - new

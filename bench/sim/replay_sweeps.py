@@ -103,6 +103,8 @@ PANELS: Final[tuple[Panel, ...]] = (
                                  Sweep("2026-12-02-h200-s3/c6-burst-share0125-high/goodput", 0.125))),
     Panel("12-03/c1+c2 1/4 ttft2 knee", (Sweep("2026-12-03-h200/c1-poisson-share025-ttft2/knee", 0.25),
                                          Sweep("2026-12-03-h200/c2-poisson-share025-ttft2-r4/knee", 0.25))),
+    Panel("s5/c3 mixtral 0.9 knee", (Sweep("2026-12-03-h200-s5/c3-mixtral-knee", 0.9, "mixtral-8x7b",
+                                           note="94bc18e: tuned MoE table, dummy weights, TTFT 5 s; lvf only"),)),
 )
 
 
@@ -312,7 +314,24 @@ def goodput_table(rows: Sequence[Row], target: float = 0.9) -> list[dict[str, An
             errs = [abs(r.predicted["both"] - r.measured["both"]) for r in mine if r.run == run]
             out.append({"panel": panel, "run": run, "grid": grid, "measured": gm.text(), "predicted": gp.text(),
                         "steps_apart": steps, "within_one_step": steps <= 1,
-                        "attainment_mae_points": 100 * float(np.mean(errs)), "points": len(errs)})
+                        "attainment_mae_points": 100 * float(np.mean(errs)), "points": len(errs),
+                        "by_rate": by_rate([r for r in mine if r.run == run])})
+    return out
+
+
+def by_rate(rows: Sequence[Row]) -> list[dict[str, Any]]:
+    """Per swept rate: both-SLO attainment over the repeats (their mean, as bench/goodput.py's mean curve;
+    min and max of the repeats), measured and predicted, and the difference in points."""
+    out = []
+    for rate in sorted({r.rate for r in rows}):
+        mine = [r for r in rows if r.rate == rate]
+        n = sum(r.requests for r in mine)
+        meas = [r.measured["both"] for r in mine]
+        pred = [r.predicted["both"] for r in mine]
+        m, p = float(np.mean(meas)), float(np.mean(pred))
+        out.append({"rate": rate, "repeats": len(mine), "requests": n, "measured": m, "predicted": p,
+                    "measured_range": [min(meas), max(meas)], "predicted_range": [min(pred), max(pred)],
+                    "error_points": 100 * (p - m)})
     return out
 
 
@@ -369,6 +388,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{t['panel']:<26} {t['run']:<22} {t['measured']:>7} -> {t['predicted']:<7} "
               f"{'ok' if t['within_one_step'] else 'MISS'} ({t['steps_apart']} steps)  "
               f"MAE {t['attainment_mae_points']:.1f} over {t['points']}")
+        print("      " + "  ".join(
+            f"{b['rate']:g}: {100 * b['measured']:.1f} [{100 * b['measured_range'][0]:.0f}-"
+            f"{100 * b['measured_range'][1]:.0f}] -> {100 * b['predicted']:.1f} [{100 * b['predicted_range'][0]:.0f}-"
+            f"{100 * b['predicted_range'][1]:.0f}] ({b['error_points']:+.1f})" for b in t["by_rate"]))
     s = summary(rows)
     ok = sum(t["within_one_step"] for t in table)
     print(f"\n{s['points']} points: both-SLO attainment MAE {s['mae_both_points']:.1f} points (mean signed "

@@ -8,7 +8,10 @@ it. MoE runs (bench/offline.py on an MoE preset) are priced with their own geome
 measured experts hit: `moe-fit` (the rows the `moe` rates were fitted to), `moe-held-out` (other ctx,
 prefill), `moe-outlier` (measured, never fitted, fit.MOE_OUTLIERS); `moe-dense` prices the same rows
 with the dense rates only (the calibration before any MoE run, held out by construction); `moe-cross`
-refits the `moe` rates on one MoE model's fit rows and predicts the other model's rows. Each MoE row
+refits the `moe` rates on one MoE model's fit rows and predicts the other model's rows. MoE prefill: the
+single-request prefills are `moe-fit` (the `moe_prefill` rates' rows), the batched ones `moe-held-out`;
+`moe-loo` refits `moe_prefill` without each fit row, `moe-cross` on one model's prefills alone, and
+`moe-no-prefill-term` prices them as the calibration did before the term (dense prefill rates). Each MoE row
 prints the measured experts hit beside the uniform-routing expectation.
 Remote-attention steps and the executor host's slowdown are printed too, outside the 5 % target
 (issue 35's target is the one-GPU step time). Errors are (predicted - measured) / measured.
@@ -25,9 +28,9 @@ from typing import Any
 import numpy as np
 
 from bench.sim.cost import DEFAULT_CALIBRATION, Calibration, CostModel, GiB
-from bench.sim.fit import MoeRow, fit_decode, fit_moe, moe_reports, moe_split
+from bench.sim.fit import MoeRow, fit_decode, fit_moe, fit_moe_prefill, moe_reports, moe_split
 from bench.sim.geometry import Geometry
-from bench.sim.runs import RESULTS, DecodeRow, decode_rows, find_reports, prefill_rows, report_geometry
+from bench.sim.runs import RESULTS, DecodeRow, PrefillRow, decode_rows, find_reports, prefill_rows, report_geometry
 
 
 def _row(group: str, source: str, what: str, point: str, measured_ms: float, predicted_ms: float) -> dict[str, Any]:
@@ -93,7 +96,7 @@ def validate(cal_path: Path, results: Path) -> dict[str, Any]:
     for kind in ("decode", "prefill"):
         for k in ("fit", "held-out"):
             sets[f"{kind} {k}"] = summary([r for r in rows if r["set"] == k and r["what"].startswith(kind)])
-    for k in ("moe-fit", "moe-held-out", "moe-outlier", "moe-dense", "moe-cross"):
+    for k in ("moe-fit", "moe-held-out", "moe-outlier", "moe-loo", "moe-no-prefill-term", "moe-dense", "moe-cross"):
         for kind in ("decode", "prefill"):
             for model in ("", *sorted({r["model"] for r in rows if r.get("model")})):
                 sel = [r for r in rows if r["set"] == k and r["what"].startswith(kind)
@@ -111,7 +114,7 @@ def moe_rows(cal: Calibration, reports: list[Any]) -> list[dict[str, Any]]:
     if not runs:
         return []
     geos = {r.model: report_geometry(r) for r in runs}
-    dense_only = Calibration.from_dict({k: v for k, v in cal.raw.items() if k != "moe"})
+    dense_only = Calibration.from_dict({k: v for k, v in cal.raw.items() if k not in ("moe", "moe_prefill")})
     fit_ctx = int((cal.raw.get("sources", {}).get("moe_fit") or {}).get("ctx", 1024))
     split = moe_split(decode_rows(runs), fit_ctx)
     rows: list[dict[str, Any]] = []
@@ -132,13 +135,40 @@ def moe_rows(cal: Calibration, reports: list[Any]) -> list[dict[str, Any]]:
             if with_moe:
                 add(f"moe-{group}", d, cal)
             add("moe-dense", d, dense_only)
-    for p in prefill_rows(runs):
-        for group, c in ((("moe-held-out", cal),) if with_moe else ()) + (("moe-dense", dense_only),):
-            cm = CostModel(c, geos[p.model])
-            r = _row(group, p.source, "prefill", f"{p.model} {p.reqs} x {p.length}", p.ms,
-                     1e3 * cm.prefill_s([(p.length, p.length)] * p.reqs))
-            r["model"] = p.model
-            rows.append(r)
+    no_term = Calibration.from_dict({k: v for k, v in cal.raw.items() if k != "moe_prefill"})
+    with_pre = with_moe and CostModel(cal, next(iter(geos.values()))).has_moe_prefill()
+    pre_rows = prefill_rows(runs)
+
+    def add_prefill(group: str, p: PrefillRow, c: Calibration, note: str = "") -> None:
+        r = _row(group, p.source, f"prefill{note}", f"{p.model} {p.reqs} x {p.length}", p.ms,
+                 1e3 * CostModel(c, geos[p.model]).prefill_s([(p.length, p.length)] * p.reqs))
+        r["model"] = p.model
+        rows.append(r)
+
+    for p in pre_rows:
+        if with_pre:  # single-request prefills fitted, batched held out (as the dense prefill fit)
+            add_prefill("moe-fit" if p.reqs == 1 else "moe-held-out", p, cal)
+        if with_moe:
+            add_prefill("moe-no-prefill-term", p, no_term, ", no moe_prefill term (the calibration before it)")
+        add_prefill("moe-dense", p, dense_only)
+    if with_pre:
+        fit_pre = [p for p in pre_rows if p.reqs == 1]
+
+        def refit_prefill(train: list[PrefillRow]) -> Calibration:
+            got = fit_moe_prefill([(geos[q.model], q.reqs, q.length, q.ms * 1e-3) for q in train],
+                                  dict(cal.decode), dict(cal.prefill))
+            return Calibration.from_dict({**cal.raw, "moe_prefill": {**(cal.moe_prefill or {}), **got}})
+
+        for i, p in enumerate(fit_pre):  # leave one out over the fitted prefills
+            add_prefill("moe-loo", p, refit_prefill([q for j, q in enumerate(fit_pre) if j != i]),
+                        ", moe_prefill refit without this row")
+        if len(geos) >= 2:
+            for model in sorted(geos):
+                c = refit_prefill([q for q in fit_pre if q.model == model])
+                if CostModel(c, geos[model]).has_moe_prefill():
+                    for p in pre_rows:
+                        if p.model != model:
+                            add_prefill("moe-cross", p, c, f", moe_prefill fitted on {model} alone")
     if with_moe and len(geos) >= 2:  # fit on one MoE model, predict the other's rows
         for model in sorted(geos):
             train: list[MoeRow] = [(geos[d.model], d.bs, d.ctx, d.ms * 1e-3, d.experts_hit)
