@@ -4,6 +4,7 @@
     python -m bench.sim.predict pd       --out bench/results/2026-12-03-sim-predictions
     python -m bench.sim.predict rotation --out bench/results/2026-12-03-sim-predictions
     python -m bench.sim.predict fleet    --out bench/results/2026-12-03-sim-predictions
+    python -m bench.sim.predict mixtral  --out bench/results/2026-12-03-sim-predictions
 
 - weaver: WEAVER fair. A hot and a cold Llama-3-8B, each on a whole H200 (0.9); the hot model's
   goodput (highest rate on the grid with >= 90 % of requests within both SLOs) without and with
@@ -18,12 +19,18 @@
   changed), beside fcfs-recompute.
 - fleet: ServeGen's per-model mix (bench/sim/examples/models.yaml) at a total rate: the fewest GPUs
   keeping 90 % of requests within both SLOs, dedicated vs WEAVER pairing vs rotation vs both.
+- mixtral: issue 33's lvf/fcfs goodput sweep for Mixtral-8x7B on one H200 at 0.9 (the pool its server
+  logged there: 19,550 pages x 16 tokens; 32 GiB host pool) under bench/goodput_knee.py's strict method
+  (bench/sim/knee.py: the same plan, rows, union rule and bisection), fcfs-recompute, lvf-rotate and
+  fcfs-rotate, on Mooncake and Azure conversation, Poisson and bursts; per run the strict goodput, the
+  lvf/fcfs ratio, per-rate attainment, and whether KV or compute binds at the knee.
 Each writes <what>.json and <what>.png into --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -162,6 +169,54 @@ def fleet(a: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+MIXTRAL_POOL_PAGES = 19550  # "kv pool ... (19550 pages x 16 tokens" in c3-mixtral-knee/gp_server_lvf-rotate.log
+MIXTRAL_RUNS = ("fcfs-recompute", "lvf-rotate", "fcfs-rotate")
+
+
+def mixtral_settings() -> list[Any]:
+    """The four workloads of issue 33's Mixtral row. Mooncake as the measured knee (c3-mixtral-knee: inputs
+    cut to 7,680, outputs 256, TTFT 5 s); Azure conversation as docs/benchmarks.md's open Azure runs
+    (inputs cut to 2,048, outputs 256, TTFT 2 s). Grids bracket the knees the simulator finds."""
+    from bench.sim.knee import Setting
+
+    return [Setting("mooncake-poisson", "mooncake", "poisson", (1.5, 2.0, 3.0, 4.0), 7680, ttft=5.0),
+            Setting("mooncake-burst", "mooncake", "burst", (1.0, 1.5, 2.0, 3.0), 7680, ttft=5.0),
+            Setting("azure-conv-poisson", "azure-conv", "poisson", (8.0, 16.0, 24.0, 32.0), 2048, ttft=2.0),
+            Setting("azure-conv-burst", "azure-conv", "burst", (4.0, 8.0, 12.0, 16.0), 2048, ttft=2.0)]
+
+
+def mixtral(a: argparse.Namespace) -> dict[str, Any]:
+    from bench import goodput_knee as K
+    from bench.sim import knee as N
+    from bench.sim.cost import DEFAULT_CALIBRATION, CostModel
+
+    server = N.Server((MIXTRAL_POOL_PAGES - 1) * 16, 32.0, CostModel.load(DEFAULT_CALIBRATION, "mixtral-8x7b"))
+    settings = [st for st in mixtral_settings() if not a.settings or st.name in a.settings]
+    runs = tuple(a.runs or MIXTRAL_RUNS)
+    res: dict[str, Any] = {"setup": "mixtral-8x7b (preset geometry), one H200 at 0.9: pool 19,550 pages x 16 tokens "
+                                    "(312,784 usable tokens, as the s5 server logged), 32 GiB host pool; TPOT 0.1 s "
+                                    "mean; strict method of bench/goodput_knee.py (bench/sim/knee.py)",
+                           "runs": list(runs), "settings": {}}
+    for st in settings:
+        if a.grid:
+            st = dataclasses.replace(st, grid=tuple(a.grid))
+        plan = K.Plan(st.grid, a.repeats, a.seconds, a.min_req, 0.9, K.TOLERANCE, a.extend)
+        t0 = time.time()
+        r = N.search(st, runs, plan, server)
+        res["settings"][st.name] = r
+        print(f"== {st.name}: strict goodput " + ", ".join(f"{run} {g['text']}" for run, g in r["goodput"].items())
+              + f"; lvf/fcfs {r['ratio']}  [{time.time() - t0:.0f} s]", flush=True)
+        for run, b in r["binding"].items():
+            if b["at"] is not None:
+                print(f"   {run:<15} at {b['at']:g} req/s: {b['verdict']} (GPU busy {100 * b['gpu_busy']:.0f} %, "
+                      f"prefill {100 * b['prefill_share']:.0f} % of it, KV peak {100 * b['kv_held_peak']:.0f} % / mean "
+                      f"{100 * b['kv_held_mean']:.0f} % of the pool, rotations {b['rotations_out']:.0f}, preemptions "
+                      f"{b['preemptions']:.0f}, TTFT met {100 * b['ttft_attainment']:.0f} %, TPOT met "
+                      f"{100 * b['tpot_attainment']:.0f} %)", flush=True)
+    print(ERROR_BAND)
+    return res
+
+
 def plot(name: str, data: dict[str, Any], out: Path) -> None:
     import matplotlib
 
@@ -212,6 +267,25 @@ def plot(name: str, data: dict[str, Any], out: Path) -> None:
         ax.set_title("SIMULATED: PD vs Adrenaline, 2 x H200, Mooncake <= 4K" if name == "pd"
                      else "SIMULATED: rotation, quarter H200, Mooncake")
         ax.legend(fontsize=7)
+    elif name == "mixtral":  # one panel per workload: mean attainment (repeat range as bars) per run
+        names = list(data["settings"])
+        fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.8), squeeze=False)
+        for ax, st in zip(axes[0], names, strict=True):
+            r = data["settings"][st]
+            for run in data["runs"]:
+                pts = [p for p in r["points"] if p["run"] == run]
+                if not pts:
+                    continue
+                rs = [p["rate"] for p in pts]
+                ys = [100 * p["both"] for p in pts]
+                err = [[100 * (p["both"] - p["both_range"][0]) for p in pts],
+                       [100 * (p["both_range"][1] - p["both"]) for p in pts]]
+                ax.errorbar(rs, ys, yerr=err, marker="o", capsize=2, label=f"{run} ({r['goodput'][run]['text']})")
+            ax.axhline(90, color="grey", lw=0.5)
+            ax.set_xlabel("req/s")
+            ax.set_ylabel("both SLOs, % (mean of 3 repeats)")
+            ax.set_title(f"SIMULATED: Mixtral 0.9 H200, {st}", fontsize=8)
+            ax.legend(fontsize=6)
     else:
         fig, ax = plt.subplots(figsize=(6, 4))
         strats = list(data["strategies"])
@@ -231,7 +305,7 @@ def plot(name: str, data: dict[str, Any], out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.sim.predict", description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=["weaver", "pd", "rotation", "fleet", "plot"])
+    p.add_argument("what", choices=["weaver", "pd", "rotation", "fleet", "mixtral", "plot"])
     p.add_argument("--out", type=Path, default=Path("bench/results/2026-12-03-sim-predictions"))
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--seed", type=int, default=0)
@@ -240,15 +314,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--total-rate", type=float, default=96.0)
     p.add_argument("--per-model", action=argparse.BooleanOptionalAction, default=True,
                    help="fleet: every model must keep 90 %% within both SLOs (--no-per-model: 90 %% of all requests)")
+    m = p.add_argument_group("mixtral (strict knee search; --seconds is the plan's seconds per point)")
+    m.add_argument("--settings", nargs="+", choices=[st.name for st in mixtral_settings()],
+                   help="workloads to run (default: all four)")
+    m.add_argument("--runs", nargs="+", help=f"POLICY-MODE runs (default: {' '.join(MIXTRAL_RUNS)})")
+    m.add_argument("--grid", nargs="+", type=float, help="one grid for every chosen workload (default: each its own)")
+    m.add_argument("--repeats", type=int, default=3)
+    m.add_argument("--min-req", type=int, default=150)
+    m.add_argument("--extend", type=int, default=1, help="grid steps tried above a grid that all passed")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     if a.what == "plot":  # redraw every plot from its JSON
-        for name in ("weaver", "pd", "rotation", "fleet"):
+        for name in ("weaver", "pd", "rotation", "fleet", "mixtral"):
             f = a.out / f"{name}.json"
             if f.is_file():
                 plot(name, json.loads(f.read_text()), a.out)
         return 0
-    data = {"weaver": weaver, "pd": pd, "rotation": rotation, "fleet": fleet}[a.what](a)
+    data = {"weaver": weaver, "pd": pd, "rotation": rotation, "fleet": fleet, "mixtral": mixtral}[a.what](a)
     data["args"] = {k: str(v) for k, v in vars(a).items()}
     _save(a.out, a.what, data)
     plot(a.what, json.loads((a.out / f"{a.what}.json").read_text()), a.out)

@@ -1,0 +1,88 @@
+"""bench/sim/knee.py and `python -m bench.sim.predict mixtral`: goodput_knee.py's strict method on the
+simulator (its plan's rows, offsets and seeds; strict goodput; what binds), small enough for a CPU test."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import pytest
+
+from bench import goodput_knee as K
+from bench.sim import knee as N
+from bench.sim import predict as P
+from bench.sim.cost import DEFAULT_CALIBRATION, CostModel
+
+MOONCAKE = N.Setting("mc", "mooncake", "poisson", (0.5, 40.0), 7680, ttft=5.0)
+
+
+@pytest.fixture(scope="module")
+def server() -> N.Server:
+    return N.Server((P.MIXTRAL_POOL_PAGES - 1) * 16, 32.0, CostModel.load(DEFAULT_CALIBRATION, "mixtral-8x7b"))
+
+
+def test_point_config_is_what_goodput_knee_would_send() -> None:
+    plan = K.Plan((2.0, 3.0, 4.0), 3, 20.0)  # the measured Mixtral knee's plan: offsets 0 / 150 / 300
+    for k in range(3):
+        cfg = N.point_config(MOONCAKE, plan, 3.0, k)
+        assert (cfg["trace_offset"], cfg["seed"], cfg["num_requests"]) == (150 * k, k, 150)
+        assert cfg["max_duration"] == pytest.approx(round(150 / 3 + 5 + 0.1 * 256 + 15))
+        assert (cfg["max_input_len"], cfg["max_output_len"], cfg["ttft_slo"], cfg["tbt_slo"]) == (7680, 256, 5.0, 0.1)
+        assert cfg["arrival"] == "poisson" and cfg["trace"] == "mooncake" and cfg["tbt_stat"] == "mean"
+    burst = N.point_config(N.Setting("b", "azure-conv", "burst", (8.0,), 2048, ttft=2.0), K.Plan((8.0, 16.0)), 16, 1)
+    assert burst["arrival"] == "burst" and burst["burst_factor"] == 4.0 and burst["num_requests"] == 480
+    assert burst["trace_offset"] == 720  # stride: n at the highest reachable rate (24 x 30 s)
+
+
+def test_search_finds_the_strict_knee_and_what_binds(server: N.Server) -> None:
+    # one request every 2 s passes; 20 requests of ~6K tokens at 40 req/s cannot (Mixtral prefills ~15K
+    # tokens/s: the last ones wait past the 5 s TTFT)
+    plan = K.Plan(MOONCAKE.grid, repeats=2, seconds=0.5, min_req=8, tolerance=100.0)
+    logs: list[str] = []
+    r = N.search(MOONCAKE, ["fcfs-recompute", "lvf-rotate"], plan, server, log=logs.append)
+    assert len(logs) == 4 and {(p["run"], p["rate"]) for p in r["points"]} == {
+        (run, rate) for run in ("fcfs-recompute", "lvf-rotate") for rate in (0.5, 40.0)}
+    for p in r["points"]:
+        assert p["offsets"] == [0, 40] and len(p["repeats"]) == 2  # stride: n at 79.5, the extension
+        assert [x["scheduled"] for x in p["repeats"]] == [plan.n(p["rate"])] * 2
+    low = {p["run"]: p for p in r["points"] if p["rate"] == 0.5}
+    high = {p["run"]: p for p in r["points"] if p["rate"] == 40.0}
+    assert all(p["both"] >= 0.9 for p in low.values()) and all(p["both"] < 0.8 for p in high.values())
+    # the same rows for both runs: the same mean prompt per repeat
+    assert [x["mean_input"] for x in high["fcfs-recompute"]["repeats"]] == \
+        [x["mean_input"] for x in high["lvf-rotate"]["repeats"]]
+    for run in ("fcfs-recompute", "lvf-rotate"):
+        g = r["goodput"][run]
+        assert (g["goodput"], g["first_failing"], g["text"]) == (0.5, 40.0, "0.5")
+        b = r["binding"][run]
+        assert b["at"] == 40.0 and b["gpu_busy"] > 0.9 and b["ttft_attainment"] < 0.8
+        assert 0.0 <= b["kv_held_mean"] <= b["kv_held_peak"] <= 1.0
+    assert r["ratio"] == "1.00x"
+
+
+def test_goodput_rules() -> None:
+    plan = K.Plan((2.0, 3.0))
+    assert N.goodput_of({2.0: 0.95, 3.0: 0.5}, plan)["text"] == "2"
+    assert N.goodput_of({2.0: 0.5, 3.0: 0.95}, plan)["text"] == "< 2"  # a lower rate failed: no goodput
+    assert N.goodput_of({2.0: 0.95, 3.0: 0.92}, plan)["lower_bound"]
+    good = {"lvf-rotate": N.goodput_of({2.0: 0.95, 3.0: 0.92, 4.0: 0.3}, plan),
+            "fcfs-recompute": N.goodput_of({2.0: 0.95, 3.0: 0.5}, plan)}
+    assert N.ratio(good) == "1.50x"
+    good["fcfs-recompute"] = N.goodput_of({2.0: 0.5}, plan)
+    assert N.ratio(good).startswith("n/a")
+
+
+def test_predict_mixtral_command_writes_labelled_json_and_plot(tmp_path: Path) -> None:
+    assert P.main(["mixtral", "--settings", "mooncake-poisson", "--runs", "lvf-rotate", "--grid", "0.5",
+                   "--repeats", "1", "--min-req", "4", "--seconds", "1", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "mixtral.json").read_text())
+    assert data["label"] == "SIMULATED" and "4.2" in data["error_band"]
+    st = data["settings"]["mooncake-poisson"]
+    assert st["plan"]["grid"] == [0.5] and st["plan"]["offsets"] == [0]
+    # 0.5 passed, so the search tried one grid step above it (extend 1) and that passed too: a lower bound
+    assert st["goodput"]["lvf-rotate"]["text"] == ">= 0.75"
+    assert [p["rate"] for p in st["points"]] == [0.5, 0.75]
+    assert (tmp_path / "mixtral.png").stat().st_size > 0
