@@ -83,7 +83,8 @@ for s in $steps; do
             --repeats "${REPEATS:-3}" --min-req "${MIN_REQ:-150}" --seconds "${SECONDS_PER_POINT:-30}" \
             --budget-s "$BUDGET_S" --model "${MODEL:-preset:llama-3-8b}" --host-gb "${HOST_GB:-32}" \
             --max-in "${MAX_IN:-7680}" --max-out "${MAX_OUT:-256}" --traces-dir "${TRACES:-bench/data/traces}" \
-            ${RESUME:+--resume "$RESUME"} ${kv[@]+"${kv[@]}"} --out "$OUT/knee" 2>&1 | tee "$OUT/knee.log" ;;  # set SGLANG_EXT_COMMIT (+ SGLANG_EXT_DIRTY) where git is absent
+            ${RESUME:+--resume "$RESUME"} ${kv[@]+"${kv[@]}"} --out "$OUT/knee" 2>&1 | tee "$OUT/knee.log"  # set SGLANG_EXT_COMMIT (+ SGLANG_EXT_DIRTY) where git is absent
+          (cd "$OUT" && tar czf knee.tgz knee) ;;  # the device returns a limited number of files: the folder comes back whole in the archive
           # RESUME=DIR continues the search of an earlier call's knee folder (the same env otherwise; its points are not
           # rerun, its reports are copied to $OUT/knee). The device machine sees only what is sent: a call's $OUT comes back
           # here as files under /work/.device/N/, so put its knee/ in the tree before the next call, e.g. committed under
@@ -106,7 +107,8 @@ for s in $steps; do
             PYTHONPATH=$BASE timeout ${MOETUNE_TIMEOUT:-250} python3 bench/tune_moe.py --preset "$p" \
               ${MOETUNE_ARGS:-} 2>&1 | tail -25 | tee "$OUT/moe_tune_$p.log"
           done
-          cp sglang_ext/ops/moe/configs/*.json "$OUT/moe_configs/" 2>/dev/null ;;
+          cp sglang_ext/ops/moe/configs/*.json "$OUT/moe_configs/" 2>/dev/null
+          (cd "$OUT" && tar czf moe_configs.tgz moe_configs) ;;  # names with '=' and ',' do not come back as files
     moebench) for p in ${MOE_PRESETS:-mixtral-8x7b qwen3-30b-a3b}; do  # decode vs the experts-hit roofline, prefill, profile
             case $p in mixtral*) kv=300000 ;; *) kv=600000 ;; esac  # what fits beside the weights on one H200
             PYTHONPATH=$BASE:/tmp/fi timeout ${MOEBENCH_TIMEOUT:-280} python3 bench/offline.py --model-path "preset:$p" \
