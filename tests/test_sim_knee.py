@@ -86,3 +86,32 @@ def test_predict_mixtral_command_writes_labelled_json_and_plot(tmp_path: Path) -
     assert st["goodput"]["lvf-rotate"]["text"] == ">= 0.75"
     assert [p["rate"] for p in st["points"]] == [0.5, 0.75]
     assert (tmp_path / "mixtral.png").stat().st_size > 0
+
+
+def test_kvbind_settings_reach_the_gpu_tools_flags() -> None:
+    # the long-output / relaxed-TPOT workloads: what serving.py would be given for their points
+    sts = {st.name: st for st in P.kvbind_settings()}
+    assert len(sts) == 6 and not set(sts) & {st.name for st in P.mixtral_settings()}
+    st = sts["mc-out1024-tpot0.2-poisson"]
+    cfg = N.point_config(st, K.Plan(st.grid, 3, 20.0), 3.0, 1)
+    assert (cfg["max_output_len"], cfg["tbt_slo"], cfg["ttft_slo"], cfg["max_input_len"]) == (1024, 0.2, 5.0, 7680)
+    assert cfg["max_duration"] == pytest.approx(round(150 / 3 + 5 + 0.2 * 1024 + 15))
+
+
+def test_predict_mixtral_kvbind_runs_its_own_workloads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:  # a workload of the other command: a usage error naming the flag
+        P.main(["mixtral-kvbind", "--settings", "mooncake-poisson", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "--settings: mooncake-poisson is not a workload of mixtral-kvbind" in \
+        capsys.readouterr().err
+    assert P.main(["mixtral-kvbind", "--settings", "mc-out1024-poisson", "--grid", "0.5", "--repeats", "1",
+                   "--min-req", "4", "--seconds", "1", "--extend", "0", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "mixtral-kvbind.json").read_text())
+    assert data["label"] == "SIMULATED" and data["runs"] == ["fcfs-recompute", "lvf-rotate"]
+    st = data["settings"]["mc-out1024-poisson"]
+    assert (st["setting"]["max_out"], st["setting"]["tpot"]) == (1024, 0.1)
+    assert {p["run"] for p in st["points"]} == {"fcfs-recompute", "lvf-rotate"}
+    # the requests keep Mooncake's own output lengths (up to 1,024), not the 256 cap of `mixtral`
+    assert all(p["n"] == 4 for p in st["points"]) and st["goodput"]["lvf-rotate"]["text"] == ">= 0.5"
+    assert all(p["repeats"][0]["mean_output"] == (500 + 490 + 794 + 316) / 4 for p in st["points"])
+    assert (tmp_path / "mixtral-kvbind.png").stat().st_size > 0
+    assert not (tmp_path / "mixtral.json").exists()

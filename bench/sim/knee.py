@@ -117,6 +117,7 @@ def simulate(cfg: dict[str, Any], run: str, server: Server) -> dict[str, Any]:
     span = reqs[-1][0] if reqs else 0.0
     return {**{k: v / n for k, v in met.items()}, "scheduled": n, "realized_rate": (n - 1) / span if span else 0.0,
             "mean_input": float(np.mean([len(ids) for _, ids, _ in reqs])),
+            "mean_output": float(np.mean([n_out for _, _, n_out in reqs])),
             "gpu_busy": busy[0] / clock.t if clock.t else 0.0, "prefill_share": busy[1] / busy[0] if busy[0] else 0.0,
             "step_ms": 1e3 * busy[0] / busy[2] if busy[2] else 0.0,
             "kv_held_peak": max(held, default=0.0), "kv_held_mean": float(np.mean(held)) if held else 0.0,

@@ -5,6 +5,7 @@
     python -m bench.sim.predict rotation --out bench/results/2026-12-03-sim-predictions
     python -m bench.sim.predict fleet    --out bench/results/2026-12-03-sim-predictions
     python -m bench.sim.predict mixtral  --out bench/results/2026-12-03-sim-predictions
+    python -m bench.sim.predict mixtral-kvbind --out bench/results/2026-12-03-sim-predictions
 
 - weaver: WEAVER fair. A hot and a cold Llama-3-8B, each on a whole H200 (0.9); the hot model's
   goodput (highest rate on the grid with >= 90 % of requests within both SLOs) without and with
@@ -24,6 +25,10 @@
   (bench/sim/knee.py: the same plan, rows, union rule and bisection), fcfs-recompute, lvf-rotate and
   fcfs-rotate, on Mooncake and Azure conversation, Poisson and bursts; per run the strict goodput, the
   lvf/fcfs ratio, per-rate attainment, and whether KV or compute binds at the knee.
+- mixtral-kvbind: the same server and method, fcfs-recompute and lvf-rotate only, on six workloads
+  chosen for KV to bind before compute (issue 33's "KV rotation where KV truly binds"): Mooncake with
+  its own output lengths (max-out 1,024 / 2,048 instead of 256), TPOT 0.1 s and a relaxed 0.2 s,
+  Poisson and bursts, and Azure conversation with its own outputs at TPOT 0.2 s.
 Each writes <what>.json and <what>.png into --out.
 """
 
@@ -185,17 +190,41 @@ def mixtral_settings() -> list[Any]:
             Setting("azure-conv-burst", "azure-conv", "burst", (4.0, 8.0, 12.0, 16.0), 2048, ttft=2.0)]
 
 
+KVBIND_RUNS = ("fcfs-recompute", "lvf-rotate")
+
+
+def kvbind_settings() -> list[Any]:
+    """Workloads where KV may bind before compute for Mixtral at 0.9: requests that hold their KV longer.
+    Mooncake (inputs cut to 7,680 as the measured knee, TTFT 5 s) with its own outputs (mean 343, 65 %
+    over 256, 1 % over 1,024: max-out 1,024 keeps nearly all, 2,048 a reasoning-like cap), at the strict
+    TPOT 0.1 s and a relaxed 0.2 s (some platforms' MoE SLO); Azure conversation (inputs cut to 2,048,
+    TTFT 2 s) with its own outputs (p99 601). Azure code is left out: its outputs (median 13 tokens) hold
+    KV too briefly to bind; ServeGen has per-window statistics only, no requests to replay."""
+    from bench.sim.knee import Setting
+
+    return [Setting("mc-out1024-poisson", "mooncake", "poisson", (1.5, 2.0, 2.5, 3.0), 7680, 1024, 5.0, 0.1),
+            Setting("mc-out1024-burst", "mooncake", "burst", (1.0, 1.5, 2.0, 2.5), 7680, 1024, 5.0, 0.1),
+            Setting("mc-out1024-tpot0.2-poisson", "mooncake", "poisson", (2.0, 2.5, 3.0, 3.5), 7680, 1024, 5.0, 0.2),
+            Setting("mc-out1024-tpot0.2-burst", "mooncake", "burst", (1.5, 2.0, 2.5, 3.0), 7680, 1024, 5.0, 0.2),
+            Setting("mc-out2048-tpot0.2-poisson", "mooncake", "poisson", (2.0, 2.5, 3.0, 3.5), 7680, 2048, 5.0,
+                    0.2),
+            Setting("conv-out1024-tpot0.2-poisson", "azure-conv", "poisson", (12.0, 16.0, 20.0, 24.0), 2048, 1024,
+                    2.0, 0.2)]
+
+
 def mixtral(a: argparse.Namespace) -> dict[str, Any]:
     from bench import goodput_knee as K
     from bench.sim import knee as N
     from bench.sim.cost import DEFAULT_CALIBRATION, CostModel
 
     server = N.Server((MIXTRAL_POOL_PAGES - 1) * 16, 32.0, CostModel.load(DEFAULT_CALIBRATION, "mixtral-8x7b"))
-    settings = [st for st in mixtral_settings() if not a.settings or st.name in a.settings]
-    runs = tuple(a.runs or MIXTRAL_RUNS)
+    kvbind = a.what == "mixtral-kvbind"
+    pool = kvbind_settings() if kvbind else mixtral_settings()
+    settings = [st for st in pool if not a.settings or st.name in a.settings]
+    runs = tuple(a.runs or (KVBIND_RUNS if kvbind else MIXTRAL_RUNS))
     res: dict[str, Any] = {"setup": "mixtral-8x7b (preset geometry), one H200 at 0.9: pool 19,550 pages x 16 tokens "
-                                    "(312,784 usable tokens, as the s5 server logged), 32 GiB host pool; TPOT 0.1 s "
-                                    "mean; strict method of bench/goodput_knee.py (bench/sim/knee.py)",
+                                    "(312,784 usable tokens, as the s5 server logged), 32 GiB host pool; mean TPOT as "
+                                    "each setting's tpot; strict method of bench/goodput_knee.py (bench/sim/knee.py)",
                            "runs": list(runs), "settings": {}}
     for st in settings:
         if a.grid:
@@ -267,7 +296,7 @@ def plot(name: str, data: dict[str, Any], out: Path) -> None:
         ax.set_title("SIMULATED: PD vs Adrenaline, 2 x H200, Mooncake <= 4K" if name == "pd"
                      else "SIMULATED: rotation, quarter H200, Mooncake")
         ax.legend(fontsize=7)
-    elif name == "mixtral":  # one panel per workload: mean attainment (repeat range as bars) per run
+    elif name in ("mixtral", "mixtral-kvbind"):  # a panel per workload: mean attainment (repeat range as bars)
         names = list(data["settings"])
         cols = min(2, len(names))
         rows = -(-len(names) // cols)
@@ -300,7 +329,7 @@ def plot(name: str, data: dict[str, Any], out: Path) -> None:
         ax.set_ylabel("fewest GPUs for 90 % within both SLOs")
         ax.set_title(f"SIMULATED: ServeGen mix, {data['setup'].split(' at ')[1].split(' (')[0]}")
     band = ("SIMULATED (Mixtral knee replay: +1.1 / +6.9 points at 2 / 3 req/s; serving MAE 4.2 points, "
-            "optimistic by +3.7 over 127 points; see docs/simulator.md)" if name == "mixtral" else
+            "optimistic by +3.7 over 127 points; see docs/simulator.md)" if name.startswith("mixtral") else
             "SIMULATED (cost model: decode step error <= 5 % held out; see docs/simulator.md)")
     fig.text(0.01, 0.01, band, fontsize=6)
     fig.tight_layout()
@@ -309,7 +338,7 @@ def plot(name: str, data: dict[str, Any], out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.sim.predict", description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=["weaver", "pd", "rotation", "fleet", "mixtral", "plot"])
+    p.add_argument("what", choices=["weaver", "pd", "rotation", "fleet", "mixtral", "mixtral-kvbind", "plot"])
     p.add_argument("--out", type=Path, default=Path("bench/results/2026-12-03-sim-predictions"))
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--seed", type=int, default=0)
@@ -318,10 +347,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--total-rate", type=float, default=96.0)
     p.add_argument("--per-model", action=argparse.BooleanOptionalAction, default=True,
                    help="fleet: every model must keep 90 %% within both SLOs (--no-per-model: 90 %% of all requests)")
-    m = p.add_argument_group("mixtral (strict knee search; --seconds is the plan's seconds per point)")
-    m.add_argument("--settings", nargs="+", choices=[st.name for st in mixtral_settings()],
-                   help="workloads to run (default: all four)")
-    m.add_argument("--runs", nargs="+", help=f"POLICY-MODE runs (default: {' '.join(MIXTRAL_RUNS)})")
+    m = p.add_argument_group("mixtral, mixtral-kvbind (strict knee search; --seconds is the plan's seconds per point)")
+    m.add_argument("--settings", nargs="+", choices=[st.name for st in mixtral_settings() + kvbind_settings()],
+                   help="workloads to run (default: all of the command's: mixtral's four, mixtral-kvbind's six)")
+    m.add_argument("--runs", nargs="+", help=f"POLICY-MODE runs (default: mixtral {' '.join(MIXTRAL_RUNS)}, "
+                   f"mixtral-kvbind {' '.join(KVBIND_RUNS)})")
     m.add_argument("--grid", nargs="+", type=float, help="one grid for every chosen workload (default: each its own)")
     m.add_argument("--repeats", type=int, default=3)
     m.add_argument("--min-req", type=int, default=150)
@@ -329,12 +359,18 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     if a.what == "plot":  # redraw every plot from its JSON
-        for name in ("weaver", "pd", "rotation", "fleet", "mixtral"):
+        for name in ("weaver", "pd", "rotation", "fleet", "mixtral", "mixtral-kvbind"):
             f = a.out / f"{name}.json"
             if f.is_file():
                 plot(name, json.loads(f.read_text()), a.out)
         return 0
-    data = {"weaver": weaver, "pd": pd, "rotation": rotation, "fleet": fleet, "mixtral": mixtral}[a.what](a)
+    if a.what in ("mixtral", "mixtral-kvbind") and a.settings:
+        own = [st.name for st in (kvbind_settings() if a.what == "mixtral-kvbind" else mixtral_settings())]
+        unknown = [s for s in a.settings if s not in own]
+        if unknown:  # the other command's workload: exit 2 naming the flag and this command's workloads
+            p.error(f"--settings: {', '.join(unknown)} is not a workload of {a.what} (its workloads: {', '.join(own)})")
+    data = {"weaver": weaver, "pd": pd, "rotation": rotation, "fleet": fleet, "mixtral": mixtral,
+            "mixtral-kvbind": mixtral}[a.what](a)
     data["args"] = {k: str(v) for k, v in vars(a).items()}
     _save(a.out, a.what, data)
     plot(a.what, json.loads((a.out / f"{a.what}.json").read_text()), a.out)
