@@ -115,3 +115,26 @@ def test_predict_mixtral_kvbind_runs_its_own_workloads(tmp_path: Path, capsys: p
     assert all(p["repeats"][0]["mean_output"] == (500 + 490 + 794 + 316) / 4 for p in st["points"])
     assert (tmp_path / "mixtral-kvbind.png").stat().st_size > 0
     assert not (tmp_path / "mixtral.json").exists()
+
+
+def test_pool_check_tells_kv_from_compute(server: N.Server) -> None:
+    long_out = N.Setting("mc-long", "mooncake", "poisson", (0.5,), 7680, 1024, 5.0, 0.2)
+    plan = K.Plan(long_out.grid, repeats=1, seconds=0.5, min_req=6)
+    # a pool of ~two Mooncake requests: six long requests 2 s apart queue for room and miss TTFT 5 s ...
+    small = N.Server(12_000, 32.0, server.cost)
+    assert N.point(long_out, plan, "fcfs-recompute", 0.5, small)["mean"]["ttft"] < 0.9
+    # ... and with 30x that pool they pass: KV bound them
+    c = N.pool_check(long_out, plan, "fcfs-recompute", 0.5, small, 30.0)
+    assert c["passes"] and c["verdict"].startswith("KV binds") and c["factor"] == 30.0
+    # 20 prefills of ~6K tokens at 40 req/s miss TTFT with any pool: compute binds
+    busy = N.pool_check(MOONCAKE, K.Plan(MOONCAKE.grid, 1, 0.5, 8), "fcfs-recompute", 40.0, server, 2.0)
+    assert not busy["passes"] and busy["verdict"].startswith("compute")
+
+
+def test_search_reuses_an_earlier_searchs_points(server: N.Server) -> None:
+    plan = K.Plan(MOONCAKE.grid, repeats=1, seconds=0.5, min_req=4, tolerance=100.0)
+    first = N.search(MOONCAKE, ["fcfs-recompute"], plan, server, log=lambda _: None)
+    reuse = {(p["run"], p["rate"]): p for p in first["points"]}
+    again = N.search(MOONCAKE, ["fcfs-recompute"], plan, server, log=lambda _: None, reuse=reuse)
+    assert again["points"] == first["points"] and again["goodput"] == first["goodput"]
+    assert all(any(p is q for q in reuse.values()) for p in again["points"])  # taken, not replayed

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,9 +148,12 @@ def goodput_of(curve: dict[float, float], plan: K.Plan) -> dict[str, Any]:
 
 
 def search(st: Setting, runs: Sequence[str], plan: K.Plan, server: Server,
-           log: Callable[[str], None] = print) -> dict[str, Any]:
+           log: Callable[[str], None] = print,
+           reuse: Mapping[tuple[str, float], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Every run's knee under goodput_knee.py's rules (union of rates below each run's first failure,
-    bisection to the plan's tolerance, `extend` steps above a grid that all passed)."""
+    bisection to the plan's tolerance, `extend` steps above a grid that all passed). `reuse`: points of
+    an earlier search of the same setting, plan and server, by (run, rate), taken instead of replayed
+    (the replay is deterministic, so the search takes the same path)."""
     curves: dict[str, dict[float, float]] = {r: {} for r in runs}
     points: list[dict[str, Any]] = []
     moved = True
@@ -163,7 +166,7 @@ def search(st: Setting, runs: Sequence[str], plan: K.Plan, server: Server,
                 if rate is None:
                     break
                 t0 = time.perf_counter()
-                p = point(st, plan, run, rate, server)
+                p = reuse[run, rate] if reuse and (run, rate) in reuse else point(st, plan, run, rate, server)
                 curves[run][rate] = p["both"]
                 points.append(p)
                 moved = True
@@ -216,3 +219,18 @@ def binding(points: Sequence[dict[str, Any]], run: str, good: dict[str, Any]) ->
             "kv_held_mean": m["kv_held_mean"], "prefill_share": m["prefill_share"], "step_ms": m["step_ms"],
             "rotations_out": m["rotations_out"], "preemptions": m["preemptions"],
             "waiting_peak": m["waiting_peak"], "ttft_attainment": m["ttft"], "tpot_attainment": m["tbt"]}
+
+
+def pool_check(st: Setting, plan: K.Plan, run: str, rate: float, server: Server, factor: float = 2.0
+               ) -> dict[str, Any]:
+    """Does KV bind at a failing point? The same point with the GPU pool `factor` times larger (a
+    counterfactual: no H200 has that room beside Mixtral) and everything else equal. Passing there means
+    the pool, not compute, failed it; failing there too means compute does (or both)."""
+    big = Server(int(server.pool_tokens * factor), server.host_gb, server.cost)
+    p = point(st, plan, run, rate, big)
+    m = p["mean"]
+    passed = p["both"] >= plan.target
+    return {"factor": factor, "rate": rate, "both": p["both"], "both_range": p["both_range"], "ttft": m["ttft"],
+            "tbt": m["tbt"], "kv_held_peak": m["kv_held_peak"], "step_ms": m["step_ms"], "passes": passed,
+            "verdict": "KV binds (passes with the larger pool)" if passed
+            else "compute binds too (fails with the larger pool)"}

@@ -212,6 +212,20 @@ def kvbind_settings() -> list[Any]:
                     2.0, 0.2)]
 
 
+def _reusable(path: Path | None, st: Any, plan: Any) -> dict[tuple[str, float], dict[str, Any]]:
+    """Points of an earlier output JSON (--reuse) for this setting, kept only where its setting and plan
+    are exactly this run's (the replay is deterministic: a reused point is the point)."""
+    if path is None:
+        return {}
+    old = json.loads(path.read_text()).get("settings", {}).get(st.name)
+    if old is None or old["setting"] != st.__dict__ | {"grid": list(st.grid)} or \
+            old["plan"]["grid"] != list(plan.rates) or \
+            [old["plan"][k] for k in ("repeats", "seconds", "min_req", "target", "tolerance", "extend")] != \
+            [plan.repeats, plan.seconds, plan.min_req, plan.target, plan.tolerance, plan.extend]:
+        return {}
+    return {(p["run"], p["rate"]): p for p in old["points"]}
+
+
 def mixtral(a: argparse.Namespace) -> dict[str, Any]:
     from bench import goodput_knee as K
     from bench.sim import knee as N
@@ -231,7 +245,15 @@ def mixtral(a: argparse.Namespace) -> dict[str, Any]:
             st = dataclasses.replace(st, grid=tuple(a.grid))
         plan = K.Plan(st.grid, a.repeats, a.seconds, a.min_req, 0.9, K.TOLERANCE, a.extend)
         t0 = time.time()
-        r = N.search(st, runs, plan, server)
+        r = N.search(st, runs, plan, server, reuse=_reusable(a.reuse, st, plan))
+        if a.pool_check:  # each run's first failing rate again with twice the pool: does KV bind there?
+            for run in runs:
+                hi = r["goodput"][run]["first_failing"]
+                if hi is not None:
+                    r["binding"][run]["pool_x2"] = c = N.pool_check(st, plan, run, hi, server, 2.0)
+                    print(f"   {run:<15} at {hi:g} req/s with a 2x pool: both {100 * c['both']:.1f} % "
+                          f"(TTFT {100 * c['ttft']:.0f}, TPOT {100 * c['tbt']:.0f}, KV peak "
+                          f"{100 * c['kv_held_peak']:.0f} %): {c['verdict']}", flush=True)
         res["settings"][st.name] = r
         print(f"== {st.name}: strict goodput " + ", ".join(f"{run} {g['text']}" for run, g in r["goodput"].items())
               + f"; lvf/fcfs {r['ratio']}  [{time.time() - t0:.0f} s]", flush=True)
@@ -356,6 +378,11 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--repeats", type=int, default=3)
     m.add_argument("--min-req", type=int, default=150)
     m.add_argument("--extend", type=int, default=1, help="grid steps tried above a grid that all passed")
+    m.add_argument("--pool-check", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay each run's first failing rate with twice the pool: passing there means KV binds "
+                        "(default: on for mixtral-kvbind, off for mixtral)")
+    m.add_argument("--reuse", type=Path, help="an earlier output JSON whose points of the same setting and plan "
+                   "are taken instead of replayed (deterministic: same results, minutes saved)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     if a.what == "plot":  # redraw every plot from its JSON
@@ -369,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [s for s in a.settings if s not in own]
         if unknown:  # the other command's workload: exit 2 naming the flag and this command's workloads
             p.error(f"--settings: {', '.join(unknown)} is not a workload of {a.what} (its workloads: {', '.join(own)})")
+    if a.pool_check is None:
+        a.pool_check = a.what == "mixtral-kvbind"
+    if a.reuse is not None and not a.reuse.is_file():
+        p.error(f"--reuse: {a.reuse} is not a file")
     data = {"weaver": weaver, "pd": pd, "rotation": rotation, "fleet": fleet, "mixtral": mixtral,
             "mixtral-kvbind": mixtral}[a.what](a)
     data["args"] = {k: str(v) for k, v in vars(a).items()}
