@@ -79,9 +79,11 @@ def test_adaptive_outputs_equal_without_offload_and_its_ratio_moves(server: Serv
     assert [o["output_ids"] for o in outs] == want
     assert "cold-0" in {o["meta_info"]["attention_executor"] for o in outs}
     # cold serves nothing, so it has slack: the share rose while hot-b had requests, and the sender
-    # follows the planner's latest decision
+    # follows the planner's latest decision. The planner may look again after the last request ended
+    # (the sender then has nothing to send): it holds the share, and says so.
     p = pairing(server, "hot-b-0")
-    assert p["updates"] > 0 and p["ratio"] > 0.3 and p["why"].startswith(("raised", "at max_ratio")), p
+    held = ("raised", "at max_ratio", "slack (")  # "slack (...), the sender has nothing to send"
+    assert p["updates"] > 0 and p["ratio"] > 0.3 and p["why"].startswith(held), p
     wait_for(lambda: server.worker("hot-b-0")["load"]["offload_ratio"] == pairing(server, "hot-b-0")["ratio"], 10,
              "the sender's ratio in force is the planner's")
     with server.client() as c:
