@@ -1,0 +1,191 @@
+"""Issue 32's open one-GPU runs, predicted before they run. SIMULATED.
+
+    python -m bench.sim.open_runs --out bench/results/2026-12-03-sim-open-runs
+    python -m bench.sim.open_runs --rows 2 5 --out /tmp/open
+
+docs/benchmarks.md "Open runs (issue 32)" lists the lvf/fcfs and rotate/recompute knees still owed on
+one H200 (Llama-3-8B, Mooncake, dummy weights). Device time is scarce (30 min a session, often less),
+so each row is first searched here with bench/goodput_knee.py's strict method on the simulator
+(bench/sim/knee.py: the same plan, rows, union rule and bisection), at the pool a server logged at the
+row's share (bench/results; else the engine's memory math). Per row this prints and saves:
+
+- each run's predicted strict goodput and first failing rate, the lvf/fcfs (or rotate/recompute) ratio
+  and what binds at the knee (KV or compute);
+- a suggested GPU grid: every run's predicted bracket (goodput, first failing rate) and one guard rate a
+  tolerance step under the lowest predicted goodput (the simulator reads attainment ~4 points high near
+  the knee: docs/simulator.md, "Error band"), so a call starts on the bracket instead of walking to it;
+- that grid searched again on the simulator (its own plan: offsets follow the grid's top rate), with the
+  points the call would visit and an ESTIMATE of its device seconds (each repeat's simulated span from
+  the first arrival to the last token, plus per-repeat and per-server overheads measured on the s5
+  calls) and of the 9-minute calls it needs.
+
+These are predictions made before the runs: when a row runs, bench.sim.replay_sweeps scores the
+prediction against it. Nothing here is fitted to the results it predicts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+
+from bench import goodput_knee as K
+from bench.sim import knee as N
+from bench.sim.cost import DEFAULT_CALIBRATION, CostModel
+from bench.sim.fleet import ERROR_BAND
+from bench.sim.replay_sweeps import PANELS, RESULTS, logged_pool, memory_constants, pages_from_share
+
+MODEL: Final = "llama-3-8b"
+HOST_GB: Final = 32.0
+PAGE: Final = 16
+# device-time overheads of a knee call beyond the requests' own span, read off the s5 Mixtral call
+# (c3-mixtral-knee: server ready in 35.5 s; a repeat's report, metrics scrape and flush ~4 s): estimates
+SERVER_START_S: Final = 35.0
+REPEAT_OVERHEAD_S: Final = 4.0
+CALL_BUDGET_S: Final = 500.0  # KNEE_END_S=560 less warm-up and the tar
+
+
+@dataclass(frozen=True)
+class Row:
+    """One open row of docs/benchmarks.md: its workload, share and runs, with a broad search grid."""
+
+    row: str
+    setting: N.Setting
+    share: float
+    runs: tuple[str, ...]
+
+
+LVF: Final = ("fcfs-recompute", "lvf-rotate")
+
+
+def rows() -> list[Row]:
+    """Rows 1-7 of "Open runs (issue 32)" (row 7's 1/4-share half folds into row 2 as a third run, as the
+    doc suggests). Row 8 (in-process remote attention, adaptive vs off vs fixed) is not here: the
+    simulator prices a remote executor on another GPU, not one sharing the sender's."""
+    S = N.Setting
+    return [
+        Row("1", S("share025-ttft2-poisson", "mooncake", "poisson", (4.0, 5.0), 7680, ttft=2.0), 0.25, LVF),
+        Row("2+7a", S("share025-ttft5-poisson", "mooncake", "poisson", (6.0, 7.0, 8.0), 7680), 0.25,
+            (*LVF, "fcfs-rotate")),
+        Row("3", S("share05-ttft5-poisson", "mooncake", "poisson", (5.0, 6.0, 7.0), 7680), 0.5, LVF),
+        Row("4", S("share05-ttft2-poisson", "mooncake", "poisson", (4.0, 5.0, 6.0), 7680, ttft=2.0), 0.5, LVF),
+        Row("5", S("share025-ttft5-burst", "mooncake", "burst", (3.0, 4.0, 5.0), 7680), 0.25, LVF),
+        Row("6", S("share0125-ttft5-burst", "mooncake", "burst", (1.5, 2.0, 2.5), 7680), 0.125, LVF),
+        Row("7b", S("share0125-ttft5-poisson", "mooncake", "poisson", (1.0, 1.5, 2.0), 7680), 0.125,
+            ("fcfs-recompute", "fcfs-rotate")),
+    ]
+
+
+def pool_at(share: float, model: str = MODEL) -> tuple[int, str]:
+    """Usable pool tokens at `share` ((pages - 1) x page: page 0 is reserved) and where the figure comes
+    from: the latest server log of a sweep at that share and model, else the engine's memory math."""
+    for panel in reversed(PANELS):
+        for sw in panel.sweeps:
+            if sw.share != share or sw.model != model:
+                continue
+            for log in sorted((RESULTS / sw.folder).glob("gp_server_*.log")):
+                got = logged_pool(log)
+                if got is not None:
+                    return (got[0] - 1) * got[1], f"{sw.folder}/{log.name} ({got[0]} pages)"
+    pages = pages_from_share(share, model, PAGE, *memory_constants())
+    return (pages - 1) * PAGE, f"memory math ({pages} pages)"
+
+
+def suggested_grid(good: dict[str, dict[str, Any]], tolerance: float) -> tuple[float, ...]:
+    """Every run's predicted bracket and a guard rate one tolerance step under the lowest goodput."""
+    rates = {r for g in good.values() for r in (g["goodput"], g["first_failing"]) if r is not None}
+    lows = [g["goodput"] for g in good.values() if g["goodput"] is not None]
+    if lows:  # rounded down to a quarter (an eighth under 2 req/s) so the GPU grid reads plainly
+        q = 0.25 if min(lows) >= 2 else 0.125
+        guard = math.floor(min(lows) / (1 + tolerance) / q) * q
+        if guard > 0:
+            rates.add(guard)
+    return tuple(sorted(rates))
+
+
+def device_estimate(result: dict[str, Any], runs: tuple[str, ...]) -> dict[str, Any]:
+    """Seconds a GPU call would spend on the points the simulated search visited: each repeat's span
+    (first arrival to last token, or serving.py's max_duration) plus a per-repeat overhead, and one server
+    start per run. An ESTIMATE, for planning calls only."""
+    span = sum(rep["end_s"] + REPEAT_OVERHEAD_S for p in result["points"] for rep in p["repeats"])
+    total = span + SERVER_START_S * len(runs)
+    return {"points": len(result["points"]), "seconds": round(total), "calls": math.ceil(total / CALL_BUDGET_S),
+            "basis": f"simulated spans + {REPEAT_OVERHEAD_S:g} s a repeat + {SERVER_START_S:g} s a server start; "
+                     f"{CALL_BUDGET_S:g} s of points a 9-minute call"}
+
+
+def gpu_command(row: Row, grid: tuple[float, ...]) -> str:
+    st = row.setting
+    env = [f'RUNS="{" ".join(row.runs)}"', f"SHARE={row.share:g}", f"TRACE={st.trace}", f"ARRIVAL={st.arrival}",
+           f"MAX_IN={st.max_in}", f"MAX_OUT={st.max_out}", f"TTFT={st.ttft:g}", f"TPOT={st.tpot:g}",
+           f'GRID="{" ".join(f"{r:g}" for r in grid)}"', "REPEATS=3", "MIN_REQ=150", "SECONDS_PER_POINT=20",
+           "KNEE_END_S=560"]
+    return " ".join(env) + " bash bench/gpu_session.sh warm knee"
+
+
+def predict_row(row: Row, cost: CostModel, a: argparse.Namespace) -> dict[str, Any]:
+    pool, source = pool_at(row.share)
+    server = N.Server(pool, HOST_GB, cost)
+    st = row.setting
+    plan = K.Plan(st.grid, a.repeats, a.seconds, a.min_req, 0.9, a.tolerance, a.extend)
+    t0 = time.time()
+    broad = N.search(st, row.runs, plan, server)
+    grid = suggested_grid(broad["goodput"], K.TOLERANCE)
+    check = None
+    if grid:
+        tight = dataclasses.replace(st, grid=grid)
+        check = N.search(tight, row.runs, dataclasses.replace(plan, grid=grid), server)
+    est = device_estimate(check, row.runs) if check else None
+    out = {"row": row.row, "share": row.share, "pool_tokens": pool, "pool_source": source, "runs": list(row.runs),
+           "broad": broad, "suggested_grid": list(grid), "suggested": check, "device_estimate": est,
+           "gpu_command": gpu_command(row, grid) if grid else None}
+    say = ", ".join(f"{run} {g['text']}" for run, g in broad["goodput"].items())
+    print(f"== row {row.row} {st.name} (share {row.share:g}, pool {pool:,} tokens from {source}): strict goodput "
+          f"{say}; lvf/fcfs {broad['ratio']}, rotate/recompute "
+          f"{N.ratio(broad['goodput'], 'fcfs-rotate', 'fcfs-recompute')}  [{time.time() - t0:.0f} s]", flush=True)
+    for run, b in broad["binding"].items():
+        if b["at"] is not None:
+            print(f"   {run:<15} at {b['at']:g} req/s: {b['verdict']} (GPU busy {100 * b['gpu_busy']:.0f} %, KV peak "
+                  f"{100 * b['kv_held_peak']:.0f} %, rotations {b['rotations_out']:.0f}, preemptions "
+                  f"{b['preemptions']:.0f})", flush=True)
+    if check is not None and est is not None:
+        again = ", ".join(f"{run} {g['text']}" for run, g in check["goodput"].items())
+        print(f"   suggested GRID {' '.join(f'{r:g}' for r in grid)}: {again}; {est['points']} points, "
+              f"~{est['seconds']} s of device time (ESTIMATE), {est['calls']} call(s)\n   {out['gpu_command']}",
+              flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.sim.open_runs", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", nargs="+", choices=[r.row for r in rows()], help="rows to predict (default: all)")
+    p.add_argument("--out", type=Path, default=Path("bench/results/2026-12-03-sim-open-runs"))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=20.0, help="the plan's seconds per point (SECONDS_PER_POINT)")
+    p.add_argument("--min-req", type=int, default=150)
+    p.add_argument("--extend", type=int, default=1, help="grid steps tried above a grid that all passed")
+    p.add_argument("--tolerance", type=float, default=K.TOLERANCE,
+                   help="bisect until the first failing rate is within this fraction of the last passing one")
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    cost = CostModel.load(DEFAULT_CALIBRATION, MODEL)
+    chosen = [r for r in rows() if not a.rows or r.row in a.rows]
+    res = {"label": "SIMULATED", "error_band": ERROR_BAND, "model": MODEL, "host_gb": HOST_GB,
+           "rows": {r.row: predict_row(r, cost, a) for r in chosen}, "args": {k: str(v) for k, v in vars(a).items()}}
+    a.out.mkdir(parents=True, exist_ok=True)
+    name = "open-runs" if not a.rows else "open-runs-" + "-".join(a.rows)
+    (a.out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
+    print(ERROR_BAND)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

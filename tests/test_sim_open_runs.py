@@ -1,0 +1,63 @@
+"""bench/sim/open_runs.py: issue 32's open rows predicted on the simulator, with a GPU grid on the
+predicted bracket and the device time that grid would cost (small plans, so a CPU test)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import pytest
+
+from bench.sim import knee as N
+from bench.sim import open_runs as O
+from bench.sim.cost import DEFAULT_CALIBRATION, CostModel
+
+
+def test_suggested_grid_is_every_bracket_and_a_guard_below() -> None:
+    good = {"fcfs-recompute": {"goodput": 4.75, "first_failing": 5.0},
+            "lvf-rotate": {"goodput": 5.0, "first_failing": 5.5}}
+    # 4.75 / 1.1 = 4.32, rounded down to a quarter
+    assert O.suggested_grid(good, 0.1) == (4.25, 4.75, 5.0, 5.5)
+    # a lower bound (nothing failed) and a run below its lowest rate add what they know
+    good = {"a": {"goodput": 1.5, "first_failing": None}, "b": {"goodput": None, "first_failing": 1.0}}
+    assert O.suggested_grid(good, 0.1) == (1.0, 1.25, 1.5)  # 1.5 / 1.1 = 1.36, down to an eighth
+    assert O.suggested_grid({"a": {"goodput": None, "first_failing": None}}, 0.1) == ()
+    assert O.suggested_grid({"a": {"goodput": 0.1, "first_failing": 0.2}}, 0.1) == (0.1, 0.2)  # no guard at 0
+
+
+def test_pools_come_from_the_logged_servers_at_each_share() -> None:
+    for share in (0.125, 0.25, 0.5):
+        tokens, source = O.pool_at(share)
+        assert "gp_server_" in source and tokens % 16 == 0
+    # a larger share holds a larger pool (weights are the same)
+    assert O.pool_at(0.125)[0] < O.pool_at(0.25)[0] < O.pool_at(0.5)[0]
+
+
+def test_rows_are_the_open_rows_and_their_commands_are_gpu_session_calls() -> None:
+    rows = {r.row: r for r in O.rows()}
+    assert set(rows) == {"1", "2+7a", "3", "4", "5", "6", "7b"}
+    assert rows["2+7a"].runs == ("fcfs-recompute", "lvf-rotate", "fcfs-rotate")
+    assert rows["7b"].runs == ("fcfs-recompute", "fcfs-rotate") and rows["7b"].share == 0.125
+    cmd = O.gpu_command(rows["5"], (3.5, 4.0))
+    assert 'RUNS="fcfs-recompute lvf-rotate" SHARE=0.25' in cmd and "ARRIVAL=burst" in cmd
+    assert 'GRID="3.5 4"' in cmd and cmd.endswith("bash bench/gpu_session.sh warm knee")
+
+
+def test_a_row_is_searched_then_its_suggested_grid_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    # one request every 2 s passes at a quarter share; 60 ~6K-token prompts at 120 req/s cannot (the
+    # 8B prefills well under 70K tokens/s: the last ones wait past the 5 s TTFT)
+    row = O.Row("t", N.Setting("t", "mooncake", "poisson", (0.5, 120.0), 7680), 0.25, O.LVF)
+    a = argparse.Namespace(repeats=1, seconds=0.5, min_req=6, extend=0, tolerance=100.0)
+    r = O.predict_row(row, CostModel.load(DEFAULT_CALIBRATION, O.MODEL), a)
+    for run in O.LVF:
+        g = r["broad"]["goodput"][run]
+        assert g["goodput"] is not None and g["first_failing"] is not None
+        assert g["goodput"] in r["suggested_grid"] and g["first_failing"] in r["suggested_grid"]
+    assert r["suggested"]["plan"]["grid"] == r["suggested_grid"]
+    est = r["device_estimate"]
+    assert est["points"] == len(r["suggested"]["points"]) and est["seconds"] > 2 * O.SERVER_START_S
+    assert est["calls"] >= 1 and r["gpu_command"].startswith('RUNS="fcfs-recompute lvf-rotate" SHARE=0.25')
+    assert "suggested GRID" in capsys.readouterr().out
