@@ -46,18 +46,25 @@ def test_rows_are_the_open_rows_and_their_commands_are_gpu_session_calls() -> No
     assert 'GRID="3.5 4"' in cmd and cmd.endswith("bash bench/gpu_session.sh warm knee")
 
 
-def test_a_row_is_searched_then_its_suggested_grid_checked(capsys: pytest.CaptureFixture[str]) -> None:
+def test_visits_follow_the_union_rule_up_to_each_first_failure() -> None:
+    good = {"a": {"goodput": 4.75, "first_failing": 5.0}, "b": {"goodput": 5.5, "first_failing": None}}
+    assert O.visits(good, (4.25, 4.75, 5.0, 5.5)) == {"a": [4.25, 4.75, 5.0], "b": [4.25, 4.75, 5.0, 5.5]}
+
+
+def test_a_row_is_searched_and_its_gpu_call_estimated(capsys: pytest.CaptureFixture[str]) -> None:
     # one request every 2 s passes at a quarter share; 60 ~6K-token prompts at 120 req/s cannot (the
     # 8B prefills well under 70K tokens/s: the last ones wait past the 5 s TTFT)
     row = O.Row("t", N.Setting("t", "mooncake", "poisson", (0.5, 120.0), 7680), 0.25, O.LVF)
     a = argparse.Namespace(repeats=1, seconds=0.5, min_req=6, extend=0, tolerance=100.0)
     r = O.predict_row(row, CostModel.load(DEFAULT_CALIBRATION, O.MODEL), a)
     for run in O.LVF:
-        g = r["broad"]["goodput"][run]
+        g = r["search"]["goodput"][run]
         assert g["goodput"] is not None and g["first_failing"] is not None
         assert g["goodput"] in r["suggested_grid"] and g["first_failing"] in r["suggested_grid"]
-    assert r["suggested"]["plan"]["grid"] == r["suggested_grid"]
     est = r["device_estimate"]
-    assert est["points"] == len(r["suggested"]["points"]) and est["seconds"] > 2 * O.SERVER_START_S
+    assert est["visits"] == O.visits(r["search"]["goodput"], tuple(r["suggested_grid"]))
+    spans = [p["mean"]["end_s"] for p in r["search"]["points"]]
+    assert 2 * O.SERVER_START_S + est["points"] * min(spans) <= est["seconds"]
+    assert est["seconds"] <= 2 * O.SERVER_START_S + est["points"] * (max(spans) + O.REPEAT_OVERHEAD_S) + 1
     assert est["calls"] >= 1 and r["gpu_command"].startswith('RUNS="fcfs-recompute lvf-rotate" SHARE=0.25')
     assert "suggested GRID" in capsys.readouterr().out

@@ -14,10 +14,11 @@ row's share (bench/results; else the engine's memory math). Per row this prints 
 - a suggested GPU grid: every run's predicted bracket (goodput, first failing rate) and one guard rate a
   tolerance step under the lowest predicted goodput (the simulator reads attainment ~4 points high near
   the knee: docs/simulator.md, "Error band"), so a call starts on the bracket instead of walking to it;
-- that grid searched again on the simulator (its own plan: offsets follow the grid's top rate), with the
-  points the call would visit and an ESTIMATE of its device seconds (each repeat's simulated span from
-  the first arrival to the last token, plus per-repeat and per-server overheads measured on the s5
-  calls) and of the 9-minute calls it needs.
+- the points a call on that grid would measure if the GPU agrees with the prediction (under the union
+  rule every run measures each grid rate up to its own first failing one) and an ESTIMATE of its device
+  seconds (each point's span, first arrival to last token, taken from the simulated point of the same
+  run nearest in rate, plus per-repeat and per-server overheads read off the s5 calls) and of the
+  9-minute calls it needs.
 
 These are predictions made before the runs: when a row runs, bench.sim.replay_sweeps scores the
 prediction against it. Nothing here is fitted to the results it predicts.
@@ -26,7 +27,6 @@ prediction against it. Nothing here is fitted to the results it predicts.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
@@ -111,15 +111,27 @@ def suggested_grid(good: dict[str, dict[str, Any]], tolerance: float) -> tuple[f
     return tuple(sorted(rates))
 
 
-def device_estimate(result: dict[str, Any], runs: tuple[str, ...]) -> dict[str, Any]:
-    """Seconds a GPU call would spend on the points the simulated search visited: each repeat's span
-    (first arrival to last token, or serving.py's max_duration) plus a per-repeat overhead, and one server
-    start per run. An ESTIMATE, for planning calls only."""
-    span = sum(rep["end_s"] + REPEAT_OVERHEAD_S for p in result["points"] for rep in p["repeats"])
-    total = span + SERVER_START_S * len(runs)
-    return {"points": len(result["points"]), "seconds": round(total), "calls": math.ceil(total / CALL_BUDGET_S),
-            "basis": f"simulated spans + {REPEAT_OVERHEAD_S:g} s a repeat + {SERVER_START_S:g} s a server start; "
-                     f"{CALL_BUDGET_S:g} s of points a 9-minute call"}
+def visits(good: dict[str, dict[str, Any]], grid: tuple[float, ...]) -> dict[str, list[float]]:
+    """Per run, the grid rates a call would measure if the GPU agrees with the prediction: every rate up to
+    the run's first failing one (all of them when none failed; the plan's extension is left out)."""
+    return {run: [r for r in grid if g["first_failing"] is None or r <= g["first_failing"]] for run, g in good.items()}
+
+
+def device_estimate(result: dict[str, Any], grid: tuple[float, ...], repeats: int) -> dict[str, Any]:
+    """Seconds a GPU call on `grid` would spend: per visited point, `repeats` times the simulated span of
+    the same run's point nearest in rate plus a per-repeat overhead, and one server start per run. An
+    ESTIMATE, for planning calls only."""
+    todo = visits(result["goodput"], grid)
+    total = SERVER_START_S * len(todo)
+    for run, rates in todo.items():
+        mine = [p for p in result["points"] if p["run"] == run]
+        for rate in rates:
+            near = min(mine, key=lambda p: abs(p["rate"] - rate))
+            total += repeats * (near["mean"]["end_s"] + REPEAT_OVERHEAD_S)
+    return {"points": sum(map(len, todo.values())), "visits": todo, "seconds": round(total),
+            "calls": math.ceil(total / CALL_BUDGET_S),
+            "basis": f"simulated spans of the nearest simulated point + {REPEAT_OVERHEAD_S:g} s a repeat + "
+                     f"{SERVER_START_S:g} s a server start; {CALL_BUDGET_S:g} s of points a 9-minute call"}
 
 
 def gpu_command(row: Row, grid: tuple[float, ...]) -> str:
@@ -139,13 +151,9 @@ def predict_row(row: Row, cost: CostModel, a: argparse.Namespace) -> dict[str, A
     t0 = time.time()
     broad = N.search(st, row.runs, plan, server)
     grid = suggested_grid(broad["goodput"], K.TOLERANCE)
-    check = None
-    if grid:
-        tight = dataclasses.replace(st, grid=grid)
-        check = N.search(tight, row.runs, dataclasses.replace(plan, grid=grid), server)
-    est = device_estimate(check, row.runs) if check else None
+    est = device_estimate(broad, grid, plan.repeats) if grid else None
     out = {"row": row.row, "share": row.share, "pool_tokens": pool, "pool_source": source, "runs": list(row.runs),
-           "broad": broad, "suggested_grid": list(grid), "suggested": check, "device_estimate": est,
+           "search": broad, "suggested_grid": list(grid), "device_estimate": est,
            "gpu_command": gpu_command(row, grid) if grid else None}
     say = ", ".join(f"{run} {g['text']}" for run, g in broad["goodput"].items())
     print(f"== row {row.row} {st.name} (share {row.share:g}, pool {pool:,} tokens from {source}): strict goodput "
@@ -156,9 +164,8 @@ def predict_row(row: Row, cost: CostModel, a: argparse.Namespace) -> dict[str, A
             print(f"   {run:<15} at {b['at']:g} req/s: {b['verdict']} (GPU busy {100 * b['gpu_busy']:.0f} %, KV peak "
                   f"{100 * b['kv_held_peak']:.0f} %, rotations {b['rotations_out']:.0f}, preemptions "
                   f"{b['preemptions']:.0f})", flush=True)
-    if check is not None and est is not None:
-        again = ", ".join(f"{run} {g['text']}" for run, g in check["goodput"].items())
-        print(f"   suggested GRID {' '.join(f'{r:g}' for r in grid)}: {again}; {est['points']} points, "
+    if est is not None:
+        print(f"   suggested GRID {' '.join(f'{r:g}' for r in grid)}: {est['points']} points if the GPU agrees, "
               f"~{est['seconds']} s of device time (ESTIMATE), {est['calls']} call(s)\n   {out['gpu_command']}",
               flush=True)
     return out
