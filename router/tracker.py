@@ -150,7 +150,6 @@ class Submission:
         self.states = states
         self.sink = sink
         self._abort = abort
-        self.created = time.monotonic()
 
     @property
     def finished(self) -> bool:

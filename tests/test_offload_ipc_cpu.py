@@ -32,7 +32,7 @@ from sglang_ext.offload.ipc import StagedRemote, exchange_shape
 from sglang_ext.offload.partition import ForeignKVPartition
 from sglang_ext.offload.remote import ExecutorLost
 from sglang_ext.transport import stage
-from sglang_ext.transport.choice import Choice, Placement, choose_transport
+from sglang_ext.transport.choice import Choice, WorkerSite, choose_transport
 from sglang_ext.transport.ipc import check_hello, check_welcome
 from sglang_ext.transport.link import (
     HOST_RANK,
@@ -62,7 +62,7 @@ SPEC = GuestSpec(KVGeometry(2, 2, 16, 4, torch.bfloat16), 4, 16, 0.25)
 
 
 # ---- which transport ------------------------------------------------------------------------------
-GPU_A, GPU_B = Placement("hot-0", "n1", "cuda:0"), Placement("cold-0", "n1", "cuda:1")
+GPU_A, GPU_B = WorkerSite("hot-0", "n1", "cuda:0"), WorkerSite("cold-0", "n1", "cuda:1")
 
 
 @pytest.mark.parametrize(("asked", "sender", "host", "want"), [
@@ -74,7 +74,7 @@ GPU_A, GPU_B = Placement("hot-0", "n1", "cuda:0"), Placement("cold-0", "n1", "cu
     ("torch_dist", GPU_A, GPU_B, Choice("torch_dist", "")),
     ("cuda_ipc", GPU_A, GPU_B, Choice("cuda_ipc", "")),  # forced: no fallback, the host refuses instead
 ])
-def test_the_transport_follows_the_placement(asked: str | None, sender: Placement, host: Placement,
+def test_the_transport_follows_the_placement(asked: str | None, sender: WorkerSite, host: WorkerSite,
                                              want: Choice) -> None:
     assert choose_transport(asked, sender, host) == want
 
@@ -88,7 +88,7 @@ def test_a_sender_that_asks_for_torch_dist_turns_the_automatic_cuda_ipc_off() ->
     (GPU_A, GPU_B._replace(hostname="n2"), "hot-0 runs on n1 and cold-0 on n2"),
     (GPU_A._replace(device="cpu"), GPU_B, "hot-0 runs on cpu, not a GPU"),
 ])
-def test_a_forced_cuda_ipc_that_cannot_work_is_an_error(sender: Placement, host: Placement, needle: str) -> None:
+def test_a_forced_cuda_ipc_that_cannot_work_is_an_error(sender: WorkerSite, host: WorkerSite, needle: str) -> None:
     with pytest.raises(ValueError, match="offload_transport cuda_ipc needs both workers on GPUs of one node") as e:
         choose_transport("cuda_ipc", sender, host)
     assert needle in str(e.value)

@@ -15,12 +15,12 @@ CACHE = NoPrefixCache(4)
 
 
 def _req(rid: str, status: ReqStatus | KVHome, arrival: float, last_token: float | None = None,
-         run_start: float | None = None, first_token: float | None = None, tokens: int = 1) -> Req:
+         first_token: float | None = None, tokens: int = 1) -> Req:
     """A request in a queue (`status`), or rotary (`KVHome.HOST`: waiting, its KV in host memory)."""
     r = Req(rid, [5, 6, 7], greedy(), arrival_time=arrival)
     if isinstance(status, KVHome):
         status, r.home = ReqStatus.WAITING, status
-    r.status, r.last_token_time, r.run_start_time = status, last_token, run_start
+    r.status, r.last_token_time = status, last_token
     r.first_token_time = first_token
     if last_token is not None or first_token is not None:
         r.output_ids = [9] * tokens
@@ -40,10 +40,10 @@ def test_vlt_definitions() -> None:
     assert p.vlt(_req("w", ReqStatus.WAITING, arrival=8.0)) == 2.0  # 2 s late / 1 s SLO
     assert p.vlt(_req("q0", KVHome.HOST, arrival=9.0)) == 1.0  # no token yet: as a waiting one
     # running: decode lag in TPOT SLOs; 21 tokens in the 1 s since the first = 10 SLOs ahead
-    assert abs(p.vlt(_req("r", ReqStatus.RUNNING, 0.0, run_start=9.8, first_token=9.0, tokens=21)) + 3 * 10) < 1e-9
+    assert abs(p.vlt(_req("r", ReqStatus.RUNNING, 0.0, first_token=9.0, tokens=21)) + 3 * 10) < 1e-9
     # back from rotation, behind schedule: positive, so not a victim
-    assert p.vlt(_req("back", ReqStatus.RUNNING, 0.0, run_start=10.0, first_token=8.0, tokens=5)) > 0
-    assert p.vlt(_req("prefill", ReqStatus.RUNNING, 0.0, run_start=9.9)) == 0.0  # no token yet
+    assert p.vlt(_req("back", ReqStatus.RUNNING, 0.0, first_token=8.0, tokens=5)) > 0
+    assert p.vlt(_req("prefill", ReqStatus.RUNNING, 0.0)) == 0.0  # no token yet
     # rotary: the same lag, less its tolerance beta_F. Out for 0.1 s but 10 SLOs ahead: not urgent
     ahead = _req("ahead", KVHome.HOST, 0.0, last_token=9.9, first_token=9.0, tokens=21)
     assert abs(p.vlt(ahead) - 3 * (-10 - 0.5)) < 1e-9
@@ -64,17 +64,17 @@ def test_lvf_orders_by_deadline_and_preempts_the_furthest_ahead() -> None:
     # runs out of slack at 10.1, w_new's first token is due at 10.9
     assert [r.rid for r in p.candidates([w_new, w_old], [rot_ahead, rot], CACHE)] == [
         "w_old", "rot", "rot_ahead", "w_new"]
-    long_run = _req("long", ReqStatus.RUNNING, 0.0, run_start=9.0, first_token=9.0, tokens=31)  # 3*(10-30) = -60
-    mid_run = _req("mid", ReqStatus.RUNNING, 1.0, run_start=9.5, first_token=9.5, tokens=19)  # 3*(5-18) = -39
-    short_run = _req("short", ReqStatus.RUNNING, 1.5, run_start=9.5, first_token=9.5, tokens=7)  # 3*(5-6) = -3
-    just_in = _req("just_in", ReqStatus.RUNNING, 2.0, run_start=10.0)  # 0: no token yet
+    long_run = _req("long", ReqStatus.RUNNING, 0.0, first_token=9.0, tokens=31)  # 3*(10-30) = -60
+    mid_run = _req("mid", ReqStatus.RUNNING, 1.0, first_token=9.5, tokens=19)  # 3*(5-18) = -39
+    short_run = _req("short", ReqStatus.RUNNING, 1.5, first_token=9.5, tokens=7)  # 3*(5-6) = -3
+    just_in = _req("just_in", ReqStatus.RUNNING, 2.0)  # 0: no token yet
     running = [short_run, just_in, mid_run, long_run]
     assert [r.rid for r in p.victims(running)] == ["long", "mid", "short", "just_in"]
 
 
 def _running(rid: str, first: float, tokens: int, left: int, kv: int = 100) -> Req:
     """A decoding request: `tokens` out since `first` (at 10.0), `left` more to go, `kv` tokens of KV."""
-    r = _req(rid, ReqStatus.RUNNING, 0.0, run_start=first, first_token=first, tokens=tokens)
+    r = _req(rid, ReqStatus.RUNNING, 0.0, first_token=first, tokens=tokens)
     r.sampling.max_new_tokens, r.kv_len = tokens + left, kv
     return r
 
@@ -125,7 +125,7 @@ def test_lvf_is_fcfs_while_everything_fits() -> None:
     p.begin(10.0, fits=True)
     waiting = [_req("b", ReqStatus.WAITING, 5.0), _req("a", ReqStatus.WAITING, 1.0)]
     rotary = [_req("c", KVHome.HOST, 3.0, last_token=4.0)]
-    running = [_req("x", ReqStatus.RUNNING, 0.5, run_start=1.0), _req("y", ReqStatus.RUNNING, 4.0, run_start=9.9)]
+    running = [_req("x", ReqStatus.RUNNING, 0.5), _req("y", ReqStatus.RUNNING, 4.0)]
     assert p.candidates(waiting, rotary, CACHE) == f.candidates(waiting, rotary, CACHE)
     assert [r.rid for r in p.candidates(waiting, rotary, CACHE)] == ["a", "c", "b"]
     assert p.victims(running) == f.victims(running) and p.make_room_for(waiting[0], running) == []
@@ -165,4 +165,4 @@ def test_injected_clock_drives_vlt() -> None:
     r = Req("a", prompts([6])[0], greedy(3))
     clock.t = 4.0
     drive(s, [r], clock, dt=0.5)
-    assert r.run_start_time == 4.5 and r.last_token_time is not None and r.last_token_time > 4.5
+    assert r.first_token_time == 4.5 and r.last_token_time is not None and r.last_token_time > 4.5

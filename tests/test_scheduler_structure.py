@@ -60,7 +60,9 @@ def test_the_loop_asks_its_members_and_never_tests_a_home() -> None:
     for name in ("scheduler.py", "overlap.py"):
         code = _code(name)
         assert "KVHome." not in code, name
-        for wrong in ("rot is None", "rot is not None", "self.rot.", "s.rot.", ".home is", ".home ==", ".home !="):
+        # nor on the rotation setting: the rotation member installs itself and picks the pool's allocator
+        for wrong in ("rot is None", "rot is not None", "self.rot.", "s.rot.", ".home is", ".home ==", ".home !=",
+                      "preemption_mode", "HoldingAllocator"):
             assert wrong not in code, (name, wrong)
 
 

@@ -37,7 +37,7 @@ from router.placement.startup import StartupQuiet
 from router.placement.steer import EVENTS, Steering
 from router.tracker import WorkerState
 from sglang_ext.messages import ExecutorOpen, OffloadDirective, ReplyOut, WorkerInfo
-from sglang_ext.transport.choice import SERVED_DEFAULT, Choice, Placement, choose_transport
+from sglang_ext.transport.choice import SERVED_DEFAULT, Choice, WorkerSite, choose_transport
 
 logger = logging.getLogger(__name__)
 OPEN_TIMEOUT_S: Final = 10.0
@@ -212,7 +212,7 @@ class OffloadPlacement(PlacementStrategy):
         pid = f"{self.router.new_rid()}-pair{next(self._ids)}"
         p.executor, p.pairing_id = host.worker_id, pid
         try:
-            choice = choose_transport(info.offload_transport or None, _placement(info), _placement(host.info))
+            choice = choose_transport(info.offload_transport or None, _site(info), _site(host.info))
         except ValueError as e:
             self._set(p, f"failed: {e}")
             return
@@ -231,9 +231,9 @@ class OffloadPlacement(PlacementStrategy):
         self._set(p, "active")
 
 
-def _placement(info: WorkerInfo | None) -> Placement:
+def _site(info: WorkerInfo | None) -> WorkerSite:
     assert info is not None  # up workers have said hello
-    return Placement(info.worker_id, info.hostname, info.device)
+    return WorkerSite(info.worker_id, info.hostname, info.device)
 
 
 def _open_msg(rid: str, info: WorkerInfo, rule: OffloadSpec, pairing: str, choice: Choice) -> ExecutorOpen:

@@ -107,7 +107,7 @@ class Steering:
         slo, sender_slo = self.router.slo.get(p.rule.to), self.router.slo.get(p.rule.from_)
         return PairView(
             now=time.monotonic(), sender_batch=max(len(sender.inflight) - offloaded, 0) if sender else 0,
-            sender_kv_tokens=kv, sender_offloaded=offloaded,
+            sender_kv_tokens=kv,
             exec_used=hx.pairing_tokens.get(p.pairing_id, 0) if hx else 0,
             exec_free=hx.free_tokens.get(p.pairing_id, 0) if hx else 0, exec_low=p.exec_low,
             host_tpot_p99_ms=hlat.tpot_p99_ms, host_tpot_samples=hlat.tpot_samples,

@@ -115,14 +115,6 @@ def cap_executor(device: torch.device, sms: int) -> int:
         return got
 
 
-def executor_sms(device: torch.device) -> int:
-    """The SMs the executor's programs on `device` are confined to (0: uncapped, or not a GPU)."""
-    if device.type != "cuda":
-        return 0
-    ent = _exec_ctx.get(_index(device))
-    return ent[1] if ent is not None else 0
-
-
 def executor_stream(device: torch.device, priority: int = -1) -> torch.cuda.Stream | None:
     """A new stream for one executor program in the executor's partition on `device` (None: uncapped).
     One per program: each pairing's program waits on its own doorbells, so two pairings sharing a

@@ -23,6 +23,12 @@ class PageAllocator:
     def capacity(self) -> int:
         return self.num_pages - 1
 
+    @property
+    def parked(self) -> frozenset[int]:
+        """Pages freed by their owner but not yet back in the free list (none here: `HoldingAllocator`
+        parks those that copies in flight still use)."""
+        return frozenset()
+
     def alloc(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfPages(f"need {n} KV pages, {len(self._free)} free")

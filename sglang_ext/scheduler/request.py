@@ -107,8 +107,7 @@ class Req:
     attention_executor: str | None = None  # set once its attention ran remotely (meta_info)
     # timing (the scheduler's clock)
     first_token_time: float | None = None
-    run_start_time: float | None = None  # start of its current stay in the running batch
-    run_start_tokens: int = 0  # output tokens it had then
+    run_start_tokens: int = 0  # output tokens it had when its current stay in the running batch began
     last_token_time: float | None = None
     # logprobs, accumulated as SGLang returns them
     input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
@@ -119,10 +118,9 @@ class Req:
     token_slot: int = -1  # row of the overlap loop's token table (token_table.py) while it has one
     grammar: Any = None  # structured output: its GrammarState (sglang_ext/grammar), advanced per kept token
 
-    def start_running(self, now: float) -> None:
-        """Joins the running batch: its stay (what lvf's decode lag and victim rules measure) starts now."""
+    def start_running(self) -> None:
+        """Joins the running batch: its stay (what lvf's victim rules count, in tokens) starts now."""
         self.status = ReqStatus.RUNNING
-        self.run_start_time = now
         self.run_start_tokens = len(self.output_ids)
 
     @property

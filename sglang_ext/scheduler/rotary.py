@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from sglang_ext.kvcache.allocator import PageAllocator
 from sglang_ext.kvcache.holds import HoldingAllocator
 from sglang_ext.kvcache.host_pool import HostKVPool
 from sglang_ext.kvcache.rotation import RotationEngine, Transfer, host_kv_bytes, make_host_pool, make_rotation_engine
@@ -59,8 +60,17 @@ class Rotation(Residency):
         self.new_iteration()
         s.kv.on_swap = self._swapped
 
+    @staticmethod
+    def allocator(args: ServerArgs, num_pages: int) -> PageAllocator:
+        """The device pool's allocator: with rotation, pages a copy in flight still uses are parked
+        when their owner frees them (`HoldingAllocator`)."""
+        return HoldingAllocator(num_pages) if args.preemption_mode == "rotate" else PageAllocator(num_pages)
+
     @classmethod
-    def make(cls, s: LoopView, args: ServerArgs) -> Rotation:
+    def make(cls, s: LoopView, args: ServerArgs) -> Rotation | None:
+        """The member, when `preemption_mode` is rotate (None otherwise: preempted requests recompute)."""
+        if args.preemption_mode != "rotate":
+            return None
         pool = s.runner.pool
         host = make_host_pool(pool.geometry, host_kv_bytes(args.kv_host_size_gb, pool.total_bytes), pool.device)
         host.allocator = HoldingAllocator(host.num_pages)  # fresh: nothing allocated yet

@@ -20,9 +20,7 @@ from collections.abc import Callable
 import torch
 
 from sglang_ext.forward_batch import ForwardMode
-from sglang_ext.kvcache.allocator import PageAllocator
 from sglang_ext.kvcache.base import NoPrefixCache, PrefixCache
-from sglang_ext.kvcache.holds import HoldingAllocator
 from sglang_ext.kvcache.radix_cache import RadixCache
 from sglang_ext.offload.remote import ExecutorLost
 from sglang_ext.offload.sender import RemoteSender
@@ -72,8 +70,7 @@ class Scheduler:
         self.eos_ids = eos_ids
         self.decode_fn = decode_fn
         self.vocab_size = vocab_size
-        rotate = args.preemption_mode == "rotate"
-        self.allocator = HoldingAllocator(runner.num_pages) if rotate else PageAllocator(runner.num_pages)
+        self.allocator = Rotation.allocator(args, runner.num_pages)
         cache: PrefixCache = NoPrefixCache(page_size) if args.disable_radix_cache else RadixCache(page_size)
         self.kv = KVManager(self.allocator, cache, page_size)
         self.policy: SchedulePolicy = make_policy(args.schedule_policy, args)
@@ -93,7 +90,7 @@ class Scheduler:
         self.deficit = 0  # pages by which all requests' KV exceeds the pool (0: everything fits), per iteration
         self.sampler = Sampler(vocab_size, runner.device, args.random_seed, top_k_window=args.sampling_top_k_window)
         # members (member.py): local pages last, as every release ends there
-        self.rot = Rotation.make(self, args) if rotate else None
+        self.rot = Rotation.make(self, args)  # None unless preemption_mode is rotate
         self.remote_residency = RemoteResidency(self)
         self.handoff = Handoff(self)
         self.grammar = GrammarRows(vocab_size, runner.device, not args.disable_grammar_overlap)
@@ -172,9 +169,8 @@ class Scheduler:
 
     def check(self) -> None:
         """Assert every device and host page is in exactly one place (tests call this between steps)."""
-        parked = self.allocator.parked if isinstance(self.allocator, HoldingAllocator) else frozenset[int]()
         holders = [r for m in self.members for r in m.holders()]
-        self.kv.check(self.running + self.waiting + holders, {p: "in flight" for p in parked})
+        self.kv.check(self.running + self.waiting + holders, {p: "in flight" for p in self.allocator.parked})
         for m in self.members:
             m.check()
 
@@ -270,7 +266,7 @@ class Scheduler:
     def start_running(self, r: Req, queue: list[Req]) -> None:
         """`r` leaves `queue` (waiting or rotary) for the running batch."""
         queue.remove(r)
-        r.start_running(self.clock())
+        r.start_running()
         self.running.append(r)
 
     def decode_reserve(self) -> int:

@@ -5,8 +5,8 @@
     cuda_ipc    GPUs of one node: peer-mapped buffers and GPU-side signals (sglang_ext.transport.cuda_signal);
                 across processes its control messages (load, release, begin, close) go over a gloo pair
 
-A served pairing (the cluster file's `offload:`) picks its transport from the placement the router
-knows (each worker's host name and device) unless the sender forces one:
+A served pairing (the cluster file's `offload:`) picks its transport from where its two workers run
+(`WorkerSite`: each one's host name and device, as the router knows them) unless the sender forces one:
 
     sender asked   both GPUs on one node            otherwise
     (unset)        cuda_ipc, torch_dist where the   torch_dist
@@ -31,7 +31,7 @@ SERVED_DEFAULT: Final = "torch_dist"  # a pairing across processes when nothing 
 SERVED: Final = ("torch_dist", "cuda_ipc")
 
 
-class Placement(NamedTuple):
+class WorkerSite(NamedTuple):
     """Where a worker runs, as its WorkerInfo says: host name ("" from older workers) and device."""
 
     worker: str
@@ -64,7 +64,7 @@ def check_served(asked: str | None) -> None:
     raise ValueError(f"offload_transport {asked} cannot serve a cluster-file pairing; use torch_dist or cuda_ipc")
 
 
-def same_node_gpus(a: Placement, b: Placement) -> str | None:
+def same_node_gpus(a: WorkerSite, b: WorkerSite) -> str | None:
     """Why `a` and `b` cannot share memory with CUDA IPC (None: both are GPUs of one node)."""
     for w in (a, b):
         if not w.device.startswith("cuda"):
@@ -76,7 +76,7 @@ def same_node_gpus(a: Placement, b: Placement) -> str | None:
     return None
 
 
-def choose_transport(asked: str | None, sender: Placement, host: Placement) -> Choice:
+def choose_transport(asked: str | None, sender: WorkerSite, host: WorkerSite) -> Choice:
     """The transport of a router-made pairing; ValueError when the one asked for cannot work."""
     check_served(asked)
     problem = same_node_gpus(sender, host)

@@ -118,7 +118,7 @@ class LocalPlanning:
         return PairView(
             now=now, sender_batch=max(s.num_running + s.num_waiting - offloaded, 0),
             sender_kv_tokens=s.kv_total_pages * self.page_size,
-            sender_offloaded=offloaded, exec_used=used, exec_free=free,
+            exec_used=used, exec_free=free,
             exec_low=total > 0 and free < EXECUTOR_LOW_MEM * total,
             host_tpot_p99_ms=self.tpot.p99_ms(now), host_tpot_samples=self.tpot.count(now),
             host_slo_tpot_ms=self.slo_tpot_ms, sender_step_ms=self.decode_steps.mean_ms(now),

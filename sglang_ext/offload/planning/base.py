@@ -16,7 +16,6 @@ class PairView:
     now: float  # monotonic seconds
     sender_batch: int  # the sender's requests the router waits on, less those on the executor
     sender_kv_tokens: int  # the sender's own KV capacity (tokens)
-    sender_offloaded: int = 0
     exec_used: int = 0  # executor KV tokens the pairing holds
     exec_free: int = 0  # executor KV tokens it could still get
     exec_low: bool = False  # free executor KV under the entry's executor_low_mem share
