@@ -68,3 +68,17 @@ def test_a_row_is_searched_and_its_gpu_call_estimated(capsys: pytest.CaptureFixt
     assert est["seconds"] <= 2 * O.SERVER_START_S + est["points"] * (max(spans) + O.REPEAT_OVERHEAD_S) + 1
     assert est["calls"] >= 1 and r["gpu_command"].startswith('RUNS="fcfs-recompute lvf-rotate" SHARE=0.25')
     assert "suggested GRID" in capsys.readouterr().out
+
+
+def test_a_row_below_its_grid_searches_lower_reusing_its_points() -> None:
+    # 60 ~6K-token prompts at 120 req/s fail (above); the search adds 60 req/s, then 30, until a rate passes
+    row = O.Row("t", N.Setting("t", "mooncake", "poisson", (120.0, 240.0), 7680), 0.25, O.LVF)
+    a = argparse.Namespace(repeats=1, seconds=0.5, min_req=6, extend=0, tolerance=100.0)
+    r = O.predict_row(row, CostModel.load(DEFAULT_CALIBRATION, O.MODEL), a)
+    grid = r["search"]["plan"]["grid"]
+    assert grid[-2:] == [120.0, 240.0] and min(grid) < 120.0 and r["search"]["plan"]["offsets"] == [0]
+    for run in O.LVF:
+        g = r["search"]["goodput"][run]
+        assert g["goodput"] is not None and g["goodput"] < 120.0 and g["goodput"] in grid
+    seen = [(p["run"], p["rate"]) for p in r["search"]["points"]]
+    assert len(seen) == len(set(seen))  # the first search's points were taken, not replayed again
