@@ -38,9 +38,11 @@ def test_pools_come_from_the_logged_servers_at_each_share() -> None:
 
 def test_rows_are_the_open_rows_and_their_commands_are_gpu_session_calls() -> None:
     rows = {r.row: r for r in O.rows()}
-    assert set(rows) == {"1", "2+7a", "3", "4", "5", "6", "7b"}
-    assert rows["2+7a"].runs == ("fcfs-recompute", "lvf-rotate", "fcfs-rotate")
-    assert rows["7b"].runs == ("fcfs-recompute", "fcfs-rotate") and rows["7b"].share == 0.125
+    assert set(rows) == {"1", "2+7", "3+7", "4", "5", "6"}
+    # rotate vs recompute at two shares within the bound of 4 models a GPU; 1/8 is marked past it
+    assert {rows[r].share for r in ("2+7", "3+7")} == {0.25, 0.5}
+    assert all(rows[r].runs == ("fcfs-recompute", "lvf-rotate", "fcfs-rotate") for r in ("2+7", "3+7"))
+    assert all(r.share >= 0.25 or "not a result" in r.note for r in rows.values())
     cmd = O.gpu_command(rows["5"], (3.5, 4.0))
     assert 'RUNS="fcfs-recompute lvf-rotate" SHARE=0.25' in cmd and "ARRIVAL=burst" in cmd
     assert 'GRID="3.5 4"' in cmd and cmd.endswith("bash bench/gpu_session.sh warm knee")
