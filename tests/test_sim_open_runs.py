@@ -38,7 +38,8 @@ def test_pools_come_from_the_logged_servers_at_each_share() -> None:
 
 def test_rows_are_the_open_rows_and_their_commands_are_gpu_session_calls() -> None:
     rows = {r.row: r for r in O.rows()}
-    assert set(rows) == {"1", "2+7", "3+7", "4", "5", "6"}
+    assert set(rows) == {"1", "2+7", "3+7", "4", "5", "6", "8"}
+    assert rows["8"].runs == ("fcfs-recompute",) and rows["8"].setting.trace == "azure-conv"
     # rotate vs recompute at two shares within the bound of 4 models a GPU; 1/8 is marked past it
     assert {rows[r].share for r in ("2+7", "3+7")} == {0.25, 0.5}
     assert all(rows[r].runs == ("fcfs-recompute", "lvf-rotate", "fcfs-rotate") for r in ("2+7", "3+7"))
