@@ -26,6 +26,11 @@ def test_suggested_grid_is_every_bracket_and_a_guard_below() -> None:
     assert O.suggested_grid(good, 0.1) == (1.0, 1.25, 1.5)  # 1.5 / 1.1 = 1.36, down to an eighth
     assert O.suggested_grid({"a": {"goodput": None, "first_failing": None}}, 0.1) == ()
     assert O.suggested_grid({"a": {"goodput": 0.1, "first_failing": 0.2}}, 0.1) == (0.1, 0.2)  # no guard at 0
+    # two guard steps (TTFT 2 s rows): 4.75 / 1.21 = 3.93, down to 3.75
+    assert O.suggested_grid(good2 := {"a": {"goodput": 4.75, "first_failing": 5.0}}, 0.1, 2) == (3.75, 4.75, 5.0)
+    # rates measured by earlier calls leave the grid, and a measured rate under the knee replaces the guard
+    assert O.suggested_grid(good2, 0.1, 2, (4.0, 5.0)) == (4.75,)
+    assert O.suggested_grid(good2, 0.1, 1, (5.0,)) == (4.25, 4.75)
 
 
 def test_pools_come_from_the_logged_servers_at_each_share() -> None:
@@ -44,6 +49,7 @@ def test_rows_are_the_open_rows_and_their_commands_are_gpu_session_calls() -> No
     assert {rows[r].share for r in ("2+7", "3+7")} == {0.25, 0.5}
     assert all(rows[r].runs == ("fcfs-recompute", "lvf-rotate", "fcfs-rotate") for r in ("2+7", "3+7"))
     assert all(r.share >= 0.25 or "not a result" in r.note for r in rows.values())
+    assert rows["1"].measured == (4.0, 5.0) and {r.row for r in rows.values() if r.guard_steps == 2} == {"1", "4"}
     cmd = O.gpu_command(rows["5"], (3.5, 4.0))
     assert 'RUNS="fcfs-recompute lvf-rotate" SHARE=0.25' in cmd and "ARRIVAL=burst" in cmd
     assert 'GRID="3.5 4"' in cmd and cmd.endswith("bash bench/gpu_session.sh warm knee")

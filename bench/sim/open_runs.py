@@ -63,6 +63,11 @@ class Row:
     share: float
     runs: tuple[str, ...]
     note: str = ""
+    # rates earlier calls measured for every run on this plan's rows and offsets (the panel merges them)
+    measured: tuple[float, ...] = ()
+    # guard steps under the predicted knee: 2 at TTFT 2 s, where the replay of the measured 1/4-share panel
+    # (bench/results/2026-12-03-sim-validation/replay.txt, 12-03/c1+c2) read 5 req/s 13-31 points high
+    guard_steps: int = 1
 
 
 LVF: Final = ("fcfs-recompute", "lvf-rotate")
@@ -77,12 +82,14 @@ def rows() -> list[Row]:
     the sender's."""
     S = N.Setting
     return [
-        Row("1", S("share025-ttft2-poisson", "mooncake", "poisson", (4.0, 5.0), 7680, ttft=2.0), 0.25, LVF),
+        Row("1", S("share025-ttft2-poisson", "mooncake", "poisson", (4.0, 5.0), 7680, ttft=2.0), 0.25, LVF,
+            "continues 2026-12-03-h200/c1 (5 req/s) + c2 (4 req/s)", (4.0, 5.0), 2),
         Row("2+7", S("share025-ttft5-poisson", "mooncake", "poisson", (4.0, 5.0, 6.0), 7680), 0.25,
             (*LVF, "fcfs-rotate")),
         Row("3+7", S("share05-ttft5-poisson", "mooncake", "poisson", (5.0, 6.0, 7.0), 7680), 0.5,
             (*LVF, "fcfs-rotate")),
-        Row("4", S("share05-ttft2-poisson", "mooncake", "poisson", (4.0, 5.0, 6.0), 7680, ttft=2.0), 0.5, LVF),
+        Row("4", S("share05-ttft2-poisson", "mooncake", "poisson", (4.0, 5.0, 6.0), 7680, ttft=2.0), 0.5, LVF,
+            guard_steps=2),
         Row("5", S("share025-ttft5-burst", "mooncake", "burst", (3.0, 4.0, 5.0), 7680), 0.25, LVF),
         Row("6", S("share0125-ttft5-burst", "mooncake", "burst", (1.5, 2.0, 2.5), 7680), 0.125, LVF,
             "past the bound of 4 models a GPU: not a result"),
@@ -107,16 +114,19 @@ def pool_at(share: float, model: str = MODEL) -> tuple[int, str]:
     return (pages - 1) * PAGE, f"memory math ({pages} pages)"
 
 
-def suggested_grid(good: dict[str, dict[str, Any]], tolerance: float) -> tuple[float, ...]:
-    """Every run's predicted bracket and a guard rate one tolerance step under the lowest goodput."""
+def suggested_grid(good: dict[str, dict[str, Any]], tolerance: float, steps: int = 1,
+                   measured: tuple[float, ...] = ()) -> tuple[float, ...]:
+    """Every run's predicted bracket and a guard rate `steps` tolerance steps under the lowest predicted
+    goodput, less the rates earlier calls measured already (the panel merges them; a measured rate at or
+    under the lowest goodput anchors the bracket from below, so no guard is added then)."""
     rates = {r for g in good.values() for r in (g["goodput"], g["first_failing"]) if r is not None}
     lows = [g["goodput"] for g in good.values() if g["goodput"] is not None]
-    if lows:  # rounded down to a quarter (an eighth under 2 req/s) so the GPU grid reads plainly
-        q = 0.25 if min(lows) >= 2 else 0.125
-        guard = math.floor(min(lows) / (1 + tolerance) / q) * q
+    if lows and not any(m <= min(lows) for m in measured):
+        q = 0.25 if min(lows) >= 2 else 0.125  # rounded down to a quarter (an eighth under 2 req/s)
+        guard = math.floor(min(lows) / (1 + tolerance) ** steps / q) * q
         if guard > 0:
             rates.add(guard)
-    return tuple(sorted(rates))
+    return tuple(sorted(rates - set(measured)))
 
 
 def visits(good: dict[str, dict[str, Any]], grid: tuple[float, ...]) -> dict[str, list[float]]:
@@ -166,7 +176,7 @@ def predict_row(row: Row, cost: CostModel, a: argparse.Namespace) -> dict[str, A
         st = dataclasses.replace(st, grid=(min(st.grid) / 2, *st.grid))
         plan = dataclasses.replace(plan, grid=st.grid)
         broad = N.search(st, row.runs, plan, server, reuse=reuse)
-    grid = suggested_grid(broad["goodput"], K.TOLERANCE)
+    grid = suggested_grid(broad["goodput"], K.TOLERANCE, row.guard_steps, row.measured)
     est = device_estimate(broad, grid, plan.repeats) if grid else None
     out = {"row": row.row, "note": row.note, "share": row.share, "pool_tokens": pool, "pool_source": source,
            "runs": list(row.runs),
