@@ -150,3 +150,28 @@ def test_goodput_table_gives_the_mean_curve_per_rate() -> None:
     assert two["measured"] == pytest.approx((0.95 + 0.95 + 0.88) / 3)
     assert two["measured_range"] == [0.88, 0.95] and three["predicted_range"] == [0.03, 0.20]
     assert three["error_points"] == pytest.approx(100 * ((0.20 + 0.13 + 0.03) - (0.04 + 0.07 + 0.05)) / 3)
+
+
+def _pt(panel: str, both: float, tpot: tuple[float, float], ttft: tuple[float, float], pred_both: float) -> dict:
+    return {"panel": panel, "measured": {"both": both, "tpot_mean_ms": tpot[0], "ttft_median_ms": ttft[0]},
+            "predicted": {"both": pred_both, "tpot_mean_ms": tpot[1], "ttft_median_ms": ttft[1]}}
+
+
+def test_latency_bias_by_load_and_from_a_saved_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    points = [_pt("a", 0.95, (20.0, 18.0), (300.0, 270.0), 0.97),  # passing: 10 % fast on both
+              _pt("a", 0.97, (30.0, 33.0), (200.0, 200.0), 0.97),  # passing: 10 % slow on TPOT
+              _pt("b", 0.60, (40.0, 36.0), (2000.0, 1000.0), 0.80),  # near the knee
+              _pt("b", 0.20, (50.0, float("nan")), (4000.0, 3000.0), 0.30)]  # a nan leaves it out
+    bands = {b["band"]: b for b in R.latency_bias(points)}
+    assert set(bands) == {"passing (measured >= 90 %)", "near the knee (50-90 %)", "all"}
+    passing = bands["passing (measured >= 90 %)"]
+    assert passing["points"] == 2 and passing["tpot_median_rel"] == pytest.approx(0.0)  # -10 % and +10 %
+    assert passing["tpot_under_share"] == 0.5 and passing["ttft_median_rel"] == pytest.approx(-0.05)
+    near = bands["near the knee (50-90 %)"]
+    assert near["ttft_median_rel"] == pytest.approx(-0.5) and near["both_median_error_points"] == pytest.approx(20.0)
+    assert bands["all"]["points"] == 3
+    saved = tmp_path / "replay.json"
+    saved.write_text(json.dumps({"points": points}))
+    assert R.main(["--bias-from", str(saved), "--panels", "b"]) == 0
+    out = capsys.readouterr().out
+    assert "near the knee (50-90 %)" in out and "passing" not in out and "TTFT p50 -50.0 %" in out

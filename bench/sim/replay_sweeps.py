@@ -353,6 +353,42 @@ def summary(rows: Sequence[Row]) -> dict[str, Any]:
             "mae_tpot_points": mae("tbt"), "mean_signed_both_points": bias}
 
 
+BANDS: Final = (("passing (measured >= 90 %)", 0.9, 2.0), ("near the knee (50-90 %)", 0.5, 0.9),
+                ("past it (< 50 %)", 0.0, 0.5))
+
+
+def latency_bias(points: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Where the simulator's latencies part from the measured ones, by how loaded the point was (its
+    measured both-SLO attainment): the median relative error of the mean TPOT and of the median TTFT
+    (predicted / measured - 1; negative: the simulator is fast), the share of points it under-predicts,
+    and the median attainment error. A cost model within a few % of the offline step times that is fast
+    here prices something serving pays and the offline bench does not."""
+    out = []
+    for name, lo, hi in (*BANDS, ("all", 0.0, 2.0)):
+        sel = [p for p in points if lo <= p["measured"]["both"] < hi
+               and all(p[k]["tpot_mean_ms"] and p[k]["ttft_median_ms"] for k in ("measured", "predicted"))
+               and not any(math.isnan(p[k][m]) for k in ("measured", "predicted")
+                           for m in ("tpot_mean_ms", "ttft_median_ms"))]
+        if not sel:
+            continue
+        tpot = [p["predicted"]["tpot_mean_ms"] / p["measured"]["tpot_mean_ms"] - 1 for p in sel]
+        ttft = [p["predicted"]["ttft_median_ms"] / p["measured"]["ttft_median_ms"] - 1 for p in sel]
+        out.append({"band": name, "points": len(sel), "tpot_median_rel": float(np.median(tpot)),
+                    "tpot_under_share": sum(x < 0 for x in tpot) / len(sel),
+                    "ttft_median_rel": float(np.median(ttft)), "ttft_under_share": sum(x < 0 for x in ttft) / len(sel),
+                    "both_median_error_points": 100 * float(np.median(
+                        [p["predicted"]["both"] - p["measured"]["both"] for p in sel]))})
+    return out
+
+
+def print_bias(points: Sequence[dict[str, Any]]) -> None:
+    print("\nlatency bias by load (predicted / measured - 1, median; under: share of points predicted faster)")
+    for b in latency_bias(points):
+        print(f"{b['band']:<28} {b['points']:>4} points  TPOT mean {100 * b['tpot_median_rel']:+5.1f} % "
+              f"(under {100 * b['tpot_under_share']:3.0f} %)  TTFT p50 {100 * b['ttft_median_rel']:+5.1f} % "
+              f"(under {100 * b['ttft_under_share']:3.0f} %)  both {b['both_median_error_points']:+5.1f} points")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--panels", nargs="*", default=None,
@@ -364,7 +400,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-host-time", action="store_true",
                    help="price GPU time only (before 2026-12-03's fix: no host time for unoverlapped prefill steps)")
     p.add_argument("--out", type=Path, default=None, help="JSON: every point, the goodput table, the MAE")
+    p.add_argument("--bias-from", type=Path, default=None, metavar="JSON",
+                   help="print the latency bias by load of an earlier --out file and exit (no replay)")
     a = p.parse_args(argv)
+    if a.bias_from is not None:
+        points = json.loads(a.bias_from.read_text())["points"]
+        print_bias([p for p in points if a.panels is None or any(k in p["panel"] for k in a.panels)])
+        return 0
     chosen = [pn for pn in PANELS if a.panels is None
               or any(k in pn.name or any(k in sw.folder for sw in pn.sweeps) for k in a.panels)]
     if a.list:
@@ -397,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{s['points']} points: both-SLO attainment MAE {s['mae_both_points']:.1f} points (mean signed "
           f"{s['mean_signed_both_points']:+.1f}), TTFT {s['mae_ttft_points']:.1f}, TPOT {s['mae_tpot_points']:.1f}; "
           f"goodput within one grid step for {ok} of {len(table)} runs")
+    print_bias([asdict(r) for r in rows])
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({
