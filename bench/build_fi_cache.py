@@ -1,0 +1,97 @@
+"""Build, on a machine without a GPU, the FlashInfer kernels the GPU tests and benchmarks JIT-compile,
+so a fresh device machine loads them instead of compiling for ~10 minutes of its lease.
+
+On a fresh H100 (2026-12-06) the GPU suite's first run spent ~10 minutes in FlashInfer's JIT (the
+sampling module ~4 min, top-k ~3, attention for head dims 64 and 128) and hit its time limits; with the
+kernels cached a run takes ~3 minutes. This builds the same modules with nvcc for sm_90a (Hopper:
+H100 and H200) and writes them in the layout `bench/gpu_session.sh` unpacks into FlashInfer's AOT
+folder (`<uri>/<uri>.so` in `.whl/fi_so.tgz`).
+
+    python bench/build_fi_cache.py --out .whl/fi_so.tgz [--jobs 2] [--include DIR]
+
+Needs nvcc (CUDA 13, as on the GPU machine), ninja and flashinfer-python==0.6.14 with its tvm-ffi;
+torch may be a CPU build. The sampling module includes curand.h, which the CPU machine's toolkit lacks:
+`pip download --no-deps nvidia-curand==10.4.5.25`, unzip it and pass `--include <it>/nvidia/cu13/include`
+(added to nvcc's flags through NVCC_APPEND_FLAGS). The modules are the ones the device's own JIT
+produced (their names are FlashInfer's URIs), so a kernel set that drifts from what the code asks for
+simply JITs as before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tarfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+HEAD_DIMS = (64, 128)  # 64: the embedded default model; 128: Llama/Qwen/Mixtral geometries and the tests
+
+
+def _cpu_safe_import() -> Any:
+    """FlashInfer reads the device's SM count at import; give it an H100's where torch has no CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        props = SimpleNamespace(multi_processor_count=132, major=9, minor=0, name="sm_90 (build only)",
+                                total_memory=80 << 30)
+        torch.cuda.get_device_properties = lambda *a, **k: props  # type: ignore[assignment]
+        torch.cuda.get_device_capability = lambda *a, **k: (9, 0)  # type: ignore[assignment]
+    import flashinfer
+
+    return flashinfer
+
+
+def _specs() -> list[Any]:
+    import torch
+
+    _cpu_safe_import()
+    from flashinfer.jit.attention.modules import gen_batch_decode_module, gen_batch_prefill_module
+    from flashinfer.jit.sampling import gen_sampling_module
+    from flashinfer.jit.topk import gen_topk_module
+
+    bf, i32 = torch.bfloat16, torch.int32
+    specs = [gen_sampling_module(), gen_topk_module()]
+    for d in HEAD_DIMS:
+        specs.append(gen_batch_decode_module(bf, bf, bf, i32, d, d, 0, False, False))
+        specs.append(gen_batch_prefill_module("fa2", bf, bf, bf, i32, d, d, 0, False, False, False))
+    return specs
+
+
+def _build(name: str) -> tuple[str, float, str]:
+    t0 = time.time()
+    spec = next(s for s in _specs() if s.name == name)
+    spec.build(verbose=False)
+    return name, time.time() - t0, str(spec.jit_library_path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=".whl/fi_so.tgz")
+    ap.add_argument("--jobs", type=int, default=2, help="modules built at once (each runs its own nvcc)")
+    ap.add_argument("--only", nargs="*", help="build only these module names (default: all)")
+    ap.add_argument("--include", action="append", default=[], help="extra header folder for nvcc (curand.h)")
+    a = ap.parse_args()
+    if a.include:
+        flags = " ".join(f"-I{d}" for d in a.include)
+        os.environ["NVCC_APPEND_FLAGS"] = f"{os.environ.get('NVCC_APPEND_FLAGS', '')} {flags}".strip()
+    os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0")  # sm_90a: H100 and H200
+    names = [s.name for s in _specs() if not a.only or s.name in a.only]
+    built = []
+    with ProcessPoolExecutor(a.jobs) as pool:
+        for name, secs, path in pool.map(_build, names):
+            print(f"built {name} in {secs:.0f} s", flush=True)
+            built.append((name, Path(path)))
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(out, "w:gz") as tar:
+        for name, path in built:
+            tar.add(path, arcname=f"{name}/{name}.so")
+    print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB, {len(built)} modules)")
+
+
+if __name__ == "__main__":
+    main()
