@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import tarfile
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -61,6 +63,22 @@ def _specs() -> list[Any]:
     return specs
 
 
+def _link_env(stub_dir: Path) -> None:
+    """FlashInfer links each module with -lcudart -lcuda from the toolkit's lib64 and its stubs. A CPU
+    machine's toolkit may keep libcudart elsewhere and has no driver stub: point the linker at the
+    runtime and at an empty libcuda (the modules the GPU machine builds need only libcudart.so.13; the
+    driver's own libcuda.so.1 is there at run time)."""
+    homes = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"]
+    libs = [str(Path(h, d)) for h in homes if h for d in ("lib64", "lib") if Path(h, d, "libcudart.so").exists()]
+    if not any(Path(d, "libcuda.so").exists() for d in ("/usr/local/lib64/stubs", *libs)):
+        stub_dir.mkdir(parents=True, exist_ok=True)
+        (stub_dir / "stub.c").write_text("/* link-time stand-in for the driver library */\n")
+        subprocess.run(["cc", "-shared", "-Wl,-soname,libcuda.so.1", "-o", str(stub_dir / "libcuda.so"),
+                        str(stub_dir / "stub.c")], check=True)
+        libs.append(str(stub_dir))
+    os.environ["LIBRARY_PATH"] = os.pathsep.join([*libs, *filter(None, [os.environ.get("LIBRARY_PATH")])])
+
+
 def _build(name: str) -> tuple[str, float, str]:
     t0 = time.time()
     spec = next(s for s in _specs() if s.name == name)
@@ -79,6 +97,7 @@ def main() -> None:
         flags = " ".join(f"-I{d}" for d in a.include)
         os.environ["NVCC_APPEND_FLAGS"] = f"{os.environ.get('NVCC_APPEND_FLAGS', '')} {flags}".strip()
     os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0")  # sm_90a: H100 and H200
+    _link_env(Path(tempfile.mkdtemp(prefix="libcuda-stub-")))
     names = [s.name for s in _specs() if not a.only or s.name in a.only]
     built = []
     with ProcessPoolExecutor(a.jobs) as pool:

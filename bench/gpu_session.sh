@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device session for the GPU fast path (the run behind docs/benchmarks.md's GPU section).
-# Needs the carried wheel folder .whl (bash bench/fetch_wheels.sh). Writes logs and JSON to $OUT.
+# Needs the carried wheel folder .whl (bash bench/prepare_device.sh: the wheels and FlashInfer's kernels prebuilt,
+# .whl/fi_so.tgz, so a fresh machine does not JIT them for ~10 min). Writes logs and JSON to $OUT.
 #   bash bench/gpu_session.sh [test] [gputests] [serving] [bench] [cputests] [sampling] [offload] [ipc] [served]
 #                             [structured] [rotation] [rotation_e2e] [gated] [goodput] [knee] [disagg] [routing] [host]
 #                             [warm]  (compile and cache the JIT kernels before a timed step such as knee; the engine takes
