@@ -51,6 +51,10 @@ def _specs() -> list[Any]:
     import torch
 
     _cpu_safe_import()
+    if os.environ.get("BUILD_FI_CUTLASS_MOE"):  # issue 33: what FlashInfer's CUTLASS MoE costs to build
+        from flashinfer.jit.fused_moe import gen_cutlass_fused_moe_sm90_module
+
+        return [gen_cutlass_fused_moe_sm90_module()]
     from flashinfer.jit.attention.modules import gen_batch_decode_module, gen_batch_prefill_module
     from flashinfer.jit.sampling import gen_sampling_module
     from flashinfer.jit.topk import gen_topk_module
@@ -66,16 +70,19 @@ def _specs() -> list[Any]:
 def _link_env(stub_dir: Path) -> None:
     """FlashInfer links each module with -lcudart -lcuda from the toolkit's lib64 and its stubs. A CPU
     machine's toolkit may keep libcudart elsewhere and has no driver stub: point the linker at the
-    runtime and at an empty libcuda (the modules the GPU machine builds need only libcudart.so.13; the
-    driver's own libcuda.so.1 is there at run time)."""
+    runtime and at empty stand-ins (the modules the GPU machine builds need only libcudart.so.13)."""
     homes = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"]
     libs = [str(Path(h, d)) for h in homes if h for d in ("lib64", "lib") if Path(h, d, "libcudart.so").exists()]
-    if not any(Path(d, "libcuda.so").exists() for d in ("/usr/local/lib64/stubs", *libs)):
+    # the driver (every module) and NVRTC (only the CUTLASS MoE): present on the GPU machine at run time
+    for lib, soname in (("cuda", "libcuda.so.1"), ("nvrtc", "libnvrtc.so.13")):
+        if any(Path(d, f"lib{lib}.so").exists() for d in ("/usr/local/lib64/stubs", *libs)):
+            continue
         stub_dir.mkdir(parents=True, exist_ok=True)
-        (stub_dir / "stub.c").write_text("/* link-time stand-in for the driver library */\n")
-        subprocess.run(["cc", "-shared", "-Wl,-soname,libcuda.so.1", "-o", str(stub_dir / "libcuda.so"),
+        (stub_dir / "stub.c").write_text("/* link-time stand-in for a library of the GPU machine */\n")
+        subprocess.run(["cc", "-shared", f"-Wl,-soname,{soname}", "-o", str(stub_dir / f"lib{lib}.so"),
                         str(stub_dir / "stub.c")], check=True)
-        libs.append(str(stub_dir))
+        if str(stub_dir) not in libs:
+            libs.append(str(stub_dir))
     os.environ["LIBRARY_PATH"] = os.pathsep.join([*libs, *filter(None, [os.environ.get("LIBRARY_PATH")])])
 
 
@@ -92,7 +99,11 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2, help="modules built at once (each runs its own nvcc)")
     ap.add_argument("--only", nargs="*", help="build only these module names (default: all)")
     ap.add_argument("--include", action="append", default=[], help="extra header folder for nvcc (curand.h)")
+    ap.add_argument("--cutlass-moe", action="store_true",
+                    help="build only FlashInfer's CUTLASS fused MoE for sm_90a (to time it; not used by the engine)")
     a = ap.parse_args()
+    if a.cutlass_moe:
+        os.environ["BUILD_FI_CUTLASS_MOE"] = "1"  # read by _specs in the worker processes too
     if a.include:
         flags = " ".join(f"-I{d}" for d in a.include)
         os.environ["NVCC_APPEND_FLAGS"] = f"{os.environ.get('NVCC_APPEND_FLAGS', '')} {flags}".strip()
@@ -102,7 +113,7 @@ def main() -> None:
     built = []
     with ProcessPoolExecutor(a.jobs) as pool:
         for name, secs, path in pool.map(_build, names):
-            print(f"built {name} in {secs:.0f} s", flush=True)
+            print(f"built {name} in {secs:.0f} s ({Path(path).stat().st_size / 1e6:.1f} MB)", flush=True)
             built.append((name, Path(path)))
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
