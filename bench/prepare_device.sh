@@ -24,4 +24,9 @@ if [ ! -f "$inc/nvidia/cu13/include/curand.h" ]; then
 fi
 "$venv/bin/python" bench/build_fi_cache.py --out "$dir/fi_so.tgz" --jobs 2 --include "$inc/nvidia/cu13/include" \
   2>&1 | grep -E "^built|^wrote|Error|error:" || { echo "prepare_device: FlashInfer build FAILED" >&2; exit 1; }
-ls -la "$dir/fi_so.tgz"; du -sh "$dir"
+ls -la "$dir/fi_so.tgz"
+# a call carries the tracked and untracked-not-ignored files plus $dir: at most 64 MiB together
+tree=$( { git ls-files -z; git ls-files -z --others --exclude-standard; } | xargs -0 du -cb 2>/dev/null | awk '$2 == "total" {s += $1} END {print s}')
+carry=$(du -sb "$dir" | cut -f1)
+echo "a call would carry $(( (tree + carry) >> 20 )) MiB (tree $(( tree >> 20 )), $dir $(( carry >> 20 ))); the limit is 64"
+[ $(( (tree + carry) >> 20 )) -lt 62 ] || echo "prepare_device: WARNING: within 2 MiB of the device's 64 MiB limit" >&2
