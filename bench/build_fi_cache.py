@@ -8,6 +8,7 @@ H100 and H200) and writes them in the layout `bench/gpu_session.sh` unpacks into
 folder (`<uri>/<uri>.so` in `.whl/fi_so.tgz`).
 
     python bench/build_fi_cache.py --out .whl/fi_so.tgz [--jobs 2] [--include DIR]
+    (bash bench/prepare_device.sh does it all: the wheels, a build venv, the curand headers, this)
 
 Needs nvcc (CUDA 13, as on the GPU machine), ninja and flashinfer-python==0.6.14 with its tvm-ffi;
 torch may be a CPU build. The sampling module includes curand.h, which the CPU machine's toolkit lacks:
