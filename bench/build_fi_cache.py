@@ -34,7 +34,7 @@ from typing import Any
 HEAD_DIMS = (64, 128)  # 64: the embedded default model; 128: Llama/Qwen/Mixtral geometries and the tests
 
 
-def _cpu_safe_import() -> Any:
+def _cpu_safe_import() -> None:
     """FlashInfer reads the device's SM count at import; give it an H100's where torch has no CUDA."""
     import torch
 
@@ -43,9 +43,7 @@ def _cpu_safe_import() -> Any:
                                 total_memory=80 << 30)
         torch.cuda.get_device_properties = lambda *a, **k: props  # type: ignore[assignment]
         torch.cuda.get_device_capability = lambda *a, **k: (9, 0)  # type: ignore[assignment]
-    import flashinfer
-
-    return flashinfer
+    import flashinfer  # noqa: F401  (imported here, after the stand-in, so its import-time query succeeds)
 
 
 def _specs() -> list[Any]:
