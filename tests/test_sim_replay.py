@@ -61,6 +61,8 @@ def test_pool_from_the_server_log_and_the_memory_math_agree() -> None:
     # every logged pool is reproduced by the memory math within 0.5 % (llama at four shares, qwen at one)
     for pn in R.PANELS:
         for sw in pn.sweeps:
+            if sw.gpu != "h200":
+                continue  # another card: the H200's memory math does not apply
             for log in (R.RESULTS / sw.folder).glob("gp_server_*.log"):
                 got = R.logged_pool(log)
                 assert got is not None

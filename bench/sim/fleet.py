@@ -54,6 +54,17 @@ ERROR_BAND: Final = ("SIMULATED. Cost model error (bench/sim/validate.py, H200):
                      "(TTFT near the knee), strict goodput within one grid step for 37 of 40 runs; latencies fast "
                      "(median TPOT -6.7 %, TTFT p50 -7.3 %, on 90 / 87 % of points: replay_sweeps --bias-from).")
 
+DERIVED_BAND: Final = ("DERIVED calibration ({gpu}): the H200's rates scaled by datasheet ratios "
+                       "(python -m bench.sim.derive), never profiled on this GPU. Checked on one measured H100 panel "
+                       "(Llama-3-8B at 1/2 of the GPU, Mooncake, Poisson, TTFT 5 s; 18 points): attainment MAE 2.3 "
+                       "points (optimistic by +2.0; +12.4 at the one point near the knee), strict goodput within one "
+                       "grid step for 2 of 2 runs; mean TPOT +0.4 %, TTFT p50 -11.9 % (median); no step time measured.")
+
+
+def error_band(cal: Calibration) -> str:
+    """What a figure priced on `cal` is worth: the H200's validation, and for a derived file what it rests on."""
+    return ERROR_BAND if "derived" not in cal.raw else f"{ERROR_BAND}\n{DERIVED_BAND.format(gpu=cal.gpu)}"
+
 
 def load_geometry(model: str) -> Geometry:
     """A preset name (`llama-3-8b`, `preset:qwen2.5-32b`) or a config.json path (file or its folder)."""

@@ -44,7 +44,8 @@ from sglang_ext.server_args import ServerArgs
 
 # GPU memory as the driver reports it (nvidia-smi's total, in GiB) per calibrated GPU type. A GPU type
 # is known when it has a calibration file and a row here.
-GPU_MEMORY_GIB: Final = {"h200": 143_771 / 1024}
+# h100's file is derived from the h200's by datasheet ratios (bench/sim/derive.py), not profiled.
+GPU_MEMORY_GIB: Final = {"h200": 143_771 / 1024, "h100": 81_559 / 1024}
 PROCESS_OVERHEAD_GIB: Final = 1.75  # CUDA context + activations per instance: a 0.25 share of an H200
 # with Llama-3-8B (13.98 GiB of weights) gives the measured 158,656-token pool (docs/benchmarks.md)
 PEER_GBPS: Final = 390.0  # GPU-to-GPU KV copies (docs/remote_attention.md's figure; not in the calibration)

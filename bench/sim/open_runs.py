@@ -104,8 +104,8 @@ def pool_at(share: float, model: str = MODEL) -> tuple[int, str]:
     from: the latest server log of a sweep at that share and model, else the engine's memory math."""
     for panel in reversed(PANELS):
         for sw in panel.sweeps:
-            if sw.share != share or sw.model != model:
-                continue
+            if sw.share != share or sw.model != model or sw.gpu != "h200":
+                continue  # the open runs are H200 runs: another card's pool at the same share differs
             for log in sorted((RESULTS / sw.folder).glob("gp_server_*.log")):
                 got = logged_pool(log)
                 if got is not None:

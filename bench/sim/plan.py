@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import yaml
 
-from bench.sim.fleet import ERROR_BAND, STRATEGIES, ModelSpec, fewest_gpus, load_gpu, servegen_rates
+from bench.sim.fleet import STRATEGIES, ModelSpec, error_band, fewest_gpus, load_gpu, servegen_rates
 from bench.sim.instance import known_gpus
 
 KEYS = {"name", "model", "rate", "share", "servegen", "ttft_s", "tpot_s", "trace", "max_in", "max_out", "arrival",
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     for m in models:
         print(f"  {m.name:14s} {m.model:16s} {m.rate:7.3f} req/s  TTFT {m.ttft_s:g} s  "
               f"TPOT {1e3 * m.tpot_s:g} ms  {m.trace}")
-    out: dict[str, Any] = {"label": "SIMULATED", "error_band": ERROR_BAND, "gpu": a.gpu, "calibration": cal.gpu,
+    out: dict[str, Any] = {"label": "SIMULATED", "error_band": error_band(cal), "gpu": a.gpu, "calibration": cal.gpu,
                            "args": {k: str(v) for k, v in vars(a).items()}, "strategies": {}}
     for strat in STRATEGIES if a.strategy == "all" else (a.strategy,):
         r = fewest_gpus(models, cal, mem, strat, a.seconds, a.target, a.scales, a.seed, log=print,
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:14s} both SLOs {100 * s['attainment']:5.1f} %  TTFT {100 * s['ttft_attainment']:5.1f} %  "
                   f"TPOT {100 * s['tpot_attainment']:5.1f} %  (TTFT p99 {s['ttft_p99_s']:.2f} s, "
                   f"TPOT mean {s['tpot_mean_ms']:.0f} ms; {s['scheduled']} requests, {s['failed']} failed)")
-    print(ERROR_BAND)
+    print(error_band(cal))
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(out, indent=1, default=str))

@@ -42,6 +42,7 @@ from bench.policy_sim import Clock, make_scheduler, replay, serving_workload
 from bench.serving import build_parser as serving_parser
 from bench.serving import workload_config
 from bench.sim.cost import DEFAULT_CALIBRATION, CostModel
+from bench.sim.instance import gpu_calibration
 from bench.traces import WorkloadConfig, repo_root
 from sglang_ext.configs import preset_config_file
 from sglang_ext.models.config import ModelConfig
@@ -62,6 +63,7 @@ class Sweep:
     model: str = "llama-3-8b"
     host_gb: float = 32.0
     note: str = ""
+    gpu: str = "h200"  # the card it ran on: its calibration file prices it (bench/sim/instance.py)
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,8 @@ PANELS: Final[tuple[Panel, ...]] = (
                                          Sweep("2026-12-03-h200/c2-poisson-share025-ttft2-r4/knee", 0.25))),
     Panel("s5/c3 mixtral 0.9 knee", (Sweep("2026-12-03-h200-s5/c3-mixtral-knee", 0.9, "mixtral-8x7b",
                                            note="94bc18e: tuned MoE table, dummy weights, TTFT 5 s; lvf only"),)),
+    Panel("12-06 h100 1/2 ttft5 knee", (Sweep("2026-12-06-h100-s2/knee-share05-ttft5", 0.5, gpu="h100",
+                                              note="32fc2a6, one H100: priced on the derived h100 file"),)),
 )
 
 
@@ -130,6 +134,8 @@ def memory_constants(results: Path = RESULTS) -> tuple[float, float]:
     rows, rhs = [], []
     for panel in PANELS:
         for sw in panel.sweeps:
+            if sw.gpu != "h200":
+                continue  # another card's memory: its pools are logged, never computed
             kv = ModelConfig.from_path(preset_config_file(sw.model))
             for log in sorted((results / sw.folder).glob("gp_server_*.log")):
                 got = logged_pool(log)
@@ -159,6 +165,8 @@ def pool_tokens(report: Path, run: str, sw: Sweep, constants: tuple[float, float
     got = logged_pool(report.parent / f"gp_server_{run}.log")
     if got is not None:
         return (got[0] - 1) * got[1], f"server log ({got[0]} pages)"
+    if sw.gpu != "h200":
+        raise ValueError(f"{report}: no server log with the pool, and the memory math is fitted to H200 pools only")
     pages = pages_from_share(sw.share, sw.model, page, *constants)
     return (pages - 1) * page, f"memory math (share {sw.share:g}: {pages} pages)"
 
@@ -264,7 +272,7 @@ def reports(panel: Panel) -> list[tuple[Sweep, Path, str, float, int]]:
     return sorted(out, key=lambda r: (r[2], r[3], r[4]))
 
 
-def replay_panel(panel: Panel, costs: dict[str, CostModel], constants: tuple[float, float],
+def replay_panel(panel: Panel, costs: dict[tuple[str, str], CostModel], constants: tuple[float, float],
                  limit: int | None = None, log: bool = True, host_time: bool = True) -> list[Row]:
     rows = []
     for sw, path, label, rate, repeat in reports(panel)[:limit]:
@@ -272,7 +280,7 @@ def replay_panel(panel: Panel, costs: dict[str, CostModel], constants: tuple[flo
         run = "-".join(run_of(label))
         pool, source = pool_tokens(path, run, sw, constants)
         t0 = time.perf_counter()
-        pred = predict(report, run, pool, sw, costs[sw.model], host_time)
+        pred = predict(report, run, pool, sw, costs[(sw.gpu, sw.model)], host_time)
         row = Row(panel.name, sw.folder, path.name, label, rate, repeat, pred["scheduled"], pool, source,
                   measured(report), {k: pred[k] for k in ("both", "ttft", "tbt", *DETAIL)}, pred["rotations_out"],
                   pred["preemptions"], time.perf_counter() - t0)
@@ -420,7 +428,11 @@ def main(argv: list[str] | None = None) -> int:
     constants = memory_constants()
     print(f"memory math: GPU {constants[0] / GiB:.2f} GiB, process besides weights and pool "
           f"{constants[1] / GiB:.2f} GiB (least squares over the logged pools)")
-    costs = {m: CostModel.load(a.calibration, m) for m in {sw.model for pn in chosen for sw in pn.sweeps}}
+    # an H200 sweep takes --calibration; another card's sweep takes that card's file (h100: derived)
+    cal_files = {g: a.calibration if g == "h200" else gpu_calibration(g)[0]
+                 for g in {sw.gpu for pn in chosen for sw in pn.sweeps}}
+    pairs = {(sw.gpu, sw.model) for pn in chosen for sw in pn.sweeps}
+    costs = {(g, m): CostModel.load(cal_files[g], m) for g, m in pairs}
     rows: list[Row] = []
     for pn in chosen:
         rows += replay_panel(pn, costs, constants, a.limit, host_time=not a.no_host_time)
@@ -444,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({
             "calibration": str(a.calibration), "host_time": not a.no_host_time,
+            "calibration_by_gpu": {g: str(path) for g, path in sorted(cal_files.items())},
             "memory_constants_bytes": constants, "target": a.target,
             "summary": {**s, "goodput_within_one_step": ok, "goodput_runs": len(table)},
             "goodput": table, "points": [asdict(r) for r in rows]}, indent=1) + "\n")

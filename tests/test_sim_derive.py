@@ -1,0 +1,94 @@
+"""A calibration derived by datasheet ratios (bench/sim/derive.py): what it scales, what it keeps, that the
+committed h100 file is what the command writes, and that the H100 run is priced with it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from bench.sim import derive as D
+from bench.sim import replay_sweeps as R
+from bench.sim.cost import CALIBRATION_DIR, Calibration, CostModel
+from bench.sim.instance import gpu_calibration, known_gpus
+
+H200 = json.loads((CALIBRATION_DIR / "h200.json").read_text())
+H100_REPORT = R.RESULTS / "2026-12-06-h100-s2/knee-share05-ttft5/gp_lvf-rotate_r5_k2.json"
+
+
+def test_memory_rates_scale_by_the_hbm_ratio_and_the_rest_is_kept() -> None:
+    out = D.derive(H200, "h200", "h100", "h200.json", "cmd")
+    mem = 3.35 / 4.8
+    for section, key in D.MEMORY_RATES:
+        assert out[section][key] == pytest.approx(H200[section][key] * mem)
+    for section, key in D.COMPUTE_RATES:  # same chip, same bf16 peak
+        assert out[section][key] == pytest.approx(H200[section][key])
+    for key in ("row_us", "step_us"):
+        assert out["decode"][key] == H200["decode"][key]
+    for section in ("host_link", "remote_exchange", "executor_host", "loop"):
+        assert out[section] == H200[section]
+    assert "hbm_read_GBps_measured" not in out["decode"]  # not measured on the derived GPU
+    assert out["decode"]["hbm_read_GBps_derived"] == pytest.approx(H200["decode"]["hbm_read_GBps_measured"] * mem)
+    assert out["gpu"] == "NVIDIA H100 80GB HBM3" and "NOT profiled" in out["derived"]["note"]
+    assert "derived" in out["missing"]
+    cal = Calibration.from_dict(out)  # loads like a fitted file
+    c100, c200 = CostModel(cal, CostModel.load().geo), CostModel.load()
+    assert c100.decode_s(64, 64 * 2048) > c200.decode_s(64, 64 * 2048)  # a memory-bound step is slower
+
+
+def test_a_different_host_link_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(D.DATASHEETS, "gh200", replace(D.DATASHEETS["h200"], host_link="NVLink-C2C"))
+    with pytest.raises(ValueError, match="different links"):
+        D.derive(H200, "h200", "gh200", "h200.json", "cmd")
+
+
+def test_the_committed_h100_file_is_what_the_command_writes(tmp_path: Path) -> None:
+    out = tmp_path / "h100.json"
+    assert D.main(["--from", "h200", "--to", "h100", "--out", str(out)]) == 0
+    fresh, committed = json.loads(out.read_text()), json.loads((CALIBRATION_DIR / "h100.json").read_text())
+    for d in (fresh, committed):
+        d.pop("derived_at"), d.pop("command"), d["derived"].pop("from")
+    redo = "python -m bench.sim.derive --from h200 --to h100 --out bench/sim/calibration/h100.json"
+    assert fresh == committed, f"h200.json changed since h100.json was derived: {redo}"
+
+
+def test_a_derived_file_is_not_derived_again(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        D.main(["--from", "h100", "--to", "h200", "--calibration", str(CALIBRATION_DIR / "h100.json"),
+                "--out", str(tmp_path / "x.json")])
+
+
+def test_h100_is_a_known_gpu_with_its_driver_memory() -> None:
+    assert {"h100", "h200"} <= set(known_gpus())
+    path, mem = gpu_calibration("h100")
+    assert path.name == "h100.json" and mem == pytest.approx(81_559 / 1024)
+
+
+def test_the_h100_panel_is_priced_on_the_h100_file() -> None:
+    panel = next(pn for pn in R.PANELS if "h100" in pn.name)
+    (sw,) = panel.sweeps
+    assert (sw.gpu, sw.share, sw.model) == ("h100", 0.5, "llama-3-8b")
+    tokens, source = R.pool_tokens(H100_REPORT, "lvf-rotate", sw, (0.0, 0.0))  # the log, not the H200 math
+    assert tokens == (12291 - 1) * 16 and source == "server log (12291 pages)"
+    with pytest.raises(ValueError, match="H200 pools only"):
+        R.pool_tokens(H100_REPORT.parent / "calls" / "none.json", "lvf-rotate", sw, (0.0, 0.0))
+    report = json.loads(H100_REPORT.read_text())
+    report["config"]["num_requests"] = 12  # a fast smoke
+    pred = R.predict(report, "lvf-rotate", tokens, sw, CostModel.load(gpu_calibration("h100")[0]))
+    assert pred["scheduled"] == 12 and 0.0 <= pred["both"] <= 1.0 and pred["tpot_mean_ms"] > 0
+
+
+def test_the_plan_command_on_an_h100_says_its_calibration_is_derived(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.sim import plan as plan_cmd
+
+    example = Path(__file__).resolve().parents[1] / "bench/sim/examples/models.yaml"
+    out = tmp_path / "plan.json"
+    rc = plan_cmd.main(["--models", str(example), "--gpu", "h100", "--traffic", "servegen", "--total-rate", "3",
+                        "--seconds", "3", "--strategy", "dedicated", "--scales", "1", "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "SIMULATED on NVIDIA H100 80GB HBM3 (80 GiB)" in text and "DERIVED calibration" in text
+    assert "DERIVED" in json.loads(out.read_text())["error_band"]
