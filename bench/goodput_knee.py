@@ -560,6 +560,7 @@ def _resume(a: argparse.Namespace, plan: Plan, head: dict[str, Any], call_id: st
                   lambda run, rate, k: report_name(run, a.arrival, rate, k), config)
     if call_id in {c.get("call_id") for c in prev.calls}:
         raise R.ResumeError(f"--call-id {call_id} is an earlier call's too: give each call its own id")
+    head["warnings"] += R.check_gpu(prev.calls, head["gpu"], str(a.resume))
     R.carry_over(prev, a.out)
     return prev
 
@@ -600,7 +601,7 @@ def main(argv: list[str] | None = None, *, executor: Executor | None = None,
     call_id = a.call_id or os.environ.get(serving.CALL_ENV) or serving.new_call_id("knee")
     date = datetime.now(timezone.utc).isoformat(timespec="seconds")
     head = {"call_id": call_id, "date": date,
-            **{k: v for k, v in serving.provenance(call_id).items() if k != "call_id"},
+            **{k: v for k, v in serving.provenance(call_id).items() if k != "call_id"}, "gpu": R.gpu_name(a.device),
             "plan": {**asdict(plan), "rates": plan.rates, "extension": plan.extension(), "stride": plan.stride,
                      "offsets": [plan.offset(k) for k in range(plan.repeats)],
                      "n_per_rate": {f"{r:g}": plan.n(r) for r in (*plan.rates, *plan.extension())}},
@@ -630,7 +631,7 @@ def main(argv: list[str] | None = None, *, executor: Executor | None = None,
         head["resumed_from"] = str(a.resume)
 
     def calls(search: Search) -> dict[str, Any]:
-        mine = {k: head[k] for k in ("call_id", "git_commit", "git_dirty", "commit_source", "date")}
+        mine = {k: head[k] for k in ("call_id", "git_commit", "git_dirty", "commit_source", "date", "gpu")}
         mine.update(stopped=search.stopped, elapsed_s=round(search.elapsed_s, 1), budget_s=search.budget_s,
                     points={run: [e["rate"] for e in s.order if e.get("call") == call_id]
                             for run, s in search.state.items()})

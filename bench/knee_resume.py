@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
+import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,10 +88,39 @@ class Previous:
         return {(run, rate) for run, curve in self.curves.items() for rate in curve}
 
 
+def gpu_name(device: str) -> str | None:
+    """The card this call's servers run on, as nvidia-smi names it ("NVIDIA H200"), "cpu" for a CPU run,
+    None where it cannot be told. A panel never merges cards: another card is another decode speed."""
+    if not device.startswith("cuda"):
+        return device
+    ordinal = int(device.partition(":")[2] or 0)  # torch's index among the visible cards
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    index = visible[ordinal] if ordinal < len(visible) and visible[ordinal].isdigit() else str(ordinal)
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", index],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.strip().splitlines()[0].strip() if out.strip() else None
+
+
+def check_gpu(calls: list[dict[str, Any]], gpu: str | None, where: str) -> list[str]:
+    """Refuse a resume on another card than the earlier calls'; the warnings for calls that did not record one."""
+    for c in calls:
+        theirs = c.get("gpu")
+        if gpu is not None and theirs is not None and theirs != gpu:
+            raise ResumeError(f"--resume {where}: call {c.get('call_id')} ran on {theirs}, this call runs on {gpu}; "
+                              "a panel never merges cards (start a new panel)")
+    unknown = [str(c.get("call_id")) for c in calls if c.get("gpu") is None]
+    return [f"GPU NOT RECORDED for earlier calls {', '.join(unknown)} (before 2026-12-06): "
+            f"check that they ran on {gpu or 'the same card'}"] if unknown else []
+
+
 def _legacy_call(doc: dict[str, Any], dates: list[str]) -> dict[str, Any]:
     """The call record of a knee.json written before --resume existed: its head, its points."""
     return {"call_id": doc.get("call_id"), "git_commit": doc.get("git_commit"), "git_dirty": doc.get("git_dirty"),
             "commit_source": doc.get("commit_source"), "date": doc.get("date") or (min(dates) if dates else None),
+            "gpu": doc.get("gpu"),
             "stopped": doc.get("stopped"), "elapsed_s": doc.get("elapsed_s"), "budget_s": doc.get("budget_s"),
             "points": {run: [e["rate"] for e in r.get("order", [])] for run, r in doc.get("runs", {}).items()}}
 
@@ -183,6 +214,9 @@ def merged(calls: list[dict[str, Any]]) -> dict[str, Any]:
     dirty = [str(c["call_id"]) for c in calls if c.get("git_dirty") is not False]
     if dirty:
         warnings.append("DIRTY OR UNKNOWN TREE in calls: " + ", ".join(dirty))
+    gpus = {c.get("gpu") for c in calls} - {None}
+    if len(gpus) > 1:  # check_gpu refuses this; a hand-edited or older folder could still hold it
+        warnings.append("CALLS RAN ON DIFFERENT GPUS: " + ", ".join(f"{c.get('gpu')} ({c['call_id']})" for c in calls))
     return {"merged_calls": len(calls), "commits_differ": len(commits) > 1, "calls": calls, "warnings": warnings}
 
 
@@ -194,6 +228,6 @@ def calls_text(doc: dict[str, Any]) -> str:
         dirty = {True: "dirty", False: "clean"}.get(c.get("git_dirty"), "dirty unknown")
         pts = "; ".join(f"{run} {' '.join(f'{r:g}' for r in rates)}" for run, rates in c["points"].items() if rates)
         lines.append(f"  {c['call_id']}  commit {str(c.get('git_commit'))[:12]} ({dirty})  {c.get('date')}  "
-                     f"points: {pts or 'none'}")
+                     f"{c.get('gpu') or 'GPU not recorded'}  points: {pts or 'none'}")
     lines.extend(f"!!! {w}" for w in doc["warnings"])
     return "\n".join(lines)

@@ -265,3 +265,57 @@ def test_bad_variants_are_refused_naming_the_flag(tmp_path: Path, capsys: pytest
     assert K.main([*ARGS, *flags, "--out", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "knee.json").exists()
+
+
+def test_a_resume_on_another_card_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv(serving.COMMIT_ENV, "a" * 40)
+    monkeypatch.setenv(serving.DIRTY_ENV, "0")
+    monkeypatch.setattr(K.R, "gpu_name", lambda device: "NVIDIA H200")
+    assert call(tmp_path / "c0", 900, "knee-c0")[0] == 0
+    assert doc(tmp_path / "c0")["gpu"] == doc(tmp_path / "c0")["calls"][0]["gpu"] == "NVIDIA H200"
+    monkeypatch.setattr(K.R, "gpu_name", lambda device: "NVIDIA H100 80GB HBM3")
+    rc, _ = call(tmp_path / "c1", 900, "knee-c1", "--resume", str(tmp_path / "c0"))
+    assert rc == 2 and "never merges cards" in capsys.readouterr().err
+    monkeypatch.setattr(K.R, "gpu_name", lambda device: "NVIDIA H200")  # the same card resumes
+    assert call(tmp_path / "c2", 900, "knee-c2", "--resume", str(tmp_path / "c0"))[0] == 0
+    assert [c["gpu"] for c in doc(tmp_path / "c2")["calls"]] == ["NVIDIA H200"] * 2
+    assert "NVIDIA H200  points:" in (tmp_path / "c2" / "goodput.txt").read_text()
+
+
+def test_earlier_calls_without_a_recorded_card_are_flagged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(serving.COMMIT_ENV, "a" * 40)
+    monkeypatch.setenv(serving.DIRTY_ENV, "0")
+    monkeypatch.setattr(K.R, "gpu_name", lambda device: None)  # as folders from before 2026-12-06 read
+    assert call(tmp_path / "c0", 900, "knee-c0")[0] == 0
+    monkeypatch.setattr(K.R, "gpu_name", lambda device: "NVIDIA H100 80GB HBM3")
+    assert call(tmp_path / "c1", 900, "knee-c1", "--resume", str(tmp_path / "c0"))[0] == 0
+    warnings = " ".join(doc(tmp_path / "c1")["warnings"])
+    assert "GPU NOT RECORDED for earlier calls knee-c0" in warnings and "NVIDIA H100 80GB HBM3" in warnings
+    assert "GPU not recorded" in (tmp_path / "c1" / "goodput.txt").read_text()
+
+
+def test_gpu_name_asks_nvidia_smi_for_the_visible_card(monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    from bench import knee_resume as R
+
+    assert R.gpu_name("cpu") == "cpu"
+    seen: list[list[str]] = []
+
+    def smi(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+        seen.append(argv)
+        return subprocess.CompletedProcess(argv, 0, "NVIDIA H200\n", "")
+
+    monkeypatch.setattr(R.subprocess, "run", smi)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,2")  # torch's cuda:1 is the physical card 2
+    assert R.gpu_name("cuda") == "NVIDIA H200" and seen[-1][-2:] == ["-i", "3"]
+    assert R.gpu_name("cuda:1") == "NVIDIA H200" and seen[-1][-2:] == ["-i", "2"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert R.gpu_name("cuda:1") == "NVIDIA H200" and seen[-1][-2:] == ["-i", "1"]
+
+    def missing(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(R.subprocess, "run", missing)
+    assert R.gpu_name("cuda") is None
