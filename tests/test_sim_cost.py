@@ -321,3 +321,20 @@ def test_moe_prefill_term_is_fitted_on_single_prefills_and_validated_on_the_rest
     assert s["moe-loo prefill"]["n"] == 4 and s["moe-loo prefill"]["mape_pct"] < 15.0
     assert s["moe-no-prefill-term prefill"]["n"] == 6 and s["moe-no-prefill-term prefill"]["mape_pct"] > 30.0
     assert s["moe-cross prefill qwen3-30b-a3b"]["max_ape_pct"] > 100.0  # Mixtral alone does not transfer
+
+
+def test_the_moe_occupancy_analysis_reproduces_the_fit_at_h_0(tmp_path: Path) -> None:
+    """bench/sim/moe_occupancy.py: at h = 0 it is fit.py's fit_moe (the calibration's moe rates and the
+    -11.6 % worst row); the programs it counts are the tuned tables' (Mixtral bs 1: 448 gate/up, 128 down)."""
+    from bench.sim import moe_occupancy as O
+
+    assert O.programs(Geometry.preset("mixtral-8x7b"), 1, 2.0) == (448, 128)
+    out = tmp_path / "occ.json"
+    assert O.main(["--h", "0", "0.3", "--out", str(out)]) == 0
+    sweep = json.loads(out.read_text())["sweep"]
+    cal = json.loads(DEFAULT_CALIBRATION.read_text())["moe"]
+    assert sweep[0]["expert_GBps"] == pytest.approx(cal["expert_GBps"], rel=1e-6)
+    assert sweep[0]["layer_expert_us"] == pytest.approx(cal["layer_expert_us"], rel=1e-6)
+    worst = max(abs(r["error_pct"]) for r in sweep[0]["rows"])
+    assert worst == pytest.approx(11.6, abs=0.05)
+    assert max(abs(r["error_pct"]) for r in sweep[1]["rows"]) < worst  # the occupancy factor narrows it
