@@ -290,3 +290,16 @@ def test_gpu_route_and_experts_capture_in_a_cuda_graph_without_host_sync() -> No
         x.copy_(torch.randn(t, h, device="cuda", generator=g))
         graph.replay()
         _close(out, fused_moe_ref(x, w13, w2, *moe_route_ref(logits, k, True)))
+
+
+def test_quick_tuning_keeps_narrow_tiles_at_decode_sizes() -> None:
+    """--quick drops BLOCK_N 32 only where an expert spans several M blocks: at decode sizes (one block)
+    the narrow tile is what fills the SMs when few experts are hit."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import tune_moe
+
+    def widths(many: bool) -> set[int]:
+        return {c["BLOCK_N"] for c in tune_moe.candidates(16, 14336, 4096, 1, True, many)}
+
+    assert widths(False) == {32, 64, 128} and widths(True) == {64, 128}
+    assert {c["BLOCK_N"] for c in tune_moe.candidates(16, 14336, 4096, 1, False, True)} == {32, 64, 128, 256}
