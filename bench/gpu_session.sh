@@ -92,7 +92,8 @@ for s in $steps; do
           # rerun, its reports are copied to $OUT/knee). The device machine sees only what is sent: a call's $OUT comes back
           # here as files under /work/.device/N/, so put its knee/ in the tree before the next call, e.g. committed under
           # bench/results/<date>/, or copied to the ignored bench/results/tmp/knee-c1 and named in the run's carry
-          # (64 MiB in all), then RESUME=bench/results/tmp/knee-c1.
+          # (64 MiB in all), then RESUME=bench/results/tmp/knee-c1: `bash bench/knee_carry.sh knee-c1` does that
+          # from the newest call's files in a second (a warm machine waits ~30 s for the next call).
     disagg) for i in $(seq ${DISAGG_REPEATS:-3}); do  # the served PD failure tests (CPU workers), repeated: races show
             PYTHONPATH=$BASE timeout 300 python3 -m pytest -q -rfs -p no:cacheprovider tests/test_disagg_failures.py \
               2>&1 | tail -4 | tee "$OUT/disagg_failures_$i.log"

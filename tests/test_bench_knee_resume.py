@@ -319,3 +319,34 @@ def test_gpu_name_asks_nvidia_smi_for_the_visible_card(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(R.subprocess, "run", missing)
     assert R.gpu_name("cuda") is None
+
+
+def test_knee_carry_unpacks_a_call_for_the_next_resume(tmp_path: Path) -> None:
+    """bench/knee_carry.sh: the knee step's archive from a call's files, unpacked where RESUME points."""
+    import os
+    import subprocess
+    import tarfile
+
+    root = Path(__file__).resolve().parents[1]
+    knee = tmp_path / "src" / "knee"
+    knee.mkdir(parents=True)
+    (knee / "knee.json").write_text(json.dumps({"stopped": "budget", "calls": [{"call_id": "c0"}]}))
+    files = tmp_path / "device" / "9"
+    files.mkdir(parents=True)
+    with tarfile.open(files / "knee.tgz", "w:gz") as t:
+        t.add(knee, arcname="knee")
+    name = f"pytest-carry-{tmp_path.name}"
+    dst = root / "bench" / "results" / "tmp" / name
+    try:
+        out = subprocess.run(["bash", "bench/knee_carry.sh", name], cwd=root, capture_output=True, text=True,
+                             env={**os.environ, "DEVICE_FILES": str(tmp_path / "device")})
+        assert out.returncode == 0, out.stderr
+        assert f"RESUME=bench/results/tmp/{name}" in out.stdout and "stopped: budget | calls: 1" in out.stdout
+        assert json.loads((dst / "knee.json").read_text())["stopped"] == "budget"
+        bad = subprocess.run(["bash", "bench/knee_carry.sh", name, str(tmp_path)], cwd=root, capture_output=True,
+                             text=True)
+        assert bad.returncode == 2 and "no knee.tgz" in bad.stderr
+    finally:
+        import shutil
+
+        shutil.rmtree(dst, ignore_errors=True)
