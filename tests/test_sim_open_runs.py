@@ -64,7 +64,7 @@ def test_a_row_is_searched_and_its_gpu_call_estimated(capsys: pytest.CaptureFixt
     # one request every 2 s passes at a quarter share; 60 ~6K-token prompts at 120 req/s cannot (the
     # 8B prefills well under 70K tokens/s: the last ones wait past the 5 s TTFT)
     row = O.Row("t", N.Setting("t", "mooncake", "poisson", (0.5, 120.0), 7680), 0.25, O.LVF)
-    a = argparse.Namespace(repeats=1, seconds=0.5, min_req=6, extend=0, tolerance=100.0)
+    a = argparse.Namespace(repeats=1, seconds=0.5, min_req=6, extend=0, tolerance=100.0, gpu="h200")
     r = O.predict_row(row, CostModel.load(DEFAULT_CALIBRATION, O.MODEL), a)
     for run in O.LVF:
         g = r["search"]["goodput"][run]
@@ -82,7 +82,7 @@ def test_a_row_is_searched_and_its_gpu_call_estimated(capsys: pytest.CaptureFixt
 def test_a_row_below_its_grid_searches_lower_reusing_its_points() -> None:
     # 60 ~6K-token prompts at 120 req/s fail (above); the search adds 60 req/s, then 30, until a rate passes
     row = O.Row("t", N.Setting("t", "mooncake", "poisson", (120.0, 240.0), 7680), 0.25, O.LVF)
-    a = argparse.Namespace(repeats=1, seconds=0.5, min_req=6, extend=0, tolerance=100.0)
+    a = argparse.Namespace(repeats=1, seconds=0.5, min_req=6, extend=0, tolerance=100.0, gpu="h200")
     r = O.predict_row(row, CostModel.load(DEFAULT_CALIBRATION, O.MODEL), a)
     grid = r["search"]["plan"]["grid"]
     assert grid[-2:] == [120.0, 240.0] and min(grid) < 120.0 and r["search"]["plan"]["offsets"] == [0]
@@ -91,3 +91,23 @@ def test_a_row_below_its_grid_searches_lower_reusing_its_points() -> None:
         assert g["goodput"] is not None and g["goodput"] < 120.0 and g["goodput"] in grid
     seen = [(p["run"], p["rate"]) for p in r["search"]["points"]]
     assert len(seen) == len(set(seen))  # the first search's points were taken, not replayed again
+
+
+def test_another_card_takes_its_own_pools_and_rows() -> None:
+    """--gpu h100: the pool at 1/2 is the H100 server's logged one, other shares come from the memory math
+    with the card's total solved from that log (H100 80GB: torch sees ~79.2 GiB); every row is a new panel."""
+    tokens, source = O.pool_at(0.5, gpu="h100")
+    assert tokens == (12291 - 1) * 16 and "2026-12-06-h100-s2" in source
+    total, other = O.memory_for("h100")
+    assert 79.0 * 2**30 < total < 79.4 * 2**30 and other == O.memory_for("h200")[1]
+    quarter, source = O.pool_at(0.25, gpu="h100")
+    assert source.startswith("memory math") and "h100" in source and 30_000 < quarter < 40_000
+    assert O.pool_at(0.25)[0] > 4 * quarter  # the H200's quarter holds far more
+    assert all(r.measured == () for r in O.rows("h100")) and O.rows("h200")[0].measured == (4.0, 5.0)
+    with pytest.raises(ValueError, match="no server log"):
+        O.memory_for("h300")
+
+
+def test_an_unknown_card_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert O.main(["--gpu", "a100", "--rows", "1", "--out", str(tmp_path)]) == 2
+    assert "unknown GPU 'a100'" in capsys.readouterr().err

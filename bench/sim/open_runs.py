@@ -41,8 +41,11 @@ import torch
 from bench import goodput_knee as K
 from bench.sim import knee as N
 from bench.sim.cost import DEFAULT_CALIBRATION, CostModel
-from bench.sim.fleet import ERROR_BAND
-from bench.sim.replay_sweeps import PANELS, RESULTS, logged_pool, memory_constants, pages_from_share
+from bench.sim.fleet import error_band
+from bench.sim.instance import gpu_calibration
+from bench.sim.replay_sweeps import PANELS, RESULTS, logged_pool, memory_constants, pages_from_share, weight_bytes
+from sglang_ext.configs import preset_config_file
+from sglang_ext.models.config import ModelConfig
 
 MODEL: Final = "llama-3-8b"
 HOST_GB: Final = 32.0
@@ -73,15 +76,15 @@ class Row:
 LVF: Final = ("fcfs-recompute", "lvf-rotate")
 
 
-def rows() -> list[Row]:
+def rows(gpu: str = "h200") -> list[Row]:
     """Rows 1-7 of "Open runs (issue 32)". Row 7 (fcfs rotate vs recompute at two shares) folds into rows 2
     and 3 as a third run, at 1/4 and 1/2: shares within the brief's bound of at most 4 models a GPU (the
     doc's 1/8 is past it, so a gain there is not a result). Row 6 (bursts at 1/8) is the issue's and stays,
     marked past the bound. Of row 8 (in-process remote attention: adaptive vs off vs fixed) only "off" on
     Azure conversation is here: the simulator prices a remote executor on another GPU, not one sharing
-    the sender's."""
+    the sender's. On another card (`gpu`) every row is a new panel: no rate is measured yet, no H200 note."""
     S = N.Setting
-    return [
+    out = [
         Row("1", S("share025-ttft2-poisson", "mooncake", "poisson", (4.0, 5.0), 7680, ttft=2.0), 0.25, LVF,
             "continues 2026-12-03-h200/c1 (5 req/s) + c2 (4 req/s)", (4.0, 5.0), 2),
         Row("2+7", S("share025-ttft5-poisson", "mooncake", "poisson", (4.0, 5.0, 6.0), 7680), 0.25,
@@ -97,21 +100,50 @@ def rows() -> list[Row]:
             0.25, ("fcfs-recompute",), "the 'off' run only: fixed and adaptive share the GPU with an in-process "
             "executor, which the simulator does not price; Mooncake's 'off' run is row 1's fcfs-recompute"),
     ]
+    if gpu == "h200":
+        return out
+    return [dataclasses.replace(r, measured=(), note="" if r.measured else r.note) for r in out]
 
 
-def pool_at(share: float, model: str = MODEL) -> tuple[int, str]:
-    """Usable pool tokens at `share` ((pages - 1) x page: page 0 is reserved) and where the figure comes
-    from: the latest server log of a sweep at that share and model, else the engine's memory math."""
+def _logged(gpu: str, model: str, share: float | None = None) -> list[tuple[float, int, str]]:
+    """(share, pages, where) of every server log of this card and model (at `share` if given), latest first."""
+    out = []
     for panel in reversed(PANELS):
         for sw in panel.sweeps:
-            if sw.share != share or sw.model != model or sw.gpu != "h200":
-                continue  # the open runs are H200 runs: another card's pool at the same share differs
+            if sw.gpu != gpu or sw.model != model or (share is not None and sw.share != share):
+                continue  # another card's pool at the same share differs
             for log in sorted((RESULTS / sw.folder).glob("gp_server_*.log")):
                 got = logged_pool(log)
-                if got is not None:
-                    return (got[0] - 1) * got[1], f"{sw.folder}/{log.name} ({got[0]} pages)"
-    pages = pages_from_share(share, model, PAGE, *memory_constants())
-    return (pages - 1) * PAGE, f"memory math ({pages} pages)"
+                if got is not None and got[1] == PAGE:
+                    out.append((sw.share, got[0], f"{sw.folder}/{log.name} ({got[0]} pages)"))
+    return out
+
+
+def memory_for(gpu: str, model: str = MODEL) -> tuple[float, float]:
+    """(GPU bytes torch sees, process bytes besides weights and pool) for the engine's memory math: fitted
+    to the H200's logged pools; on another card the H200's process term and the card's total solved from its
+    latest logged pool (one server log is enough; without any the card cannot be priced)."""
+    total, other = memory_constants()
+    if gpu == "h200":
+        return total, other
+    logs = _logged(gpu, model)
+    if not logs:
+        raise ValueError(f"no server log of {model} on {gpu} under bench/results: its pool cannot be computed")
+    share, pages, _ = logs[0]
+    kv = ModelConfig.from_path(preset_config_file(model))
+    page_bytes = PAGE * 2 * kv.num_layers * 2 * kv.num_kv_heads * kv.head_dim
+    return (pages * page_bytes + weight_bytes(model) + other) / share, other
+
+
+def pool_at(share: float, model: str = MODEL, gpu: str = "h200") -> tuple[int, str]:
+    """Usable pool tokens at `share` ((pages - 1) x page: page 0 is reserved) and where the figure comes
+    from: the latest server log of a sweep at that share, model and card, else the engine's memory math."""
+    logs = _logged(gpu, model, share)
+    if logs:
+        _, pages, where = logs[0]
+        return (pages - 1) * PAGE, where
+    pages = pages_from_share(share, model, PAGE, *memory_for(gpu, model))
+    return (pages - 1) * PAGE, f"memory math ({pages} pages{'' if gpu == 'h200' else ', ' + gpu})"
 
 
 def suggested_grid(good: dict[str, dict[str, Any]], tolerance: float, steps: int = 1,
@@ -162,7 +194,7 @@ def gpu_command(row: Row, grid: tuple[float, ...]) -> str:
 
 
 def predict_row(row: Row, cost: CostModel, a: argparse.Namespace) -> dict[str, Any]:
-    pool, source = pool_at(row.share)
+    pool, source = pool_at(row.share, MODEL, a.gpu)
     server = N.Server(pool, HOST_GB, cost)
     st = row.setting
     plan = K.Plan(st.grid, a.repeats, a.seconds, a.min_req, 0.9, a.tolerance, a.extend)
@@ -202,6 +234,8 @@ def predict_row(row: Row, cost: CostModel, a: argparse.Namespace) -> dict[str, A
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.sim.open_runs", description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", nargs="+", choices=[r.row for r in rows()], help="rows to predict (default: all)")
+    p.add_argument("--gpu", default="h200", help="the card the rows would run on (a calibration file, e.g. h100: "
+                   "derived; its pools from its server logs and the memory math)")
     p.add_argument("--out", type=Path, default=Path("bench/results/2026-12-03-sim-open-runs"))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seconds", type=float, default=20.0, help="the plan's seconds per point (SECONDS_PER_POINT)")
@@ -211,14 +245,23 @@ def main(argv: list[str] | None = None) -> int:
                    help="bisect until the first failing rate is within this fraction of the last passing one")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    cost = CostModel.load(DEFAULT_CALIBRATION, MODEL)
-    chosen = [r for r in rows() if not a.rows or r.row in a.rows]
-    res = {"label": "SIMULATED", "error_band": ERROR_BAND, "model": MODEL, "host_gb": HOST_GB,
+    try:
+        path = DEFAULT_CALIBRATION if a.gpu == "h200" else gpu_calibration(a.gpu)[0]
+        cost = CostModel.load(path, MODEL)
+        pool_at(0.25, MODEL, a.gpu)  # a card without any logged pool is refused here, before the searches
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    band = error_band(cost.cal)
+    print(f"SIMULATED on {cost.cal.gpu} ({path.name})", flush=True)
+    chosen = [r for r in rows(a.gpu) if not a.rows or r.row in a.rows]
+    res = {"label": "SIMULATED", "error_band": band, "gpu": a.gpu, "calibration": path.name, "model": MODEL,
+           "host_gb": HOST_GB,
            "rows": {r.row: predict_row(r, cost, a) for r in chosen}, "args": {k: str(v) for k, v in vars(a).items()}}
     a.out.mkdir(parents=True, exist_ok=True)
-    name = "open-runs" if not a.rows else "open-runs-" + "-".join(a.rows)
+    name = ("open-runs" if not a.rows else "open-runs-" + "-".join(a.rows)) + ("" if a.gpu == "h200" else f"-{a.gpu}")
     (a.out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
-    print(ERROR_BAND)
+    print(band)
     return 0
 
 
