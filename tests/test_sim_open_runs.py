@@ -111,3 +111,10 @@ def test_another_card_takes_its_own_pools_and_rows() -> None:
 def test_an_unknown_card_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert O.main(["--gpu", "a100", "--rows", "1", "--out", str(tmp_path)]) == 2
     assert "unknown GPU 'a100'" in capsys.readouterr().err
+
+
+def test_a_share_the_weights_fill_is_skipped_not_searched() -> None:
+    row = next(r for r in O.rows("h100") if r.row == "6")  # 1/8 of an H100: under Llama-3-8B's 15 GiB
+    a = argparse.Namespace(repeats=1, seconds=0.5, min_req=6, extend=0, tolerance=100.0, gpu="h100")
+    out = O.predict_row(row, CostModel.load(O.gpu_calibration("h100")[0], O.MODEL), a)
+    assert "does not fit" in out["skipped"] and "search" not in out

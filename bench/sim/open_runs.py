@@ -195,6 +195,10 @@ def gpu_command(row: Row, grid: tuple[float, ...]) -> str:
 
 def predict_row(row: Row, cost: CostModel, a: argparse.Namespace) -> dict[str, Any]:
     pool, source = pool_at(row.share, MODEL, a.gpu)
+    if pool < PAGE:  # the weights alone take the share (1/8 of an 80 GB card for an 8B model)
+        why = f"no KV pool at share {row.share:g} on {a.gpu} ({source}): the model does not fit"
+        print(f"== row {row.row} {row.setting.name}: skipped, {why}", flush=True)
+        return {"row": row.row, "share": row.share, "skipped": why}
     server = N.Server(pool, HOST_GB, cost)
     st = row.setting
     plan = K.Plan(st.grid, a.repeats, a.seconds, a.min_req, 0.9, a.tolerance, a.extend)
