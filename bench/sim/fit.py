@@ -100,6 +100,18 @@ def fit_decode(rows: Sequence[tuple[int, int, float]], geo: Geometry, weights_GB
 MoeRow = tuple[Geometry, int, int, float, float | None]  # geometry, bs, ctx, seconds, measured experts hit
 
 
+def moe_design(geo: Geometry, bs: int, ctx: int, hit: float | None, dec: dict[str, Any],
+               expert_scale: float = 1.0) -> tuple[list[float], float]:
+    """One MoE decode row's columns for fit_moe (expert bytes read, times `expert_scale`; per-expert fixed
+    work) and its known part (dense weights, KV, rows and step constant at the dense rates `dec`)."""
+    cols = [(geo.weight_read_bytes(bs, hit) - geo.dense_weight_bytes) * expert_scale,
+            geo.sparse_layers * geo.num_experts * 1e-6]
+    known = (geo.dense_weight_bytes / (dec["weights_GBps"] * 1e9)
+             + bs * ctx * geo.kv_bytes_per_token / (dec["kv_GBps"] * 1e9)
+             + (bs * dec["row_us"] + dec["step_us"]) * 1e-6)
+    return cols, known
+
+
 def fit_moe(rows: Sequence[MoeRow], dec: dict[str, Any]) -> dict[str, float]:
     """MoE decode rows -> moe.expert_GBps (expert bytes' read rate) and layer_expert_us (per sparse layer,
     per expert of the model), the dense rates `dec` held fixed (fitted to the dense model). Every MoE step
@@ -107,14 +119,8 @@ def fit_moe(rows: Sequence[MoeRow], dec: dict[str, Any]) -> dict[str, float]:
     reads), so the step is linear in the two unknowns: non-negative least squares on relative error of
     step - (dense weights + KV + rows + step constant). Other forms tried on the 2026-12-03 rows (a fixed
     cost per sparse layer, per expert hit, per routed pair) fitted worse or were dropped at 0."""
-    A, t, known = [], [], []
-    for geo, bs, ctx, sec, hit in rows:
-        A.append([geo.weight_read_bytes(bs, hit) - geo.dense_weight_bytes, geo.sparse_layers * geo.num_experts * 1e-6])
-        t.append(sec)
-        known.append(geo.dense_weight_bytes / (dec["weights_GBps"] * 1e9)
-                     + bs * ctx * geo.kv_bytes_per_token / (dec["kv_GBps"] * 1e9)
-                     + (bs * dec["row_us"] + dec["step_us"]) * 1e-6)
-    y = np.array(t)
+    A, known = zip(*(moe_design(geo, bs, ctx, hit, dec) for geo, bs, ctx, _, hit in rows), strict=True)
+    y = np.array([r[3] for r in rows])
     x, _ = _nnls_rel(np.array(A), y - np.array(known), scale=y)
     return {"expert_GBps": float(1 / x[0] / 1e9) if x[0] > 0 else float("inf"), "layer_expert_us": float(x[1])}
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from bench.sim.cost import DEFAULT_CALIBRATION
-from bench.sim.fit import _nnls_rel, moe_reports
+from bench.sim.fit import _nnls_rel, moe_design, moe_reports
 from bench.sim.geometry import DTYPE_BYTES, Geometry
 from bench.sim.runs import DecodeRow, decode_rows, find_reports, report_geometry
 from sglang_ext.ops.moe.configs import get_config, split
@@ -65,11 +65,7 @@ def fit(rows: Sequence[DecodeRow], geos: dict[str, Geometry], dec: dict[str, Any
     def design(d: DecodeRow) -> tuple[list[float], float]:
         geo = geos[d.model]
         hit = d.experts_hit if d.experts_hit is not None else geo.experts_hit(d.bs)
-        expert = geo.weight_read_bytes(d.bs, d.experts_hit) - geo.dense_weight_bytes
-        known = (geo.dense_weight_bytes / (dec["weights_GBps"] * 1e9)
-                 + d.bs * d.ctx * geo.kv_bytes_per_token / (dec["kv_GBps"] * 1e9)
-                 + (d.bs * dec["row_us"] + dec["step_us"]) * 1e-6)
-        return [expert * slowdown(geo, d.bs, hit, h), geo.sparse_layers * geo.num_experts * 1e-6], known
+        return moe_design(geo, d.bs, d.ctx, d.experts_hit, dec, slowdown(geo, d.bs, hit, h))
 
     fitted = [d for d in rows if d.ctx == FIT_CTX]
     cols, known = zip(*(design(d) for d in fitted), strict=True)

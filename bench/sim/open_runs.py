@@ -40,12 +40,18 @@ import torch
 
 from bench import goodput_knee as K
 from bench.sim import knee as N
-from bench.sim.cost import DEFAULT_CALIBRATION, CostModel
+from bench.sim.cost import CostModel
 from bench.sim.fleet import error_band
 from bench.sim.instance import gpu_calibration
-from bench.sim.replay_sweeps import PANELS, RESULTS, logged_pool, memory_constants, pages_from_share, weight_bytes
-from sglang_ext.configs import preset_config_file
-from sglang_ext.models.config import ModelConfig
+from bench.sim.replay_sweeps import (
+    PANELS,
+    RESULTS,
+    logged_pool,
+    memory_constants,
+    page_bytes,
+    pages_from_share,
+    weight_bytes,
+)
 
 MODEL: Final = "llama-3-8b"
 HOST_GB: Final = 32.0
@@ -130,9 +136,7 @@ def memory_for(gpu: str, model: str = MODEL) -> tuple[float, float]:
     if not logs:
         raise ValueError(f"no server log of {model} on {gpu} under bench/results: its pool cannot be computed")
     share, pages, _ = logs[0]
-    kv = ModelConfig.from_path(preset_config_file(model))
-    page_bytes = PAGE * 2 * kv.num_layers * 2 * kv.num_kv_heads * kv.head_dim
-    return (pages * page_bytes + weight_bytes(model) + other) / share, other
+    return (pages * page_bytes(model, PAGE) + weight_bytes(model) + other) / share, other
 
 
 def pool_at(share: float, model: str = MODEL, gpu: str = "h200") -> tuple[int, str]:
@@ -250,9 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     try:
-        path = DEFAULT_CALIBRATION if a.gpu == "h200" else gpu_calibration(a.gpu)[0]
+        path = gpu_calibration(a.gpu)[0]
         cost = CostModel.load(path, MODEL)
-        pool_at(0.25, MODEL, a.gpu)  # a card without any logged pool is refused here, before the searches
+        memory_for(a.gpu)  # a card without any logged pool is refused here, before the searches
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

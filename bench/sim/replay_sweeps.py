@@ -128,6 +128,12 @@ def logged_pool(server_log: Path) -> tuple[int, int] | None:
     return (int(m["pages"]), int(m["page"])) if m else None
 
 
+def page_bytes(model: str, page: int) -> int:
+    """bf16 KV bytes of one pool page of `page` tokens (K and V, every layer)."""
+    cfg = ModelConfig.from_path(preset_config_file(model))
+    return page * 2 * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+
+
 def memory_constants(results: Path = RESULTS) -> tuple[float, float]:
     """(GPU bytes, bytes the process holds besides weights and pool), least squares over every logged
     pool of the sweeps in PANELS: pages x page bytes = share x total - weights - other."""
@@ -136,13 +142,12 @@ def memory_constants(results: Path = RESULTS) -> tuple[float, float]:
         for sw in panel.sweeps:
             if sw.gpu != "h200":
                 continue  # another card's memory: its pools are logged, never computed
-            kv = ModelConfig.from_path(preset_config_file(sw.model))
             for log in sorted((results / sw.folder).glob("gp_server_*.log")):
                 got = logged_pool(log)
                 if got is None:
                     continue
                 pages, page = got
-                pool_bytes = pages * page * 2 * kv.num_layers * 2 * kv.num_kv_heads * kv.head_dim
+                pool_bytes = pages * page_bytes(sw.model, page)
                 rows.append([sw.share, -1.0])
                 rhs.append(pool_bytes + weight_bytes(sw.model))
     if len(rows) < 2 or len({r[0] for r in rows}) < 2:
@@ -153,9 +158,7 @@ def memory_constants(results: Path = RESULTS) -> tuple[float, float]:
 
 def pages_from_share(share: float, model: str, page: int, total: float, other: float) -> int:
     """The engine's pool in pages at `share` of a GPU of `total` bytes (kv_budget_bytes // page bytes)."""
-    cfg = ModelConfig.from_path(preset_config_file(model))
-    page_bytes = page * 2 * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
-    return int((share * total - other - weight_bytes(model)) // page_bytes)
+    return int((share * total - other - weight_bytes(model)) // page_bytes(model, page))
 
 
 def pool_tokens(report: Path, run: str, sw: Sweep, constants: tuple[float, float], page: int = 16
