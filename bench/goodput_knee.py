@@ -31,8 +31,10 @@ Method (docs/benchmarks.md, "Method"):
 - Runs go one after another, one server each (the flags of goodput_sweep.sh), each given an equal share
   of the budget left; a pass ends when every run had its turn. Later passes restart a run's server only
   to run points other runs added since (the union rule), while the budget allows. A point is started
-  only when its estimate (learned from the points so far) fits; the budget stops the search cleanly
-  and knee.json says, per run, where it stopped and what it would have run next.
+  only when its estimate (learned from the points so far) fits its run's share, or for a turn's first
+  point the call's deadline (a low-rate point can outlast any share); the budget stops the search cleanly
+  and knee.json says, per run, where it stopped and what it would have run next, and where a resumed
+  call begins (resume_at: the first run left without a point, else the first turn cut short).
 - Out: every serving report (gp_<run>_r<rate>_k<repeat>.json, with its log), server logs and rotation
   metrics, knee.json (the plan, the offsets, per run its curve, bracket, status; rewritten after each
   point, so a killed call still leaves it), and bench/goodput.py's table (goodput.txt, goodput.json,
@@ -229,7 +231,14 @@ class Search:
     elapsed_s: float = 0.0
     budget_hit: bool = False
     at: Cursor = field(default_factory=Cursor)  # the turn in progress (the pass after the last one, at the end)
-    cut: Cursor | None = None  # the first turn the budget cut short: where a resumed call goes on
+    cut: Cursor | None = None  # the first turn the budget cut short
+    starved: Cursor | None = None  # the first turn the budget left without a point
+
+    @property
+    def resume_at(self) -> Cursor:
+        """Where a resumed call goes on: the first run this call gave no point to (a long point may take
+        a whole call, see _turn), else the first turn the budget cut short, else after the last pass."""
+        return self.starved or self.cut or self.at
 
     def others(self, run: str) -> list[float]:
         return sorted({r for name, s in self.state.items() if name != run for r in s.curve})
@@ -252,7 +261,7 @@ class Search:
             for i in range(first, len(todo)):
                 self.at = Cursor(p, list(todo), i)
                 share_end = self.clock() + (deadline - self.clock()) / (len(todo) - i)
-                self._turn(todo[i], share_end, est)
+                self._turn(todo[i], share_end, deadline, est)
             p, todo, first = p + 1, None, 0
         self.at = Cursor(p)
         self.elapsed_s = self.clock() - t0
@@ -262,13 +271,20 @@ class Search:
             self.on_point(self)
         return self
 
-    def _turn(self, run: str, share_end: float, est: Estimator) -> None:
+    def _turn(self, run: str, share_end: float, deadline: float, est: Estimator) -> None:
         s, started = self.state[run], False
         try:
             while (rate := self.pending(run)) is not None:
-                if self.clock() + est.point(rate) + (0 if started else est.start_s) > share_end:
+                # A turn's first point may run past its equal share up to the deadline: at low rates one
+                # point (3 x 150 requests at 1.4 req/s, ~6 min) is longer than any share of a 9-minute
+                # call, and would otherwise never start. The runs after it are then cut, and the next
+                # call (--resume) begins with them.
+                end = share_end if started else deadline
+                if self.clock() + est.point(rate) + (0 if started else est.start_s) > end:
                     self.budget_hit = True
                     self.cut = self.cut or self.at
+                    if not started:
+                        self.starved = self.starved or self.at
                     return
                 if not started:
                     t = self.clock()
@@ -302,7 +318,7 @@ class Search:
                          "curve": {f"{r:g}": a for r, a in sorted(s.curve.items())}, "order": s.order}
         est = self.estimator or Estimator(self.plan)
         return {"stopped": self.stopped, "elapsed_s": round(self.elapsed_s, 1), "budget_s": self.budget_s,
-                "resume_at": asdict(self.cut or self.at),
+                "resume_at": asdict(self.resume_at),
                 "estimator": {"start_s": round(est.start_s, 1), "overhead_s": round(est.overhead_s, 1)},
                 "runs": runs}
 

@@ -141,6 +141,25 @@ def test_budget_stops_cleanly_and_says_where() -> None:
     assert fake.measured("lvf-rotate") == [2, 4] and lv["next_rate"] == 6  # it had the time fcfs left over
 
 
+def test_a_point_longer_than_any_share_still_runs_and_the_next_call_starts_with_the_run_it_cut() -> None:
+    # 3 x 150 requests at 1.375 req/s: ~357 s a point, more than half of a 560 s call. The first run's first
+    # point takes the call; the second run is cut, and the cursor a resumed call starts from names it.
+    plan = K.Plan((1.375, 1.75), repeats=3, min_req=150, seconds=20)
+    clock = Clock()
+    fake = Fake(plan, clock, knees(**{"fcfs-recompute": 1.5, "lvf-rotate": 2.0}))
+    s = K.Search(plan, ["fcfs-recompute", "lvf-rotate"], fake, 545, clock=clock).run()
+    assert fake.measured("fcfs-recompute") == [1.375] and fake.measured("lvf-rotate") == []
+    assert s.stopped == "budget" and clock.t <= 545
+    at = s.resume_at
+    assert at.todo is not None and at.todo[at.index] == "lvf-rotate"
+    # Resumed with that cursor, lvf-rotate goes first.
+    clock2 = Clock()
+    fake2 = Fake(plan, clock2, knees(**{"fcfs-recompute": 1.5, "lvf-rotate": 2.0}))
+    K.Search(plan, ["fcfs-recompute", "lvf-rotate"], fake2, 545, clock=clock2, state=s.state,
+             start_at=at).run()
+    assert fake2.measured("lvf-rotate") == [1.375] and fake2.measured("fcfs-recompute") == []
+
+
 def test_a_run_whose_server_fails_does_not_stop_the_others() -> None:
     plan = K.Plan((2, 4), repeats=1, extend=0)
     clock = Clock()

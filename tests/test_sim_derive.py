@@ -15,7 +15,7 @@ from bench.sim.cost import CALIBRATION_DIR, Calibration, CostModel
 from bench.sim.instance import gpu_calibration, known_gpus
 
 H200 = json.loads((CALIBRATION_DIR / "h200.json").read_text())
-H100_REPORT = R.RESULTS / "2026-12-06-h100-s2/knee-share05-ttft5/gp_lvf-rotate_r5_k2.json"
+H100_REPORT = R.RESULTS / "2026-12-06-h100-s3/knee-share05-ttft5/gp_lvf-rotate_r5_k2.json"
 
 
 def test_memory_rates_scale_by_the_hbm_ratio_and_the_rest_is_kept() -> None:

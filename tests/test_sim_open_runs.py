@@ -43,7 +43,7 @@ def test_pools_come_from_the_logged_servers_at_each_share() -> None:
 
 def test_rows_are_the_open_rows_and_their_commands_are_gpu_session_calls() -> None:
     rows = {r.row: r for r in O.rows()}
-    assert set(rows) == {"1", "2+7", "3+7", "4", "5", "6", "8"}
+    assert set(rows) == {"1", "2+7", "3+7", "4", "5", "6", "8", "8h"}
     assert rows["8"].runs == ("fcfs-recompute",) and rows["8"].setting.trace == "azure-conv"
     # rotate vs recompute at two shares within the bound of 4 models a GPU; 1/8 is marked past it
     assert {rows[r].share for r in ("2+7", "3+7")} == {0.25, 0.5}
@@ -97,7 +97,7 @@ def test_another_card_takes_its_own_pools_and_rows() -> None:
     """--gpu h100: the pool at 1/2 is the H100 server's logged one, other shares come from the memory math
     with the card's total solved from that log (H100 80GB: torch sees ~79.2 GiB); every row is a new panel."""
     tokens, source = O.pool_at(0.5, gpu="h100")
-    assert tokens == (12291 - 1) * 16 and "2026-12-06-h100-s2" in source
+    assert tokens == (12291 - 1) * 16 and "2026-12-06-h100-s3" in source
     total, other = O.memory_for("h100")
     assert 79.0 * 2**30 < total < 79.4 * 2**30 and other == O.memory_for("h200")[1]
     quarter, source = O.pool_at(0.25, gpu="h100")

@@ -127,3 +127,34 @@ def test_stop_string_hold_back_with_the_stream(tok: Tokenizer) -> None:
     sent = "".join(d.add([t], False, None) for t in ids[:-1])
     assert "g" not in sent  # a tail that may start the stop string is held back
     assert sent + d.add(ids[-1:], True, "gamma") == "alpha beta "
+
+
+def test_generic_fast_tokenizer_skips_auto_but_matches_it(tmp_path: Path) -> None:
+    """A tokenizer_config naming PreTrainedTokenizerFast loads that class directly (AutoTokenizer's import
+    costs seconds of a worker's start); what comes out is what AutoTokenizer gives. Any other class, or a
+    directory without tokenizer.json, still goes through AutoTokenizer."""
+    from transformers import AutoTokenizer
+
+    from sglang_ext.worker import tokenizer as tk
+
+    src = ensure_default_model()
+    assert tk._plain_fast_tokenizer(src)
+    fast, auto = Tokenizer.from_dir(src), AutoTokenizer.from_pretrained(str(src), local_files_only=True)
+    assert type(fast.hf) is type(auto)
+    text = "Hello <|im_start|>user\nwörld 123  tabs\t!"
+    assert fast.encode(text) == list(auto.encode(text))
+    assert fast.hf.get_vocab() == auto.get_vocab() and fast.hf.all_special_ids == auto.all_special_ids
+    msgs = [{"role": "user", "content": "hi"}]
+    assert fast.apply_chat_template(msgs) == list(auto.apply_chat_template(msgs, add_generation_prompt=True,
+                                                                          tokenize=True, return_dict=False))
+    other = tmp_path / "other"
+    shutil.copytree(src, other)
+    cfg = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "LlamaTokenizerFast"}))
+    assert not tk._plain_fast_tokenizer(other)
+    (other / "tokenizer_config.json").write_text("{not json")
+    assert not tk._plain_fast_tokenizer(other)
+    noj = tmp_path / "nojson"
+    noj.mkdir()
+    shutil.copy(src / "tokenizer_config.json", noj / "tokenizer_config.json")
+    assert not tk._plain_fast_tokenizer(noj)

@@ -56,9 +56,10 @@ ERROR_BAND: Final = ("SIMULATED. Cost model error (bench/sim/validate.py, H200):
 
 DERIVED_BAND: Final = ("DERIVED calibration ({gpu}): the H200's rates scaled by datasheet ratios "
                        "(python -m bench.sim.derive), never profiled on this GPU. Checked on one measured H100 panel "
-                       "(Llama-3-8B at 1/2 of the GPU, Mooncake, Poisson, TTFT 5 s; 18 points): attainment MAE 2.3 "
-                       "points (optimistic by +2.0; +12.4 at the one point near the knee), strict goodput within one "
-                       "grid step for 2 of 2 runs; mean TPOT +0.4 %, TTFT p50 -11.9 % (median); no step time measured.")
+                       "(Llama-3-8B at 1/2 of the GPU, Mooncake, Poisson, TTFT 5 s; 30 points): attainment MAE 2.2 "
+                       "points (optimistic by +2.0; +6.4 and +12.4 at the two points near the knee), strict goodput "
+                       "within one grid step for 2 of 2 runs (fcfs 4.75 -> 4.75, lvf 4.75 -> >= 5); mean TPOT "
+                       "+0.6 %, TTFT p50 -11.0 % (median); no step time measured.")
 
 
 def error_band(cal: Calibration) -> str:

@@ -107,8 +107,8 @@ PANELS: Final[tuple[Panel, ...]] = (
                                          Sweep("2026-12-03-h200/c2-poisson-share025-ttft2-r4/knee", 0.25))),
     Panel("s5/c3 mixtral 0.9 knee", (Sweep("2026-12-03-h200-s5/c3-mixtral-knee", 0.9, "mixtral-8x7b",
                                            note="94bc18e: tuned MoE table, dummy weights, TTFT 5 s; lvf only"),)),
-    Panel("12-06 h100 1/2 ttft5 knee", (Sweep("2026-12-06-h100-s2/knee-share05-ttft5", 0.5, gpu="h100",
-                                              note="32fc2a6, one H100: priced on the derived h100 file"),)),
+    Panel("12-06 h100 1/2 ttft5 knee", (Sweep("2026-12-06-h100-s3/knee-share05-ttft5", 0.5, gpu="h100",
+                                              note="32fc2a6 + 823fa1c, one H100: priced on the derived h100 file"),)),
 )
 
 
@@ -165,9 +165,12 @@ def pool_tokens(report: Path, run: str, sw: Sweep, constants: tuple[float, float
                 ) -> tuple[int, str]:
     """The pool the server had, in tokens the scheduler can use ((pages - 1) x page: page 0 is reserved),
     and where it came from."""
-    got = logged_pool(report.parent / f"gp_server_{run}.log")
-    if got is not None:
-        return (got[0] - 1) * got[1], f"server log ({got[0]} pages)"
+    # a merged panel (--resume) keeps the last call's server logs on top and every earlier call's under calls/
+    logs = [report.parent / f"gp_server_{run}.log", *sorted(report.parent.glob(f"calls/*/gp_server_{run}.log"))]
+    for log in logs:
+        got = logged_pool(log)
+        if got is not None:
+            return (got[0] - 1) * got[1], f"server log ({got[0]} pages)"
     if sw.gpu != "h200":
         raise ValueError(f"{report}: no server log with the pool, and the memory math is fitted to H200 pools only")
     pages = pages_from_share(sw.share, sw.model, page, *constants)

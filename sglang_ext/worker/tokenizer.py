@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from functools import cached_property
 from pathlib import Path
@@ -20,6 +21,23 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
                     "tiktoken.model")
 
 
+# tokenizer_config.json classes that name the generic `tokenizers`-backed class itself (transformers 4.x
+# and 5.x spellings), for which AutoTokenizer resolves to PreTrainedTokenizerFast with nothing model-specific.
+_PLAIN_FAST_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
+
+
+def _plain_fast_tokenizer(path: Path) -> bool:
+    """Whether the directory holds a tokenizer.json whose config names the generic fast class."""
+    cfg = path / "tokenizer_config.json"
+    if not (path / "tokenizer.json").is_file() or not cfg.is_file():
+        return False
+    try:
+        data = json.loads(cfg.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False  # AutoTokenizer reports what is wrong with it
+    return isinstance(data, dict) and data.get("tokenizer_class") in _PLAIN_FAST_CLASSES
+
+
 class StartupError(RuntimeError):
     """A configuration problem found while a worker starts: reported as one line, no traceback."""
 
@@ -36,9 +54,16 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path, eos_ids: frozenset[int] | None = None) -> Tokenizer:
+        # local_files_only: a directory without tokenizer files must fail here, not try the Hub.
+        if _plain_fast_tokenizer(Path(path)):
+            # The class AutoTokenizer would pick anyway, without importing transformers' auto
+            # factories (generation, torch.distributed.tensor, and sklearn/sympy where installed):
+            # 5-10 s of a worker's start on the GPU machine, 1 s here (bench/probe_startup.py).
+            from transformers import PreTrainedTokenizerFast
+
+            return cls(PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True), eos_ids)
         from transformers import AutoTokenizer
 
-        # local_files_only: a directory without tokenizer files must fail here, not try the Hub.
         return cls(AutoTokenizer.from_pretrained(str(path), local_files_only=True), eos_ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
