@@ -177,3 +177,19 @@ def test_latency_bias_by_load_and_from_a_saved_replay(tmp_path: Path, capsys: py
     assert R.main(["--bias-from", str(saved), "--panels", "b"]) == 0
     out = capsys.readouterr().out
     assert "near the knee (50-90 %)" in out and "passing" not in out and "TTFT p50 -50.0 %" in out
+
+
+def test_a_merged_panel_takes_its_pool_from_an_earlier_call_and_skips_variant_runs() -> None:
+    """The adaptive panel of 2026-12-06: the 'off' server ran only in the first of its two calls (its log is
+    under calls/), and the fixed/adaptive variants (an in-process executor on the same GPU) are not priced."""
+    panel = next(pn for pn in R.PANELS if "azure off" in pn.name)
+    (sw,) = panel.sweeps
+    assert sw.gpu == "h100"
+    found = R.reports(panel)
+    assert {label for _, _, label, _, _ in found} == {"fcfs-recompute"}
+    assert sorted((rate, k) for _, _, _, rate, k in found) == [(12.0, k) for k in (0, 1, 2)]
+    folder = R.RESULTS / sw.folder
+    assert any(folder.glob("gp_fcfs-recompute.adaptive_r*.json"))  # there, but skipped
+    assert not (folder / "gp_server_fcfs-recompute.log").exists()
+    tokens, source = R.pool_tokens(found[0][1], "fcfs-recompute", sw, R.memory_constants())
+    assert tokens == (12291 - 1) * 16 and source == "server log (12291 pages)"

@@ -109,6 +109,9 @@ PANELS: Final[tuple[Panel, ...]] = (
                                            note="94bc18e: tuned MoE table, dummy weights, TTFT 5 s; lvf only"),)),
     Panel("12-06 h100 1/2 ttft5 knee", (Sweep("2026-12-06-h100-s3/knee-share05-ttft5", 0.5, gpu="h100",
                                               note="32fc2a6 + 823fa1c, one H100: priced on the derived h100 file"),)),
+    Panel("12-06 h100 1/2 azure off", (Sweep("2026-12-06-h100-s3/knee-adaptive-azure-share05", 0.5, gpu="h100",
+                                             note="823fa1c, one H100: 'off' only (fixed and adaptive share the GPU "
+                                                  "with an in-process executor, not priced)"),)),
 )
 
 
@@ -269,11 +272,13 @@ class Row:
 
 
 def reports(panel: Panel) -> list[tuple[Sweep, Path, str, float, int]]:
+    """Every report of the panel's folders but those of a variant run (POLICY-MODE.NAME: launcher flags the
+    replay does not read, e.g. an in-process executor sharing the GPU, which the simulator does not price)."""
     out = []
     for sw in panel.sweeps:
         for path in sorted((RESULTS / sw.folder).glob("gp_*.json")):
             m = G.NAME.match(path.name)
-            if m is not None:
+            if m is not None and "." not in m["label"]:
                 out.append((sw, path, m["label"], float(m["rate"]), int(m["repeat"] or 0)))
     return sorted(out, key=lambda r: (r[2], r[3], r[4]))
 
