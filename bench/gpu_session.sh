@@ -7,6 +7,7 @@
 #                             [warm]  (compile and cache the JIT kernels before a timed step such as knee; the engine takes
 #                                      WARM_FRACTION, else SHARE, else 0.25 of the GPU: a Mixtral needs 0.9)
 #                             [moetests] [moetune] [moebench]  (issue 33: MoE kernels and models on one GPU)
+#                             [samegpu]  (bench/remote_step.py with the executor in-process on the sender's own GPU)
 # On the two-GPU kind export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 first.
 # served and the two-GPU cases of gputests need two GPUs (the executor sits on cuda:1).
 # rotation_e2e replays the Azure conversation trace in bench/data/traces.
@@ -71,6 +72,10 @@ for s in $steps; do
          done
          CUDA_MODULE_LOADING=$lm PYTHONPATH=$BASE:/tmp/fi timeout -s KILL 300 python3 -X faulthandler bench/remote_step.py \
            --transport cuda_ipc --out "$OUT/remote_step_ipc.json" ${IPC_ARGS:-} 2>&1 | tee "$OUT/remote_step_ipc.log" ;;
+    samegpu) PYTHONPATH=$BASE:/tmp/fi timeout ${SAMEGPU_TIMEOUT:-300} python3 bench/remote_step.py --executor-device cuda:0 \
+            --executor-gb ${SAMEGPU_GB:-7} --points ${SAMEGPU_POINTS:-32:1024,64:1024,64:2048,128:2048} --shares 0,0.25,0.5 \
+            --out "$OUT/remote_step_samegpu.json" 2>&1 | tee "$OUT/remote_step_samegpu.log" ;;  # the in-process executor on
+          # the sender's own GPU (row 8's fixed/adaptive runs): the step the simulator would need to price them
     goodput) PYTHONPATH=$BASE:/tmp/fi OUT=$OUT/goodput timeout ${GOODPUT_TIMEOUT:-560} bash bench/goodput_sweep.sh \
             ${GOODPUT_RUNS:-} 2>&1 | tee "$OUT/goodput.log" ;;  # SHARE, RATES, SECONDS, TRACE, ARRIVAL, ...: goodput_sweep.sh
     warm) PYTHONPATH=$BASE:/tmp/fi timeout 300 python3 -c "import sglang_ext as s; e = s.Engine(model_path='${MODEL:-preset:llama-3-8b}', \

@@ -1,6 +1,9 @@
 """Sender decode step time with a share of the rows' attention on an idle peer GPU.
 
     python bench/remote_step.py --out remote_step.json      # needs two GPUs (kind nvidia-h200-x2)
+    python bench/remote_step.py --executor-device cuda:0 --executor-gb 7 ...   # one GPU: the executor
+        # in-process on the sender's own GPU (`--offload-executor local`, as the adaptive/fixed/off runs
+        # of docs/benchmarks.md use it), its partition a fixed size
     python bench/remote_step.py --transport cuda_ipc --executor-load decode ...   # the executor's GPU busy
     python bench/remote_step.py ... --executor-load decode --load-confine green --load-free-sms 16
         # the busy GPU's load kept off 16 SMs (a green context, as --executor-reserved-sms partitions a
@@ -58,10 +61,21 @@ def main() -> None:
                         "or green (a stream of a CUDA green context with the other SMs: the partition "
                         "a worker makes with --executor-reserved-sms)")
     p.add_argument("--load-free-sms", type=int, default=16)
+    p.add_argument("--executor-device", default="cuda:1",
+                   help="the executor's GPU: cuda:1 (another GPU), or cuda:0 (the sender's own, in-process)")
+    p.add_argument("--executor-gb", type=float, default=None,
+                   help="the executor's KV partition (default: what is free on its GPU less 8 GiB; on the "
+                        "sender's own GPU it must be given)")
     p.add_argument("--out", default="remote_step.json")
     a = p.parse_args()
-    if torch.cuda.device_count() < 2:
-        raise SystemExit("needs two GPUs")
+    exec_dev = torch.device(a.executor_device)
+    same_gpu = exec_dev.index in (None, 0)
+    if same_gpu and (a.executor_gb is None or a.executor_load != "off" or a.transport != "local"):
+        raise SystemExit("--executor-device cuda:0 needs --executor-gb, --executor-load off, --transport local")
+    if torch.cuda.device_count() < (1 if same_gpu else 2):
+        raise SystemExit("needs a GPU" if same_gpu else "needs two GPUs (or --executor-device cuda:0 on one)")
+    exec_dev = torch.device("cuda", 0 if same_gpu else exec_dev.index)
+    reserve = int(a.executor_gb * 2**30) if same_gpu else 0
     points = [tuple(int(x) for x in pt.split(":")) for pt in a.points.split(",")]
     shares = [float(x) for x in a.shares.split(",")]
     max_tokens = max(bs * ctx for bs, ctx in points)
@@ -69,22 +83,23 @@ def main() -> None:
     cfg = ModelConfig.from_path(model_dir)
     free0 = torch.cuda.mem_get_info(0)[0]
     kv_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
-    local_tokens = min(max_tokens, int((free0 - 24 * 2**30) // kv_token))  # weights + workspace headroom
+    local_tokens = min(max_tokens, int((free0 - 24 * 2**30 - reserve) // kv_token))  # weights + workspace headroom
     args = ServerArgs(model_path=a.model_path, load_format="dummy", device="cuda:0", dtype="bfloat16",
                       page_size=PAGE, max_total_tokens=local_tokens, cuda_graph_max_bs=256,
                       skip_tokenizer_init=True)
     runner = ModelRunner(args, model_dir, cfg)
     runner.pool.data.normal_()
-    # Made before the executor's partition takes what is left of cuda:1.
+    # Made before the executor's partition takes what is left of the executor's GPU.
     load = None
     if a.executor_load == "decode":
-        load = ExecutorGpuLoad(torch.device("cuda:1"), cfg.hidden_size, cfg.num_layers,
+        load = ExecutorGpuLoad(exec_dev, cfg.hidden_size, cfg.num_layers,
                                confine=a.load_confine, free_sms=a.load_free_sms)
-    free1 = torch.cuda.mem_get_info(1)[0]
-    executor = AttentionExecutor(ForeignKVPartition(int(free1 - 8 * 2**30), "cuda:1"), "flashinfer")
+    part_bytes = reserve if same_gpu else (int(a.executor_gb * 2**30) if a.executor_gb is not None
+                                           else int(torch.cuda.mem_get_info(exec_dev)[0] - 8 * 2**30))
+    executor = AttentionExecutor(ForeignKVPartition(part_bytes, str(exec_dev)), "flashinfer")
     remote: Any
     if a.transport == "local":
-        remote = LocalRemote(executor, "bench", guest_spec(runner), executor_id="cuda:1")
+        remote = LocalRemote(executor, "bench", guest_spec(runner), executor_id=str(exec_dev))
     else:
         from sglang_ext.offload.peer import PeerRemote
 
@@ -94,7 +109,8 @@ def main() -> None:
     if load is not None:
         load.start()
     res: dict[str, Any] = {"env": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                                   "gpus": [torch.cuda.get_device_name(i) for i in range(2)],
+                                   "gpus": [torch.cuda.get_device_name(i) for i in range(1 if same_gpu else 2)],
+                                   "executor_device": str(exec_dev), "executor_gb": round(part_bytes / 2**30, 2),
                                    "torch": torch.__version__, "model": a.model_path,
                                    "transport": a.transport, "executor_load": a.executor_load,
                                    "load_confine": a.load_confine if load else "none",
@@ -110,7 +126,7 @@ def main() -> None:
                     raise RuntimeError(f"{n_local} local rows x {ctx} exceed the sender's pool")
                 pages = layout.pages(n_local, ctx) if n_local else []
                 step = SplitStep(runner, remote, executor, "bench", pages, n_remote, ctx).run
-                torch.cuda.synchronize(1)
+                torch.cuda.synchronize(exec_dev)
                 split_graphs = runner.graphs is not None and runner.graphs.split is not None
                 if "graph" in a.modes and (n_remote == 0 or split_graphs):
                     row["graph_ms"] = time_gpu(step, a.steps)

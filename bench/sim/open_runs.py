@@ -83,12 +83,14 @@ LVF: Final = ("fcfs-recompute", "lvf-rotate")
 
 
 def rows(gpu: str = "h200") -> list[Row]:
-    """Rows 1-7 of "Open runs (issue 32)". Row 7 (fcfs rotate vs recompute at two shares) folds into rows 2
+    """Rows 1-8 of "Open runs (issue 32)". Row 7 (fcfs rotate vs recompute at two shares) folds into rows 2
     and 3 as a third run, at 1/4 and 1/2: shares within the brief's bound of at most 4 models a GPU (the
     doc's 1/8 is past it, so a gain there is not a result). Row 6 (bursts at 1/8) is the issue's and stays,
     marked past the bound. Of row 8 (in-process remote attention: adaptive vs off vs fixed) only "off" on
     Azure conversation is here: the simulator prices a remote executor on another GPU, not one sharing
-    the sender's. On another card (`gpu`) every row is a new panel: no rate is measured yet, no H200 note."""
+    the sender's. Row 8h is row 8 at 1/2 of the GPU, where an H100 runs it (a quarter of an H100 cannot hold
+    the executor's 7 GiB beside the weights). On another card (`gpu`) every row is a new panel: no rate is
+    measured yet, no H200 note."""
     S = N.Setting
     out = [
         Row("1", S("share025-ttft2-poisson", "mooncake", "poisson", (4.0, 5.0), 7680, ttft=2.0), 0.25, LVF,
