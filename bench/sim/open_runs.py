@@ -50,6 +50,7 @@ from bench.sim.replay_sweeps import (
     memory_constants,
     page_bytes,
     pages_from_share,
+    plain_server_logs,
     weight_bytes,
 )
 
@@ -123,7 +124,7 @@ def _logged(gpu: str, model: str, share: float | None = None) -> list[tuple[floa
         for sw in panel.sweeps:
             if sw.gpu != gpu or sw.model != model or (share is not None and sw.share != share):
                 continue  # another card's pool at the same share differs
-            for log in sorted((RESULTS / sw.folder).glob("gp_server_*.log")):
+            for log in plain_server_logs(RESULTS / sw.folder):
                 got = logged_pool(log)
                 if got is not None and got[1] == PAGE:
                     out.append((sw.share, got[0], f"{sw.folder}/{log.name} ({got[0]} pages)"))

@@ -145,7 +145,7 @@ def memory_constants(results: Path = RESULTS) -> tuple[float, float]:
         for sw in panel.sweeps:
             if sw.gpu != "h200":
                 continue  # another card's memory: its pools are logged, never computed
-            for log in sorted((results / sw.folder).glob("gp_server_*.log")):
+            for log in plain_server_logs(results / sw.folder):
                 got = logged_pool(log)
                 if got is None:
                     continue
@@ -157,6 +157,12 @@ def memory_constants(results: Path = RESULTS) -> tuple[float, float]:
         raise ValueError(f"need logged pools at two shares under {results} to fit the memory constants")
     (total, other), *_ = np.linalg.lstsq(np.array(rows), np.array(rhs), rcond=None)
     return float(total), float(other)
+
+
+def plain_server_logs(folder: Path) -> list[Path]:
+    """The folder's server logs of plain runs (gp_server_POLICY-MODE.log): a variant's server
+    (POLICY-MODE.NAME, e.g. an in-process executor with its share set aside) has another pool."""
+    return [p for p in sorted(folder.glob("gp_server_*.log")) if "." not in p.stem.removeprefix("gp_server_")]
 
 
 def pages_from_share(share: float, model: str, page: int, total: float, other: float) -> int:
