@@ -118,3 +118,14 @@ def test_a_share_the_weights_fill_is_skipped_not_searched() -> None:
     a = argparse.Namespace(repeats=1, seconds=0.5, min_req=6, extend=0, tolerance=100.0, gpu="h100")
     out = O.predict_row(row, CostModel.load(O.gpu_calibration("h100")[0], O.MODEL), a)
     assert "does not fit" in out["skipped"] and "search" not in out
+
+
+def test_calls_are_counted_by_packing_whole_points() -> None:
+    """Six-minute points take a call each, however little the total; short points share calls."""
+    long = [(1.375, "fcfs-recompute", 360.0), (1.375, "lvf-rotate", 360.0), (1.75, "fcfs-recompute", 300.0),
+            (1.75, "lvf-rotate", 300.0)]
+    assert O.calls_needed(long) == 4  # the total with starts, 1,460 s, would say 3
+    assert O.calls_needed([(1.0, "a", 300.0), (1.0, "b", 300.0)]) == 2  # 670 s with starts: not one call
+    short = [(r, run, 60.0) for r in (4.0, 5.0) for run in ("a", "b")]
+    assert O.calls_needed(short) == 1  # 4 x 60 + 2 starts = 310 s
+    assert O.calls_needed([]) == 0

@@ -182,16 +182,34 @@ def device_estimate(result: dict[str, Any], grid: tuple[float, ...], repeats: in
     the same run's point nearest in rate plus a per-repeat overhead, and one server start per run. An
     ESTIMATE, for planning calls only."""
     todo = visits(result["goodput"], grid)
-    total = SERVER_START_S * len(todo)
+    points: list[tuple[float, str, float]] = []  # (rate, run, seconds)
     for run, rates in todo.items():
         mine = [p for p in result["points"] if p["run"] == run]
         for rate in rates:
             near = min(mine, key=lambda p: abs(p["rate"] - rate))
-            total += repeats * (near["mean"]["end_s"] + REPEAT_OVERHEAD_S)
-    return {"points": sum(map(len, todo.values())), "visits": todo, "seconds": round(total),
-            "calls": math.ceil(total / CALL_BUDGET_S),
+            points.append((rate, run, repeats * (near["mean"]["end_s"] + REPEAT_OVERHEAD_S)))
+    return {"points": len(points), "visits": todo,
+            "seconds": round(SERVER_START_S * len(todo) + sum(sec for _, _, sec in points)),
+            "calls": calls_needed(points),
             "basis": f"simulated spans of the nearest simulated point + {REPEAT_OVERHEAD_S:g} s a repeat + "
-                     f"{SERVER_START_S:g} s a server start; {CALL_BUDGET_S:g} s of points a 9-minute call"}
+                     f"{SERVER_START_S:g} s a server start (one per run and call); {CALL_BUDGET_S:g} s a "
+                     "9-minute call, points packed in rate order, a point never split across calls"}
+
+
+def calls_needed(points: list[tuple[float, str, float]]) -> int:
+    """9-minute calls for these (rate, run, seconds) points, packed in rate order as the search's passes
+    visit them: a point that does not fit what is left of a call opens the next (points are never split,
+    so a long point, ~6 minutes at 1.4 req/s, takes a call of its own), each run's server started once a
+    call."""
+    calls, left, started = 0, 0.0, set[str]()
+    for _, run, sec in sorted(points):
+        need = sec + (0.0 if run in started else SERVER_START_S)
+        if calls == 0 or need > left:
+            calls, left, started = calls + 1, CALL_BUDGET_S, set()
+            need = sec + SERVER_START_S
+        left -= need
+        started.add(run)
+    return calls
 
 
 def gpu_command(row: Row, grid: tuple[float, ...]) -> str:
