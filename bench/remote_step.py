@@ -69,6 +69,8 @@ def main() -> None:
     p.add_argument("--out", default="remote_step.json")
     a = p.parse_args()
     exec_dev = torch.device(a.executor_device)
+    if exec_dev.type != "cuda":
+        raise SystemExit(f"--executor-device must be a GPU (cuda:0 or cuda:1), not {a.executor_device!r}")
     same_gpu = exec_dev.index in (None, 0)
     if same_gpu and (a.executor_gb is None or a.executor_load != "off" or a.transport != "local"):
         raise SystemExit("--executor-device cuda:0 needs --executor-gb, --executor-load off, --transport local")

@@ -16,6 +16,7 @@ from bench import remote_step
 
 @pytest.mark.parametrize("extra, why", [
     ([], "needs --executor-gb"),
+    (["--executor-device", "cpu"], "must be a GPU"),
     (["--executor-gb", "7", "--transport", "cuda_ipc"], "--transport local"),
     (["--executor-gb", "7", "--executor-load", "decode"], "--executor-load off"),
 ])
