@@ -88,6 +88,19 @@ def test_predict_mixtral_command_writes_labelled_json_and_plot(tmp_path: Path) -
     assert (tmp_path / "mixtral.png").stat().st_size > 0
 
 
+def test_predict_moe_on_another_card_and_share(tmp_path: Path) -> None:
+    """--model/--gpu/--share: the pool from the card's memory math (an H100's total solved from its logged
+    Llama pool), the card's calibration and band; a model whose weights fill the share is refused."""
+    assert P.main(["mixtral", "--model", "qwen3-30b-a3b", "--gpu", "h100", "--share", "0.9", "--settings",
+                   "mooncake-poisson", "--runs", "lvf-rotate", "--grid", "0.5", "--repeats", "1", "--min-req", "4",
+                   "--seconds", "1", "--extend", "0", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "mixtral.json").read_text())
+    assert data["setup"].startswith("qwen3-30b-a3b (preset geometry), one H100 at 0.9: pool 150,304 usable tokens")
+    assert "h100.json" in data["setup"] and "DERIVED calibration" in data["error_band"]
+    with pytest.raises(SystemExit, match="leaves no KV pool"):  # 93 GB of Mixtral on an 80 GB card
+        P.main(["mixtral", "--gpu", "h100", "--settings", "mooncake-poisson", "--out", str(tmp_path)])
+
+
 def test_kvbind_settings_reach_the_gpu_tools_flags() -> None:
     # the long-output / relaxed-TPOT workloads: what serving.py would be given for their points
     sts = {st.name: st for st in P.kvbind_settings()}

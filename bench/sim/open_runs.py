@@ -117,32 +117,34 @@ def rows(gpu: str = "h200") -> list[Row]:
     return [dataclasses.replace(r, measured=(), note="" if r.measured else r.note) for r in out]
 
 
-def _logged(gpu: str, model: str, share: float | None = None) -> list[tuple[float, int, str]]:
-    """(share, pages, where) of every server log of this card and model (at `share` if given), latest first."""
+def _logged(gpu: str, model: str | None, share: float | None = None) -> list[tuple[float, int, str, str]]:
+    """(share, pages, where, model) of every server log of this card (of `model` and at `share` where given),
+    latest first."""
     out = []
     for panel in reversed(PANELS):
         for sw in panel.sweeps:
-            if sw.gpu != gpu or sw.model != model or (share is not None and sw.share != share):
+            if sw.gpu != gpu or model not in (None, sw.model) or (share is not None and sw.share != share):
                 continue  # another card's pool at the same share differs
             for log in plain_server_logs(RESULTS / sw.folder):
                 got = logged_pool(log)
                 if got is not None and got[1] == PAGE:
-                    out.append((sw.share, got[0], f"{sw.folder}/{log.name} ({got[0]} pages)"))
+                    out.append((sw.share, got[0], f"{sw.folder}/{log.name} ({got[0]} pages)", sw.model))
     return out
 
 
 def memory_for(gpu: str, model: str = MODEL) -> tuple[float, float]:
     """(GPU bytes torch sees, process bytes besides weights and pool) for the engine's memory math: fitted
     to the H200's logged pools; on another card the H200's process term and the card's total solved from its
-    latest logged pool (one server log is enough; without any the card cannot be priced)."""
+    latest logged pool, of any model (one server log is enough; without any the card cannot be priced).
+    `model` is the model to be priced: a log of it on this card is preferred."""
     total, other = memory_constants()
     if gpu == "h200":
         return total, other
-    logs = _logged(gpu, model)
+    logs = _logged(gpu, model) or _logged(gpu, None)  # the card's memory is the card's, whatever ran
     if not logs:
-        raise ValueError(f"no server log of {model} on {gpu} under bench/results: its pool cannot be computed")
-    share, pages, _ = logs[0]
-    return (pages * page_bytes(model, PAGE) + weight_bytes(model) + other) / share, other
+        raise ValueError(f"no server log on {gpu} under bench/results: its memory cannot be solved")
+    share, pages, _, ran = logs[0]
+    return (pages * page_bytes(ran, PAGE) + weight_bytes(ran) + other) / share, other
 
 
 def pool_at(share: float, model: str = MODEL, gpu: str = "h200") -> tuple[int, str]:
@@ -150,7 +152,7 @@ def pool_at(share: float, model: str = MODEL, gpu: str = "h200") -> tuple[int, s
     from: the latest server log of a sweep at that share, model and card, else the engine's memory math."""
     logs = _logged(gpu, model, share)
     if logs:
-        _, pages, where = logs[0]
+        _, pages, where, _ = logs[0]
         return (pages - 1) * PAGE, where
     pages = pages_from_share(share, model, PAGE, *memory_for(gpu, model))
     return (pages - 1) * PAGE, f"memory math ({pages} pages{'' if gpu == 'h200' else ', ' + gpu})"

@@ -52,6 +52,7 @@ from bench.sim.fleet import (
     ModelSpec,
     Pairing,
     Slot,
+    error_band,
     fewest_gpus,
     load_gpu,
     make_requests,
@@ -231,14 +232,26 @@ def mixtral(a: argparse.Namespace) -> dict[str, Any]:
     from bench.sim import knee as N
     from bench.sim.cost import DEFAULT_CALIBRATION, CostModel
 
-    server = N.Server((MIXTRAL_POOL_PAGES - 1) * 16, 32.0, CostModel.load(DEFAULT_CALIBRATION, "mixtral-8x7b"))
+    if (a.model, a.gpu, a.share) == ("mixtral-8x7b", "h200", 0.9):
+        pool, where = (MIXTRAL_POOL_PAGES - 1) * 16, "the pool the s5 server logged"
+        cal = DEFAULT_CALIBRATION
+    else:  # another MoE, card or share: the engine's memory math on that card (open_runs' pools)
+        from bench.sim.instance import gpu_calibration
+        from bench.sim.open_runs import pool_at
+
+        pool, where = pool_at(a.share, a.model, a.gpu)
+        cal = gpu_calibration(a.gpu)[0]
+        if pool <= 0:
+            raise SystemExit(f"{a.model} at {a.share:g} of one {a.gpu} leaves no KV pool ({where})")
+    server = N.Server(pool, 32.0, CostModel.load(cal, a.model))
     kvbind = a.what == "mixtral-kvbind"
-    pool = kvbind_settings() if kvbind else mixtral_settings()
-    settings = [st for st in pool if not a.settings or st.name in a.settings]
+    workloads = kvbind_settings() if kvbind else mixtral_settings()
+    settings = [st for st in workloads if not a.settings or st.name in a.settings]
     runs = tuple(a.runs or (KVBIND_RUNS if kvbind else MIXTRAL_RUNS))
-    res: dict[str, Any] = {"setup": "mixtral-8x7b (preset geometry), one H200 at 0.9: pool 19,550 pages x 16 tokens "
-                                    "(312,784 usable tokens, as the s5 server logged), 32 GiB host pool; mean TPOT as "
-                                    "each setting's tpot; strict method of bench/goodput_knee.py (bench/sim/knee.py)",
+    res: dict[str, Any] = {"setup": f"{a.model} (preset geometry), one {a.gpu.upper()} at {a.share:g}: pool "
+                                    f"{pool:,} usable tokens ({where}), 32 GiB host pool; mean TPOT as each setting's "
+                                    "tpot; strict method of bench/goodput_knee.py (bench/sim/knee.py); calibration "
+                                    f"{Path(cal).name}",
                            "runs": list(runs), "settings": {}}
     for st in settings:
         if a.grid:
@@ -264,7 +277,8 @@ def mixtral(a: argparse.Namespace) -> dict[str, Any]:
                       f"{100 * b['kv_held_mean']:.0f} % of the pool, rotations {b['rotations_out']:.0f}, preemptions "
                       f"{b['preemptions']:.0f}, TTFT met {100 * b['ttft_attainment']:.0f} %, TPOT met "
                       f"{100 * b['tpot_attainment']:.0f} %)", flush=True)
-    print(ERROR_BAND)
+    res["error_band"] = error_band(server.cost.cal)  # a derived card's file says what it rests on
+    print(res["error_band"])
     return res
 
 
@@ -375,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--runs", nargs="+", help=f"POLICY-MODE runs (default: mixtral {' '.join(MIXTRAL_RUNS)}, "
                    f"mixtral-kvbind {' '.join(KVBIND_RUNS)})")
     m.add_argument("--grid", nargs="+", type=float, help="one grid for every chosen workload (default: each its own)")
+    m.add_argument("--model", default="mixtral-8x7b", help="the MoE preset (e.g. qwen3-30b-a3b; default Mixtral)")
+    m.add_argument("--gpu", default="h200", help="the card (a calibration file: h200 fitted, h100 derived)")
+    m.add_argument("--share", type=float, default=0.9, help="the memory share (--mem-fraction-static)")
     m.add_argument("--repeats", type=int, default=3)
     m.add_argument("--min-req", type=int, default=150)
     m.add_argument("--extend", type=int, default=1, help="grid steps tried above a grid that all passed")
