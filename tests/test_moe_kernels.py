@@ -209,6 +209,27 @@ def test_config_file_nearest_batch_and_defaults(tmp_path: Path) -> None:
             assert set(cfg) == set(configs.KEYS)
 
 
+def test_a_gpu_without_a_table_uses_one_tuned_on_the_same_chip(tmp_path: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """An H100 (SXM) has no table of its own: it takes the H200's (Hopper, 132 SMs), and says so; an own
+    table wins; a GPU of another chip keeps the defaults."""
+    tuned = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 16, "num_warps": 4, "num_stages": 5}
+    h200 = configs.config_file_name(8, 14336, 4096, torch.bfloat16, "NVIDIA_H200")
+    (tmp_path / h200).write_text(json.dumps({"1": tuned}))
+    args = (1, 2, 8, 14336, 4096, torch.bfloat16)
+    with caplog.at_level("INFO", logger="sglang_ext.ops.moe.configs"):
+        assert configs.get_config(*args, "NVIDIA_H100_80GB_HBM3", config_dir=tmp_path) == tuned
+    assert "no table for NVIDIA_H100_80GB_HBM3, using NVIDIA_H200's (same chip)" in caplog.text
+    assert configs.get_config(*args, "NVIDIA_A100-SXM4-80GB", config_dir=tmp_path) == configs.default_config(1, 2, 8)
+    own = {**tuned, "BLOCK_N": 64}
+    mine = tmp_path / "own"
+    mine.mkdir()
+    (mine / h200).write_text(json.dumps({"1": tuned}))
+    (mine / configs.config_file_name(8, 14336, 4096, torch.bfloat16, "NVIDIA_H100_80GB_HBM3")).write_text(
+        json.dumps({"1": own}))
+    assert configs.get_config(*args, "NVIDIA_H100_80GB_HBM3", config_dir=mine) == own
+
+
 def test_tune_script_help() -> None:
     out = subprocess.run([sys.executable, "bench/tune_moe.py", "--help"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)

@@ -15,12 +15,19 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from pathlib import Path
 from typing import Final, cast
 
 import torch
 
+logger = logging.getLogger(__name__)
 CONFIG_DIR: Final = Path(__file__).parent / "configs"
+# GPUs built on one chip (Hopper GH100, 132 SMs, the same caches): block sizes tuned on one suit the others
+# far better than the hand-picked defaults, so a GPU without a table of its own uses a sibling's (logged).
+# Only the memory differs (HBM3 / HBM3e), which moves a tile's speed, not which tile is fastest, as
+# closely as tuning can tell at decode sizes (where both are weight-streaming bound).
+SAME_CHIP: Final = (frozenset({"NVIDIA_H100_80GB_HBM3", "NVIDIA_H200", "NVIDIA_GH200_480GB"}),)
 KEYS: Final = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 
 Config = dict[str, int]
@@ -93,10 +100,27 @@ def get_config(
     A table is trusted up to twice its largest tuned T: a tuning run cut short (Mixtral's first H200
     table stops at T=64) must not hand a decode tile to a 4096-token prefill.
     """
-    table = _load(config_dir / config_file_name(num_experts, inter, hidden, dtype, device))
+    table = _table(num_experts, inter, hidden, dtype, device, config_dir)
     if table and tokens <= 2 * max(table):
         return table[min(table, key=lambda t: (abs(t - tokens), t))]
     return default_config(tokens, top_k, num_experts)
+
+
+@functools.cache
+def _table(num_experts: int, inter: int, hidden: int, dtype: torch.dtype, device: str,
+           config_dir: Path) -> dict[int, dict[str, object]] | None:
+    """This GPU's table, else one tuned on a GPU of the same chip (SAME_CHIP), else None."""
+    own = _load(config_dir / config_file_name(num_experts, inter, hidden, dtype, device))
+    if own is not None:
+        return own
+    for group in SAME_CHIP:
+        for other in sorted(group - {device}) if device in group else ():
+            path = config_dir / config_file_name(num_experts, inter, hidden, dtype, other)
+            table = _load(path)
+            if table is not None:
+                logger.info("MoE block sizes: no table for %s, using %s's (same chip): %s", device, other, path.name)
+                return table
+    return None
 
 
 def split(cfg: dict[str, object]) -> tuple[Config, Config]:
