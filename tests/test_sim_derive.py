@@ -92,3 +92,25 @@ def test_the_plan_command_on_an_h100_says_its_calibration_is_derived(tmp_path: P
     text = capsys.readouterr().out
     assert "SIMULATED on NVIDIA H100 80GB HBM3 (80 GiB)" in text and "DERIVED calibration" in text
     assert "DERIVED" in json.loads(out.read_text())["error_band"]
+
+
+def test_validate_prices_a_cards_own_runs_with_its_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`validate --calibration h100.json` takes only H100 reports (none yet: it says so), every one of them
+    held out (the file was never fitted there), and leaves out the H200's executor-host measurements."""
+    from bench.sim import validate as V
+
+    h100 = CALIBRATION_DIR / "h100.json"
+    assert V.card("NVIDIA H100 80GB HBM3") == "H100" and V.card("NVIDIA H200") == "H200"
+    assert V.main(["--calibration", str(h100), "--results", str(tmp_path), "--out", str(tmp_path / "v.json")]) == 0
+    assert "no step time measured on NVIDIA H100 80GB HBM3" in capsys.readouterr().out
+    src = json.loads((R.RESULTS / "2026-12-03-h200-s4/c2-moebench-bench/offline.json").read_text())
+    src["env"]["gpu"] = "NVIDIA H100 80GB HBM3"  # as if the same bench had run on an H100
+    (tmp_path / "offline.json").write_text(json.dumps(src))
+    res = V.validate(h100, tmp_path)
+    sets = {r["set"] for r in res["rows"]}
+    assert sets == {"held-out"} and len(res["rows"]) >= len(src["decode"])
+    # the H100 file prices the same step slower than the H200's (its HBM is slower)
+    h200 = V.validate(CALIBRATION_DIR / "h200.json", R.RESULTS)
+    row = res["rows"][0]
+    same = next(r for r in h200["rows"] if r["point"] == row["point"] and r["what"] == row["what"])
+    assert row["predicted_ms"] > same["predicted_ms"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -45,12 +46,21 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "within_5pct": int((e <= 5.0).sum()) if len(e) else 0}
 
 
+def card(gpu: str) -> str:
+    """The model number a calibration's GPU name and a report's share ("NVIDIA H100 80GB HBM3" -> "H100")."""
+    m = re.search(r"\b([A-Z]{1,2}\d{2,3})\b", gpu)
+    return m.group(1) if m else gpu
+
+
 def validate(cal_path: Path, results: Path) -> dict[str, Any]:
+    """Every step time measured on the calibration's own card, priced by it (a derived file, never fitted
+    on its card, has held-out rows only; the H200's executor-host measurements belong to the H200)."""
     cal = Calibration.load(cal_path)
     model = cal.raw["model_measured"]
     cm = CostModel(cal, Geometry.preset(model))
     fit_paths = set(cal.raw["sources"]["decode_fit"])
-    reports = find_reports(results, "H200")
+    derived = "derived" in cal.raw
+    reports = find_reports(results, card(cal.gpu))
     rows: list[dict[str, Any]] = []
     fit_dec: list[DecodeRow] = []
     for d in decode_rows(reports):
@@ -79,7 +89,7 @@ def validate(cal_path: Path, results: Path) -> dict[str, Any]:
                     rows.append(_row("remote", r.rel(), "sender step, signalled exchange",
                                      f"bs {s['bs']} ctx {s['ctx']} remote {s['remote_rows']}", s["graph_ms"],
                                      1e3 * cm.remote_decode_s(s["bs"], local, s["remote_rows"], "signalled")))
-    for m in cal.executor_host.get("measured", []):
+    for m in [] if derived else cal.executor_host.get("measured", []):
         base = m["host_alone_ms"]
         pred = base * (1 + cm.host_increase(m["guest_gib"], m["executor_sms"] or None))
         cap = "uncapped" if not m["executor_sms"] else f"{m['executor_sms']} SMs"
@@ -188,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="validation JSON (default: <calibration>-validation.json)")
     a = p.parse_args(argv)
     res = validate(a.calibration, a.results)
+    if not res["rows"]:
+        print(f"no step time measured on {res['gpu']} under {a.results}: nothing to validate "
+              "(bench/offline.py on that card: bash bench/gpu_session.sh bench)")
+        return 0
     print(f"{'set':13s} {'point':34s} {'measured ms':>11s} {'predicted':>9s} {'err %':>7s}  what / source")
     for r in res["rows"]:
         print(f"{r['set']:13s} {r['point']:34s} {r['measured_ms']:11.2f} {r['predicted_ms']:9.2f} "
