@@ -96,8 +96,12 @@ def main() -> None:
     if a.executor_load == "decode":
         load = ExecutorGpuLoad(exec_dev, cfg.hidden_size, cfg.num_layers,
                                confine=a.load_confine, free_sms=a.load_free_sms)
-    part_bytes = reserve if same_gpu else (int(a.executor_gb * 2**30) if a.executor_gb is not None
-                                           else int(torch.cuda.mem_get_info(exec_dev)[0] - 8 * 2**30))
+    if same_gpu:
+        part_bytes = reserve  # set aside before the runner took its pool
+    elif a.executor_gb is not None:
+        part_bytes = int(a.executor_gb * 2**30)
+    else:
+        part_bytes = int(torch.cuda.mem_get_info(exec_dev)[0] - 8 * 2**30)
     executor = AttentionExecutor(ForeignKVPartition(part_bytes, str(exec_dev)), "flashinfer")
     remote: Any
     if a.transport == "local":

@@ -101,6 +101,14 @@ def test_predict_moe_on_another_card_and_share(tmp_path: Path) -> None:
         P.main(["mixtral", "--gpu", "h100", "--settings", "mooncake-poisson", "--out", str(tmp_path)])
 
 
+
+def test_predict_moe_rejects_an_unknown_model_or_card(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for flag, value in (("--model", "nope"), ("--gpu", "a100")):
+        with pytest.raises(SystemExit) as e:
+            P.main(["mixtral", flag, value, "--out", str(tmp_path)])
+        assert e.value.code == 2 and f"{flag}: unknown" in capsys.readouterr().err
+
+
 def test_kvbind_settings_reach_the_gpu_tools_flags() -> None:
     # the long-output / relaxed-TPOT workloads: what serving.py would be given for their points
     sts = {st.name: st for st in P.kvbind_settings()}

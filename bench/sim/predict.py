@@ -230,19 +230,16 @@ def _reusable(path: Path | None, st: Any, plan: Any) -> dict[tuple[str, float], 
 def mixtral(a: argparse.Namespace) -> dict[str, Any]:
     from bench import goodput_knee as K
     from bench.sim import knee as N
-    from bench.sim.cost import DEFAULT_CALIBRATION, CostModel
+    from bench.sim.cost import CostModel
+    from bench.sim.instance import gpu_calibration
+    from bench.sim.open_runs import pool_at
 
-    if (a.model, a.gpu, a.share) == ("mixtral-8x7b", "h200", 0.9):
-        pool, where = (MIXTRAL_POOL_PAGES - 1) * 16, "the pool the s5 server logged"
-        cal = DEFAULT_CALIBRATION
-    else:  # another MoE, card or share: the engine's memory math on that card (open_runs' pools)
-        from bench.sim.instance import gpu_calibration
-        from bench.sim.open_runs import pool_at
-
-        pool, where = pool_at(a.share, a.model, a.gpu)
-        cal = gpu_calibration(a.gpu)[0]
-        if pool <= 0:
-            raise SystemExit(f"{a.model} at {a.share:g} of one {a.gpu} leaves no KV pool ({where})")
+    # The pool a server of this model, card and share logged (Mixtral at 0.9 of an H200: MIXTRAL_POOL_PAGES),
+    # else the engine's memory math on that card.
+    pool, where = pool_at(a.share, a.model, a.gpu)
+    cal = gpu_calibration(a.gpu)[0]
+    if pool <= 0:
+        raise SystemExit(f"{a.model} at {a.share:g} of one {a.gpu} leaves no KV pool ({where})")
     server = N.Server(pool, 32.0, CostModel.load(cal, a.model))
     kvbind = a.what == "mixtral-kvbind"
     workloads = kvbind_settings() if kvbind else mixtral_settings()
@@ -413,6 +410,14 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [s for s in a.settings if s not in own]
         if unknown:  # the other command's workload: exit 2 naming the flag and this command's workloads
             p.error(f"--settings: {', '.join(unknown)} is not a workload of {a.what} (its workloads: {', '.join(own)})")
+    if a.what in ("mixtral", "mixtral-kvbind"):  # --model/--gpu: a usage error naming the known ones
+        from bench.sim.instance import known_gpus
+        from sglang_ext.configs import preset_names
+
+        if a.model not in preset_names():
+            p.error(f"--model: unknown preset {a.model!r} (known: {', '.join(preset_names())})")
+        if a.gpu not in known_gpus():
+            p.error(f"--gpu: unknown GPU {a.gpu!r} (known: {', '.join(known_gpus())})")
     if a.pool_check is None:
         a.pool_check = a.what == "mixtral-kvbind"
     if a.reuse is not None and not a.reuse.is_file():
