@@ -72,6 +72,7 @@ if __package__ in (None, ""):  # executed as ``python bench/goodput_knee.py``
 from bench import goodput as G
 from bench import knee_resume as R
 from bench import serving
+from bench.step_profile import POINT_MARK
 from bench.traces import TRACE_CHOICES, default_traces_dir, repo_root
 
 MIN_REQ = 150  # requests per point and repeat: one request is then at most 0.67 points of attainment
@@ -411,9 +412,11 @@ def server_argv(a: argparse.Namespace, run: str) -> list[str]:
     model = ["--model-path", a.model, "--load-format", "dummy"] if a.model else []
     share = ["--mem-fraction-static", f"{a.share:g}"] if a.share > 0 else []
     host = ["--kv-host-size-gb", f"{a.host_gb:g}"] if mode == "rotate" else []
+    # the step profile is a measurement, not a setting: a resumed search may add it (knee_resume skips it)
+    steps = ["--step-log-interval-s", f"{a.step_log_s:g}"] if a.step_log_s > 0 else []
     return [*model, "--device", a.device, "--dtype", a.dtype, "--port", str(a.port), *share,
             "--schedule-policy", pol, "--preemption-mode", mode, "--ttft-slo-ms", f"{a.ttft * 1000:g}",
-            "--tpot-slo-ms", f"{a.tpot * 1000:g}", *host, *extra_args(a, run)]
+            "--tpot-slo-ms", f"{a.tpot * 1000:g}", *host, *steps, *extra_args(a, run)]
 
 
 def _http(url: str, method: str = "GET", timeout: float = 5.0) -> tuple[int, str]:
@@ -452,6 +455,11 @@ class ServerExecutor:
         self._kill()
         raise TimeoutError(f"server for {run} not healthy after {self.a.start_timeout_s:g} s")
 
+    def mark(self, run: str, what: str) -> None:
+        """A line in the server's log between its step-profile lines: which point they belong to."""
+        with open(self.out / f"gp_server_{label(run, self.a.arrival)}.log", "a") as f:
+            f.write(f"{POINT_MARK} {what}\n")
+
     def _kill(self) -> None:
         """SIGINT to the server's process group (a clean shutdown), SIGKILL after 10 s."""
         if self.proc is None:
@@ -485,8 +493,10 @@ class ServerExecutor:
             self.flush()
             argv = serving_argv(self.a, self.plan, run, rate, k, self.url, self.out, self.call_id)
             log = self.out / report_name(run, self.a.arrival, rate, k).replace(".json", ".log")
+            self.mark(run, f"begins {rate:g} {k}")
             with open(log, "w") as f, contextlib.redirect_stdout(f):
                 report = asyncio.run(serving.run(serving.build_parser().parse_args(argv)))
+            self.mark(run, f"ends {rate:g} {k}")
             scores.append(G.point_from_report(run, rate, report).attainment)
             print(f"{label(run, self.a.arrival)} rate {rate:g} repeat {k}: {scores[-1]:.1%} of "
                   f"{self.plan.n(rate)} met both SLOs", flush=True)
@@ -539,6 +549,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="launcher args of the runs POLICY-MODE.NAME, on top of every --server-arg (repeatable; "
                         "--variant fixed=\"--offload-executor local --offload-ratio 0.5 --executor-mem-gb 7\")")
     g.add_argument("--start-timeout-s", type=float, default=300.0)
+    g.add_argument("--step-log-s", type=float, default=2.0,
+                   help="the servers' step profile every this many seconds, into gp_server_RUN.log between the "
+                        "points' markers (bench/step_profile.py reads it; 0: off)")
     w = p.add_argument_group("workload (serving.py)")
     w.add_argument("--trace", choices=TRACE_CHOICES, default="mooncake")
     w.add_argument("--traces-dir", type=Path, default=default_traces_dir())

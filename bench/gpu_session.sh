@@ -78,9 +78,8 @@ for s in $steps; do
           # the sender's own GPU (row 8's fixed/adaptive runs): the step the simulator would need to price them
     goodput) PYTHONPATH=$BASE:/tmp/fi OUT=$OUT/goodput timeout ${GOODPUT_TIMEOUT:-560} bash bench/goodput_sweep.sh \
             ${GOODPUT_RUNS:-} 2>&1 | tee "$OUT/goodput.log" ;;  # SHARE, RATES, SECONDS, TRACE, ARRIVAL, ...: goodput_sweep.sh
-    warm) PYTHONPATH=$BASE:/tmp/fi timeout 300 python3 -c "import sglang_ext as s; e = s.Engine(model_path='${MODEL:-preset:llama-3-8b}', \
-            load_format='dummy', device='cuda', dtype='bfloat16', mem_fraction_static=${WARM_FRACTION:-${SHARE:-0.25}}); print(e.generate(prompt=['warm up'] * 8, \
-            sampling_params={'max_new_tokens': 8})[0]['meta_info']); e.shutdown()" 2>&1 | tail -3 ;;  # JIT kernels compiled and cached
+    warm) PYTHONPATH=$BASE:/tmp/fi timeout 300 python3 bench/warm.py --model "${MODEL:-preset:llama-3-8b}" \
+            --mem-fraction "${WARM_FRACTION:-${SHARE:-0.25}}" 2>&1 | grep -E "^warm:|Error|error:" ;;  # every prefill bucket's JIT kernels, cached
     knee) BUDGET_S=${BUDGET_S:-$(( ${KNEE_END_S:-560} - SECONDS ))}  # the knee search of bench/goodput_knee.py (docs/benchmarks.md, "Method")
           # VARIANTS="NAME=ARGS;NAME=ARGS": one --variant each (runs POLICY-MODE.NAME in RUNS); SERVER_ARGS: --server-arg each
           kv=(); IFS=';' read -ra vs <<< "${VARIANTS:-}"; for v in ${vs[@]+"${vs[@]}"}; do [ -n "$v" ] && kv+=(--variant "$v"); done
@@ -91,7 +90,9 @@ for s in $steps; do
             --repeats "${REPEATS:-3}" --min-req "${MIN_REQ:-150}" --seconds "${SECONDS_PER_POINT:-30}" \
             --budget-s "$BUDGET_S" --model "${MODEL:-preset:llama-3-8b}" --host-gb "${HOST_GB:-32}" \
             --max-in "${MAX_IN:-7680}" --max-out "${MAX_OUT:-256}" --traces-dir "${TRACES:-bench/data/traces}" \
-            ${RESUME:+--resume "$RESUME"} ${kv[@]+"${kv[@]}"} --out "$OUT/knee" 2>&1 | tee "$OUT/knee.log"  # set SGLANG_EXT_COMMIT (+ SGLANG_EXT_DIRTY) where git is absent
+            --step-log-s "${STEP_LOG_S:-2}" ${RESUME:+--resume "$RESUME"} ${kv[@]+"${kv[@]}"} --out "$OUT/knee" 2>&1 \
+            | tee "$OUT/knee.log"  # set SGLANG_EXT_COMMIT (+ SGLANG_EXT_DIRTY) where git is absent
+          PYTHONPATH=$BASE python3 bench/step_profile.py "$OUT/knee" > "$OUT/knee/steps.txt" 2>&1  # per point: step ms, KV use
           (cd "$OUT" && tar czf knee.tgz knee) ;;  # the device returns a limited number of files: the folder comes back whole in the archive
           # RESUME=DIR continues the search of an earlier call's knee folder (the same env otherwise; its points are not
           # rerun, its reports are copied to $OUT/knee). The device machine sees only what is sent: a call's $OUT comes back

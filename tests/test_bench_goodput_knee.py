@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench import goodput_knee as K
-from bench import serving
+from bench import serving, step_profile
 
 
 class Clock:
@@ -191,7 +191,7 @@ def test_end_to_end_on_cpu(tmp_path: Path) -> None:
     rc = K.main(["--runs", *runs, "--variant", variant, "--grid", "2", "4", "--extend", "0", "--repeats", "2",
                  "--min-req", "6", "--seconds", "1", "--model", "", "--device", "cpu", "--dtype", "float32",
                  "--share", "0", "--host-gb", "1", "--port", str(free_port()), "--server-arg=--max-total-tokens",
-                 "--server-arg=8192", "--server-arg=--log-level", "--server-arg=warning", "--trace", "azure-conv",
+                 "--server-arg=8192", "--step-log-s", "0.2", "--trace", "azure-conv",
                  "--max-in", "48", "--max-out", "4", "--vocab-size", "250", "--ttft", "10", "--tpot", "2",
                  "--budget-s", "240", "--call-id", "knee-cpu-test", "--out", str(out)])
     assert rc == 0, (out / "knee.json").read_text() if (out / "knee.json").exists() else "no knee.json"
@@ -219,6 +219,10 @@ def test_end_to_end_on_cpu(tmp_path: Path) -> None:
                    and 'direction="out"' in ln)
 
     assert sent_bytes("fcfs-recompute.adaptive") > 0 and sent_bytes("fcfs-recompute") == 0  # the variant's flags
+    # each point's step profile, from the server logs between the search's markers
+    steps = step_profile.folder_points(out)
+    assert {p.run for p in steps} == set(runs) and all(p.steps > 0 and 0 < p.kv_peak <= 1 for p in steps)
+    assert {(p.rate, p.repeat) for p in steps if p.run == "lvf-rotate"} <= {(2, 0), (2, 1), (4, 0), (4, 1)}
 
 
 def test_variant_server_args_and_old_runs_unchanged() -> None:
@@ -229,7 +233,7 @@ def test_variant_server_args_and_old_runs_unchanged() -> None:
     plain = K.server_argv(a, "fcfs-recompute")
     assert plain == ["--device", "cpu", "--dtype", "bfloat16", "--port", "31000", "--mem-fraction-static", "0.25",
                      "--schedule-policy", "fcfs", "--preemption-mode", "recompute", "--ttft-slo-ms", "5000",
-                     "--tpot-slo-ms", "100", "--x"]
+                     "--tpot-slo-ms", "100", "--step-log-interval-s", "2", "--x"]
     assert K.server_argv(a, "fcfs-recompute.v") == [*plain, "--offload-executor", "local", "--offload-policy",
                                                     "adaptive"]
     rot = K.server_argv(a, "lvf-rotate.v")

@@ -193,3 +193,33 @@ def test_a_merged_panel_takes_its_pool_from_an_earlier_call_and_skips_variant_ru
     assert not (folder / "gp_server_fcfs-recompute.log").exists()
     tokens, source = R.pool_tokens(found[0][1], "fcfs-recompute", sw, R.memory_constants())
     assert tokens == (12291 - 1) * 16 and source == "server log (12291 pages)"
+
+
+def test_step_check_prices_the_decode_only_steps_a_server_logged(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A panel whose servers logged a step profile: each point's decode-only step (rows, mean pool use)
+    is priced by the cost model beside what was measured; a panel without one gives no check."""
+    from bench import step_profile
+
+    folder = tmp_path / "panel"
+    folder.mkdir()
+    line = ("[w0] INFO sglang_ext.worker.step_log: w0: steps 100 (50.0/s, 20.0 ms mean, 10 % with a prefill, "
+            "0 % overlapped) | running 12.0 (remote 0.0) waiting 0.5 | rows 12.0 | tokens out 600/s, prefill "
+            "9000/s | executor wait 0.0 % (loads 0) | kv 40 % mean, 70 % peak | decode-only 90 x 11.0 ms at 12.0 rows")
+    (folder / "gp_server_lvf-rotate.log").write_text(
+        f"{step_profile.POINT_MARK} begins 3 0\n{line}\n{step_profile.POINT_MARK} ends 3 0\n")
+    monkeypatch.setattr(R, "RESULTS", tmp_path)
+    sw = R.Sweep("panel", 0.5)
+    cost = CostModel.load(R.DEFAULT_CALIBRATION, "llama-3-8b")
+    row = R.Row("p", "panel", "gp_lvf-rotate_r3_k0.json", "lvf-rotate", 3.0, 0, 150, 100_000, "log", {}, {}, 0, 0, 0)
+    (check,) = R.step_check([R.Panel("p", (sw,))], {("h200", "llama-3-8b"): cost}, [row])
+    assert (check["rows"], check["kv_tokens"], check["measured_ms"], check["kv_peak"]) == (12.0, 40_000, 11.0, 0.7)
+    assert check["model_ms"] == pytest.approx(1e3 * cost.decode_s(12, 40_000))
+    (folder / "gp_server_lvf-rotate.log").write_text("no profile\n")
+    assert R.step_check([R.Panel("p", (sw,))], {("h200", "llama-3-8b"): cost}, [row]) == []
+
+
+def test_card_file_takes_a_card_of_the_chosen_panels(capsys: pytest.CaptureFixture[str]) -> None:
+    assert R.main(["--panels", "qwen3", "--card-file", "h200"]) == 2
+    assert "want GPU=JSON" in capsys.readouterr().err
+    assert R.main(["--panels", "qwen3", "--card-file", "h300=x.json"]) == 2

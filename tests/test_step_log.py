@@ -46,3 +46,21 @@ def test_steps_with_remote_rows_are_timed_apart(caplog: pytest.LogCaptureFixture
             log.record(sched, wall, tokens_out=2, prefill_tokens=0)
         log._emit(sched, 1.0)  # type: ignore[arg-type]
     assert caplog.messages[-1].endswith("| with remote rows 3 x 12.0 ms, without 1 x 4.0 ms")
+
+
+def test_the_pool_and_the_decode_only_steps(caplog: pytest.LogCaptureFixture) -> None:
+    """KV in use after each step (mean and peak share of the pool) and the steps without a prefill apart:
+    their time and rows are what the simulator's decode step is checked against in serving."""
+    alloc = SimpleNamespace(capacity=100, num_free=50)
+    sched = SimpleNamespace(running=[1, 2, 3], waiting=[], overlapped_steps=0, forward_rows=0,
+                            remote_sender=None, allocator=alloc)
+    log = StepLog(interval_s=3600.0, name="w0")
+    with caplog.at_level(logging.INFO, logger="sglang_ext.worker.step_log"):
+        for wall, rows, prefill, free in ((0.100, 4, 2048, 50), (0.010, 3, 0, 40), (0.014, 3, 0, 10)):
+            sched.forward_rows += rows
+            alloc.num_free = free
+            log.record(sched, wall, tokens_out=rows, prefill_tokens=prefill)
+        log._emit(sched, 1.0)  # type: ignore[arg-type]
+    line = caplog.messages[-1]
+    assert "| kv 67 % mean, 90 % peak |" in line  # (50 + 60 + 90) / 3 and 90
+    assert line.endswith("| decode-only 2 x 12.0 ms at 3.0 rows")

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from bench import goodput as G
+from bench import step_profile
 from bench.policy_sim import Clock, make_scheduler, replay, serving_workload
 from bench.serving import build_parser as serving_parser
 from bench.serving import workload_config
@@ -112,6 +113,9 @@ PANELS: Final[tuple[Panel, ...]] = (
     Panel("12-06 h100 1/2 azure off", (Sweep("2026-12-06-h100-s3/knee-adaptive-azure-share05", 0.5, gpu="h100",
                                              note="823fa1c, one H100: 'off' only (fixed and adaptive share the GPU "
                                                   "with an in-process executor, not priced)"),)),
+    Panel("12-06 h100 qwen3 0.9 kvbind", (Sweep("2026-12-06-h100-s4/qwen3-kvbind-tpot02", 0.9, "qwen3-30b-a3b",
+                                                gpu="h100", note="9b6b58d, one H100: Mooncake outputs <= 1,024, "
+                                                                 "TPOT 0.2 s; H200 MoE tables (same chip)"),)),
 )
 
 
@@ -307,6 +311,43 @@ def replay_panel(panel: Panel, costs: dict[tuple[str, str], CostModel], constant
     return rows
 
 
+def step_check(panels: Sequence[Panel], costs: dict[tuple[str, str], CostModel], rows: Sequence[Row]
+               ) -> list[dict[str, Any]]:
+    """The cost model's decode step against the decode-only steps the servers logged in serving (panels
+    run with a step profile: bench/step_profile.py), at each point's mean rows and with the KV it read
+    taken as the point's mean pool use (prefix cache included: an upper bound on what the rows read)."""
+    pools = {(r.folder, r.run): r.pool_tokens for r in rows}  # both keyed by the reports' run label
+    out = []
+    for pn in panels:
+        for sw in pn.sweeps:
+            for pt in step_profile.folder_points(RESULTS / sw.folder):
+                pool = pools.get((sw.folder, pt.run))
+                if pool is None or not pt.decode_steps or not pt.decode_rows:
+                    continue
+                kv = int(pt.kv_mean * pool)
+                model_ms = 1e3 * costs[(sw.gpu, sw.model)].decode_s(max(1, round(pt.decode_rows)), kv)
+                out.append({"panel": pn.name, "run": pt.run, "rate": pt.rate, "repeat": pt.repeat,
+                            "rows": pt.decode_rows, "kv_tokens": kv, "measured_ms": pt.decode_ms,
+                            "model_ms": model_ms, "error": model_ms / pt.decode_ms - 1, "kv_peak": pt.kv_peak,
+                            "waiting": pt.waiting, "steps": pt.decode_steps})
+    return out
+
+
+def print_step_check(checks: Sequence[dict[str, Any]]) -> None:
+    if not checks:
+        print("\nno step profile in these panels' server logs (runs before 2026-12-06 session 4): no step check")
+        return
+    print("\ndecode-only steps in serving (the servers' step profile) against the cost model's decode step")
+    for c in checks:
+        print(f"{c['panel']:<26} {c['run']:<22} {c['rate']:>5g} k{c['repeat']}  {c['steps']:>5} steps at "
+              f"{c['rows']:5.1f} rows, ~{c['kv_tokens']:>7} KV tokens: {c['measured_ms']:6.1f} ms -> model "
+              f"{c['model_ms']:6.1f} ms ({100 * c['error']:+.1f} %)  KV peak {100 * c['kv_peak']:.0f} %, "
+              f"waiting {c['waiting']:.1f}")
+    errs = [abs(c["error"]) for c in checks]
+    print(f"{len(checks)} points: decode step error mean {100 * float(np.mean(errs)):.1f} %, "
+          f"max {100 * max(errs):.1f} %")
+
+
 # ---------------------------------------------------------------------------------------------- goodput
 
 
@@ -421,6 +462,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=None, help="at most this many reports per panel")
     p.add_argument("--list", action="store_true", help="list the panels and their folders, run nothing")
     p.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION)
+    p.add_argument("--card-file", action="append", default=[], metavar="GPU=JSON",
+                   help="price the sweeps run on GPU with this calibration instead of its own (a diagnosis: "
+                        "h100=bench/sim/calibration/h200.json asks whether the derivation or the model is off)")
     p.add_argument("--target", type=float, default=0.9)
     p.add_argument("--no-host-time", action="store_true",
                    help="price GPU time only (before 2026-12-03's fix: no host time for unoverlapped prefill steps)")
@@ -448,6 +492,14 @@ def main(argv: list[str] | None = None) -> int:
     # an H200 sweep takes --calibration; another card's sweep takes that card's file (h100: derived)
     cal_files = {g: a.calibration if g == "h200" else gpu_calibration(g)[0]
                  for g in {sw.gpu for pn in chosen for sw in pn.sweeps}}
+    for spec in a.card_file:
+        gpu, sep, path = spec.partition("=")
+        if not sep or gpu not in cal_files:
+            print(f"error: --card-file {spec!r}: want GPU=JSON for a card of the chosen panels "
+                  f"({', '.join(sorted(cal_files))})", file=sys.stderr)
+            return 2
+        cal_files[gpu] = Path(path)
+        print(f"sweeps run on {gpu} priced on {path} (--card-file)")
     pairs = {(sw.gpu, sw.model) for pn in chosen for sw in pn.sweeps}
     costs = {(g, m): CostModel.load(cal_files[g], m) for g, m in pairs}
     rows: list[Row] = []
@@ -463,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{b['rate']:g}: {100 * b['measured']:.1f} [{100 * b['measured_range'][0]:.0f}-"
             f"{100 * b['measured_range'][1]:.0f}] -> {100 * b['predicted']:.1f} [{100 * b['predicted_range'][0]:.0f}-"
             f"{100 * b['predicted_range'][1]:.0f}] ({b['error_points']:+.1f})" for b in t["by_rate"]))
+    checks = step_check(chosen, costs, rows)
+    print_step_check(checks)
     s = summary(rows)
     ok = sum(t["within_one_step"] for t in table)
     print(f"\n{s['points']} points: both-SLO attainment MAE {s['mae_both_points']:.1f} points (mean signed "
@@ -476,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
             "calibration_by_gpu": {g: str(path) for g, path in sorted(cal_files.items())},
             "memory_constants_bytes": constants, "target": a.target,
             "summary": {**s, "goodput_within_one_step": ok, "goodput_runs": len(table)},
-            "goodput": table, "points": [asdict(r) for r in rows]}, indent=1) + "\n")
+            "goodput": table, "points": [asdict(r) for r in rows], "step_check": checks}, indent=1) + "\n")
     return 0
 
 

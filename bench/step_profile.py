@@ -1,0 +1,128 @@
+"""Per point of a knee search, what the server's steps did: step time, decode-only step time and rows,
+the KV pool's use, the queue (the worker's `--step-log-interval-s` lines, between the markers
+bench/goodput_knee.py writes into each gp_server_RUN.log).
+
+    python bench/step_profile.py bench/results/<date>/<panel> [--json steps.json]
+
+Why: a goodput point says whether the SLOs held, not why. "KV binds" is a claim about the pool (peak
+use near 100 % and a queue waiting for pages), and a simulator's decode step is checked against the
+decode-only steps measured in serving at the rows they ran with. Means are weighted by steps; the
+peak is the highest of the intervals'. A point whose server logged no profile lines (a call before
+2026-12-06 session 4, or --step-log-s 0) is left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+POINT_MARK = "=== knee point"  # bench/goodput_knee.py: "=== knee point begins RATE REPEAT" / "... ends ..."
+
+_LINE = re.compile(
+    r": steps (?P<steps>\d+) \((?P<per_s>[\d.]+)/s, (?P<ms>[\d.]+) ms mean, (?P<prefill_pct>\d+) % with a prefill, "
+    r"\d+ % overlapped\) \| running (?P<running>[\d.]+) \(remote [\d.]+\) waiting (?P<waiting>[\d.]+) \| "
+    r"rows (?P<rows>[\d.]+) \| tokens out (?P<tok_s>\d+)/s, prefill (?P<prefill_s>\d+)/s \| .*?"
+    r"\| kv (?P<kv_mean>\d+) % mean, (?P<kv_peak>\d+) % peak \| "
+    r"decode-only (?P<d_steps>\d+) x (?P<d_ms>[\d.]+) ms at (?P<d_rows>[\d.]+) rows")
+_MARK = re.compile(re.escape(POINT_MARK) + r" (?P<what>begins|ends) (?P<rate>[\d.]+) (?P<repeat>\d+)")
+
+
+@dataclass
+class PointSteps:
+    """One point's step profile (one repeat of one rate on one run's server)."""
+
+    run: str
+    rate: float
+    repeat: int
+    intervals: int
+    steps: int
+    step_ms: float
+    prefill_step_share: float
+    rows: float
+    running: float
+    waiting: float
+    prefill_tok_s: float
+    kv_mean: float  # share of the pool, 0-1
+    kv_peak: float
+    decode_steps: int
+    decode_ms: float
+    decode_rows: float
+
+
+def _summary(run: str, rate: float, repeat: int, lines: list[dict[str, float]]) -> PointSteps:
+    steps = sum(x["steps"] for x in lines) or 1
+    dsteps = sum(x["d_steps"] for x in lines)
+
+    def mean(key: str) -> float:
+        return sum(x[key] * x["steps"] for x in lines) / steps
+
+    def dmean(key: str) -> float:
+        return sum(x[key] * x["d_steps"] for x in lines) / dsteps if dsteps else float("nan")
+
+    return PointSteps(run, rate, repeat, len(lines), int(sum(x["steps"] for x in lines)), mean("ms"),
+                      mean("prefill_pct") / 100, mean("rows"), mean("running"), mean("waiting"),
+                      sum(x["prefill_s"] for x in lines) / len(lines), mean("kv_mean") / 100,
+                      max(x["kv_peak"] for x in lines) / 100, int(dsteps), dmean("d_ms"), dmean("d_rows"))
+
+
+def parse_log(text: str, run: str) -> list[PointSteps]:
+    """The points of one server log, each with the profile lines logged between its markers."""
+    out: list[PointSteps] = []
+    current: tuple[float, int] | None = None
+    lines: list[dict[str, float]] = []
+    for line in text.splitlines():
+        if (m := _MARK.search(line)) is not None:
+            if m["what"] == "begins":
+                current, lines = (float(m["rate"]), int(m["repeat"])), []
+            elif current is not None:
+                if lines:
+                    out.append(_summary(run, *current, lines))
+                current = None
+        elif current is not None and (m := _LINE.search(line)) is not None:
+            lines.append({k: float(v) for k, v in m.groupdict().items()})
+    return out
+
+
+def folder_points(folder: Path) -> list[PointSteps]:
+    """Every point of a panel folder: its own server logs and those of the calls it merges."""
+    logs = [*sorted(folder.glob("gp_server_*.log")), *sorted(folder.glob("calls/*/gp_server_*.log"))]
+    points = []
+    for log in logs:
+        points += parse_log(log.read_text(errors="replace"), log.stem.removeprefix("gp_server_"))
+    return sorted(points, key=lambda p: (p.run, p.rate, p.repeat))
+
+
+def format_table(points: list[PointSteps]) -> str:
+    head = (f"{'run':<22} {'rate':>5} {'k':>2} {'steps':>6} {'step ms':>8} {'prefill':>8} {'rows':>6} "
+            f"{'waiting':>8} {'kv mean':>8} {'kv peak':>8} {'decode-only ms @ rows':>22}")
+    rows = [head]
+    for p in points:
+        rows.append(f"{p.run:<22} {p.rate:>5g} {p.repeat:>2} {p.steps:>6} {p.step_ms:>8.1f} "
+                    f"{100 * p.prefill_step_share:>7.0f}% {p.rows:>6.1f} {p.waiting:>8.1f} "
+                    f"{100 * p.kv_mean:>7.0f}% {100 * p.kv_peak:>7.0f}% "
+                    f"{p.decode_ms:>13.1f} @ {p.decode_rows:>5.1f}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("folders", nargs="+", type=Path)
+    p.add_argument("--json", type=Path, default=None, help="write every point's profile here")
+    a = p.parse_args(argv)
+    points = [pt for f in a.folders for pt in folder_points(f)]
+    if not points:
+        print("no step profile in these folders (servers started without --step-log-interval-s, or before "
+              "bench/goodput_knee.py marked its points)", file=sys.stderr)
+        return 1
+    print(format_table(points))
+    if a.json is not None:
+        a.json.write_text(json.dumps([asdict(pt) for pt in points], indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

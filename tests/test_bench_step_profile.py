@@ -1,0 +1,58 @@
+"""bench/step_profile.py reads the worker's step-profile lines (sglang_ext/worker/step_log.py) between the
+knee search's point markers: the lines are made here by the real StepLog, so a change of its format
+breaks this test rather than the GPU run's analysis."""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import step_profile as S
+from sglang_ext.worker.step_log import StepLog
+
+
+def _lines(caplog: pytest.LogCaptureFixture, steps: list[tuple[float, int, int, int]]) -> list[str]:
+    """One profile line per (wall s, rows, prefill tokens, free pages of 100) step."""
+    alloc = SimpleNamespace(capacity=100, num_free=100)
+    sched = SimpleNamespace(running=[1, 2], waiting=[1], overlapped_steps=0, forward_rows=0, remote_sender=None,
+                            allocator=alloc)
+    log = StepLog(interval_s=0.0, name="w0")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="sglang_ext.worker.step_log"):
+        for wall, rows, prefill, free in steps:
+            sched.forward_rows += rows
+            alloc.num_free = free
+            log.record(sched, wall, tokens_out=rows, prefill_tokens=prefill)  # type: ignore[arg-type]
+    return [f"[w0] INFO sglang_ext.worker.step_log: {m}" for m in caplog.messages]
+
+
+def test_points_are_the_lines_between_their_markers(caplog: pytest.LogCaptureFixture) -> None:
+    before = _lines(caplog, [(0.010, 2, 0, 90)])  # a warm-up step outside any point
+    first = _lines(caplog, [(0.100, 2, 4096, 60), (0.010, 2, 0, 50), (0.020, 2, 0, 20)])
+    second = _lines(caplog, [(0.030, 4, 0, 0)])
+    text = "\n".join([*before, f"{S.POINT_MARK} begins 2.5 0", *first, f"{S.POINT_MARK} ends 2.5 0",
+                      "[sglang_ext] something else", f"{S.POINT_MARK} begins 3 1", *second,
+                      f"{S.POINT_MARK} ends 3 1", f"{S.POINT_MARK} begins 4 0", f"{S.POINT_MARK} ends 4 0"])
+    pts = S.parse_log(text, "lvf-rotate")
+    assert [(p.rate, p.repeat) for p in pts] == [(2.5, 0), (3.0, 1)]  # 4 logged no line: left out
+    a, b = pts
+    # the first line of a fresh StepLog has no baseline for its rows; decode-only steps 2 and 3
+    assert a.steps == 3 and a.kv_peak == pytest.approx(0.8)
+    assert a.kv_mean == pytest.approx((40 + 50 + 80) / 300, abs=0.01)
+    assert a.decode_steps == 2 and a.decode_ms == pytest.approx(15.0)
+    assert b.kv_peak == 1.0 and b.decode_ms == pytest.approx(30.0) and b.waiting == 1.0
+
+
+def test_a_folder_with_no_profile_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "gp_server_fcfs-recompute.log").write_text(f"{S.POINT_MARK} begins 2 0\n{S.POINT_MARK} ends 2 0\n")
+    assert S.main([str(tmp_path)]) == 1 and "no step profile" in capsys.readouterr().err
+    assert math.isnan(S._summary("r", 1, 0, [{**dict.fromkeys(
+        ("steps", "per_s", "ms", "prefill_pct", "running", "waiting", "rows", "tok_s", "prefill_s", "kv_mean",
+         "kv_peak", "d_ms", "d_rows"), 1.0), "d_steps": 0.0}]).decode_ms)
