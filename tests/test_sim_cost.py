@@ -338,3 +338,31 @@ def test_the_moe_occupancy_analysis_reproduces_the_fit_at_h_0(tmp_path: Path) ->
     worst = max(abs(r["error_pct"]) for r in sweep[0]["rows"])
     assert worst == pytest.approx(11.6, abs=0.05)
     assert max(abs(r["error_pct"]) for r in sweep[1]["rows"]) < worst  # the occupancy factor narrows it
+
+
+def test_a_card_profiled_in_part_borrows_only_what_it_did_not_measure(tmp_path: Path) -> None:
+    """`fit --fill-from`: an H100 with its own offline sweep (here the H200's sweep relabelled) keeps its fitted
+    decode and prefill rates and takes the host link, exchange, executor-host and MoE rates it has no run
+    for from the derived file, each listed; nothing it measured is overwritten."""
+    src = fitmod.RESULTS / "2026-11-29-h200-offline.json"
+    d = json.loads(src.read_text())
+    d["env"]["gpu"] = "NVIDIA H100 80GB HBM3"
+    (tmp_path / "h100-offline.json").write_text(json.dumps(d))
+    out = tmp_path / "h100.json"
+    derived = fitmod.REPO / "bench/sim/calibration/h100.json"
+    assert fitmod.main(["--results", str(tmp_path), "--gpu", "H100", "--out", str(out)]) == 0
+    alone = json.loads(out.read_text())
+    assert alone["host_link"]["h2d_GBps"] is None and "moe_prefill" in alone["missing"]
+    assert fitmod.main(["--results", str(tmp_path), "--gpu", "H100", "--fill-from", str(derived),
+                        "--out", str(out)]) == 0
+    cal, ref = json.loads(out.read_text()), json.loads(derived.read_text())
+    assert cal["decode"] == alone["decode"] and cal["prefill"] == alone["prefill"]  # its own, kept
+    taken = cal["filled_from"]["rates"]
+    assert all(cal["host_link"][k] == ref["host_link"][k] for k in ("d2h_GBps", "h2d_GBps", "duplex_GBps"))
+    assert cal["executor_host"]["capped_increase"] == ref["executor_host"]["capped_increase"]
+    assert "host_link.h2d_GBps" in taken and "moe.expert_GBps" in taken
+    assert not any(k.startswith(("decode.", "prefill.")) for k in taken)
+    assert "moe_prefill" not in cal["missing"] and cal["filled_from"]["derived"] is True
+    assert all(k in cal["missing"] for k in fitmod.MISSING_ALWAYS)  # the notes stay
+    with pytest.raises(SystemExit, match=r"no bench/offline\.py report"):  # no run of that card
+        fitmod.main(["--results", str(tmp_path), "--gpu", "B200", "--out", str(out)])

@@ -448,6 +448,40 @@ def calibrate(results: Path, model: str, gpu: str, fit_runs: list[str] | None,
     }
 
 
+FILLABLE: tuple[str, ...] = ("decode", "prefill", "host_link", "remote_exchange", "executor_host", "loop", "moe",
+                             "moe_prefill")
+
+
+def fill_missing(cal: dict[str, Any], other: dict[str, Any], source: str) -> dict[str, Any]:
+    """Fill `cal`'s unmeasured rates (null) from `other`, a calibration of another card or a derived one, in
+    place: a card profiled in part (an H100 with its own decode, prefill and MoE rows) keeps what it
+    measured and borrows the rest. Every borrowed rate is listed under `filled_from` and leaves `missing`;
+    a section measured here is never overwritten. Returns what was taken."""
+    taken: dict[str, Any] = {}
+
+    def walk(mine: dict[str, Any], theirs: dict[str, Any], path: str) -> None:
+        for k, v in mine.items():
+            t = theirs.get(k) if isinstance(theirs, dict) else None
+            if v == {} and isinstance(t, dict) and t:  # nothing measured here (executor_host.capped_increase)
+                mine[k] = json.loads(json.dumps(t))
+                taken.update({f"{path}.{k}.{kk}"[1:]: vv for kk, vv in t.items()})
+            elif isinstance(v, dict):
+                walk(v, t if isinstance(t, dict) else {}, f"{path}.{k}")
+            elif v is None and isinstance(t, int | float) and not isinstance(t, bool):
+                mine[k] = t
+                taken[f"{path}.{k}"[1:]] = t
+
+    for section in FILLABLE:
+        if isinstance(cal.get(section), dict) and isinstance(other.get(section), dict):
+            walk(cal[section], other[section], f".{section}")
+    for key in list(cal.get("missing", {})):  # "moe_prefill", "executor_host.uncapped", "prefill.gemm_TFLOPs", ...
+        if any(t.startswith(key) for t in taken):
+            del cal["missing"][key]
+    cal["filled_from"] = {"file": source, "gpu": other.get("gpu"), "derived": "derived" in other,
+                          "rates": taken}
+    return taken
+
+
 def _used_for(r: Report, fit_paths: set[str], sources: list[str], moe_paths: set[str], moe_ctx: int) -> str:
     why = superseded_why(r) if r.kind == "offline" else None
     if why is not None:
@@ -514,8 +548,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--moe-fit-ctx", type=int, default=1024,
                    help="fit the moe rates to the MoE offline runs' decode rows at this ctx (outliers in "
                         "MOE_OUTLIERS excepted); their rows at every other ctx are held out")
+    p.add_argument("--fill-from", type=Path, default=None, metavar="JSON",
+                   help="take every rate this card's runs leave unmeasured from this calibration (e.g. the derived "
+                        "h100.json: an H100 with its own decode/prefill/MoE rows but no host-link, exchange or "
+                        "executor-host run); each taken rate is listed under `filled_from`")
     a = p.parse_args(argv)
-    cal = calibrate(a.results, a.model, a.gpu, a.fit_runs, a.moe_fit_ctx)
+    try:
+        cal = calibrate(a.results, a.model, a.gpu, a.fit_runs, a.moe_fit_ctx)
+    except IndexError:  # fit[0] of no run
+        print(f"error: no bench/offline.py run of {a.model} on a GPU named like {a.gpu!r} under {a.results}",
+              file=sys.stderr)
+        return 2
+    if a.fill_from is not None:
+        fill_missing(cal, json.loads(a.fill_from.read_text()), str(a.fill_from))
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(cal, indent=1) + "\n")
     d, pr = cal["decode"], cal["prefill"]

@@ -18,7 +18,11 @@ torch reports it and the process's own use, are fitted by least squares to every
 bench/results (`memory_constants`). Each point says which source it used.
 
 The cost model is fitted to the offline / micro-benchmarks only (bench/sim/fit.py); nothing here is
-fitted to the goodput results it predicts.
+fitted to the goodput results it predicts. A sweep run on another card is priced on that card's file
+(`Sweep.gpu`; the H100's is derived), or on another with `--card-file GPU=JSON` (a diagnosis: the
+Qwen3 H100 panel priced on the H200's file told the derivation's error from the model's). Panels whose
+servers logged a step profile (bench/step_profile.py, knee calls since 2026-12-06 session 4) also get
+their decode-only steps priced against what the servers measured ("decode-only steps in serving").
 """
 
 from __future__ import annotations
