@@ -79,6 +79,7 @@ _COUNTERS: dict[str, Callable[[LoadReport], float]] = {
     "kv_rotation_bytes_out": lambda r: (r.rotation or _NO_ROTATION).bytes_out,
     "kv_rotation_bytes_in": lambda r: (r.rotation or _NO_ROTATION).bytes_in,
     "kv_rotation_unhidden_iterations": lambda r: (r.rotation or _NO_ROTATION).unhidden_iterations,
+    "num_preemptions": lambda r: r.num_preemptions,
     "kv_transfers_out": lambda r: (r.disagg or _NO_TRANSFERS).transfers_out,
     "kv_transfers_in": lambda r: (r.disagg or _NO_TRANSFERS).transfers_in,
     "kv_transfer_bytes_out": lambda r: (r.disagg or _NO_TRANSFERS).bytes_out,
@@ -159,6 +160,10 @@ class RotationMetrics(Collector):
         unhidden = CounterMetricFamily("sglang_ext:kv_rotation_unhidden_iterations", "Scheduling iterations that "
                                        "waited for a rotation copy", labels=_LABELS)
         rotary = GaugeMetricFamily("sglang_ext:rotary_reqs", "Requests whose KV is in host memory", labels=_LABELS)
+        # beside rotation: what a full pool costs without it (and with it, when the host pool is full too)
+        preempted = CounterMetricFamily("sglang_ext:num_preemptions", "Requests the scheduler preempted for room: "
+                                        "their KV freed, to be recomputed (a rotation to host memory is not one)",
+                                        labels=_LABELS)
         used = GaugeMetricFamily("sglang_ext:kv_host_used_bytes", "Host KV pool bytes in use", labels=_LABELS)
         total = GaugeMetricFamily("sglang_ext:kv_host_total_bytes", "Host KV pool size", labels=_LABELS)
         for w in self.workers():
@@ -170,11 +175,12 @@ class RotationMetrics(Collector):
                 rotations.add_metric([*labels, direction], t(w.worker_id, f"kv_rotations_{direction}"))
                 nbytes.add_metric([*labels, direction], t(w.worker_id, f"kv_rotation_bytes_{direction}"))
             unhidden.add_metric(labels, t(w.worker_id, "kv_rotation_unhidden_iterations"))
+            preempted.add_metric(labels, t(w.worker_id, "num_preemptions"))
             r = w.load.rotation or _NO_ROTATION
             rotary.add_metric(labels, r.rotary_reqs)
             used.add_metric(labels, r.host_used_bytes)
             total.add_metric(labels, r.host_total_bytes)
-        yield from (rotations, nbytes, unhidden, rotary, used, total)
+        yield from (rotations, nbytes, unhidden, preempted, rotary, used, total)
 
 
 class DisaggMetrics(Collector):

@@ -6,6 +6,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
+
 from router.metrics import RouterMetrics
 from sglang_ext.messages import BatchOut, GenerateReq, LoadReport
 from sglang_ext.messages.io import RotationStats
@@ -53,9 +55,10 @@ def test_rotation_metrics_render_and_stay_monotonic_across_restarts() -> None:
     w.load = _report(rotation=RotationStats(rotary_reqs=2, host_used_bytes=4096, host_total_bytes=1 << 20,
                                             rotations_out=3, rotations_in=1, bytes_out=6144, bytes_in=2048,
                                             unhidden_iterations=1))
+    w.load = msgspec.structs.replace(w.load, num_preemptions=5)
     m.offload.observe("w0", w.load)
     m.offload.restarted("w0")
-    w.load = _report(rotation=RotationStats(rotations_out=1, bytes_out=100))
+    w.load = _report(rotation=RotationStats(rotations_out=1, bytes_out=100), num_preemptions=2)
     m.offload.observe("w0", w.load)
     text = m.render().decode()
     want = [
@@ -64,6 +67,7 @@ def test_rotation_metrics_render_and_stay_monotonic_across_restarts() -> None:
         'sglang_ext:kv_rotation_bytes_total{direction="out",model_name="m",worker="w0"} 6244.0',
         'sglang_ext:kv_rotation_bytes_total{direction="in",model_name="m",worker="w0"} 2048.0',
         'sglang_ext:kv_rotation_unhidden_iterations_total{model_name="m",worker="w0"} 1.0',
+        'sglang_ext:num_preemptions_total{model_name="m",worker="w0"} 7.0',  # recompute preemptions, kept monotonic
         'sglang_ext:rotary_reqs{model_name="m",worker="w0"} 0.0',
         'sglang_ext:kv_host_used_bytes{model_name="m",worker="w0"} 0.0',
     ]

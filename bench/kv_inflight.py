@@ -1,0 +1,115 @@
+"""How much KV the requests of a goodput point held, estimated from the client's side of the run.
+
+    python bench/kv_inflight.py bench/results/<date>/<panel> [--pool TOKENS]
+
+For points measured before the servers logged their pool use (bench/step_profile.py), whether "KV
+binds" can still be bounded: each report's requests are rebuilt with serving.py's own function (the
+same rows, lengths and arrival times), and its `slo_records` give each request's TTFT and mean TPOT.
+A request is counted from its first token (prompt tokens, then one more per TPOT) to its last; the
+time before its first token (queue and prefill) is left out, and so are pages' rounding and the prefix
+cache's finished entries (evictable). So the figures are a lower bound on what the running requests
+held, within about one prefill per request. The pool comes from the run's server log when the folder
+has one (`--pool` otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+if __package__ in (None, ""):  # executed as ``python bench/kv_inflight.py``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.traces import build_requests
+
+_REPORT = re.compile(r"gp_(?P<run>.+)_r(?P<rate>[\d.]+)(?:_k(?P<k>\d+))?\.json$")
+_POOL = re.compile(r"kv pool [\d.]+ s \((?P<pages>\d+) pages x (?P<page>\d+) tokens")
+
+
+@dataclass
+class PointKV:
+    run: str
+    rate: float
+    repeat: int
+    mean_tokens: float  # over the time from the first arrival to the last finish
+    peak_tokens: float
+    pool_tokens: int | None
+
+    def share(self, x: float) -> float | None:
+        return x / self.pool_tokens if self.pool_tokens else None
+
+
+def inflight(report: dict, step_s: float = 0.05) -> tuple[float, float]:
+    """(mean, peak) tokens the report's requests held, sampled every `step_s` seconds."""
+    from bench.sim.replay_sweeps import serving_config  # the simulator's rebuild of serving.py's flags
+
+    specs, _ = build_requests(serving_config(report["config"]))
+    records = report["slo_records"]
+    spans = []
+    for spec, rec in zip(specs, records, strict=False):  # results are kept in send order
+        ok, ttft, tpot = rec[1], rec[2], rec[3]
+        if not ok or ttft is None:
+            continue
+        first = spec.arrival_s + ttft
+        n = max(spec.output_len, 1)
+        spans.append((first, first + (tpot or 0.0) * (n - 1), spec.input_len, tpot or 0.0))
+    if not spans:
+        return 0.0, 0.0
+    t = np.arange(min(s[0] for s in spans), max(s[1] for s in spans) + step_s, step_s)
+    held = np.zeros_like(t)
+    for first, end, prompt, tpot in spans:
+        live = (t >= first) & (t <= end)
+        grown = (t[live] - first) / tpot if tpot > 0 else 0.0
+        held[live] += prompt + 1 + grown
+    return float(held.mean()), float(held.max())
+
+
+def logged_pool(folder: Path, run: str) -> int | None:
+    for log in [folder / f"gp_server_{run}.log", *sorted(folder.glob(f"calls/*/gp_server_{run}.log"))]:
+        if log.exists() and (m := _POOL.search(log.read_text(errors="replace"))):
+            return (int(m["pages"]) - 1) * int(m["page"])  # page 0 is reserved
+    return None
+
+
+def folder_points(folder: Path, pool: int | None = None) -> list[PointKV]:
+    out = []
+    for p in sorted(folder.glob("gp_*.json")):
+        m = _REPORT.match(p.name)
+        if m is None:
+            continue
+        rep = json.loads(p.read_text())
+        if "slo_records" not in rep:
+            continue
+        mean, peak = inflight(rep)
+        out.append(PointKV(m["run"], float(m["rate"]), int(m["k"] or 0), mean, peak,
+                           pool if pool is not None else logged_pool(folder, m["run"])))
+    return sorted(out, key=lambda x: (x.run, x.rate, x.repeat))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("folder", type=Path)
+    p.add_argument("--pool", type=int, default=None, help="the pool in tokens (default: the server log's)")
+    a = p.parse_args(argv)
+    pts = folder_points(a.folder, a.pool)
+    if not pts:
+        print(f"no goodput reports with slo_records under {a.folder}", file=sys.stderr)
+        return 1
+    print(f"{'run':<22} {'rate':>5} {'k':>2} {'mean tokens':>12} {'peak tokens':>12} {'pool':>9} "
+          f"{'mean %':>7} {'peak %':>7}")
+    for x in pts:
+        ms, ps = x.share(x.mean_tokens), x.share(x.peak_tokens)
+        print(f"{x.run:<22} {x.rate:>5g} {x.repeat:>2} {x.mean_tokens:>12,.0f} {x.peak_tokens:>12,.0f} "
+              f"{x.pool_tokens or 0:>9,} {'' if ms is None else f'{100 * ms:6.0f}%'} "
+              f"{'' if ps is None else f'{100 * ps:6.0f}%'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
