@@ -5,11 +5,14 @@
 For points measured before the servers logged their pool use (bench/step_profile.py), whether "KV
 binds" can still be bounded: each report's requests are rebuilt with serving.py's own function (the
 same rows, lengths and arrival times), and its `slo_records` give each request's TTFT and mean TPOT.
-A request is counted from its first token (prompt tokens, then one more per TPOT) to its last; the
-time before its first token (queue and prefill) is left out, and so are pages' rounding and the prefix
-cache's finished entries (evictable). So the figures are a lower bound on what the running requests
-held, within about one prefill per request. The pool comes from the run's server log when the folder
-has one (`--pool` otherwise).
+A request is counted from its first token (prompt tokens, then one more per mean TPOT) to its last.
+An estimate, with errors both ways: left out are the time before a first token (queue and prefill),
+pages' rounding and the prefix cache's finished entries (evictable); counted as held is the KV of a
+request preempted and recomputed (freed meanwhile) or rotated to host memory, and a request's growth is
+taken as even over its life. So a peak above 100 % of the pool is demand the pool could not hold at
+once: someone waited, was preempted or was rotated then. The pool comes from the run's server log when
+the folder has one (`--pool` otherwise). Servers since 2026-12-06 session 4 log their own pool use
+(bench/step_profile.py): prefer it where it exists.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ def inflight(report: dict, step_s: float = 0.05) -> tuple[float, float]:
         spans.append((first, first + (tpot or 0.0) * (n - 1), spec.input_len, tpot or 0.0))
     if not spans:
         return 0.0, 0.0
-    t = np.arange(min(s[0] for s in spans), max(s[1] for s in spans) + step_s, step_s)
+    t = np.arange(min(s[0] for s in spans), max(s[1] for s in spans), step_s)
     held = np.zeros_like(t)
     for first, end, prompt, tpot in spans:
         live = (t >= first) & (t <= end)
