@@ -10,7 +10,9 @@ An estimate, with errors both ways: left out are the time before a first token (
 pages' rounding and the prefix cache's finished entries (evictable); counted as held is the KV of a
 request preempted and recomputed (freed meanwhile) or rotated to host memory, and a request's growth is
 taken as even over its life. So a peak above 100 % of the pool is demand the pool could not hold at
-once: someone waited, was preempted or was rotated then. The pool comes from the run's server log when
+once: someone waited, was preempted or was rotated then. Read ~110 % as full: fcfs-recompute, which
+cannot hold more than the pool, tops out at 109-111 % on every panel read so far (Qwen3 at 0.9 of an
+H100, Llama-3-8B at 1/2 of an H100 and at 1/4 of an H200). The pool comes from the run's server log when
 the folder has one (`--pool` otherwise). Servers since 2026-12-06 session 4 log their own pool use
 (bench/step_profile.py): prefer it where it exists.
 """
