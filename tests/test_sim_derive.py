@@ -114,3 +114,15 @@ def test_validate_prices_a_cards_own_runs_with_its_file(tmp_path: Path, capsys: 
     row = res["rows"][0]
     same = next(r for r in h200["rows"] if r["point"] == row["point"] and r["what"] == row["what"])
     assert row["predicted_ms"] > same["predicted_ms"]
+
+
+def test_the_derived_file_prices_qwen3_decode_timed_on_an_h100_within_5_percent() -> None:
+    """The first step times measured on an H100 (2026-12-06 s4, c4: Qwen3-30B-A3B decode at bs 8 and 32,
+    ctx 4K) against the derived file: within +1.9 / +4.7 %. Its MoE serving misses (docs/simulator.md);
+    this is the check that the decode step is not why."""
+    from bench.sim import validate as V
+
+    res = V.validate(CALIBRATION_DIR / "h100.json", R.RESULTS)
+    rows = [r for r in res["rows"] if r["set"] == "moe-held-out" and "qwen3" in r["point"]]
+    assert len(rows) >= 2 and all("H100" in res["gpu"] for _ in rows)
+    assert all(abs(r["err_pct"]) < 5.0 for r in rows), rows

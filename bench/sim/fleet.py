@@ -59,10 +59,11 @@ DERIVED_BAND: Final = ("DERIVED calibration ({gpu}): the H200's rates scaled by 
                        "(Llama-3-8B at 1/2 of the GPU, Mooncake, Poisson, TTFT 5 s; 30 points): attainment MAE 2.2 "
                        "points (optimistic by +2.0; +6.4 and +12.4 at the two points near the knee), strict goodput "
                        "within one grid step for 2 of 2 runs (fcfs 4.75 -> 4.75, lvf 4.75 -> >= 5); mean TPOT "
-                       "+0.6 %, TTFT p50 -11.0 % (median); no step time measured. For an MoE it is WRONG: on the "
-                       "measured Qwen3-30B-A3B panel at 0.9 of an H100 (18 points, 2026-12-06) mean TPOT +99.6 %, "
-                       "fcfs's goodput two grid steps low (MAE 31.8 points); priced on the H200's own file the same "
-                       "points are within a step (MAE 2.0): do not use its MoE figures.")
+                       "+0.6 %, TTFT p50 -11.0 % (median). Step times: Qwen3-30B-A3B decode within +1.9 / +4.7 % "
+                       "(bs 8 / 32, ctx 4K; no dense row yet). MoE SERVING on it is WRONG: on the measured "
+                       "Qwen3-30B-A3B panel at 0.9 of an H100 (18 points, 2026-12-06) mean TPOT +99.6 %, fcfs's "
+                       "goodput two grid steps low (MAE 31.8 points), the serving path around the decode step "
+                       "(prefill forwards, most likely) mispriced: do not use its MoE serving figures.")
 
 
 def error_band(cal: Calibration) -> str:
