@@ -2,6 +2,7 @@
 uniform-routing expectation the simulator prices (E x (1 - (1 - k/E)^rows)).
 
     python bench/moe_serving_routing.py --preset qwen3-30b-a3b --layers 8 --rows 12 --new 48
+    python bench/moe_serving_routing.py --layers 48 --moe-inter 64 --rows 12 --new 24   # every layer, ~8 GB
 
 Why: the offline bench feeds random tokens to every decode row, so its experts hit equal the uniform
 estimate; in serving, a dummy-weight model's greedy output repeats one token per request, which could
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=12, help="requests decoding together")
     p.add_argument("--new", type=int, default=48, help="tokens each request generates")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--moe-inter", type=int, default=None,
+                   help="narrower experts (moe_intermediate_size), so all of the preset's layers fit this machine")
     a = p.parse_args(argv)
     import torch
 
@@ -49,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.copytree(preset_dir(a.preset), model)
         cfg = json.loads((model / "config.json").read_text())
         cfg["num_hidden_layers"] = a.layers
+        if a.moe_inter:
+            cfg["moe_intermediate_size"] = a.moe_inter
         (model / "config.json").write_text(json.dumps(cfg))
         torch.manual_seed(0)
         w = Worker(ServerArgs(model_path=str(model), load_format="dummy", device="cpu", dtype=a.dtype, page_size=16,
@@ -79,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     decode = [h for n, h in calls if n == a.rows]
     uniform = e * (1 - (1 - k / e) ** a.rows)
     tokens = [t for ids in out.values() for t in ids]
-    print(f"{a.preset} routing, {a.layers} layers, {a.rows} rows, {a.dtype}, dummy weights, greedy: "
+    narrow = f", experts {a.moe_inter} wide" if a.moe_inter else ""
+    print(f"{a.preset} routing, {a.layers} layers{narrow}, {a.rows} rows, {a.dtype}, dummy weights, greedy: "
           f"{len(decode)} decode forwards x sparse layers; distinct experts per layer mean "
           f"{statistics.mean(decode):.1f} (min {min(decode)}, max {max(decode)}) against {uniform:.1f} uniform "
           f"({100 * statistics.mean(decode) / uniform:.0f} %); {len(set(tokens))} distinct tokens of {len(tokens)} "
