@@ -8,6 +8,8 @@
 #                                      WARM_FRACTION, else SHARE, else 0.25 of the GPU: a Mixtral needs 0.9)
 #                             [moetests] [moetune] [moebench]  (issue 33: MoE kernels and models on one GPU)
 #                             [samegpu]  (bench/remote_step.py with the executor in-process on the sender's own GPU)
+#                             [setup]  (install only, then run a command of your own with
+#                                       PYTHONPATH=$PWD:/tmp/site:/tmp/fi, as the session's c4 of 2026-12-06 did)
 # On the two-GPU kind export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 first.
 # served and the two-GPU cases of gputests need two GPUs (the executor sits on cuda:1).
 # rotation_e2e replays the Azure conversation trace in bench/data/traces.
@@ -128,6 +130,8 @@ for s in $steps; do
           done ;;
     cputests) SGLANG_EXT_TEST_DEVICE=cuda PYTHONPATH=$BASE timeout 240 python3 -m pytest -q -p no:cacheprovider \
             --continue-on-collection-errors tests -k "engine or scheduler or models or overlap" 2>&1 | tee "$OUT/cpu_tests_on_cuda.log" ;;
+    setup) ;;  # the wheels and kernels installed above, nothing run: for a command of one's own after it
+    *) echo "gpu_session.sh: unknown step '$s' (nothing run for it; 'setup' installs only)" >&2 ;;
   esac
 done
 # The carried kernels plus the ones this call compiled, in one archive: a cache holding only the new ones
