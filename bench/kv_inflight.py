@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,10 +30,8 @@ import numpy as np
 if __package__ in (None, ""):  # executed as ``python bench/kv_inflight.py``
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.goodput import NAME as REPORT_NAME
 from bench.traces import build_requests
-
-_REPORT = re.compile(r"gp_(?P<run>.+)_r(?P<rate>[\d.]+)(?:_k(?P<k>\d+))?\.json$")
-_POOL = re.compile(r"kv pool [\d.]+ s \((?P<pages>\d+) pages x (?P<page>\d+) tokens")
 
 
 @dataclass
@@ -75,25 +72,21 @@ def inflight(report: dict, step_s: float = 0.05) -> tuple[float, float]:
     return float(held.mean()), float(held.max())
 
 
-def logged_pool(folder: Path, run: str) -> int | None:
-    for log in [folder / f"gp_server_{run}.log", *sorted(folder.glob(f"calls/*/gp_server_{run}.log"))]:
-        if log.exists() and (m := _POOL.search(log.read_text(errors="replace"))):
-            return (int(m["pages"]) - 1) * int(m["page"])  # page 0 is reserved
-    return None
-
-
 def folder_points(folder: Path, pool: int | None = None) -> list[PointKV]:
+    from bench.sim.replay_sweeps import logged_pool_tokens
+
     out = []
     for p in sorted(folder.glob("gp_*.json")):
-        m = _REPORT.match(p.name)
+        m = REPORT_NAME.match(p.name)
         if m is None:
             continue
         rep = json.loads(p.read_text())
         if "slo_records" not in rep:
             continue
         mean, peak = inflight(rep)
-        out.append(PointKV(m["run"], float(m["rate"]), int(m["k"] or 0), mean, peak,
-                           pool if pool is not None else logged_pool(folder, m["run"])))
+        logged = logged_pool_tokens(folder, m["label"]) if pool is None else None
+        out.append(PointKV(m["label"], float(m["rate"]), int(m["repeat"] or 0), mean, peak,
+                           pool if pool is not None else logged[0] if logged else None))
     return sorted(out, key=lambda x: (x.run, x.rate, x.repeat))
 
 

@@ -178,16 +178,23 @@ def pages_from_share(share: float, model: str, page: int, total: float, other: f
     return int((share * total - other - weight_bytes(model)) // page_bytes(model, page))
 
 
-def pool_tokens(report: Path, run: str, sw: Sweep, constants: tuple[float, float], page: int = 16
-                ) -> tuple[int, str]:
-    """The pool the server had, in tokens the scheduler can use ((pages - 1) x page: page 0 is reserved),
-    and where it came from."""
-    # a merged panel (--resume) keeps the last call's server logs on top and every earlier call's under calls/
-    logs = [report.parent / f"gp_server_{run}.log", *sorted(report.parent.glob(f"calls/*/gp_server_{run}.log"))]
-    for log in logs:
+def logged_pool_tokens(folder: Path, run: str) -> tuple[int, int] | None:
+    """(usable tokens: (pages - 1) x page, page 0 being reserved; pages) of the first of the run's server
+    logs in a panel folder that names its pool. A merged panel (--resume) keeps the last call's server logs
+    on top and every earlier call's under calls/."""
+    for log in [folder / f"gp_server_{run}.log", *sorted(folder.glob(f"calls/*/gp_server_{run}.log"))]:
         got = logged_pool(log)
         if got is not None:
-            return (got[0] - 1) * got[1], f"server log ({got[0]} pages)"
+            return (got[0] - 1) * got[1], got[0]
+    return None
+
+
+def pool_tokens(report: Path, run: str, sw: Sweep, constants: tuple[float, float], page: int = 16
+                ) -> tuple[int, str]:
+    """The pool the server had, in tokens the scheduler can use, and where it came from."""
+    logged = logged_pool_tokens(report.parent, run)
+    if logged is not None:
+        return logged[0], f"server log ({logged[1]} pages)"
     if sw.gpu != "h200":
         raise ValueError(f"{report}: no server log with the pool, and the memory math is fitted to H200 pools only")
     pages = pages_from_share(sw.share, sw.model, page, *constants)

@@ -32,6 +32,7 @@ one-node x86 CPU machine (unpinned) in the CPU tests; registration is exercised 
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import ctypes
 import logging
 import os
@@ -156,8 +157,6 @@ def populate(addr: int, nbytes: int, threads: int | None = None) -> tuple[bool, 
     """Fault [addr, addr + nbytes) in from `threads` threads (default: the CPUs this process may use, at
     most 16), one slice each; madvise runs outside the GIL, so the kernel zeroes the slices in parallel.
     Returns (every slice populated, why not / how)."""
-    import concurrent.futures as cf
-
     n = max(1, min(threads or len(os.sched_getaffinity(0)), 16))
     page = os.sysconf("SC_PAGE_SIZE")
     step = -(-nbytes // n // page) * page  # slices on page boundaries
