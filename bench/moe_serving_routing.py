@@ -47,9 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     from sglang_ext.server_args import ServerArgs
     from sglang_ext.worker.worker import Worker
 
+    try:
+        src = preset_dir(a.preset)
+    except ValueError as e:
+        p.error(str(e))  # exits 2 with the usage line and the known presets
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / a.preset
-        shutil.copytree(preset_dir(a.preset), model)
+        shutil.copytree(src, model)
         cfg = json.loads((model / "config.json").read_text())
         cfg["num_hidden_layers"] = a.layers
         if a.moe_inter:

@@ -34,3 +34,8 @@ def test_a_saved_panel_reads_with_its_logged_pool() -> None:
     assert all(0 < p.mean_tokens < p.peak_tokens for p in pts)
     rep = json.loads((PANEL / "gp_lvf-rotate_r3_k1.json").read_text())
     assert K.inflight(rep)[1] == max(p.peak_tokens for p in pts if p.run == "lvf-rotate" and p.rate == 3)
+
+
+def test_a_folder_without_reports_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "gp_fcfs-recompute_r3_k0.json").write_text(json.dumps({"config": {}}))  # no slo_records
+    assert K.main([str(tmp_path)]) == 1 and "no goodput reports with slo_records" in capsys.readouterr().err

@@ -366,3 +366,10 @@ def test_a_card_profiled_in_part_borrows_only_what_it_did_not_measure(tmp_path: 
     assert all(k in cal["missing"] for k in fitmod.MISSING_ALWAYS)  # the notes stay
     with pytest.raises(SystemExit, match=r"no bench/offline\.py report"):  # no run of that card
         fitmod.main(["--results", str(tmp_path), "--gpu", "B200", "--out", str(out)])
+
+
+def test_fit_refuses_a_missing_fill_from_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        fitmod.main(["--fill-from", str(tmp_path / "nope.json"), "--out", str(tmp_path / "out.json")])
+    assert e.value.code == 2 and "no such calibration file" in capsys.readouterr().err
+    assert not (tmp_path / "out.json").exists()

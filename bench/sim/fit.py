@@ -553,6 +553,8 @@ def main(argv: list[str] | None = None) -> int:
                         "h100.json: an H100 with its own decode/prefill/MoE rows but no host-link, exchange or "
                         "executor-host run); each taken rate is listed under `filled_from`")
     a = p.parse_args(argv)
+    if a.fill_from is not None and not a.fill_from.is_file():
+        p.error(f"--fill-from {a.fill_from}: no such calibration file")
     try:
         cal = calibrate(a.results, a.model, a.gpu, a.fit_runs, a.moe_fit_ctx)
     except IndexError:  # fit[0] of no run
