@@ -223,3 +223,17 @@ def test_card_file_takes_a_card_of_the_chosen_panels(capsys: pytest.CaptureFixtu
     assert R.main(["--panels", "qwen3", "--card-file", "h200"]) == 2
     assert "want GPU=JSON" in capsys.readouterr().err
     assert R.main(["--panels", "qwen3", "--card-file", "h300=x.json"]) == 2
+
+
+def test_forwards_tally_splits_decode_only_from_prefill_forwards() -> None:
+    """`--forwards`: the cost model's answers are unchanged, and each forward is counted once, decode-only
+    (every row extends by one) apart from one with a prefill chunk."""
+    cost = CostModel.load(R.DEFAULT_CALIBRATION, "llama-3-8b")
+    tally = R.ForwardTally(cost)
+    assert tally.forward_s([1, 1, 1], [100, 200, 300]) == cost.forward_s([1, 1, 1], [100, 200, 300])
+    assert tally.forward_s([512, 1], [512, 400]) == cost.forward_s([512, 1], [512, 400])
+    assert tally.kv_bytes_per_token == cost.kv_bytes_per_token  # everything else passes through
+    assert [r for r, _ in tally.decode] == [3] and [(n, r) for n, r, _ in tally.prefill] == [(512, 1)]
+    text = tally.text()
+    assert text.startswith("forwards: 1 decode-only at 3.0 rows") and "1 with a prefill" in text
+    assert "512 prefill tokens, 1.0 decode rows riding" in text

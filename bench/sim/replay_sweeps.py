@@ -36,7 +36,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import numpy as np
 import torch
@@ -304,21 +304,64 @@ def reports(panel: Panel) -> list[tuple[Sweep, Path, str, float, int]]:
     return sorted(out, key=lambda r: (r[2], r[3], r[4]))
 
 
+class ForwardTally:
+    """A cost model that also tallies the forwards it priced: decode-only ones (rows, time) apart from
+    those with a prefill chunk (time, prefill tokens, decode rows riding). `--forwards` prints it per point:
+    where a point's simulated time went, to set beside a server's step profile."""
+
+    def __init__(self, cost: CostModel) -> None:
+        self._cost = cost
+        self.decode: list[tuple[int, float]] = []  # (rows, seconds)
+        self.prefill: list[tuple[int, int, float]] = []  # (prefill tokens, decode rows, seconds)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cost, name)
+
+    def forward_s(self, extend_lens: Sequence[int], seq_lens: Sequence[int], host: bool = False) -> float:
+        t = self._cost.forward_s(extend_lens, seq_lens, host)
+        ones = sum(1 for n in extend_lens if n == 1)
+        if ones == len(extend_lens):
+            self.decode.append((ones, t))
+        else:
+            self.prefill.append((sum(n for n in extend_lens if n != 1), ones, t))
+        return t
+
+    def text(self) -> str:
+        d, p = self.decode, self.prefill
+        dec = "no decode-only forward"
+        if d:
+            dec = (f"{len(d)} decode-only at {np.mean([r for r, _ in d]):.1f} rows, "
+                   f"{1e3 * np.mean([t for _, t in d]):.2f} ms")
+        pre = "none with a prefill"
+        if p:
+            pre = (f"{len(p)} with a prefill at {1e3 * np.mean([t for *_, t in p]):.1f} ms "
+                   f"({np.mean([n for n, _, _ in p]):,.0f} prefill tokens, "
+                   f"{np.mean([r for _, r, _ in p]):.1f} decode rows riding)")
+        total = sum(t for _, t in d) + sum(t for *_, t in p)
+        share = sum(t for *_, t in p) / total if total else 0.0
+        return f"forwards: {dec}; {pre}; prefill forwards {100 * share:.0f} % of the priced time"
+
+
 def replay_panel(panel: Panel, costs: dict[tuple[str, str], CostModel], constants: tuple[float, float],
-                 limit: int | None = None, log: bool = True, host_time: bool = True) -> list[Row]:
+                 limit: int | None = None, log: bool = True, host_time: bool = True, forwards: bool = False
+                 ) -> list[Row]:
     rows = []
     for sw, path, label, rate, repeat in reports(panel)[:limit]:
         report = json.loads(path.read_text())
         run = "-".join(run_of(label))
         pool, source = pool_tokens(path, run, sw, constants)
         t0 = time.perf_counter()
-        pred = predict(report, run, pool, sw, costs[(sw.gpu, sw.model)], host_time)
+        cost = costs[(sw.gpu, sw.model)]
+        tally = ForwardTally(cost) if forwards else None
+        pred = predict(report, run, pool, sw, cast(CostModel, tally) if tally else cost, host_time)
         row = Row(panel.name, sw.folder, path.name, label, rate, repeat, pred["scheduled"], pool, source,
                   measured(report), {k: pred[k] for k in ("both", "ttft", "tbt", *DETAIL)}, pred["rotations_out"],
                   pred["preemptions"], time.perf_counter() - t0)
         rows.append(row)
         if log:
             print(_row_text(row), flush=True)
+            if tally is not None:
+                print("      " + tally.text(), flush=True)
     return rows
 
 
@@ -476,6 +519,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--card-file", action="append", default=[], metavar="GPU=JSON",
                    help="price the sweeps run on GPU with this calibration instead of its own (a diagnosis: "
                         "h100=bench/sim/calibration/h200.json asks whether the derivation or the model is off)")
+    p.add_argument("--forwards", action="store_true",
+                   help="print per point the forwards the simulator priced (decode-only apart from those with a "
+                        "prefill): where its time went")
     p.add_argument("--target", type=float, default=0.9)
     p.add_argument("--no-host-time", action="store_true",
                    help="price GPU time only (before 2026-12-03's fix: no host time for unoverlapped prefill steps)")
@@ -515,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     costs = {(g, m): CostModel.load(cal_files[g], m) for g, m in pairs}
     rows: list[Row] = []
     for pn in chosen:
-        rows += replay_panel(pn, costs, constants, a.limit, host_time=not a.no_host_time)
+        rows += replay_panel(pn, costs, constants, a.limit, host_time=not a.no_host_time, forwards=a.forwards)
     table = goodput_table(rows, a.target)
     print("\nstrict goodput (req/s), measured -> predicted, and attainment MAE (points)")
     for t in table:
