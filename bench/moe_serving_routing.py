@@ -34,10 +34,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=8, help="the preset's geometry with this many layers")
     p.add_argument("--rows", type=int, default=12, help="requests decoding together")
     p.add_argument("--new", type=int, default=48, help="tokens each request generates")
+    p.add_argument("--prompt-len", default="64,256",
+                   help="prompt lengths drawn uniformly from MIN,MAX (the Qwen3 panel's prompts were ~5.7K tokens)")
+    p.add_argument("--vocab", default="100,2000",
+                   help="prompt token ids drawn from LOW,HIGH (bench/serving.py's client draws 100..32000)")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cpu",
+                   help="cuda: the whole preset on the GPU (eager, no CUDA graphs: the count syncs per layer)")
     p.add_argument("--moe-inter", type=int, default=None,
                    help="narrower experts (moe_intermediate_size), so all of the preset's layers fit this machine")
     a = p.parse_args(argv)
+    try:
+        lo_len, hi_len = (int(x) for x in a.prompt_len.split(","))
+        lo_id, hi_id = (int(x) for x in a.vocab.split(","))
+    except ValueError:
+        p.error("--prompt-len and --vocab take two integers, MIN,MAX")
     import torch
 
     from sglang_ext.configs import preset_dir
@@ -60,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
             cfg["moe_intermediate_size"] = a.moe_inter
         (model / "config.json").write_text(json.dumps(cfg))
         torch.manual_seed(0)
-        w = Worker(ServerArgs(model_path=str(model), load_format="dummy", device="cpu", dtype=a.dtype, page_size=16,
-                              max_total_tokens=a.rows * 512, skip_tokenizer_init=True))
+        w = Worker(ServerArgs(model_path=str(model), load_format="dummy", device=a.device, dtype=a.dtype, page_size=16,
+                              max_total_tokens=a.rows * (hi_len + a.new + 64), skip_tokenizer_init=True,
+                              disable_cuda_graph=True, disable_overlap_schedule=True))
         calls: list[tuple[int, int]] = []  # (tokens, distinct experts) per sparse layer and forward
 
         def hook(_m: Any, args: tuple[Any, ...]) -> None:
@@ -72,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
                 m.register_forward_pre_hook(hook)
         rng = random.Random(0)
         sp = SamplingParams(max_new_tokens=a.new, temperature=0.0, ignore_eos=True)
-        inbox = [GenerateReq(rid=f"r{i}", input_ids=[rng.randrange(100, 2000) for _ in range(rng.randrange(64, 256))],
-                             sampling_params=sp) for i in range(a.rows)]
+        prompts = [[rng.randrange(lo_id, hi_id) for _ in range(rng.randint(lo_len, hi_len))] for _ in range(a.rows)]
+        inbox: list[Any] = [GenerateReq(rid=f"r{i}", input_ids=ids, sampling_params=sp)
+                            for i, ids in enumerate(prompts)]
         out: dict[str, list[int]] = {}
         t0 = time.perf_counter()
         while True:
@@ -84,16 +97,25 @@ def main(argv: list[str] | None = None) -> int:
             inbox = []
             if not w.has_work():
                 break
-    e, k = cfg["num_experts"], cfg["num_experts_per_tok"]
-    decode = [h for n, h in calls if n == a.rows]
-    uniform = e * (1 - (1 - k / e) ** a.rows)
+    n_exp, k = cfg["num_experts"], cfg["num_experts_per_tok"]
+    # decode-only forwards: at most one token a row (a forward with a prefill chunk has more)
+    decode = [(n, h) for n, h in calls if 2 <= n <= a.rows]
+    if not decode:
+        print("no decode-only forward ran (raise --new)", file=sys.stderr)
+        return 1
+    share = [h / (n_exp * (1 - (1 - k / n_exp) ** n)) for n, h in decode]
+    full = [h for n, h in decode if n == a.rows]
+    uniform = n_exp * (1 - (1 - k / n_exp) ** a.rows)
+    last = [ids[-1] for ids in out.values()]
     tokens = [t for ids in out.values() for t in ids]
     narrow = f", experts {a.moe_inter} wide" if a.moe_inter else ""
-    print(f"{a.preset} routing, {a.layers} layers{narrow}, {a.rows} rows, {a.dtype}, dummy weights, greedy: "
-          f"{len(decode)} decode forwards x sparse layers; distinct experts per layer mean "
-          f"{statistics.mean(decode):.1f} (min {min(decode)}, max {max(decode)}) against {uniform:.1f} uniform "
-          f"({100 * statistics.mean(decode) / uniform:.0f} %); {len(set(tokens))} distinct tokens of {len(tokens)} "
-          f"generated; {time.perf_counter() - t0:.0f} s")
+    at_full = (f"; with all {a.rows} rows {statistics.mean(full):.1f} distinct experts per layer against "
+               f"{uniform:.1f} uniform" if full else "")
+    print(f"{a.preset} routing, {a.layers} layers{narrow}, {a.rows} rows, prompts {a.prompt_len} tokens, "
+          f"{a.dtype}, {a.device}, dummy weights, greedy: {len(decode)} decode forwards x sparse layers; "
+          f"distinct experts per layer {100 * statistics.mean(share):.0f} % of uniform routing's "
+          f"(min {100 * min(share):.0f} %){at_full}; {len(set(tokens))} distinct tokens of {len(tokens)} "
+          f"generated, {len(set(last))} distinct among the rows' last tokens; {time.perf_counter() - t0:.0f} s")
     return 0
 
 
