@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="prompt lengths drawn uniformly from MIN,MAX (the Qwen3 panel's prompts were ~5.7K tokens)")
     p.add_argument("--vocab", default="100,2000",
                    help="prompt token ids drawn from LOW,HIGH (bench/serving.py's client draws 100..32000)")
+    p.add_argument("--routing", choices=("off", "uniform"), default="off",
+                   help="the worker's --moe-routing-simulation (uniform: what this count should then match)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cpu",
                    help="cuda: the whole preset on the GPU (eager, no CUDA graphs: the count syncs per layer)")
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(0)
         w = Worker(ServerArgs(model_path=str(model), load_format="dummy", device=a.device, dtype=a.dtype, page_size=16,
                               max_total_tokens=a.rows * (hi_len + a.new + 64), skip_tokenizer_init=True,
-                              disable_cuda_graph=True, disable_overlap_schedule=True))
+                              moe_routing_simulation=a.routing, disable_cuda_graph=True, disable_overlap_schedule=True))
         calls: list[tuple[int, int]] = []  # (tokens, distinct experts) per sparse layer and forward
 
         def hook(_m: Any, args: tuple[Any, ...]) -> None:
@@ -111,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     narrow = f", experts {a.moe_inter} wide" if a.moe_inter else ""
     at_full = (f"; with all {a.rows} rows {statistics.mean(full):.1f} distinct experts per layer against "
                f"{uniform:.1f} uniform" if full else "")
-    print(f"{a.preset} routing, {a.layers} layers{narrow}, {a.rows} rows, prompts {a.prompt_len} tokens, "
+    sim = ", routing simulated: uniform" if a.routing == "uniform" else ""
+    print(f"{a.preset} routing{sim}, {a.layers} layers{narrow}, {a.rows} rows, prompts {a.prompt_len} tokens, "
           f"{a.dtype}, {a.device}, dummy weights, greedy: {len(decode)} decode forwards x sparse layers; "
           f"distinct experts per layer {100 * statistics.mean(share):.0f} % of uniform routing's "
           f"(min {100 * min(share):.0f} %){at_full}; {len(set(tokens))} distinct tokens of {len(tokens)} "

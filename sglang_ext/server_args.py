@@ -23,6 +23,7 @@ AttentionBackendName = Literal["torch", "flashinfer"]
 OffloadTransport = Literal["local", "torch_dist", "cuda_ipc"]
 GrammarBackendName = Literal["xgrammar", "none"]
 DisaggregationMode = Literal["prefill", "decode"]
+MoERoutingSimulation = Literal["off", "uniform"]
 LOAD_FORMATS: Final = get_args(LoadFormat)
 SCHEDULE_POLICIES: Final = get_args(SchedulePolicy)
 ATTENTION_BACKENDS: Final = get_args(AttentionBackendName)
@@ -56,6 +57,11 @@ class ServerArgs:
     context_length: int | None = field(default=None, metadata=_help(
         "longest prompt + output in tokens", "the model's max_position_embeddings, capped at its sliding_window"))
     random_seed: int = field(default=0, metadata=_help("seed of dummy weights and of unseeded sampling"))
+    moe_routing_simulation: MoERoutingSimulation = field(default="off", metadata=_help(
+        "MoE benchmarks on dummy weights: 'uniform' replaces the router's choice with k distinct experts drawn "
+        "at random per token (what a trained router's load balancing gives); a dummy router over long random "
+        "contexts can send every row to the same few experts, which makes decode look cheaper than any real "
+        "model's. Needs --load-format dummy"))
     sampling_top_k_window: int = field(default=256, metadata=_help(
         "GPU: batches whose sampled rows all have a top-k of at most this draw from a window of that many "
         "tokens (FlashInfer softmax + radix top-k, one Triton kernel for top-p and the draw); 0: FlashInfer's "
@@ -219,6 +225,12 @@ class ServerArgs:
             )
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.moe_routing_simulation not in get_args(MoERoutingSimulation):
+            raise ValueError(f"moe_routing_simulation must be one of {get_args(MoERoutingSimulation)}, "
+                             f"got {self.moe_routing_simulation!r}")
+        if self.moe_routing_simulation != "off" and self.load_format != "dummy":
+            raise ValueError("moe_routing_simulation replaces the router's choice, which makes a real model's "
+                             "outputs meaningless: it needs --load-format dummy")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0:
             raise ValueError("chunked_prefill_size must be positive, or negative/None to disable")
         if not 0.0 <= self.offload_ratio <= 1.0:

@@ -20,6 +20,7 @@ from sglang_ext.forward_batch import ForwardBatch
 from sglang_ext.kvcache.pool import KVGeometry, KVPool
 from sglang_ext.models.config import ModelConfig
 from sglang_ext.models.loader import load_model
+from sglang_ext.models.moe import simulate_uniform_routing
 from sglang_ext.server_args import ServerArgs
 
 if TYPE_CHECKING:
@@ -131,6 +132,10 @@ class ModelRunner:
                 model_dir, cfg, load_format, self.dtype, self.device,
                 max_positions=max(self.context_len, cfg.max_position_embeddings), seed=args.random_seed,
             )
+            if args.moe_routing_simulation == "uniform":
+                if not simulate_uniform_routing(self.model):
+                    raise ValueError(f"--moe-routing-simulation uniform: {cfg.architecture} has no MoE layers")
+                notes.append("MoE routing simulated: uniform")
             nbytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
             n = cfg.num_params()
             params = f"{n / 1e9:.2f} B params" if n >= 1e9 else f"{n / 1e6:.1f} M params"

@@ -43,6 +43,8 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, moe: MoEConfig, dense_mlp: type[nn.Module]) -> None:
         super().__init__()
         self.moe = moe
+        # --moe-routing-simulation uniform (benchmarks of dummy weights): k distinct experts at random per token
+        self.uniform_routing = False
         self.gate = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
         self.experts = Experts(cfg.hidden_size, moe)
         self.shared_expert: nn.Module | None = None
@@ -53,11 +55,24 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
+        if self.uniform_routing:
+            # the top k of uniform noise: k distinct experts, each set equally likely; the router's matmul
+            # still runs so the step's cost is the real one. torch's RNG is safe inside CUDA graphs (every
+            # replay draws anew).
+            logits = torch.rand(logits.shape, device=logits.device, dtype=torch.float32)
         weights, ids = ops.moe_route(logits, self.moe.top_k, self.moe.renormalize)
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+
+def simulate_uniform_routing(model: nn.Module) -> int:
+    """Switch every sparse block of `model` to random uniform routing; returns how many there are."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    for b in blocks:
+        b.uniform_routing = True
+    return len(blocks)
 
 
 # ---- checkpoint names -------------------------------------------------------------------------
