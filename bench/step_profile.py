@@ -27,7 +27,8 @@ _LINE = re.compile(
     r"\d+ % overlapped\) \| running (?P<running>[\d.]+) \(remote [\d.]+\) waiting (?P<waiting>[\d.]+) \| "
     r"rows (?P<rows>[\d.]+) \| tokens out (?P<tok_s>\d+)/s, prefill (?P<prefill_s>\d+)/s \| .*?"
     r"\| kv (?P<kv_mean>\d+) % mean, (?P<kv_peak>\d+) % peak \| "
-    r"decode-only (?P<d_steps>\d+) x (?P<d_ms>[\d.]+) ms at (?P<d_rows>[\d.]+) rows")
+    r"decode-only (?P<d_steps>\d+) x (?P<d_ms>[\d.]+) ms at (?P<d_rows>[\d.]+) rows"
+    r"(?: of (?P<d_ctx>\d+) tokens)?")  # the context a row: servers since 2026-12-06 session 5
 _MARK = re.compile(re.escape(POINT_MARK) + r" (?P<what>begins|ends) (?P<rate>[\d.]+) (?P<repeat>\d+)")
 
 
@@ -51,6 +52,7 @@ class PointSteps:
     decode_steps: int
     decode_ms: float
     decode_rows: float
+    decode_context: float = 0.0  # KV tokens a decode-only row attended over (0: not logged, older servers)
 
 
 def _summary(run: str, rate: float, repeat: int, lines: list[dict[str, float]]) -> PointSteps:
@@ -63,10 +65,14 @@ def _summary(run: str, rate: float, repeat: int, lines: list[dict[str, float]]) 
     def dmean(key: str) -> float:
         return sum(x[key] * x["d_steps"] for x in lines) / dsteps if dsteps else float("nan")
 
+    drows = sum(x["d_rows"] * x["d_steps"] for x in lines)
+    context = (sum(x["d_ctx"] * x["d_rows"] * x["d_steps"] for x in lines) / drows
+               if drows and all("d_ctx" in x for x in lines) else 0.0)  # weighted by rows
     return PointSteps(run, rate, repeat, len(lines), int(sum(x["steps"] for x in lines)), mean("ms"),
                       mean("prefill_pct") / 100, mean("rows"), mean("running"), mean("waiting"),
                       sum(x["prefill_s"] for x in lines) / len(lines), mean("kv_mean") / 100,
-                      max(x["kv_peak"] for x in lines) / 100, int(dsteps), dmean("d_ms"), dmean("d_rows"))
+                      max(x["kv_peak"] for x in lines) / 100, int(dsteps), dmean("d_ms"), dmean("d_rows"),
+                      context)
 
 
 def parse_log(text: str, run: str) -> list[PointSteps]:
@@ -83,7 +89,7 @@ def parse_log(text: str, run: str) -> list[PointSteps]:
                     out.append(_summary(run, *current, lines))
                 current = None
         elif current is not None and (m := _LINE.search(line)) is not None:
-            lines.append({k: float(v) for k, v in m.groupdict().items()})
+            lines.append({k: float(v) for k, v in m.groupdict().items() if v is not None})
     return out
 
 
@@ -98,13 +104,14 @@ def folder_points(folder: Path) -> list[PointSteps]:
 
 def format_table(points: list[PointSteps]) -> str:
     head = (f"{'run':<22} {'rate':>5} {'k':>2} {'steps':>6} {'step ms':>8} {'prefill':>8} {'rows':>6} "
-            f"{'waiting':>8} {'kv mean':>8} {'kv peak':>8} {'decode-only ms @ rows':>22}")
+            f"{'waiting':>8} {'kv mean':>8} {'kv peak':>8} {'decode-only ms @ rows':>22} {'ctx/row':>8}")
     rows = [head]
     for p in points:
         rows.append(f"{p.run:<22} {p.rate:>5g} {p.repeat:>2} {p.steps:>6} {p.step_ms:>8.1f} "
                     f"{100 * p.prefill_step_share:>7.0f}% {p.rows:>6.1f} {p.waiting:>8.1f} "
                     f"{100 * p.kv_mean:>7.0f}% {100 * p.kv_peak:>7.0f}% "
-                    f"{p.decode_ms:>13.1f} @ {p.decode_rows:>5.1f}")
+                    f"{p.decode_ms:>13.1f} @ {p.decode_rows:>5.1f} "
+                    f"{f'{p.decode_context:.0f}' if p.decode_context else '-':>8}")
     return "\n".join(rows)
 
 

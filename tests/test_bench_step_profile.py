@@ -19,15 +19,17 @@ from sglang_ext.worker.step_log import StepLog
 
 
 def _lines(caplog: pytest.LogCaptureFixture, steps: list[tuple[float, int, int, int]]) -> list[str]:
-    """One profile line per (wall s, rows, prefill tokens, free pages of 100) step."""
+    """One profile line per (wall s, rows, prefill tokens, free pages of 100) step; each row attends over
+    500 tokens."""
     alloc = SimpleNamespace(capacity=100, num_free=100)
-    sched = SimpleNamespace(running=[1, 2], waiting=[1], overlapped_steps=0, forward_rows=0, remote_sender=None,
-                            allocator=alloc)
+    sched = SimpleNamespace(running=[1, 2], waiting=[1], overlapped_steps=0, forward_rows=0, forward_context=0,
+                            remote_sender=None, allocator=alloc)
     log = StepLog(interval_s=0.0, name="w0")
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="sglang_ext.worker.step_log"):
         for wall, rows, prefill, free in steps:
             sched.forward_rows += rows
+            sched.forward_context += 500 * rows
             alloc.num_free = free
             log.record(sched, wall, tokens_out=rows, prefill_tokens=prefill)  # type: ignore[arg-type]
     return [f"[w0] INFO sglang_ext.worker.step_log: {m}" for m in caplog.messages]
@@ -46,8 +48,17 @@ def test_points_are_the_lines_between_their_markers(caplog: pytest.LogCaptureFix
     # the first line of a fresh StepLog has no baseline for its rows; decode-only steps 2 and 3
     assert a.steps == 3 and a.kv_peak == pytest.approx(0.8)
     assert a.kv_mean == pytest.approx((40 + 50 + 80) / 300, abs=0.01)
-    assert a.decode_steps == 2 and a.decode_ms == pytest.approx(15.0)
+    assert a.decode_steps == 2 and a.decode_ms == pytest.approx(15.0) and a.decode_context == pytest.approx(500)
     assert b.kv_peak == 1.0 and b.decode_ms == pytest.approx(30.0) and b.waiting == 1.0
+
+
+def test_a_line_of_an_older_server_has_no_context() -> None:
+    """Servers before 2026-12-06 session 5 logged no context a row: the point reads 0, not an error."""
+    line = ("[w0] INFO x: w0: steps 100 (50.0/s, 20.0 ms mean, 10 % with a prefill, 0 % overlapped) | running 12.0 "
+            "(remote 0.0) waiting 0.5 | rows 12.0 | tokens out 600/s, prefill 9000/s | executor wait 0.0 % (loads 0)"
+            " | kv 40 % mean, 70 % peak | decode-only 90 x 11.0 ms at 12.0 rows")
+    (p,) = S.parse_log(f"{S.POINT_MARK} begins 3 0\n{line}\n{S.POINT_MARK} ends 3 0", "fcfs-recompute")
+    assert p.decode_rows == 12.0 and p.decode_context == 0.0
 
 
 def test_a_folder_with_no_profile_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -215,6 +215,12 @@ def test_step_check_prices_the_decode_only_steps_a_server_logged(tmp_path: Path,
     (check,) = R.step_check([R.Panel("p", (sw,))], {("h200", "llama-3-8b"): cost}, [row])
     assert (check["rows"], check["kv_tokens"], check["measured_ms"], check["kv_peak"]) == (12.0, 40_000, 11.0, 0.7)
     assert check["model_ms"] == pytest.approx(1e3 * cost.decode_s(12, 40_000))
+    assert check["kv_source"] == "pool use (upper bound)"
+    (folder / "gp_server_lvf-rotate.log").write_text(  # a server that logs the rows' context: that, not the pool
+        f"{step_profile.POINT_MARK} begins 3 0\n{line} of 2500 tokens\n{step_profile.POINT_MARK} ends 3 0\n")
+    (check,) = R.step_check([R.Panel("p", (sw,))], {("h200", "llama-3-8b"): cost}, [row])
+    assert check["kv_tokens"] == 30_000 and check["kv_source"] == "rows' context"
+    assert check["model_ms"] == pytest.approx(1e3 * cost.decode_s(12, 30_000))
     (folder / "gp_server_lvf-rotate.log").write_text("no profile\n")
     assert R.step_check([R.Panel("p", (sw,))], {("h200", "llama-3-8b"): cost}, [row]) == []
 

@@ -52,15 +52,33 @@ def test_the_pool_and_the_decode_only_steps(caplog: pytest.LogCaptureFixture) ->
     """KV in use after each step (mean and peak share of the pool) and the steps without a prefill apart:
     their time and rows are what the simulator's decode step is checked against in serving."""
     alloc = SimpleNamespace(capacity=100, num_free=50)
-    sched = SimpleNamespace(running=[1, 2, 3], waiting=[], overlapped_steps=0, forward_rows=0,
+    sched = SimpleNamespace(running=[1, 2, 3], waiting=[], overlapped_steps=0, forward_rows=0, forward_context=0,
                             remote_sender=None, allocator=alloc)
     log = StepLog(interval_s=3600.0, name="w0")
     with caplog.at_level(logging.INFO, logger="sglang_ext.worker.step_log"):
-        for wall, rows, prefill, free in ((0.100, 4, 2048, 50), (0.010, 3, 0, 40), (0.014, 3, 0, 10)):
+        for wall, rows, prefill, free, context in ((0.100, 4, 2048, 50, 8192), (0.010, 3, 0, 40, 3000),
+                                                   (0.014, 3, 0, 10, 3030)):
             sched.forward_rows += rows
+            sched.forward_context += context  # the KV tokens the step's rows attended over
             alloc.num_free = free
             log.record(sched, wall, tokens_out=rows, prefill_tokens=prefill)
         log._emit(sched, 1.0)  # type: ignore[arg-type]
     line = caplog.messages[-1]
     assert "| kv 67 % mean, 90 % peak |" in line  # (50 + 60 + 90) / 3 and 90
-    assert line.endswith("| decode-only 2 x 12.0 ms at 3.0 rows")
+    assert line.endswith("| decode-only 2 x 12.0 ms at 3.0 rows of 1005 tokens")  # 6030 tokens over 6 rows
+
+
+def test_the_scheduler_counts_rows_and_their_context() -> None:
+    """The real scheduler's counters that the profile reads: one prefill forward of a 5-token prompt,
+    then decode forwards whose one row attends over 6, 7, ... tokens (its context after the step)."""
+    from _tiny import greedy, make_scheduler
+
+    from sglang_ext.scheduler.request import Req
+
+    s = make_scheduler()
+    s.add_request(Req("r", [5, 6, 7, 8, 9], greedy(4)))
+    seen = []
+    while s.has_work():
+        s.step()
+        seen.append((s.forward_rows, s.forward_context))
+    assert seen[:4] == [(1, 5), (2, 11), (3, 18), (4, 26)]

@@ -374,8 +374,9 @@ def replay_panel(panel: Panel, costs: dict[tuple[str, str], CostModel], constant
 def step_check(panels: Sequence[Panel], costs: dict[tuple[str, str], CostModel], rows: Sequence[Row]
                ) -> list[dict[str, Any]]:
     """The cost model's decode step against the decode-only steps the servers logged in serving (panels
-    run with a step profile: bench/step_profile.py), at each point's mean rows and with the KV it read
-    taken as the point's mean pool use (prefix cache included: an upper bound on what the rows read)."""
+    run with a step profile: bench/step_profile.py), at each point's mean rows and with the KV they read:
+    the rows' logged context where the servers log it (since 2026-12-06 session 5), else the point's mean
+    pool use (prefix cache and rows waiting for a prefill included: an upper bound)."""
     pools = {(r.folder, r.run): r.pool_tokens for r in rows}  # both keyed by the reports' run label
     out = []
     for pn in panels:
@@ -384,12 +385,14 @@ def step_check(panels: Sequence[Panel], costs: dict[tuple[str, str], CostModel],
                 pool = pools.get((sw.folder, pt.run))
                 if pool is None or not pt.decode_steps or not pt.decode_rows:
                     continue
-                kv = int(pt.kv_mean * pool)
+                logged = pt.decode_context > 0
+                kv = int(pt.decode_rows * pt.decode_context) if logged else int(pt.kv_mean * pool)
                 model_ms = 1e3 * costs[(sw.gpu, sw.model)].decode_s(max(1, round(pt.decode_rows)), kv)
                 out.append({"panel": pn.name, "run": pt.run, "rate": pt.rate, "repeat": pt.repeat,
                             "rows": pt.decode_rows, "kv_tokens": kv, "measured_ms": pt.decode_ms,
                             "model_ms": model_ms, "error": model_ms / pt.decode_ms - 1, "kv_peak": pt.kv_peak,
-                            "waiting": pt.waiting, "steps": pt.decode_steps})
+                            "waiting": pt.waiting, "steps": pt.decode_steps,
+                            "kv_source": "rows' context" if logged else "pool use (upper bound)"})
     return out
 
 
@@ -400,7 +403,8 @@ def print_step_check(checks: Sequence[dict[str, Any]]) -> None:
     print("\ndecode-only steps in serving (the servers' step profile) against the cost model's decode step")
     for c in checks:
         print(f"{c['panel']:<26} {c['run']:<22} {c['rate']:>5g} k{c['repeat']}  {c['steps']:>5} steps at "
-              f"{c['rows']:5.1f} rows, ~{c['kv_tokens']:>7} KV tokens: {c['measured_ms']:6.1f} ms -> model "
+              f"{c['rows']:5.1f} rows, ~{c['kv_tokens']:>7} KV tokens ({c['kv_source']}): "
+              f"{c['measured_ms']:6.1f} ms -> model "
               f"{c['model_ms']:6.1f} ms ({100 * c['error']:+.1f} %)  KV peak {100 * c['kv_peak']:.0f} %, "
               f"waiting {c['waiting']:.1f}")
     errs = [abs(c["error"]) for c in checks]

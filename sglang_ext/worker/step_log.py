@@ -3,13 +3,14 @@ one INFO line every S seconds; 0, the default: off, and nothing is measured).
 
     steps 412 (82.4/s, 11.6 ms mean, 41 % with a prefill, 37 % overlapped) | running 43.1 (remote 21.5)
     waiting 88.0 | rows 40.2 | tokens out 3560/s, prefill 9120/s | executor wait 6.3 % (loads 31)
-    | kv 63 % mean, 98 % peak | decode-only 243 x 9.8 ms at 42.0 rows
+    | kv 63 % mean, 98 % peak | decode-only 243 x 9.8 ms at 42.0 rows of 2210 tokens
 
 "rows" is the mean number of requests in a forward (running ones may sit a step out: no page to grow,
 a swap-in on the way, or a prompt chunk that did not fit the step's token budget). Then the KV pool
 ("kv 63 % mean, 98 % peak": pages in use after each step, prefix cache included) and the steps without
-a prefill on their own ("decode-only 240 x 10.3 ms at 11.2 rows"): what a simulator's decode step is
-checked against in serving (bench/step_profile.py reads these lines per point). With remote attention
+a prefill on their own ("decode-only 240 x 10.3 ms at 11.2 rows of 5930 tokens": their mean time, rows
+and context a row): what a simulator's decode step is checked against in serving (bench/step_profile.py
+reads these lines per point). With remote attention
 the line ends with the steps that planned remote rows apart from the others, e.g.
 "| with remote rows 380 x 10.2 ms, without 32 x 5.9 ms": what remote rows cost a step, measured.
 
@@ -53,6 +54,7 @@ class _Window:
     decode_steps: int = 0  # steps without a prefill: their time and rows
     decode_wall_s: float = 0.0
     decode_rows: int = 0
+    decode_context: int = 0  # KV tokens those steps' rows attended over
 
 
 class StepLog:
@@ -64,6 +66,7 @@ class StepLog:
         self._base: tuple[int, float, int, int] | None = None  # overlapped steps, executor wait, loads, rows
         self._remote_rows = 0  # the scheduler's remote_forward_rows at the last step
         self._rows = 0  # ... and its forward_rows
+        self._context = 0  # ... and its forward_context
 
     def record(self, scheduler: Scheduler, wall_s: float, tokens_out: int, prefill_tokens: int) -> None:
         w = self._w
@@ -76,11 +79,13 @@ class StepLog:
             w.remote_wall_s += wall_s
         self._remote_rows = remote_rows
         rows = getattr(scheduler, "forward_rows", 0)
+        context = getattr(scheduler, "forward_context", 0)
         if prefill_tokens == 0:
             w.decode_steps += 1
             w.decode_wall_s += wall_s
             w.decode_rows += max(rows - self._rows, 0)
-        self._rows = rows
+            w.decode_context += max(context - self._context, 0)
+        self._rows, self._context = rows, context
         alloc = getattr(scheduler, "allocator", None)
         if alloc is not None and alloc.capacity:
             used = 1.0 - alloc.num_free / alloc.capacity
@@ -116,8 +121,10 @@ class StepLog:
         d = max(w.decode_steps, 1)
         logger.info("%s: steps %d (%.1f/s, %.1f ms mean, %.0f %% with a prefill, %.0f %% overlapped) | running %.1f "
                     "(remote %.1f) waiting %.1f | rows %.1f | tokens out %.0f/s, prefill %.0f/s | executor wait "
-                    "%.1f %% (loads %d) | kv %.0f %% mean, %.0f %% peak | decode-only %d x %.1f ms at %.1f rows%s",
+                    "%.1f %% (loads %d) | kv %.0f %% mean, %.0f %% peak | decode-only %d x %.1f ms at %.1f rows "
+                    "of %.0f tokens%s",
                     self.name, w.steps, w.steps / span, 1e3 * w.wall_s / n, 100 * w.with_prefill / n,
                     100 * overlapped / n, w.running / n, w.remote / n, w.waiting / n, rows / n, w.tokens_out / span,
                     w.prefill_tokens / span, 100 * waited / span, loads, 100 * w.kv_used / n, 100 * w.kv_peak,
-                    w.decode_steps, 1e3 * w.decode_wall_s / d, w.decode_rows / d, split)
+                    w.decode_steps, 1e3 * w.decode_wall_s / d, w.decode_rows / d,
+                    w.decode_context / max(w.decode_rows, 1), split)
