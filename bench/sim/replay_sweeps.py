@@ -120,7 +120,7 @@ PANELS: Final[tuple[Panel, ...]] = (
     Panel("12-06 h100 qwen3 0.9 kvbind", (Sweep("2026-12-06-h100-s4/qwen3-kvbind-tpot02", 0.9, "qwen3-30b-a3b",
                                                 gpu="h100", note="9b6b58d, one H100: Mooncake outputs <= 1,024, "
                                                                  "TPOT 0.2 s; H200 MoE tables (same chip); the "
-                                                                 "dummy router's own choice (decode ~2.4x "
+                                                                 "dummy router's own choice (decode >= 1.5x "
                                                                  "cheaper than uniform routing in serving)"),)),
     Panel("12-06 h100 qwen3 0.9 uniform", (Sweep("2026-12-06-h100-s5/qwen3-uniform-knee", 0.9, "qwen3-30b-a3b",
                                                  gpu="h100", note="52326cc, one H100: the kvbind setting with "
