@@ -59,9 +59,9 @@ class ServerArgs:
     random_seed: int = field(default=0, metadata=_help("seed of dummy weights and of unseeded sampling"))
     moe_routing_simulation: MoERoutingSimulation = field(default="off", metadata=_help(
         "MoE benchmarks on dummy weights: 'uniform' replaces the router's choice with k distinct experts drawn "
-        "at random per token (what a trained router's load balancing gives); a dummy router over long random "
-        "contexts can send every row to the same few experts, which makes decode look cheaper than any real "
-        "model's. Needs --load-format dummy"))
+        "at random per token (what a trained router's load balancing gives, and what the offline bench and the "
+        "simulator price); a dummy router's own choice made an MoE's decode steps >= 1.5x cheaper in serving "
+        "than that. Needs --load-format dummy"))
     sampling_top_k_window: int = field(default=256, metadata=_help(
         "GPU: batches whose sampled rows all have a top-k of at most this draw from a window of that many "
         "tokens (FlashInfer softmax + radix top-k, one Triton kernel for top-p and the draw); 0: FlashInfer's "

@@ -84,3 +84,11 @@ def test_a_dense_model_refuses_it() -> None:
     sa: Any = ServerArgs(device="cpu", dtype="float32", load_format="dummy", moe_routing_simulation="uniform")
     with pytest.raises(ValueError, match="has no MoE layers"):
         ModelRunner(sa, None, tiny_config())  # type: ignore[arg-type]
+
+
+def test_a_dense_worker_says_so_at_start() -> None:
+    from sglang_ext.worker.tokenizer import StartupError
+    from sglang_ext.worker.worker import Worker
+
+    with pytest.raises(StartupError, match="has no MoE layers"):
+        Worker(ServerArgs(load_format="dummy", device="cpu", moe_routing_simulation="uniform"))

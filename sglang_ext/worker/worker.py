@@ -104,6 +104,9 @@ class Worker:
             self.max_token_chars = self.tokenizer.max_token_chars if self.tokenizer else 0
             notes.append(f"{len(self.tokenizer.hf)} tokens, longest {self.max_token_chars} chars"
                          if self.tokenizer else "skipped")
+        if args.moe_routing_simulation != "off" and self.cfg.moe is None:
+            raise StartupError(f"--moe-routing-simulation {args.moe_routing_simulation}: {self.cfg.architecture} "
+                               "has no MoE layers")
         try:
             self.runner = ModelRunner(args, self.model_dir, self.cfg, timer=timer)
         except FileNotFoundError as e:  # no weight files: a configuration problem, one line
