@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -406,6 +407,30 @@ def extra_args(a: argparse.Namespace, run: str) -> list[str]:
     return [*a.server_arg, *(parse_variants(a.variant)[v] if v is not None else [])]
 
 
+def routing_warning(model: str, servers: dict[str, list[str]]) -> str | None:
+    """A warning when an MoE model is served (on dummy weights, as every knee search serves it) by a run
+    without --moe-routing-simulation uniform: the dummy router's own choice made Qwen3-30B-A3B's decode
+    steps >= 1.5x cheaper than a trained router's spread (docs/benchmarks.md, 2026-12-06)."""
+    if not model:
+        return None
+    try:
+        from sglang_ext.models.config import ModelConfig
+        from sglang_ext.models.resolve import resolve_model_path
+
+        if ModelConfig.from_path(resolve_model_path(model)).moe is None:
+            return None
+    except (OSError, ValueError, KeyError):
+        return None  # the server names a model it cannot read at its start
+    plain = [run for run, argv in servers.items()
+             if "--moe-routing-simulation=uniform" not in argv
+             and ("--moe-routing-simulation", "uniform") not in itertools.pairwise(argv)]
+    if not plain:
+        return None
+    return (f"MoE model {model} on dummy weights without --moe-routing-simulation uniform ({', '.join(plain)}): "
+            "the dummy router's own choice made decode >= 1.5x cheaper than a trained router would; not an "
+            "MoE-realistic result (SERVER_ARGS=\"--moe-routing-simulation=uniform\")")
+
+
 def server_argv(a: argparse.Namespace, run: str) -> list[str]:
     """The launcher flags of bench/goodput_sweep.sh for POLICY-MODE, then --server-arg's and the variant's."""
     pol, mode, _ = parse_run(run)
@@ -639,6 +664,9 @@ def main(argv: list[str] | None = None, *, executor: Executor | None = None,
             "rule": "union: a rate any run measured is run for every run below that run's first failing rate",
             "warnings": [f"--min-req {a.min_req} < {MIN_REQ}: below the method's minimum"] if a.min_req < MIN_REQ
             else []}
+    if (w := routing_warning(a.model, head["servers"])) is not None:
+        head["warnings"].append(w)
+        print(f"!!! {w}", file=sys.stderr)
     prev: R.Previous | None = None
     if a.resume is not None:
         try:

@@ -241,3 +241,16 @@ def test_variant_server_args_and_old_runs_unchanged() -> None:
     assert K.parse_run("lvf-rotate.v") == ("lvf", "rotate", "v") and K.parse_run("lvf-rotate").variant is None
     assert K.baseline(["lvf-rotate", "fcfs-recompute.v", "fcfs-recompute"]) == "fcfs-recompute"
     assert K.baseline(["lvf-rotate.v"]) is None
+
+
+def test_an_moe_served_without_uniform_routing_is_warned() -> None:
+    """Every knee search serves dummy weights: an MoE run without --moe-routing-simulation uniform gets a
+    warning in knee.json (its decode is cheaper than a trained router's); dense models and runs with it none."""
+    plain = ["--model-path", "preset:qwen3-30b-a3b", "--load-format", "dummy"]
+    w = K.routing_warning("preset:qwen3-30b-a3b", {"fcfs-recompute": plain,
+                                                   "lvf-rotate": [*plain, "--moe-routing-simulation=uniform"]})
+    assert w is not None and "(fcfs-recompute)" in w and "MoE-realistic" in w
+    both = {"fcfs-recompute": [*plain, "--moe-routing-simulation", "uniform"]}
+    assert K.routing_warning("preset:qwen3-30b-a3b", both) is None
+    assert K.routing_warning("preset:llama-3-8b", {"fcfs-recompute": plain}) is None
+    assert K.routing_warning("", {"fcfs-recompute": []}) is None  # the embedded model
