@@ -105,9 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     if not decode:
         print("no decode-only forward ran (raise --new)", file=sys.stderr)
         return 1
-    share = [h / (n_exp * (1 - (1 - k / n_exp) ** n)) for n, h in decode]
+    from bench.sim.geometry import expected_experts_hit  # the expectation the simulator prices
+
+    share = [h / expected_experts_hit(n_exp, k, n) for n, h in decode]
     full = [h for n, h in decode if n == a.rows]
-    uniform = n_exp * (1 - (1 - k / n_exp) ** a.rows)
+    uniform = expected_experts_hit(n_exp, k, a.rows)
     last = [ids[-1] for ids in out.values()]
     tokens = [t for ids in out.values() for t in ids]
     narrow = f", experts {a.moe_inter} wide" if a.moe_inter else ""

@@ -87,6 +87,7 @@ class Scheduler:
         self.prefill_tokens = 0  # prompt tokens forwarded in chunks of more than one (a step profile's)
         self.forward_rows = 0  # requests in the forwards launched so far (a step profile's)
         self.forward_context = 0  # ... and the KV tokens their rows attend over (context after the forward)
+        self._count_context = args.step_log_interval_s > 0  # a sum over the rows: only for the step profile
         self.remote_forward_rows = 0  # ... of which remote rows
         self.deficit = 0  # pages by which all requests' KV exceeds the pool (0: everything fits), per iteration
         self.sampler = Sampler(vocab_size, runner.device, args.random_seed, top_k_window=args.sampling_top_k_window)
@@ -220,7 +221,8 @@ class Scheduler:
         recomputed later). Raises ExecutorLost."""
         entries = self.remote_residency.plan(entries, ahead)
         self.forward_rows += len(entries)  # every forward's rows pass here (the step profile's "rows")
-        self.forward_context += sum(e.req.kv_len + e.extend for e in entries)
+        if self._count_context:
+            self.forward_context += sum(e.req.kv_len + e.extend for e in entries)
         return entries
 
     def _run(self, entries: list[Entry], mode: ForwardMode) -> list[StepOutput]:
