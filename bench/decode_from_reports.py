@@ -34,7 +34,7 @@ if __package__ in (None, ""):  # executed as ``python bench/decode_from_reports.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import step_profile
-from bench.goodput import NAME as REPORT_NAME
+from bench.goodput import reports
 
 
 @dataclass
@@ -74,15 +74,10 @@ def folder_points(folder: Path, model: str | None, hbm_tbps: float | None) -> li
     server = {(p.run, p.rate, p.repeat): f"{p.decode_ms:.1f} @ {p.decode_rows:.1f}"
               for p in step_profile.folder_points(folder) if p.decode_steps}
     out = []
-    for path in sorted(folder.glob("gp_*.json")):
-        m = REPORT_NAME.match(path.name)
-        if m is None:
-            continue
-        rep = json.loads(path.read_text())
-        if not rep.get("metrics", {}).get("completed"):
-            continue
-        key = (m["label"], float(m["rate"]), int(m["repeat"] or 0))
-        out.append(PointDecode(*key, *point(rep, geo, hbm_tbps), server.get(key, "")))
+    for label, rate, repeat, rep in reports(folder):
+        if rep.get("metrics", {}).get("completed"):
+            key = (label, rate, repeat)
+            out.append(PointDecode(*key, *point(rep, geo, hbm_tbps), server.get(key, "")))
     return sorted(out, key=lambda x: (x.run, x.rate, x.repeat))
 
 

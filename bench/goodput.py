@@ -35,7 +35,7 @@ import json
 import re
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -157,17 +157,21 @@ def _rescored(label: str, rate: float, report: dict[str, Any], model: str | None
                  tpot_p99_ms=m["tpot_ms"].get("p99"), repeat=repeat, **_provenance_fields(report))
 
 
+def reports(folder: Path) -> Iterator[tuple[str, float, int, dict[str, Any]]]:
+    """(run label, rate, repeat, report) of every sweep report in the folder (`NAME`), in file-name order."""
+    for path in sorted(folder.glob("gp_*.json")):
+        match = NAME.match(path.name)
+        if match is not None:
+            yield match["label"], float(match["rate"]), int(match["repeat"] or 0), json.loads(path.read_text())
+
+
 def load(results_dir: Path, model: str | None = None, slo: SloConfig | None = None) -> dict[str, list[Point]]:
     """Every sweep report in the folder, grouped by run label, sorted by rate then repeat (of `model` alone
     if given, scored against `slo` if given)."""
     runs: dict[str, list[Point]] = {}
-    for path in sorted(results_dir.glob("gp_*.json")):
-        match = NAME.match(path.name)
-        if match is None:
-            continue
-        label, rate, repeat = match["label"], float(match["rate"]), int(match["repeat"] or 0)
+    for label, rate, repeat, report in reports(results_dir):
         try:
-            point = point_from_report(label, rate, json.loads(path.read_text()), model, slo, repeat)
+            point = point_from_report(label, rate, report, model, slo, repeat)
         except KeyError:  # the model had no request at this point (a small share of a short one)
             continue
         runs.setdefault(label, []).append(point)

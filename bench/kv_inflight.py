@@ -20,7 +20,6 @@ the folder has one (`--pool` otherwise). Servers since 2026-12-06 session 4 log 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ import numpy as np
 if __package__ in (None, ""):  # executed as ``python bench/kv_inflight.py``
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.goodput import NAME as REPORT_NAME
+from bench.goodput import reports
 from bench.traces import build_requests
 
 
@@ -76,17 +75,13 @@ def folder_points(folder: Path, pool: int | None = None) -> list[PointKV]:
     from bench.sim.replay_sweeps import logged_pool_tokens
 
     out = []
-    for p in sorted(folder.glob("gp_*.json")):
-        m = REPORT_NAME.match(p.name)
-        if m is None:
-            continue
-        rep = json.loads(p.read_text())
+    for label, rate, repeat, rep in reports(folder):
         if "slo_records" not in rep:
             continue
         mean, peak = inflight(rep)
-        logged = logged_pool_tokens(folder, m["label"]) if pool is None else None
-        out.append(PointKV(m["label"], float(m["rate"]), int(m["repeat"] or 0), mean, peak,
-                           pool if pool is not None else logged[0] if logged else None))
+        logged = logged_pool_tokens(folder, label) if pool is None else None
+        held = pool if pool is not None else logged[0] if logged else None
+        out.append(PointKV(label, rate, repeat, mean, peak, held))
     return sorted(out, key=lambda x: (x.run, x.rate, x.repeat))
 
 
