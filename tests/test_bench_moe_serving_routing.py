@@ -17,3 +17,10 @@ def test_an_unknown_preset_is_a_usage_error(capsys: pytest.CaptureFixture[str]) 
     with pytest.raises(SystemExit) as e:
         M.main(["--preset", "nope"])
     assert e.value.code == 2 and "unknown preset 'nope'" in capsys.readouterr().err
+
+
+def test_a_malformed_range_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    for flag in ("--prompt-len", "--vocab"):
+        with pytest.raises(SystemExit) as e:
+            M.main([flag, "4000"])
+        assert e.value.code == 2 and "two integers, MIN,MAX" in capsys.readouterr().err
