@@ -229,6 +229,7 @@ class Search:
     state: dict[str, RunState] = field(default_factory=dict)  # preloaded by --resume: the points measured before
     start_at: Cursor = field(default_factory=Cursor)  # preloaded by --resume: where the earlier call stopped
     call_id: str | None = None  # tags each point this call measures (knee.json's order, per call)
+    first: str | None = None  # --first: this run takes the call's first turn (its pass's other turns follow)
     stopped: str = "running"
     elapsed_s: float = 0.0
     budget_hit: bool = False
@@ -260,6 +261,9 @@ class Search:
                 todo = [r for r in self.runs if self.pending(r) is not None]
                 if not todo:
                     break
+            if self.first in todo[first:]:  # only the call's first pass: later passes keep the runs' order
+                todo = [*todo[:first], self.first, *(r for r in todo[first:] if r != self.first)]
+            self.first = None
             for i in range(first, len(todo)):
                 self.at = Cursor(p, list(todo), i)
                 share_end = self.clock() + (deadline - self.clock()) / (len(todo) - i)
@@ -559,6 +563,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", type=Path, default=None, metavar="PREV_DIR",
                    help="continue the search of an earlier call's --out folder (the same flags; its reports are "
                         "copied here, its points not rerun): one folder, the latest call's")
+    p.add_argument("--first", default=None, metavar="RUN",
+                   help="give RUN (one of --runs) this call's first turn, e.g. the point a short call should not "
+                        "miss; the other runs of that pass follow in order. Not part of the plan: a resumed call "
+                        "may set it")
     p.add_argument("--call-id", default=None, help="id of this call in every report (default: $SGLANG_EXT_CALL_ID, "
                    "else a fresh knee-<time>-<hex>)")
     g = p.add_argument_group("server (bench/goodput_sweep.sh's flags)")
@@ -648,6 +656,8 @@ def main(argv: list[str] | None = None, *, executor: Executor | None = None,
         plan = Plan(tuple(a.grid), a.repeats, a.seconds, a.min_req, a.target, TOLERANCE, a.extend)
         variants = parse_variants(a.variant)
         check_runs(a.runs, variants)
+        if a.first is not None and a.first not in a.runs:
+            raise ValueError(f"--first {a.first}: not one of --runs ({' '.join(a.runs)})")
         _check_rows(a, plan)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -679,7 +689,7 @@ def main(argv: list[str] | None = None, *, executor: Executor | None = None,
     knee_json = a.out / "knee.json"
     executor = executor or ServerExecutor(a, plan, a.out, call_id)
     search = Search(plan, list(a.runs), executor, a.budget_s - 15, clock=clock, max_passes=a.max_passes,
-                    call_id=call_id)
+                    call_id=call_id, first=a.first)
     if prev is not None:
         search.state = {run: RunState(dict(prev.curves.get(run, {})), list(prev.orders.get(run, [])))
                         for run in a.runs}

@@ -160,6 +160,27 @@ def test_a_point_longer_than_any_share_still_runs_and_the_next_call_starts_with_
     assert fake2.measured("lvf-rotate") == [1.375] and fake2.measured("fcfs-recompute") == []
 
 
+def test_first_gives_a_run_the_calls_first_turn_also_when_resumed(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    plan = K.Plan((1.375, 1.75), repeats=3, min_req=150, seconds=20)
+    att = knees(**{"fcfs-recompute": 1.5, "lvf-rotate": 2.0})
+    clock = Clock()
+    fake = Fake(plan, clock, att)
+    s = K.Search(plan, ["fcfs-recompute", "lvf-rotate"], fake, 545, clock=clock, first="lvf-rotate").run()
+    assert fake.measured("lvf-rotate") == [1.375] and fake.measured("fcfs-recompute") == []
+    assert s.resume_at.todo == ["lvf-rotate", "fcfs-recompute"] and s.resume_at.index == 1  # the cursor agrees
+    # A resumed cursor whose next turn is fcfs's: --first moves lvf ahead of it.
+    clock2 = Clock()
+    fake2 = Fake(plan, clock2, att)
+    start = K.Cursor(0, ["fcfs-recompute", "lvf-rotate"], 0)
+    K.Search(plan, ["fcfs-recompute", "lvf-rotate"], fake2, 545, clock=clock2, start_at=start,
+             first="lvf-rotate").run()
+    assert [c[1] for c in fake2.calls if c[0] == "measure"][:1] == ["lvf-rotate"]
+    # A run that is not one of --runs is a usage error.
+    assert K.main(["--first", "lvf-swap", "--out", str(tmp_path)]) == 2
+    assert "--first lvf-swap" in capsys.readouterr().err
+
+
 def test_a_run_whose_server_fails_does_not_stop_the_others() -> None:
     plan = K.Plan((2, 4), repeats=1, extend=0)
     clock = Clock()
