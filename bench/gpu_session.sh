@@ -86,6 +86,10 @@ for s in $steps; do
           # VARIANTS="NAME=ARGS;NAME=ARGS": one --variant each (runs POLICY-MODE.NAME in RUNS); SERVER_ARGS: --server-arg each
           kv=(); IFS=';' read -ra vs <<< "${VARIANTS:-}"; for v in ${vs[@]+"${vs[@]}"}; do [ -n "$v" ] && kv+=(--variant "$v"); done
           for v in ${SERVER_ARGS:-}; do kv+=("--server-arg=$v"); done
+          # knee.tgz after every point (knee.json is rewritten once a point's reports are written): a call the device
+          # kills at its limit still brings back every finished point, for RESUME
+          ( while sleep 10; do [ "$OUT/knee/knee.json" -nt "$OUT/knee.tgz" ] 2>/dev/null || continue
+              (cd "$OUT" && tar czf knee.tgz.part knee 2>/dev/null && mv knee.tgz.part knee.tgz); done ) & snap=$!
           PYTHONPATH=$BASE:/tmp/fi timeout -s KILL $((${BUDGET_S%.*} + 40)) python3 bench/goodput_knee.py \
             --runs ${RUNS:-fcfs-recompute lvf-rotate} --share "${SHARE:-0.25}" --trace "${TRACE:-mooncake}" \
             --arrival "${ARRIVAL:-poisson}" --ttft "${TTFT:-5}" --tpot "${TPOT:-0.1}" --grid ${GRID:-6 7 8} \
@@ -94,6 +98,7 @@ for s in $steps; do
             --max-in "${MAX_IN:-7680}" --max-out "${MAX_OUT:-256}" --traces-dir "${TRACES:-bench/data/traces}" \
             --step-log-s "${STEP_LOG_S:-2}" ${RESUME:+--resume "$RESUME"} ${FIRST_RUN:+--first "$FIRST_RUN"} ${kv[@]+"${kv[@]}"} --out "$OUT/knee" 2>&1 \
             | tee "$OUT/knee.log"  # set SGLANG_EXT_COMMIT (+ SGLANG_EXT_DIRTY) where git is absent
+          kill $snap 2>/dev/null; wait $snap 2>/dev/null; rm -f "$OUT/knee.tgz.part"
           PYTHONPATH=$BASE python3 bench/step_profile.py "$OUT/knee" > "$OUT/knee/steps.txt" 2>&1  # per point: step ms, KV use
           (cd "$OUT" && tar czf knee.tgz knee) ;;  # the device returns a limited number of files: the folder comes back whole in the archive
           # FIRST_RUN=RUN gives that run the call's first turn (a short call spent on the point that matters most).
