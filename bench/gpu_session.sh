@@ -18,7 +18,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 steps=${*:-test bench}
-pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$@"; }
+pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$@"; }  # --upgrade: quiet on a warm machine
 # FlashInfer and its runtime needs apart, so the torch-backend tests can run without it on the path.
 fi_whl=$(ls .whl/*.whl | grep -E 'flashinfer|tvm_ffi|cuda_tile|cudnn_frontend')
 pipi /tmp/fi $fi_whl || exit 1
