@@ -24,10 +24,11 @@ POINT_MARK = "=== knee point"  # bench/goodput_knee.py: "=== knee point begins R
 
 _LINE = re.compile(
     r": steps (?P<steps>\d+) \((?P<per_s>[\d.]+)/s, (?P<ms>[\d.]+) ms mean, (?P<prefill_pct>\d+) % with a prefill, "
-    r"\d+ % overlapped\) \| running (?P<running>[\d.]+) \(remote [\d.]+\) waiting (?P<waiting>[\d.]+) \| "
+    r"(?P<overlapped>\d+) % overlapped\) \| running (?P<running>[\d.]+) \(remote [\d.]+\) "
+    r"waiting (?P<waiting>[\d.]+) \| "
     r"rows (?P<rows>[\d.]+) \| tokens out (?P<tok_s>\d+)/s, prefill (?P<prefill_s>\d+)/s \| .*?"
     r"\| kv (?P<kv_mean>\d+) % mean, (?P<kv_peak>\d+) % peak \| "
-    r"decode-only (?P<d_steps>\d+) x (?P<d_ms>[\d.]+) ms at (?P<d_rows>[\d.]+) rows"
+    r"decode-only (?P<per_forward>forwards )?(?P<d_steps>\d+) x (?P<d_ms>[\d.]+) ms at (?P<d_rows>[\d.]+) rows"
     r"(?: of (?P<d_ctx>\d+) tokens)?")  # the context a row: servers since 2026-12-06 session 5
 _MARK = re.compile(re.escape(POINT_MARK) + r" (?P<what>begins|ends) (?P<rate>[\d.]+) (?P<repeat>\d+)")
 
@@ -53,14 +54,25 @@ class PointSteps:
     decode_ms: float
     decode_rows: float
     decode_context: float = 0.0  # KV tokens a decode-only row attended over (0: not logged, older servers)
+    decode_source: str = "forwards"  # or OLDER: a log that counted calls, read from its overlapped intervals
+
+
+OLDER = "overlapped intervals of an older log"
+MIN_OVERLAP_PCT = 95  # an older log's interval whose calls were (almost) all overlapped: calls = forwards
 
 
 def _summary(run: str, rate: float, repeat: int, lines: list[dict[str, float]]) -> PointSteps:
     steps = sum(x["steps"] for x in lines) or 1
+    every = lines
+    source = "forwards"
+    if not all("per_forward" in x for x in lines):
+        # Servers before 2026-12-06 session 6 counted calls of Scheduler.step as decode-only steps: outside
+        # the overlap loop's steady state a launched step lands in a call of its own, halving both time and
+        # rows. Only intervals run (almost) wholly overlapped, where each call is one forward, say what a
+        # forward took.
+        lines = [x for x in lines if x["overlapped"] >= MIN_OVERLAP_PCT]
+        source = OLDER
     dsteps = sum(x["d_steps"] for x in lines)
-
-    def mean(key: str) -> float:
-        return sum(x[key] * x["steps"] for x in lines) / steps
 
     def dmean(key: str) -> float:
         return sum(x[key] * x["d_steps"] for x in lines) / dsteps if dsteps else float("nan")
@@ -68,11 +80,14 @@ def _summary(run: str, rate: float, repeat: int, lines: list[dict[str, float]]) 
     drows = sum(x["d_rows"] * x["d_steps"] for x in lines)
     context = (sum(x["d_ctx"] * x["d_rows"] * x["d_steps"] for x in lines) / drows
                if drows and all("d_ctx" in x for x in lines) else 0.0)  # weighted by rows
-    return PointSteps(run, rate, repeat, len(lines), int(sum(x["steps"] for x in lines)), mean("ms"),
-                      mean("prefill_pct") / 100, mean("rows"), mean("running"), mean("waiting"),
-                      sum(x["prefill_s"] for x in lines) / len(lines), mean("kv_mean") / 100,
-                      max(x["kv_peak"] for x in lines) / 100, int(dsteps), dmean("d_ms"), dmean("d_rows"),
-                      context)
+    def emean(key: str) -> float:  # over every interval of the point
+        return sum(x[key] * x["steps"] for x in every) / steps
+
+    return PointSteps(run, rate, repeat, len(every), int(sum(x["steps"] for x in every)), emean("ms"),
+                      emean("prefill_pct") / 100, emean("rows"), emean("running"), emean("waiting"),
+                      sum(x["prefill_s"] for x in every) / len(every), emean("kv_mean") / 100,
+                      max(x["kv_peak"] for x in every) / 100, int(dsteps), dmean("d_ms"), dmean("d_rows"),
+                      context, source)
 
 
 def parse_log(text: str, run: str) -> list[PointSteps]:
@@ -89,7 +104,8 @@ def parse_log(text: str, run: str) -> list[PointSteps]:
                     out.append(_summary(run, *current, lines))
                 current = None
         elif current is not None and (m := _LINE.search(line)) is not None:
-            lines.append({k: float(v) for k, v in m.groupdict().items() if v is not None})
+            lines.append({k: (1.0 if k == "per_forward" else float(v)) for k, v in m.groupdict().items()
+                          if v is not None})
     return out
 
 

@@ -52,13 +52,30 @@ def test_points_are_the_lines_between_their_markers(caplog: pytest.LogCaptureFix
     assert b.kv_peak == 1.0 and b.decode_ms == pytest.approx(30.0) and b.waiting == 1.0
 
 
+def _old(overlapped: int, d_ms: float, d_rows: float) -> str:
+    """A line as servers before 2026-12-06 session 5 wrote it: calls counted, no context a row."""
+    return (f"[w0] INFO x: w0: steps 100 (50.0/s, 20.0 ms mean, 10 % with a prefill, {overlapped} % overlapped) | "
+            "running 12.0 (remote 0.0) waiting 0.5 | rows 12.0 | tokens out 600/s, prefill 9000/s | executor wait "
+            f"0.0 % (loads 0) | kv 40 % mean, 70 % peak | decode-only 90 x {d_ms} ms at {d_rows} rows")
+
+
 def test_a_line_of_an_older_server_has_no_context() -> None:
     """Servers before 2026-12-06 session 5 logged no context a row: the point reads 0, not an error."""
-    line = ("[w0] INFO x: w0: steps 100 (50.0/s, 20.0 ms mean, 10 % with a prefill, 0 % overlapped) | running 12.0 "
-            "(remote 0.0) waiting 0.5 | rows 12.0 | tokens out 600/s, prefill 9000/s | executor wait 0.0 % (loads 0)"
-            " | kv 40 % mean, 70 % peak | decode-only 90 x 11.0 ms at 12.0 rows")
-    (p,) = S.parse_log(f"{S.POINT_MARK} begins 3 0\n{line}\n{S.POINT_MARK} ends 3 0", "fcfs-recompute")
-    assert p.decode_rows == 12.0 and p.decode_context == 0.0
+    (p,) = S.parse_log(f"{S.POINT_MARK} begins 3 0\n{_old(100, 11.0, 12.0)}\n{S.POINT_MARK} ends 3 0", "fcfs-recompute")
+    assert p.decode_rows == 12.0 and p.decode_context == 0.0 and p.decode_source == S.OLDER
+
+
+def test_an_older_logs_decode_steps_come_from_its_overlapped_intervals_only() -> None:
+    """Before 2026-12-06 session 6 servers counted calls, and a call that only landed a launched step
+    counted as a decode-only step of no rows: only wholly overlapped intervals (a forward a call) are read
+    for decode; the point's other means keep every interval. Newer lines ("forwards") are read whole."""
+    text = "\n".join([f"{S.POINT_MARK} begins 3 0", _old(100, 20.0, 14.0), _old(0, 11.0, 7.0), _old(60, 15.0, 10.0),
+                      f"{S.POINT_MARK} ends 3 0"])
+    (p,) = S.parse_log(text, "lvf-rotate")
+    assert (p.decode_steps, p.decode_ms, p.decode_rows) == (90, 20.0, 14.0) and p.intervals == 3
+    newer = _old(0, 22.0, 28.0).replace("decode-only 90", "decode-only forwards 45")
+    (q,) = S.parse_log(f"{S.POINT_MARK} begins 3 0\n{newer}\n{S.POINT_MARK} ends 3 0", "lvf-rotate")
+    assert (q.decode_steps, q.decode_ms, q.decode_rows, q.decode_source) == (45, 22.0, 28.0, "forwards")
 
 
 def test_a_folder_with_no_profile_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -66,4 +83,4 @@ def test_a_folder_with_no_profile_says_so(tmp_path: Path, capsys: pytest.Capture
     assert S.main([str(tmp_path)]) == 1 and "no step profile" in capsys.readouterr().err
     assert math.isnan(S._summary("r", 1, 0, [{**dict.fromkeys(
         ("steps", "per_s", "ms", "prefill_pct", "running", "waiting", "rows", "tok_s", "prefill_s", "kv_mean",
-         "kv_peak", "d_ms", "d_rows"), 1.0), "d_steps": 0.0}]).decode_ms)
+         "kv_peak", "d_ms", "d_rows", "per_forward", "overlapped"), 1.0), "d_steps": 0.0}]).decode_ms)

@@ -205,7 +205,8 @@ def test_step_check_prices_the_decode_only_steps_a_server_logged(tmp_path: Path,
     folder.mkdir()
     line = ("[w0] INFO sglang_ext.worker.step_log: w0: steps 100 (50.0/s, 20.0 ms mean, 10 % with a prefill, "
             "0 % overlapped) | running 12.0 (remote 0.0) waiting 0.5 | rows 12.0 | tokens out 600/s, prefill "
-            "9000/s | executor wait 0.0 % (loads 0) | kv 40 % mean, 70 % peak | decode-only 90 x 11.0 ms at 12.0 rows")
+            "9000/s | executor wait 0.0 % (loads 0) | kv 40 % mean, 70 % peak | decode-only forwards 90 x 11.0 ms at "
+            "12.0 rows")
     (folder / "gp_server_lvf-rotate.log").write_text(
         f"{step_profile.POINT_MARK} begins 3 0\n{line}\n{step_profile.POINT_MARK} ends 3 0\n")
     monkeypatch.setattr(R, "RESULTS", tmp_path)

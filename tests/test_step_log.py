@@ -65,7 +65,55 @@ def test_the_pool_and_the_decode_only_steps(caplog: pytest.LogCaptureFixture) ->
         log._emit(sched, 1.0)  # type: ignore[arg-type]
     line = caplog.messages[-1]
     assert "| kv 67 % mean, 90 % peak |" in line  # (50 + 60 + 90) / 3 and 90
-    assert line.endswith("| decode-only 2 x 12.0 ms at 3.0 rows of 1005 tokens")  # 6030 tokens over 6 rows
+    assert line.endswith("| decode-only forwards 2 x 12.0 ms at 3.0 rows of 1005 tokens")  # 6030 tokens over 6 rows
+
+
+def test_a_call_that_only_lands_a_step_adds_its_time_to_that_forward(caplog: pytest.LogCaptureFixture) -> None:
+    """Outside the overlap loop's steady state a launched decode step lands one call later, in a call that
+    launches nothing: a forward's time is both calls', and rows count per forward, not per call."""
+    sched = SimpleNamespace(running=[1, 2, 3], waiting=[], overlapped_steps=0, forward_rows=0, forward_context=0,
+                            remote_sender=None)
+    log = StepLog(interval_s=3600.0, name="w0")
+    with caplog.at_level(logging.INFO, logger="sglang_ext.worker.step_log"):
+        # (wall, new rows, prefill tokens): a prefill run at once, then two decode steps launched and landed
+        # a call later, then one overlapped pair (each call launches one and lands the one before)
+        for wall, rows, prefill in ((0.100, 3, 2048), (0.002, 3, 0), (0.010, 0, 0), (0.003, 3, 0), (0.011, 0, 0),
+                                    (0.013, 3, 0), (0.013, 3, 0)):
+            sched.forward_rows += rows
+            sched.forward_context += rows * 1000
+            log.record(sched, wall, tokens_out=rows, prefill_tokens=prefill)
+        log._emit(sched, 1.0)  # type: ignore[arg-type]
+    line = caplog.messages[-1]
+    assert "steps 7 (" in line and "| rows 3.0 |" in line  # 15 rows over 5 forwards, not 7 calls
+    assert line.endswith("| decode-only forwards 4 x 13.0 ms at 3.0 rows of 1000 tokens")  # (12 + 14 + 13 + 13) / 4
+
+
+def test_the_overlap_loops_calls_that_only_land_count_with_their_forward() -> None:
+    """The real overlap loop (on CPU) has calls that launch nothing; the profile counts its forwards."""
+    from _tiny import EOS, VOCAB, greedy, make_scheduler
+
+    from sglang_ext.scheduler.request import Req
+    from sglang_ext.scheduler.scheduler import Scheduler
+
+    base = make_scheduler(step_log_interval_s=60.0)
+    s = Scheduler(base.args, base.runner, base.page_size, frozenset([EOS]), vocab_size=VOCAB, overlap=True)
+    s.add_request(Req("a", [5, 6, 7, 8, 9], greedy(6)))
+    s.add_request(Req("b", [5, 6, 7, 9], greedy(3)))
+    log = StepLog(interval_s=3600.0, name="w0")
+    calls: list[tuple[int, int]] = []  # (new rows, prefill tokens) per call
+    while s.has_work():
+        rows, pre = s.forward_rows, s.prefill_tokens
+        s.step()
+        log.record(s, 0.001, tokens_out=0, prefill_tokens=s.prefill_tokens - pre)
+        calls.append((s.forward_rows - rows, s.prefill_tokens - pre))
+        if len(calls) == 4:
+            s.add_request(Req("c", [4, 6, 7, 9, 11, 12], greedy(3)))  # a queue: the next call only lands
+    decode = [n for n, p in calls if n and not p]
+    assert any(n == 0 for n, _ in calls) and s.overlap is not None and s.overlap.overlapped_steps > 0
+    w = log._w
+    assert (w.decode_steps, w.decode_rows) == (len(decode), sum(decode))  # forwards, not calls
+    landing_only = sum(1 for n, p in calls if not n and not p)
+    assert w.decode_wall_s == pytest.approx(0.001 * (len(decode) + landing_only))
 
 
 def test_the_scheduler_counts_rows_and_their_context() -> None:

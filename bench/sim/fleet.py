@@ -63,10 +63,10 @@ DERIVED_BAND: Final = ("DERIVED calibration ({gpu}): the H200's rates scaled by 
                        "(bs 8 / 32, ctx 4K; no dense row yet). MoE serving: one measured panel, Qwen3-30B-A3B at "
                        "0.9 of an H100 served with uniform expert routing (18 points, 2026-12-06): attainment MAE 5.4 "
                        "points, goodput within one grid step for 2 of 2 runs (fcfs 2 -> 2, lvf 2.75 -> >= 3), "
-                       "mean TPOT -6.6 %, decode-only steps priced +16 % slow; MoE predictions price a trained "
-                       "router's spread of experts, so compare "
-                       "them only with runs on real weights or --moe-routing-simulation uniform (the dummy "
-                       "router's own choice ran decode >= 1.5x cheaper and missed by 31.8 points).")
+                       "mean TPOT -6.6 %, decode-only forwards priced +9 to +16 % slow; MoE predictions price a "
+                       "trained router's spread of experts, so compare them only with runs on real weights or "
+                       "--moe-routing-simulation uniform (the dummy router's own choice ran decode >= 1.5x cheaper "
+                       "and missed by 31.8 points).")
 
 
 def error_band(cal: Calibration) -> str:

@@ -392,7 +392,8 @@ def step_check(panels: Sequence[Panel], costs: dict[tuple[str, str], CostModel],
                             "rows": pt.decode_rows, "kv_tokens": kv, "measured_ms": pt.decode_ms,
                             "model_ms": model_ms, "error": model_ms / pt.decode_ms - 1, "kv_peak": pt.kv_peak,
                             "waiting": pt.waiting, "steps": pt.decode_steps,
-                            "kv_source": "rows' context" if logged else "pool use (upper bound)"})
+                            "kv_source": "rows' context" if logged else "pool use (upper bound)",
+                            "steps_source": pt.decode_source})
     return out
 
 
@@ -407,6 +408,10 @@ def print_step_check(checks: Sequence[dict[str, Any]]) -> None:
               f"{c['measured_ms']:6.1f} ms -> model "
               f"{c['model_ms']:6.1f} ms ({100 * c['error']:+.1f} %)  KV peak {100 * c['kv_peak']:.0f} %, "
               f"waiting {c['waiting']:.1f}")
+    older = sum(c.get("steps_source") == step_profile.OLDER for c in checks)
+    if older:
+        print(f"({older} of these points from servers before 2026-12-06 session 6, which counted calls: their "
+              f"decode-only steps are read from their wholly overlapped intervals only)")
     errs = [abs(c["error"]) for c in checks]
     print(f"{len(checks)} points: decode step error mean {100 * float(np.mean(errs)):.1f} %, "
           f"max {100 * max(errs):.1f} %")

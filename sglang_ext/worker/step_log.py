@@ -3,15 +3,19 @@ one INFO line every S seconds; 0, the default: off, and nothing is measured).
 
     steps 412 (82.4/s, 11.6 ms mean, 41 % with a prefill, 37 % overlapped) | running 43.1 (remote 21.5)
     waiting 88.0 | rows 40.2 | tokens out 3560/s, prefill 9120/s | executor wait 6.3 % (loads 31)
-    | kv 63 % mean, 98 % peak | decode-only 243 x 9.8 ms at 42.0 rows of 2210 tokens
+    | kv 63 % mean, 98 % peak | decode-only forwards 243 x 9.8 ms at 42.0 rows of 2210 tokens
 
 "rows" is the mean number of requests in a forward (running ones may sit a step out: no page to grow,
 a swap-in on the way, or a prompt chunk that did not fit the step's token budget). Then the KV pool
 ("kv 63 % mean, 98 % peak": pages in use after each step, prefix cache included) and the steps without
-a prefill on their own ("decode-only 240 x 10.3 ms at 11.2 rows of 5930 tokens": their mean time, rows
+a prefill on their own ("decode-only forwards 240 x 10.3 ms at 11.2 rows of 5930 tokens": their mean time, rows
 and context a row): what a simulator's decode step is checked against in serving (bench/step_profile.py
-reads these lines per point). With remote attention
-the line ends with the steps that planned remote rows apart from the others, e.g.
+reads these lines per point). "steps" are the worker's calls of `Scheduler.step`; rows and the decode-only
+figures are per forward: a decode forward's time is the call that launched it plus any later call that
+only landed it (a launched step lands one call later when the next cannot overlap it). Lines written
+before 2026-12-06 (session 6), without the word "forwards", counted calls there, halving both rows and
+time in phases without overlap (bench/step_profile.py then reads only their fully overlapped intervals).
+With remote attention the line ends with the steps that planned remote rows apart from the others, e.g.
 "| with remote rows 380 x 10.2 ms, without 32 x 5.9 ms": what remote rows cost a step, measured.
 
 Means are over the steps of the interval; "executor wait" is the sender's time blocked on its
@@ -51,7 +55,9 @@ class _Window:
     remote_wall_s: float = 0.0
     kv_used: float = 0.0  # sum over steps of the pool's used share, and its peak
     kv_peak: float = 0.0
-    decode_steps: int = 0  # steps without a prefill: their time and rows
+    forwards: int = 0  # calls that launched (or ran) a forward, and their rows: "rows" is per forward
+    rows: int = 0
+    decode_steps: int = 0  # forwards without a prefill: their time (see StepLog.record) and rows
     decode_wall_s: float = 0.0
     decode_rows: int = 0
     decode_context: int = 0  # KV tokens those steps' rows attended over
@@ -63,10 +69,11 @@ class StepLog:
         self.name = name
         self._w = _Window()
         self._t0 = time.monotonic()
-        self._base: tuple[int, float, int, int] | None = None  # overlapped steps, executor wait, loads, rows
+        self._base: tuple[int, float, int] | None = None  # overlapped steps, executor wait, loads
         self._remote_rows = 0  # the scheduler's remote_forward_rows at the last step
         self._rows = 0  # ... and its forward_rows
         self._context = 0  # ... and its forward_context
+        self._decode_open = False  # the last forward had no prefill: calls that only land it are its time
 
     def record(self, scheduler: Scheduler, wall_s: float, tokens_out: int, prefill_tokens: int) -> None:
         w = self._w
@@ -80,11 +87,20 @@ class StepLog:
         self._remote_rows = remote_rows
         rows = getattr(scheduler, "forward_rows", 0)
         context = getattr(scheduler, "forward_context", 0)
-        if prefill_tokens == 0:
-            w.decode_steps += 1
+        new_rows = max(rows - self._rows, 0)
+        if new_rows:  # this call launched (or ran) a forward
+            w.forwards += 1
+            w.rows += new_rows
+            self._decode_open = prefill_tokens == 0
+            if self._decode_open:
+                w.decode_steps += 1
+                w.decode_rows += new_rows
+                w.decode_context += max(context - self._context, 0)
+        if self._decode_open and prefill_tokens == 0:
+            # A decode forward's time is that of the call that launched it and of any call after it that
+            # only landed it: outside the overlap loop's steady state a launched step lands one call
+            # later, with no forward of its own (counting calls would halve both the time and the rows).
             w.decode_wall_s += wall_s
-            w.decode_rows += max(rows - self._rows, 0)
-            w.decode_context += max(context - self._context, 0)
         self._rows, self._context = rows, context
         alloc = getattr(scheduler, "allocator", None)
         if alloc is not None and alloc.capacity:
@@ -101,10 +117,9 @@ class StepLog:
             self._emit(scheduler, now - self._t0)
             self._t0, self._w = now, _Window()
 
-    def _counters(self, scheduler: Scheduler) -> tuple[int, float, int, int]:
+    def _counters(self, scheduler: Scheduler) -> tuple[int, float, int]:
         r = scheduler.remote_sender.remote if scheduler.remote_sender is not None else None
-        return (getattr(scheduler, "overlapped_steps", 0), r.wait_s if r else 0.0, r.staged_loads if r else 0,
-                scheduler.forward_rows)
+        return getattr(scheduler, "overlapped_steps", 0), r.wait_s if r else 0.0, r.staged_loads if r else 0
 
     def _emit(self, scheduler: Scheduler, span: float) -> None:
         w, now = self._w, self._counters(scheduler)
@@ -112,7 +127,6 @@ class StepLog:
         self._base = now
         n = max(w.steps, 1)
         overlapped, waited, loads = now[0] - base[0], max(now[1] - base[1], 0.0), now[2] - base[2]
-        rows = now[3] - base[3]
         split = ""
         if w.remote_steps:
             local = w.steps - w.remote_steps
@@ -121,10 +135,11 @@ class StepLog:
         d = max(w.decode_steps, 1)
         logger.info("%s: steps %d (%.1f/s, %.1f ms mean, %.0f %% with a prefill, %.0f %% overlapped) | running %.1f "
                     "(remote %.1f) waiting %.1f | rows %.1f | tokens out %.0f/s, prefill %.0f/s | executor wait "
-                    "%.1f %% (loads %d) | kv %.0f %% mean, %.0f %% peak | decode-only %d x %.1f ms at %.1f rows "
-                    "of %.0f tokens%s",
+                    "%.1f %% (loads %d) | kv %.0f %% mean, %.0f %% peak | decode-only forwards %d x %.1f ms at "
+                    "%.1f rows of %.0f tokens%s",
                     self.name, w.steps, w.steps / span, 1e3 * w.wall_s / n, 100 * w.with_prefill / n,
-                    100 * overlapped / n, w.running / n, w.remote / n, w.waiting / n, rows / n, w.tokens_out / span,
+                    100 * overlapped / n, w.running / n, w.remote / n, w.waiting / n, w.rows / max(w.forwards, 1),
+                    w.tokens_out / span,
                     w.prefill_tokens / span, 100 * waited / span, loads, 100 * w.kv_used / n, 100 * w.kv_peak,
                     w.decode_steps, 1e3 * w.decode_wall_s / d, w.decode_rows / d,
                     w.decode_context / max(w.decode_rows, 1), split)
