@@ -18,8 +18,9 @@ anyone can recompute. Per report (all in ms, one decode step):
             expected hit, each row's KV at mean input + half the mean output), over the HBM read rate
   server    the servers' decode-only steps (ms @ rows), where the folder's logs have a step profile
 
-The estimate's error, checked where both exist (Qwen3-30B-A3B on an H100, 2026-12-06 session 5):
-14.0-24.3 ms against the servers' 15.9-18.6 ms.
+The estimate, checked where both exist (Qwen3-30B-A3B on an H100, 2026-12-06 session 5): 14.0-24.3 ms,
+where the servers logged 15.9-18.6 ms per call of Scheduler.step (those servers counted calls, not
+forwards; bench/step_profile.py now reads such logs from their wholly overlapped intervals).
 """
 
 from __future__ import annotations

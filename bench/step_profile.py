@@ -63,30 +63,28 @@ MIN_OVERLAP_PCT = 95  # an older log's interval whose calls were (almost) all ov
 
 def _summary(run: str, rate: float, repeat: int, lines: list[dict[str, float]]) -> PointSteps:
     steps = sum(x["steps"] for x in lines) or 1
-    every = lines
-    source = "forwards"
+    decode, source = lines, "forwards"
     if not all("per_forward" in x for x in lines):
         # Servers before 2026-12-06 session 6 counted calls of Scheduler.step as decode-only steps: outside
         # the overlap loop's steady state a launched step lands in a call of its own, halving both time and
         # rows. Only intervals run (almost) wholly overlapped, where each call is one forward, say what a
         # forward took.
-        lines = [x for x in lines if x["overlapped"] >= MIN_OVERLAP_PCT]
-        source = OLDER
-    dsteps = sum(x["d_steps"] for x in lines)
+        decode, source = [x for x in lines if x["overlapped"] >= MIN_OVERLAP_PCT], OLDER
+    dsteps = sum(x["d_steps"] for x in decode)
+    drows = sum(x["d_rows"] * x["d_steps"] for x in decode)
+
+    def mean(key: str) -> float:  # over every interval of the point
+        return sum(x[key] * x["steps"] for x in lines) / steps
 
     def dmean(key: str) -> float:
-        return sum(x[key] * x["d_steps"] for x in lines) / dsteps if dsteps else float("nan")
+        return sum(x[key] * x["d_steps"] for x in decode) / dsteps if dsteps else float("nan")
 
-    drows = sum(x["d_rows"] * x["d_steps"] for x in lines)
-    context = (sum(x["d_ctx"] * x["d_rows"] * x["d_steps"] for x in lines) / drows
-               if drows and all("d_ctx" in x for x in lines) else 0.0)  # weighted by rows
-    def emean(key: str) -> float:  # over every interval of the point
-        return sum(x[key] * x["steps"] for x in every) / steps
-
-    return PointSteps(run, rate, repeat, len(every), int(sum(x["steps"] for x in every)), emean("ms"),
-                      emean("prefill_pct") / 100, emean("rows"), emean("running"), emean("waiting"),
-                      sum(x["prefill_s"] for x in every) / len(every), emean("kv_mean") / 100,
-                      max(x["kv_peak"] for x in every) / 100, int(dsteps), dmean("d_ms"), dmean("d_rows"),
+    context = (sum(x["d_ctx"] * x["d_rows"] * x["d_steps"] for x in decode) / drows
+               if drows and all("d_ctx" in x for x in decode) else 0.0)  # weighted by rows
+    return PointSteps(run, rate, repeat, len(lines), int(sum(x["steps"] for x in lines)), mean("ms"),
+                      mean("prefill_pct") / 100, mean("rows"), mean("running"), mean("waiting"),
+                      sum(x["prefill_s"] for x in lines) / len(lines), mean("kv_mean") / 100,
+                      max(x["kv_peak"] for x in lines) / 100, int(dsteps), dmean("d_ms"), dmean("d_rows"),
                       context, source)
 
 
