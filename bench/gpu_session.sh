@@ -80,8 +80,9 @@ for s in $steps; do
           # the sender's own GPU (row 8's fixed/adaptive runs): the step the simulator would need to price them
     goodput) PYTHONPATH=$BASE:/tmp/fi OUT=$OUT/goodput timeout ${GOODPUT_TIMEOUT:-560} bash bench/goodput_sweep.sh \
             ${GOODPUT_RUNS:-} 2>&1 | tee "$OUT/goodput.log" ;;  # SHARE, RATES, SECONDS, TRACE, ARRIVAL, ...: goodput_sweep.sh
-    warm) PYTHONPATH=$BASE:/tmp/fi timeout 300 python3 bench/warm.py --model "${MODEL:-preset:llama-3-8b}" \
-            --mem-fraction "${WARM_FRACTION:-${SHARE:-0.25}}" 2>&1 | grep -E "^warm:|Error|error:" ;;  # every prefill bucket's JIT kernels, cached
+    warm) wa=(); for v in ${SERVER_ARGS:-}; do wa+=("--server-arg=$v"); done  # the runs' own flags: their kernels
+          PYTHONPATH=$BASE:/tmp/fi timeout 300 python3 bench/warm.py --model "${MODEL:-preset:llama-3-8b}" \
+            --mem-fraction "${WARM_FRACTION:-${SHARE:-0.25}}" ${wa[@]+"${wa[@]}"} 2>&1 | grep -E "^warm:|Error|error:" ;;  # every prefill bucket's JIT kernels, cached
     knee) BUDGET_S=${BUDGET_S:-$(( ${KNEE_END_S:-560} - SECONDS ))}  # the knee search of bench/goodput_knee.py (docs/benchmarks.md, "Method")
           # VARIANTS="NAME=ARGS;NAME=ARGS": one --variant each (runs POLICY-MODE.NAME in RUNS); SERVER_ARGS: --server-arg each
           kv=(); IFS=';' read -ra vs <<< "${VARIANTS:-}"; for v in ${vs[@]+"${vs[@]}"}; do [ -n "$v" ] && kv+=(--variant "$v"); done

@@ -9,7 +9,11 @@ search (always the first run, fcfs) compiled the prefill buckets inside its firs
 H100 with Qwen3-30B-A3B (2026-12-06) fcfs's first point had a 1.2 s inter-token gap and TTFT p99
 2.6 s, its own repeat on the next call 0.3 s and lvf's 0.5 s. Here one prompt per doubling of the
 length up to the chunk size, then a batch of short prompts, reach every bucket a serving run does;
-Triton's disk cache keeps them for the servers that follow.
+Triton's disk cache keeps them for the servers that follow. `--server-arg` gives the engine the runs'
+own launcher flags: a kernel specialised on a flag (`--moe-routing-simulation uniform` feeds the Triton
+router float32 logits, another compile) is otherwise compiled inside the first timed point -- on
+2026-12-06 (session 6) lvf's first repeat at 3 req/s, the call's first point, ran its first ~14 s of
+prefills 2-5x slow and collapsed to 42.7 % while the next two repeats passed.
 """
 
 from __future__ import annotations
@@ -29,6 +33,17 @@ def prompt_lengths(chunk: int) -> list[int]:
     return out
 
 
+def server_kwargs(flags: list[str]) -> dict[str, object]:
+    """Engine keywords of launcher flags: only those the flags set (to something other than the default)."""
+    from sglang_ext.server_args import ServerArgs
+
+    p = argparse.ArgumentParser(prog="--server-arg", add_help=False)
+    ServerArgs.add_cli_args(p)
+    ns = p.parse_args(flags)
+    defaults = vars(p.parse_args([]))
+    return {k: v for k, v in vars(ns).items() if v != defaults[k]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="preset:llama-3-8b", help="\"\": the embedded default model")
@@ -36,13 +51,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=8192, help="the servers' chunked prefill size (GPU default 8192)")
     p.add_argument("--batch", type=int, default=64, help="short prompts sent together (mixed prefill batches)")
     p.add_argument("--device", default="cuda", help="cpu: a check of the script itself (nothing to compile)")
+    p.add_argument("--server-arg", action="append", default=[],
+                   help="one launcher flag of the runs that follow (repeatable: --server-arg=--moe-routing-simulation "
+                        "--server-arg=uniform, or --server-arg=--moe-routing-simulation=uniform)")
     a = p.parse_args(argv)
     import sglang_ext  # lazy: --help on a machine without torch
+
+    extra = server_kwargs(a.server_arg)
 
     t0 = time.perf_counter()
     e = sglang_ext.Engine(model_path=a.model or None, load_format="dummy", device=a.device,
                           dtype="bfloat16" if a.device.startswith("cuda") else "float32",
-                          mem_fraction_static=a.mem_fraction)
+                          mem_fraction_static=a.mem_fraction, **extra)
     print(f"warm: engine up in {time.perf_counter() - t0:.1f} s", flush=True)
     rng = random.Random(0)
     ids = lambda n: [rng.randrange(100, 2000) for _ in range(n)]  # noqa: E731 -- ids every tokenizer decodes

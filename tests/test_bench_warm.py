@@ -27,3 +27,19 @@ def test_warm_runs_every_length_and_a_batch_on_cpu(capsys: pytest.CaptureFixture
     for n in warm.prompt_lengths(32):
         assert f"prefill {n:>5} tokens" in out
     assert "batch of 3 short prompts" in out and "warm: done" in out
+
+
+def test_server_args_reach_the_engine_as_keywords() -> None:
+    """The runs' launcher flags (gpu_session.sh's SERVER_ARGS) warm the kernels those flags select."""
+    assert warm.server_kwargs([]) == {}
+    assert warm.server_kwargs(["--moe-routing-simulation=uniform"]) == {"moe_routing_simulation": "uniform"}
+    assert warm.server_kwargs(["--moe-routing-simulation", "uniform", "--chunked-prefill-size", "4096"]) == {
+        "moe_routing_simulation": "uniform", "chunked_prefill_size": 4096}
+    with pytest.raises(SystemExit):  # a flag the launcher does not know is an error, not ignored
+        warm.server_kwargs(["--no-such-flag"])
+
+
+def test_warm_passes_server_args_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    assert warm.main(["--model", "", "--device", "cpu", "--chunk", "16", "--batch", "2",
+                      "--server-arg=--chunked-prefill-size", "--server-arg=16"]) == 0
+    assert "warm: done" in capsys.readouterr().out
