@@ -98,14 +98,15 @@ def tiny_model(context: int) -> ModelConfig:
 
 def make_scheduler(policy: str, mode: str, pool_tokens: int, host_gb: float, ttft_s: float, tpot_s: float,
                    clock: Clock, cost: CostModel, page: int, context: int, skip_forward: bool = False,
-                   host_time: bool = False) -> Scheduler:
+                   host_time: bool = False, extra: dict[str, Any] | None = None) -> Scheduler:
     """The real Scheduler over a tiny model whose pool holds `pool_tokens` tokens (the modelled GPU's
     pool) and, with rotation, a host pool of `host_gb` GiB in the modelled model's bytes. Each forward
     advances `clock` by the cost model's time for the batch. `skip_forward`: do not run the tiny model at
     all (greedy logits of zeros): no decision reads the tokens it draws (outputs are `ignore_eos` and are
     never a prompt's prefix), and its float32 attention over 8K-token prompts is most of a replay's CPU.
     `host_time`: a step with a prefill chunk also pays the engine's unoverlapped host time per step
-    (`CostModel.plain_host_s`, measured by bench/offline.py's plain loop)."""
+    (`CostModel.plain_host_s`, measured by bench/offline.py's plain loop). `extra`: more server arguments
+    (`ServerArgs.flags_to_kwargs` of launcher flags), e.g. a policy option to try."""
     cfg = tiny_model(context)
     tiny_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # float32 K and V
     host_tokens = int(host_gb * 2**30 / cost.kv_bytes_per_token)
@@ -114,7 +115,7 @@ def make_scheduler(policy: str, mode: str, pool_tokens: int, host_gb: float, ttf
     sa = ServerArgs(device="cpu", dtype="float32", load_format="dummy", page_size=page, max_total_tokens=pool_tokens,
                     schedule_policy=cast(SchedulePolicy, policy), preemption_mode=cast(PreemptionMode, mode),
                     chunked_prefill_size=8192,
-                    ttft_slo_ms=ttft_s * 1e3, tpot_slo_ms=tpot_s * 1e3, **rot)
+                    ttft_slo_ms=ttft_s * 1e3, tpot_slo_ms=tpot_s * 1e3, **rot, **(extra or {}))
     runner = ModelRunner(sa, None, cfg)  # type: ignore[arg-type]
     s = Scheduler(sa, runner, page, frozenset(), vocab_size=VOCAB)
     s.clock = clock

@@ -37,11 +37,7 @@ def server_kwargs(flags: list[str]) -> dict[str, object]:
     """Engine keywords of launcher flags: only those the flags set (to something other than the default)."""
     from sglang_ext.server_args import ServerArgs
 
-    p = argparse.ArgumentParser(prog="--server-arg", add_help=False)
-    ServerArgs.add_cli_args(p)
-    ns = p.parse_args(flags)
-    defaults = vars(p.parse_args([]))
-    return {k: v for k, v in vars(ns).items() if v != defaults[k]}
+    return ServerArgs.flags_to_kwargs(flags)
 
 
 def main(argv: list[str] | None = None) -> int:

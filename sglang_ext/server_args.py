@@ -112,6 +112,10 @@ class ServerArgs:
         "lvf: tolerance of waiting requests, in TTFT SLOs (beta_B)"))
     lvf_beta_tpot: float = field(default=0.5, metadata=_help(
         "lvf: tolerance of rotary requests, in TPOT SLOs (beta_F)"))
+    lvf_missed_last: bool = field(default=False, metadata=_help(
+        "lvf under KV pressure: requests that have already missed their SLO (TTFT passed with no token yet, or "
+        "a stream that can no longer recover its mean TPOT) go behind those that can still meet it, so a late "
+        "head of the queue does not hold back rotations for the requests behind it"))
     # kernels
     attention_backend: AttentionBackendName | None = field(default=None, metadata=_help(
         "attention kernels", "flashinfer on GPU when installed and dtype is not float32, else torch"))
@@ -424,6 +428,16 @@ class ServerArgs:
                 raise TypeError(f"{f.name}: a field defaulting to None needs `shown` (what None means)")
             text = f"{f.metadata['help']} (default: {shown if shown is not None else f.default})"
             p.add_argument(flag, type=kind, default=f.default, choices=choices, help=text.replace("%", "%%"))
+
+    @classmethod
+    def flags_to_kwargs(cls, flags: list[str]) -> dict[str, Any]:
+        """Keywords of launcher flags (`["--lvf-missed-last", "--chunked-prefill-size=4096"]`), only those the
+        flags set to something other than the default: for tools that pass a run's launcher flags to an
+        in-process engine or scheduler. An unknown flag exits with argparse's message."""
+        p = argparse.ArgumentParser(prog="launcher flags", add_help=False)
+        cls.add_cli_args(p)
+        defaults = vars(p.parse_args([]))
+        return {k: v for k, v in vars(p.parse_args(flags)).items() if v != defaults[k]}
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> ServerArgs:

@@ -120,6 +120,33 @@ def test_lvf_rotates_only_when_the_candidate_would_miss_and_the_victims_can_pay(
     assert not p.may_rotate_for(w, [near, far, soon], 10.0)
 
 
+def test_lvf_missed_last_puts_requests_past_saving_behind_the_rest() -> None:
+    """--lvf-missed-last: a waiting request whose TTFT has passed, or a stream that cannot recover its
+    mean TPOT, goes behind the candidates that can still make it; within each group the deadline order
+    stands. Off (the default), a late head stays first, and `make_room_for` refuses it, so admission
+    (which stops at the first candidate that does not fit) would make no room for the ones behind."""
+    late = _req("late", ReqStatus.WAITING, arrival=8.5)  # TTFT 1 s: due at 9.5, missed
+    w = _req("w", ReqStatus.WAITING, arrival=9.7)  # 0.7 s left
+    lost = _req("lost", KVHome.HOST, 0.0, last_token=5.0, first_token=4.0, tokens=11)  # 50 SLOs behind
+    lost.sampling.max_new_tokens = 20  # 9 tokens to go at most: 9 x (0.1 - 0.02) s cannot repay 5 s
+    behind = _req("behind", KVHome.HOST, 0.0, last_token=9.5, first_token=8.8, tokens=11)  # 1 s behind
+    behind.sampling.max_new_tokens = 111  # 100 tokens x 0.08 s of margin repay it
+    far = _running("far", 9.0, 91, left=100)
+    for on, order in ((False, ["lost", "late", "behind", "w"]), (True, ["behind", "w", "lost", "late"])):
+        p = _lvf(lvf_missed_last=on)
+        p.begin(9.98, fits=False)
+        p.tick(9.98)
+        p.tick(10.0)  # a 20 ms step under pressure
+        p.begin(10.0, fits=False)
+        assert [r.rid for r in p.candidates([w, late], [behind, lost], CACHE)] == order
+        assert p.missed(late) and p.missed(lost) and not p.missed(w) and not p.missed(behind)
+        assert p.make_room_for(late, [far], short_tokens=150) == []  # the head, when off: no room for it
+        assert [r.rid for r in p.make_room_for(w, [far], short_tokens=150)] == ["far"]
+    p = _lvf(lvf_missed_last=True)
+    p.begin(10.0, fits=True)  # while everything fits it is FCFS, flag or not
+    assert [r.rid for r in p.candidates([w, late], [], CACHE)] == ["late", "w"]
+
+
 def test_lvf_is_fcfs_while_everything_fits() -> None:
     p, f = _lvf(), FCFS()
     p.begin(10.0, fits=True)

@@ -51,6 +51,7 @@ from bench.sim.instance import gpu_calibration
 from bench.traces import WorkloadConfig, repo_root
 from sglang_ext.configs import preset_config_file
 from sglang_ext.models.config import ModelConfig
+from sglang_ext.server_args import ServerArgs
 
 RESULTS: Final = repo_root() / "bench" / "results"
 POOL_LINE: Final = re.compile(r"kv pool [0-9.]+ s \((?P<pages>\d+) pages x (?P<page>\d+) tokens")
@@ -242,9 +243,10 @@ def measured(report: dict[str, Any]) -> dict[str, float]:
             "tpot_mean_ms": float(m["tpot_ms"]["mean"] or math.nan), "end_s": float(m["duration_s"])}
 
 
-def predict(report: dict[str, Any], run: str, pool: int, sw: Sweep, cost: CostModel, host_time: bool = True
-            ) -> dict[str, Any]:
-    """Replay one report's requests on the simulator: attainment (both, TTFT, TPOT) over the scheduled."""
+def predict(report: dict[str, Any], run: str, pool: int, sw: Sweep, cost: CostModel, host_time: bool = True,
+            extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Replay one report's requests on the simulator: attainment (both, TTFT, TPOT) over the scheduled.
+    `extra`: server arguments the measured run did not have (a what-if on the same rows and arrivals)."""
     cfg = report["config"]
     ttft, tpot = float(cfg["ttft_slo"]), float(cfg["tbt_slo"])
     if cfg.get("tbt_stat", "mean") != "mean":
@@ -256,7 +258,7 @@ def predict(report: dict[str, Any], run: str, pool: int, sw: Sweep, cost: CostMo
     clock = Clock()
     context = max(len(ids) + n for _, ids, n in reqs) + 16
     s = make_scheduler(policy, mode, pool, sw.host_gb, ttft, tpot, clock, cost, 16, context, skip_forward=True,
-                       host_time=host_time)
+                       host_time=host_time, extra=extra)
     res = replay(s, clock, [r for r in reqs if r[0] < horizon], horizon_s=horizon)
     met = {"both": 0, "ttft": 0, "tbt": 0}
     ttfts, tpots = [], []
@@ -349,8 +351,9 @@ class ForwardTally:
 
 
 def replay_panel(panel: Panel, costs: dict[tuple[str, str], CostModel], constants: tuple[float, float],
-                 limit: int | None = None, log: bool = True, host_time: bool = True, forwards: bool = False
-                 ) -> list[Row]:
+                 limit: int | None = None, log: bool = True, host_time: bool = True, forwards: bool = False,
+                 extra: dict[str, dict[str, Any]] | None = None) -> list[Row]:
+    """Every report of the panel, replayed; `extra`: run label (`lvf-rotate`) -> server arguments added."""
     rows = []
     for sw, path, label, rate, repeat in reports(panel)[:limit]:
         report = json.loads(path.read_text())
@@ -359,7 +362,8 @@ def replay_panel(panel: Panel, costs: dict[tuple[str, str], CostModel], constant
         t0 = time.perf_counter()
         cost = costs[(sw.gpu, sw.model)]
         tally = ForwardTally(cost) if forwards else None
-        pred = predict(report, run, pool, sw, cast(CostModel, tally) if tally else cost, host_time)
+        pred = predict(report, run, pool, sw, cast(CostModel, tally) if tally else cost, host_time,
+                       (extra or {}).get(run))
         row = Row(panel.name, sw.folder, path.name, label, rate, repeat, pred["scheduled"], pool, source,
                   measured(report), {k: pred[k] for k in ("both", "ttft", "tbt", *DETAIL)}, pred["rotations_out"],
                   pred["preemptions"], time.perf_counter() - t0)
@@ -540,6 +544,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", type=float, default=0.9)
     p.add_argument("--no-host-time", action="store_true",
                    help="price GPU time only (before 2026-12-03's fix: no host time for unoverlapped prefill steps)")
+    p.add_argument("--what-if", action="append", default=[], metavar="RUN=FLAGS",
+                   help="replay RUN (policy-mode, e.g. lvf-rotate) with these launcher flags added, which the "
+                        "measured run did not have (repeatable; --what-if 'lvf-rotate=--lvf-missed-last'): the "
+                        "table then compares a changed policy on the same rows and arrivals against the measured one")
     p.add_argument("--out", type=Path, default=None, help="JSON: every point, the goodput table, the MAE")
     p.add_argument("--bias-from", type=Path, default=None, metavar="JSON",
                    help="print the latency bias by load of an earlier --out file and exit (no replay)")
@@ -557,6 +565,14 @@ def main(argv: list[str] | None = None) -> int:
     if not chosen:
         print(f"error: no panel matches {a.panels}", file=sys.stderr)
         return 2
+    extra: dict[str, dict[str, Any]] = {}
+    for spec in a.what_if:
+        run, sep, flags = spec.partition("=")
+        if not sep:
+            print(f"error: --what-if {spec!r}: want RUN=FLAGS", file=sys.stderr)
+            return 2
+        extra[run] = {**extra.get(run, {}), **ServerArgs.flags_to_kwargs(flags.split())}
+        print(f"WHAT-IF: {run} replayed with {flags} (not what the measured run ran)")
     torch.set_num_threads(1)
     constants = memory_constants()
     print(f"memory math: GPU {constants[0] / GiB:.2f} GiB, process besides weights and pool "
@@ -576,7 +592,8 @@ def main(argv: list[str] | None = None) -> int:
     costs = {(g, m): CostModel.load(cal_files[g], m) for g, m in pairs}
     rows: list[Row] = []
     for pn in chosen:
-        rows += replay_panel(pn, costs, constants, a.limit, host_time=not a.no_host_time, forwards=a.forwards)
+        rows += replay_panel(pn, costs, constants, a.limit, host_time=not a.no_host_time, forwards=a.forwards,
+                             extra=extra)
     table = goodput_table(rows, a.target)
     print("\nstrict goodput (req/s), measured -> predicted, and attainment MAE (points)")
     for t in table:

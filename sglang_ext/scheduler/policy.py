@@ -137,8 +137,9 @@ class LargestVLTFirst(FCFS):
     STEPS_MARGIN: Final = 4
 
     def __init__(self, ttft_slo_s: float, tpot_slo_s: float, alpha: float, beta_ttft: float,
-                 beta_tpot: float) -> None:
+                 beta_tpot: float, missed_last: bool = False) -> None:
         self.s_b, self.s_f = ttft_slo_s, tpot_slo_s
+        self.missed_last = missed_last  # `candidates`: requests past saving behind the rest (--lvf-missed-last)
         self.alpha, self.beta_b, self.beta_f = alpha, beta_ttft, beta_tpot
         self.now = 0.0
         self.fits = True
@@ -215,7 +216,23 @@ class LargestVLTFirst(FCFS):
     def candidates(self, waiting: list[Req], rotary: list[Req], cache: PrefixCache) -> list[Req]:
         if self.fits:
             return super().candidates(waiting, rotary, cache)
+        if self.missed_last:
+            return sorted(waiting + rotary, key=lambda r: (self.missed(r), self.deadline(r), r.arrival_time))
         return sorted(waiting + rotary, key=lambda r: (self.deadline(r), r.arrival_time))
+
+    def missed(self, r: Req) -> bool:
+        """`r` has missed its SLO whatever runs next: its first token is past the TTFT SLO, or its
+        stream can no longer bring its mean TPOT back under the SLO. No rotation is made for such a
+        candidate (`_worth_it`), and admission stops at the first candidate that does not fit, so at
+        the head of the queue it would hold back the rotations that could save the requests behind it."""
+        if r.status is ReqStatus.RUNNING:
+            return False
+        if not r.output_ids:
+            return self.now - r.arrival_time >= self.s_b
+        if self.step_s is None:
+            return False
+        left = r.sampling.max_new_tokens - len(r.output_ids)
+        return self.slack_s(r) + left * (self.s_f - self.step_s) <= 0.0  # back now, it still ends late
 
     def victims(self, running: list[Req]) -> list[Req]:
         if self.fits:
@@ -242,13 +259,11 @@ class LargestVLTFirst(FCFS):
     def _worth_it(self, cand: Req, wait: float) -> bool:
         """The candidate misses its SLO unless someone makes room, and room would save it."""
         assert self.step_s is not None
+        if self.missed(cand):  # a TTFT already missed is not bought back, nor a stream past recovery
+            return False
         if not cand.output_ids:  # no first token yet (waiting, or rotary before its first token)
-            budget = self.s_b - (self.now - cand.arrival_time)
-            return 0.0 < budget < wait
-        slack = self.slack_s(cand)
-        left = cand.sampling.max_new_tokens - len(cand.output_ids)
-        recoverable = slack + left * (self.s_f - self.step_s) > 0.0  # back now, it ends within its SLO
-        return slack < wait and recoverable
+            return self.s_b - (self.now - cand.arrival_time) < wait
+        return self.slack_s(cand) < wait
 
     def make_room_for(self, cand: Req, running: list[Req], short_tokens: int = 1,
                       local: list[Req] | None = None) -> list[Req]:
@@ -283,5 +298,5 @@ def make_policy(name: str, args: ServerArgs | None = None) -> SchedulePolicy:
     if name == "lvf":
         a = args or ServerArgs(preemption_mode="rotate")
         return LargestVLTFirst(a.resolved_ttft_slo_s, a.resolved_tpot_slo_s, a.lvf_alpha, a.lvf_beta_ttft,
-                               a.lvf_beta_tpot)
+                               a.lvf_beta_tpot, a.lvf_missed_last)
     return POLICIES[name]()
