@@ -151,3 +151,11 @@ def test_diagnostics_in_a_cluster_file_reach_each_worker(tmp_path: Path) -> None
     cfg.write_text("models: [{name: a, args: {profile_num_steps: 5}}]\n")
     with pytest.raises(ConfigError, match=r"models\[0\].workers\[0\]: profile_start_step / profile_num_steps"):
         load_cluster(cfg)
+
+
+def test_flags_to_kwargs_keeps_only_what_the_flags_set() -> None:
+    """For tools that hand a run's launcher flags to an in-process engine or simulated scheduler."""
+    assert ServerArgs.flags_to_kwargs([]) == {}
+    assert ServerArgs.flags_to_kwargs(["--lvf-missed-last", "--schedule-policy=lvf"]) == {
+        "lvf_missed_last": True, "schedule_policy": "lvf"}
+    assert ServerArgs(**ServerArgs.flags_to_kwargs(["--lvf-missed-last"])).lvf_missed_last
