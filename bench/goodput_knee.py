@@ -479,10 +479,40 @@ class ServerExecutor:
                 raise RuntimeError(f"server for {run} exited early (see its log)")
             with contextlib.suppress(OSError):
                 if _http(self.url + "/health", timeout=2)[0] == 200:
+                    try:
+                        self.warm(run)
+                    except (OSError, ValueError):  # a server that cannot serve its warm-up: this run fails
+                        self._kill()
+                        raise RuntimeError(f"server for {run} failed its warm-up (see its log)") from None
                     return
             time.sleep(1)
         self._kill()
         raise TimeoutError(f"server for {run} not healthy after {self.a.start_timeout_s:g} s")
+
+    def warm(self, run: str) -> None:
+        """Unmeasured prompts of every doubling of length up to --max-in, one at a time, before the run's
+        first point: what a server pays on first use (a kernel its flags select that gpu_session.sh's `warm`
+        did not compile, first allocations) lands here, not in a timed repeat. On 2026-12-06 (session 6)
+        the call's first timed repeat ran its first ~14 s of prefills 2-5x slow and collapsed."""
+        if not self.a.server_warmup:
+            return
+        self.mark(run, "warm-up")
+        t0 = time.monotonic()
+        n, lengths = 1, []
+        while n < self.a.max_in:
+            lengths.append(n)
+            n *= 2
+        lengths.append(self.a.max_in)
+        for i, n in enumerate(lengths):
+            ids = [100 + (7 * j + i) % (self.a.vocab_size - 100) for j in range(n)]
+            body = json.dumps({"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}})
+            req = urllib.request.Request(self.url + "/generate", data=body.encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=self.a.start_timeout_s) as resp:
+                resp.read()
+        self.flush()
+        print(f"{label(run, self.a.arrival)}: server warmed with {len(lengths)} prompts of 1-{self.a.max_in} tokens "
+              f"in {time.monotonic() - t0:.1f} s", flush=True)
 
     def mark(self, run: str, what: str) -> None:
         """A line in the server's log between its step-profile lines: which point they belong to."""
@@ -582,6 +612,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="launcher args of the runs POLICY-MODE.NAME, on top of every --server-arg (repeatable; "
                         "--variant fixed=\"--offload-executor local --offload-ratio 0.5 --executor-mem-gb 7\")")
     g.add_argument("--start-timeout-s", type=float, default=300.0)
+    g.add_argument("--no-server-warmup", dest="server_warmup", action="store_false",
+                   help="skip the unmeasured prompts (1 to --max-in tokens) each server gets before its first point")
     g.add_argument("--step-log-s", type=float, default=2.0,
                    help="the servers' step profile every this many seconds, into gp_server_RUN.log between the "
                         "points' markers (bench/step_profile.py reads it; 0: off)")

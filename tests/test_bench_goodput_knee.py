@@ -240,6 +240,10 @@ def test_end_to_end_on_cpu(tmp_path: Path) -> None:
                    and 'direction="out"' in ln)
 
     assert sent_bytes("fcfs-recompute.adaptive") > 0 and sent_bytes("fcfs-recompute") == 0  # the variant's flags
+    for run in runs:  # every server was warmed before its first point, outside every point's markers
+        log = (out / f"gp_server_{run}.log").read_text()
+        assert log.count(f"{step_profile.POINT_MARK} warm-up") >= 1
+        assert log.index(f"{step_profile.POINT_MARK} warm-up") < log.index(f"{step_profile.POINT_MARK} begins")
     # each point's step profile, from the server logs between the search's markers
     steps = step_profile.folder_points(out)
     assert {p.run for p in steps} == set(runs) and all(p.steps > 0 and 0 < p.kv_peak <= 1 for p in steps)
