@@ -123,8 +123,8 @@ PANELS: Final[tuple[Panel, ...]] = (
                                                                  "TPOT 0.2 s; H200 MoE tables (same chip); the "
                                                                  "dummy router's own choice (decode >= 1.5x "
                                                                  "cheaper than uniform routing in serving)"),)),
-    Panel("12-06 h100 qwen3 0.9 uniform", (Sweep("2026-12-06-h100-s6/qwen3-uniform-knee", 0.9, "qwen3-30b-a3b",
-                                                 gpu="h100", note="52326cc + f02de33 (four calls), one H100: the "
+    Panel("12-06 h100 qwen3 0.9 uniform", (Sweep("2026-12-06-h100-s7/qwen3-uniform-knee", 0.9, "qwen3-30b-a3b",
+                                                 gpu="h100", note="52326cc + f02de33 + dde4182 (six calls), one H100: the "
                                                                   "kvbind setting with --moe-routing-simulation "
                                                                   "uniform (the routing the simulator prices)"),)),
 )
