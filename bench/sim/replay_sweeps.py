@@ -124,9 +124,10 @@ PANELS: Final[tuple[Panel, ...]] = (
                                                                  "dummy router's own choice (decode >= 1.5x "
                                                                  "cheaper than uniform routing in serving)"),)),
     Panel("12-06 h100 qwen3 0.9 uniform", (Sweep("2026-12-06-h100-s7/qwen3-uniform-knee", 0.9, "qwen3-30b-a3b",
-                                                 gpu="h100", note="52326cc + f02de33 + dde4182 (six calls), one H100: the "
-                                                                  "kvbind setting with --moe-routing-simulation "
-                                                                  "uniform (the routing the simulator prices)"),)),
+                                                 gpu="h100", note="52326cc + f02de33 + dde4182 (six calls), one "
+                                                                  "H100: the kvbind setting with "
+                                                                  "--moe-routing-simulation uniform (the routing "
+                                                                  "the simulator prices)"),)),
 )
 
 
