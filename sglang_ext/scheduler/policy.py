@@ -119,7 +119,9 @@ class LargestVLTFirst(FCFS):
       * each victim can pay: its banked slack covers twice `wait` and a few steps, it is at least one
         SLO further ahead than the candidate, and has decoded `MIN_STAY_TOKENS` since it (re)started.
     So when streams have no TPOT slack, or the pool frees room in time anyway, lvf does what FCFS
-    does. Why the lag and not per-residency times, and the rules in full: docs/architecture.md,
+    does. With `missed_last` (`--lvf-missed-last`) candidates that have missed their SLO whatever runs
+    next go behind the others, so a late head does not stop the rotations that would save those behind.
+    Why the lag and not per-residency times, and the rules in full: docs/architecture.md,
     "Rotation to host memory".
     """
 
