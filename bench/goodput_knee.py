@@ -75,6 +75,7 @@ from bench import knee_resume as R
 from bench import serving
 from bench.step_profile import POINT_MARK
 from bench.traces import TRACE_CHOICES, default_traces_dir, repo_root
+from bench.warm import prompt_lengths
 
 MIN_REQ = 150  # requests per point and repeat: one request is then at most 0.67 points of attainment
 RUN = re.compile(r"^(?P<policy>[a-z0-9_]+)-(?P<mode>[a-z0-9_]+)(?:\.(?P<variant>[A-Za-z0-9_]+))?$")
@@ -498,11 +499,7 @@ class ServerExecutor:
             return
         self.mark(run, "warm-up")
         t0 = time.monotonic()
-        n, lengths = 1, []
-        while n < self.a.max_in:
-            lengths.append(n)
-            n *= 2
-        lengths.append(self.a.max_in)
+        lengths = [*prompt_lengths(self.a.max_in)[:-1], self.a.max_in]  # warm.py's doublings, then --max-in
         for i, n in enumerate(lengths):
             ids = [100 + (7 * j + i) % (self.a.vocab_size - 100) for j in range(n)]
             body = json.dumps({"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}})

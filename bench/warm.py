@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warm: prefill {n:>5} tokens {time.perf_counter() - t:6.2f} s", flush=True)
     t = time.perf_counter()
     out = e.generate(input_ids=[ids(rng.randrange(8, 256)) for _ in range(a.batch)], sampling_params=sp)
+    assert isinstance(out, list)  # a batch of prompts gives a list of outputs
     print(f"warm: batch of {a.batch} short prompts {time.perf_counter() - t:6.2f} s; "
           f"{out[0]['meta_info']}", flush=True)
     e.shutdown()

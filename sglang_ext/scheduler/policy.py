@@ -218,9 +218,8 @@ class LargestVLTFirst(FCFS):
     def candidates(self, waiting: list[Req], rotary: list[Req], cache: PrefixCache) -> list[Req]:
         if self.fits:
             return super().candidates(waiting, rotary, cache)
-        if self.missed_last:
-            return sorted(waiting + rotary, key=lambda r: (self.missed(r), self.deadline(r), r.arrival_time))
-        return sorted(waiting + rotary, key=lambda r: (self.deadline(r), r.arrival_time))
+        return sorted(waiting + rotary,
+                      key=lambda r: (self.missed_last and self.missed(r), self.deadline(r), r.arrival_time))
 
     def missed(self, r: Req) -> bool:
         """`r` has missed its SLO whatever runs next: its first token is past the TTFT SLO, or its
