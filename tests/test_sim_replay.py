@@ -93,6 +93,27 @@ def test_cli_lists_panels_and_rejects_unknown(capsys: pytest.CaptureFixture[str]
     assert R.main(["--panels", "no-such-panel"]) == 2
 
 
+def test_what_if_adds_server_arguments_and_rejects_bad_specs(capsys: pytest.CaptureFixture[str]) -> None:
+    """--what-if RUN=FLAGS: a malformed spec or an unknown flag is an error, not a silent plain replay; a
+    good one reaches the simulated scheduler's policy."""
+    assert R.main(["--panels", "qwen3", "--what-if", "lvf-rotate"]) == 2
+    assert "want RUN=FLAGS" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        R.main(["--panels", "qwen3", "--what-if", "lvf-rotate=--no-such-flag"])
+    report = json.loads(KNEE.read_text())
+    report["config"]["num_requests"] = 12
+    pred = R.predict(report, "lvf-rotate", 16384, R.Sweep("x", 0.25), CostModel.load(),
+                     extra={"lvf_missed_last": True})
+    assert pred["scheduled"] == 12 and 0.0 <= pred["both"] <= 1.0
+    from bench.policy_sim import Clock, make_scheduler
+    from sglang_ext.scheduler.policy import LargestVLTFirst
+
+    for on in (False, True):
+        s = make_scheduler("lvf", "rotate", 16384, 1.0, 2.0, 0.1, Clock(), CostModel.load(), 16, 1024,
+                           skip_forward=True, extra={"lvf_missed_last": True} if on else None)
+        assert isinstance(s.policy, LargestVLTFirst) and s.policy.missed_last is on
+
+
 def test_goodput_table_uses_the_strict_rule() -> None:
     def row(rate: float, meas: float, pred: float) -> R.Row:
         return R.Row("p", "f", "x.json", "lvf-rotate", rate, 0, 100, 1, "s", {"both": meas, "ttft": 1, "tbt": 1},
