@@ -114,6 +114,27 @@ def test_what_if_adds_server_arguments_and_rejects_bad_specs(capsys: pytest.Capt
         assert isinstance(s.policy, LargestVLTFirst) and s.policy.missed_last is on
 
 
+def test_a_variant_the_simulator_reads_is_replayed_with_its_own_arguments(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A knee's variant run (POLICY-MODE.NAME) whose args the simulated scheduler reads (--lvf-missed-last)
+    is replayed as its policy with those args; one it cannot price (an executor on the GPU), or whose args
+    the folder does not record, is skipped."""
+    folder = tmp_path / "panel"
+    folder.mkdir()
+    (folder / "goodput.json").write_text(json.dumps({"variants": {
+        "missed": ["--lvf-missed-last"], "fixed": ["--offload-executor", "local", "--offload-ratio", "0.5"]}}))
+    for label in ("lvf-rotate", "lvf-rotate.missed", "lvf-rotate.fixed", "lvf-rotate.gone"):
+        (folder / f"gp_{label}_r3_k0.json").write_text("{}")
+    assert R.run_of("lvf-rotate.missed") == ("lvf", "rotate") == R.run_of("lvf-rotate-burst")
+    assert R.variant_kwargs(folder, "lvf-rotate") == {}
+    assert R.variant_kwargs(folder, "lvf-rotate.missed") == {"lvf_missed_last": True}
+    assert R.variant_kwargs(folder, "lvf-rotate.fixed") is None
+    assert R.variant_kwargs(folder, "lvf-rotate.gone") is None
+    monkeypatch.setattr(R, "RESULTS", tmp_path)
+    found = R.reports(R.Panel("p", (R.Sweep("panel", 0.9),)))
+    assert [label for _, _, label, _, _ in found] == ["lvf-rotate", "lvf-rotate.missed"]
+
+
 def test_goodput_table_uses_the_strict_rule() -> None:
     def row(rate: float, meas: float, pred: float) -> R.Row:
         return R.Row("p", "f", "x.json", "lvf-rotate", rate, 0, 100, 1, "s", {"both": meas, "ttft": 1, "tbt": 1},

@@ -57,6 +57,7 @@ RESULTS: Final = repo_root() / "bench" / "results"
 POOL_LINE: Final = re.compile(r"kv pool [0-9.]+ s \((?P<pages>\d+) pages x (?P<page>\d+) tokens")
 GiB: Final = 2**30
 DETAIL: Final = ("ttft_median_ms", "tpot_mean_ms", "end_s")
+SIM_FLAGS: Final = frozenset({"lvf_missed_last"})  # server arguments of a variant run the simulated scheduler reads
 
 
 @dataclass(frozen=True)
@@ -227,8 +228,9 @@ def serving_config(config: dict[str, Any]) -> WorkloadConfig:
 
 
 def run_of(label: str) -> tuple[str, str]:
-    """(policy, preemption mode) of a sweep label: `lvf-rotate`, `fcfs-recompute-burst`, ..."""
-    policy, mode = label.split("-")[:2]
+    """(policy, preemption mode) of a sweep label: `lvf-rotate`, `fcfs-recompute-burst`, `lvf-rotate.missed`
+    (a knee's variant: its server arguments come from `variant_kwargs`)..."""
+    policy, mode = label.split(".", 1)[0].split("-")[:2]
     return policy, mode
 
 
@@ -301,14 +303,30 @@ class Row:
     wall_s: float
 
 
+def variant_kwargs(folder: Path, label: str) -> dict[str, Any] | None:
+    """The server arguments a run adds to its POLICY-MODE, as keywords: {} for a plain run; for a variant
+    (POLICY-MODE.NAME) its args as the knee's goodput.json records them, but None where the folder does not
+    say or an arg is one the simulated scheduler does not read (an in-process executor sharing the GPU,
+    say, which the simulator does not price)."""
+    if "." not in label:
+        return {}
+    name = label.split(".", 1)[1]
+    meta = folder / "goodput.json"
+    args = json.loads(meta.read_text()).get("variants", {}).get(name) if meta.exists() else None
+    if args is None:
+        return None
+    kw = ServerArgs.flags_to_kwargs(list(args))
+    return kw if kw and set(kw) <= SIM_FLAGS else None
+
+
 def reports(panel: Panel) -> list[tuple[Sweep, Path, str, float, int]]:
-    """Every report of the panel's folders but those of a variant run (POLICY-MODE.NAME: launcher flags the
-    replay does not read, e.g. an in-process executor sharing the GPU, which the simulator does not price)."""
+    """Every report of the panel's folders but those of a variant run the replay cannot price
+    (`variant_kwargs`)."""
     out = []
     for sw in panel.sweeps:
         for path in sorted((RESULTS / sw.folder).glob("gp_*.json")):
             m = G.NAME.match(path.name)
-            if m is not None and "." not in m["label"]:
+            if m is not None and variant_kwargs(path.parent, m["label"]) is not None:
                 out.append((sw, path, m["label"], float(m["rate"]), int(m["repeat"] or 0)))
     return sorted(out, key=lambda r: (r[2], r[3], r[4]))
 
@@ -359,12 +377,16 @@ def replay_panel(panel: Panel, costs: dict[tuple[str, str], CostModel], constant
     for sw, path, label, rate, repeat in reports(panel)[:limit]:
         report = json.loads(path.read_text())
         run = "-".join(run_of(label))
-        pool, source = pool_tokens(path, run, sw, constants)
+        pool, source = pool_tokens(path, label if "." in label else run, sw, constants)
+        # a variant's own server arguments, then a --what-if's: one for the exact label
+        # (`lvf-rotate.missed`), else for its POLICY-MODE (`lvf-rotate` covers `lvf-rotate-burst` and variants)
+        wi = extra or {}
+        added = {**(variant_kwargs(path.parent, label) or {}), **wi.get(label, wi.get(run, {}))}
         t0 = time.perf_counter()
         cost = costs[(sw.gpu, sw.model)]
         tally = ForwardTally(cost) if forwards else None
         pred = predict(report, run, pool, sw, cast(CostModel, tally) if tally else cost, host_time,
-                       (extra or {}).get(run))
+                       added or None)
         row = Row(panel.name, sw.folder, path.name, label, rate, repeat, pred["scheduled"], pool, source,
                   measured(report), {k: pred[k] for k in ("both", "ttft", "tbt", *DETAIL)}, pred["rotations_out"],
                   pred["preemptions"], time.perf_counter() - t0)
