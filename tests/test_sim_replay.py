@@ -128,6 +128,7 @@ def test_a_variant_the_simulator_reads_is_replayed_with_its_own_arguments(tmp_pa
     assert R.run_of("lvf-rotate.missed") == ("lvf", "rotate") == R.run_of("lvf-rotate-burst")
     assert R.variant_kwargs(folder, "lvf-rotate") == {}
     assert R.variant_kwargs(folder, "lvf-rotate.missed") == {"lvf_missed_last": True}
+    assert R.variant_kwargs(folder, "lvf-rotate.missed-burst") == {"lvf_missed_last": True}
     assert R.variant_kwargs(folder, "lvf-rotate.fixed") is None
     assert R.variant_kwargs(folder, "lvf-rotate.gone") is None
     monkeypatch.setattr(R, "RESULTS", tmp_path)

@@ -313,7 +313,7 @@ def variant_kwargs(folder: Path, label: str) -> dict[str, Any] | None:
     say, which the simulator does not price)."""
     if "." not in label:
         return {}
-    name = label.split(".", 1)[1]
+    name = label.split(".", 1)[1].split("-", 1)[0]  # a burst run's label ends in -burst (NAME has no -)
     meta = folder / "goodput.json"
     args = json.loads(meta.read_text()).get("variants", {}).get(name) if meta.exists() else None
     if args is None:
