@@ -449,8 +449,11 @@ def server_argv(a: argparse.Namespace, run: str) -> list[str]:
             "--tpot-slo-ms", f"{a.tpot * 1000:g}", *host, *steps, *extra_args(a, run)]
 
 
-def _http(url: str, method: str = "GET", timeout: float = 5.0) -> tuple[int, str]:
-    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+def _http(url: str, method: str = "GET", timeout: float = 5.0, body: dict[str, Any] | None = None
+          ) -> tuple[int, str]:
+    data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
+    req = urllib.request.Request(url, method=method, data=data,
+                                 headers={"Content-Type": "application/json"} if body is not None else {})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, resp.read().decode(errors="replace")
@@ -502,11 +505,10 @@ class ServerExecutor:
         lengths = [*prompt_lengths(self.a.max_in)[:-1], self.a.max_in]  # warm.py's doublings, then --max-in
         for i, n in enumerate(lengths):
             ids = [100 + (7 * j + i) % (self.a.vocab_size - 100) for j in range(n)]
-            body = json.dumps({"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}})
-            req = urllib.request.Request(self.url + "/generate", data=body.encode(), method="POST",
-                                         headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=self.a.start_timeout_s) as resp:
-                resp.read()
+            code, text = _http(self.url + "/generate", "POST", self.a.start_timeout_s,
+                               {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}})
+            if code != 200:
+                raise OSError(f"warm-up prompt of {n} tokens: HTTP {code}: {text[:200]}")
         self.flush()
         print(f"{label(run, self.a.arrival)}: server warmed with {len(lengths)} prompts of 1-{self.a.max_in} tokens "
               f"in {time.monotonic() - t0:.1f} s", flush=True)

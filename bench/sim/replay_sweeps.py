@@ -28,6 +28,7 @@ their decode-only steps priced against what the servers measured ("decode-only s
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import re
@@ -306,6 +307,7 @@ class Row:
     wall_s: float
 
 
+@functools.cache  # asked once per report when listing a panel and again when replaying it
 def variant_kwargs(folder: Path, label: str) -> dict[str, Any] | None:
     """The server arguments a run adds to its POLICY-MODE, as keywords: {} for a plain run; for a variant
     (POLICY-MODE.NAME) its args as the knee's goodput.json records them, but None where the folder does not
