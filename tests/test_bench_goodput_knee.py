@@ -279,3 +279,26 @@ def test_an_moe_served_without_uniform_routing_is_warned() -> None:
     assert K.routing_warning("preset:qwen3-30b-a3b", both) is None
     assert K.routing_warning("preset:llama-3-8b", {"fcfs-recompute": plain}) is None
     assert K.routing_warning("", {"fcfs-recompute": []}) is None  # the embedded model
+
+
+def test_a_warm_up_the_server_refuses_is_an_error_and_no_server_warmup_sends_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ServerExecutor.warm: a prompt answered with an error status raises (the run then fails with its
+    message, not a point measured on an unwarmed server); --no-server-warmup skips every prompt."""
+    sent: list[int] = []
+
+    def refuse(url: str, method: str = "GET", timeout: float = 5.0, body: dict | None = None) -> tuple[int, str]:
+        sent.append(len(body["input_ids"]) if body else 0)
+        return 400, '{"error": {"message": "bad prompt"}}'
+
+    monkeypatch.setattr(K, "_http", refuse)
+    plan = K.Plan((2,), repeats=1, seconds=30)
+    a = K.build_parser().parse_args(["--model", "", "--device", "cpu", "--max-in", "64"])
+    ex = K.ServerExecutor(a, plan, tmp_path, "call")
+    with pytest.raises(OSError, match=r"warm-up prompt of 1 tokens: HTTP 400: .*bad prompt"):
+        ex.warm("fcfs-recompute")
+    assert sent == [1]
+    sent.clear()
+    a = K.build_parser().parse_args(["--model", "", "--device", "cpu", "--max-in", "64", "--no-server-warmup"])
+    K.ServerExecutor(a, plan, tmp_path, "call").warm("fcfs-recompute")
+    assert sent == []
