@@ -12,7 +12,8 @@ synthetic batches and reports, for decode at every (context, batch size):
   build_ms     the scheduler's `build_batch` for this batch (CPU; overlap scheduling hides it)
   roofline_ms  (weight bytes + KV bytes read) / HBM read bandwidth measured in this run; for an MoE
                model the weight bytes are the dense weights plus the experts this batch's tokens hit
-               (counted per layer from one eager forward: `experts_hit`), not every expert
+               (counted per layer from one eager forward: `experts_hit`), not every expert;
+               `--moe-routing-simulation uniform` routes at random as the serving runs do
 plus attention alone (tensor-core vs CUDA-core decode), variants (fused ops off, the other decode
 kernel), prefill tokens/s against the dense-FLOP roofline, the scheduler loop with and without
 overlap, and a per-kernel profile of one decode step naming the largest gap to the roofline (for an
@@ -88,7 +89,8 @@ class Bench:
             tokens = min(tokens, a.max_kv_tokens)
         self.args = ServerArgs(model_path=a.model_path, load_format=a.load_format, device="cuda", dtype="bfloat16",
                                page_size=PAGE, max_total_tokens=tokens, cuda_graph_max_bs=max(self.bs_list),
-                               attention_backend=a.attention_backend, skip_tokenizer_init=True)
+                               attention_backend=a.attention_backend, skip_tokenizer_init=True,
+                               moe_routing_simulation=a.moe_routing_simulation)
         t0 = time.perf_counter()
         self.runner = ModelRunner(self.args, model_dir, cfg)
         init_s = time.perf_counter() - t0
@@ -110,6 +112,7 @@ class Bench:
                                                  "expert_intermediate": cfg.moe.intermediate_size,
                                                  "sparse_layers": sum(cfg.moe.sparse_layers)},
             "active_params_B": cfg.active_params() / 1e9, "runner_init_s": init_s,
+            "moe_routing_simulation": a.moe_routing_simulation,
             "graph_sizes": self.runner.graphs.sizes if self.runner.graphs else None,
         }
 
@@ -557,6 +560,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-kv-tokens", type=int, default=None,
                    help="cap the KV pool (a large model leaves less memory); decode points that do not fit are "
                         "skipped and listed")
+    p.add_argument("--moe-routing-simulation", default="off", choices=["off", "uniform"],
+                   help="uniform: every token picks top-k experts at random, as the serving runs of dummy "
+                        "weights do (the dummy router's own choice is skewed; decode steps then differ); each "
+                        "graph replay draws anew, so experts_hit is one eager draw's count")
     p.add_argument("--profile-bs", type=int, default=64)
     p.add_argument("--profile-ctx", default="2048",
                    help="comma-separated contexts of the profile section (the first also without graphs)")

@@ -16,13 +16,13 @@ from bench.gpu_measure import PAGE, Layout, decode_batch
 from bench.offline import Bench
 
 
-def _bench(moe: bool) -> Bench:
+def _bench(moe: bool, **args: str) -> Bench:
     import _tiny
 
     old = _tiny.tiny_config
     _tiny.tiny_config = tiny_moe_config if moe else old  # type: ignore[assignment]
     try:
-        s = make_scheduler(page_size=PAGE, max_total_tokens=4096)
+        s = make_scheduler(page_size=PAGE, max_total_tokens=4096, **args)
     finally:
         _tiny.tiny_config = old  # type: ignore[assignment]
     b = Bench(argparse.Namespace(batch_sizes="1", contexts="32"))
@@ -46,6 +46,29 @@ def test_moe_roofline_counts_the_experts_hit() -> None:
     assert b.weight_read_bytes(one) == b.dense_bytes + sum(one) * per_expert < b.weight_bytes
     assert b.weight_read_bytes([cfg.moe.num_experts] * cfg.num_layers) == b.weight_bytes
     assert b.roofline_ms(1, 32, one) < b.roofline_ms(1, 32, many)
+
+
+def test_uniform_routing_draws_k_distinct_experts_anew_each_forward() -> None:
+    """--moe-routing-simulation uniform (as the serving runs of dummy weights): one token still hits exactly
+    k experts a layer, but a batch's choice is drawn anew each forward, where the router's own is fixed."""
+    fixed, uniform = _bench(moe=True), _bench(moe=True, moe_routing_simulation="uniform")
+    cfg = uniform.cfg
+    assert cfg.moe is not None
+    assert uniform.experts_hit(decode_batch(uniform.layout.pages(1, 32), 32, cfg.vocab_size, "cpu")) == \
+        [cfg.moe.top_k] * cfg.num_layers
+    batch = decode_batch(uniform.layout.pages(3, 32), 32, cfg.vocab_size, "cpu")
+    ids: dict[str, list[list[int]]] = {"fixed": [], "uniform": []}
+    for name, b in (("fixed", fixed), ("uniform", uniform)):
+        for _ in range(6):
+            seen: list[int] = []
+            h = b.experts[0].register_forward_pre_hook(lambda _m, a, seen=seen: seen.extend(a[2].flatten().tolist()))
+            try:
+                b.experts_hit(batch)
+            finally:
+                h.remove()
+            ids[name].append(seen)
+    assert all(x == ids["fixed"][0] for x in ids["fixed"])
+    assert any(x != ids["uniform"][0] for x in ids["uniform"])
 
 
 def test_dense_roofline_reads_every_weight() -> None:
