@@ -130,14 +130,18 @@ for s in $steps; do
           (cd "$OUT" && tar czf moe_configs.tgz moe_configs) ;;  # names with '=' and ',' do not come back as files
     moebench) for p in ${MOE_PRESETS:-mixtral-8x7b qwen3-30b-a3b}; do  # decode vs the experts-hit roofline, prefill, profile
             # MOE_BS / MOE_CTX: other decode batch sizes / contexts (e.g. the rows serving runs at: 4,8,12,16,24,32);
-            # MOE_ROUTING=uniform: random routing as the serving runs of dummy weights (--moe-routing-simulation)
-            # MOE_SECTIONS: a subset of decode,prefill,profile
+            # MOE_ROUTING="off uniform": one run each, the router's own choice and random routing as the serving runs
+            # of dummy weights (--moe-routing-simulation), into offline-PRESET-ROUTING.json; MOE_SECTIONS: a subset
+            # of decode,prefill,profile
             case $p in mixtral*) kv=300000 ;; *) kv=600000 ;; esac  # what fits beside the weights on one H200
-            PYTHONPATH=$BASE:/tmp/fi timeout ${MOEBENCH_TIMEOUT:-280} python3 bench/offline.py --model-path "preset:$p" \
-              --contexts ${MOE_CTX:-1024,8192} --batch-sizes ${MOE_BS:-1,8,32,64,128,256} --profile-ctx 2048,8192 \
-              --max-kv-tokens ${MOE_KV_TOKENS:-$kv} --moe-routing-simulation ${MOE_ROUTING:-off} \
-              --sections ${MOE_SECTIONS:-decode,prefill,profile} --out "$OUT/offline-$p.json" 2>&1 | grep -v '^offline bench' \
-              | tee "$OUT/offline-$p.log"
+            for r in ${MOE_ROUTING:-off}; do
+              f=offline-$p${MOE_ROUTING:+-$r}
+              PYTHONPATH=$BASE:/tmp/fi timeout ${MOEBENCH_TIMEOUT:-280} python3 bench/offline.py --model-path "preset:$p" \
+                --contexts ${MOE_CTX:-1024,8192} --batch-sizes ${MOE_BS:-1,8,32,64,128,256} --profile-ctx 2048,8192 \
+                --max-kv-tokens ${MOE_KV_TOKENS:-$kv} --moe-routing-simulation "$r" \
+                --sections ${MOE_SECTIONS:-decode,prefill,profile} --out "$OUT/$f.json" 2>&1 | grep -v '^offline bench' \
+                | tee "$OUT/$f.log"
+            done
           done ;;
     cputests) SGLANG_EXT_TEST_DEVICE=cuda PYTHONPATH=$BASE timeout 240 python3 -m pytest -q -p no:cacheprovider \
             --continue-on-collection-errors tests -k "engine or scheduler or models or overlap" 2>&1 | tee "$OUT/cpu_tests_on_cuda.log" ;;
