@@ -181,23 +181,26 @@ def test_the_mixtral_knee_folder_is_a_panel_with_its_logged_pool_and_moe_clock()
     assert pred["scheduled"] == 10 and 0.0 <= pred["both"] <= 1.0 and pred["ttft_median_ms"] > 0
 
 
-def test_the_uniform_mixtral_panel_pairs_fcfs_and_lvf_with_pools_from_both_calls() -> None:
-    """Session 8's Mixtral panel (two calls merged): both runs at 2 req/s x 3 repeats; fcfs's server log is
-    under calls/ (its call came first), lvf's on top, and both name the same pool."""
+def test_the_uniform_mixtral_panel_pairs_fcfs_and_lvf_with_pools_from_every_call() -> None:
+    """The Mixtral panel of sessions 8-9 (five calls merged): fcfs at 2 and 2.25, lvf at 2, 2.25 and 2.5, x 3
+    repeats; the last call's (lvf's) server log on top, the others under calls/, all naming the same pool."""
     panel = next(pn for pn in R.PANELS if pn.name == "12-06 h200 mixtral 0.9 uniform")
     (sw,) = panel.sweeps
     assert (sw.share, sw.model, sw.gpu) == (0.9, "mixtral-8x7b", "h200")
     found = R.reports(panel)
-    assert sorted((label, rate, k) for _, _, label, rate, k in found) == [
-        (run, 2.0, k) for run in ("fcfs-recompute", "lvf-rotate") for k in (0, 1, 2)]
+    assert sorted((label, rate, k) for _, _, label, rate, k in found) == sorted(
+        [("fcfs-recompute", r, k) for r in (2.0, 2.25) for k in (0, 1, 2)]
+        + [("lvf-rotate", r, k) for r in (2.0, 2.25, 2.5) for k in (0, 1, 2)])
     folder = R.RESULTS / sw.folder
     assert not (folder / "gp_server_fcfs-recompute.log").exists()
-    for run in ("fcfs-recompute", "lvf-rotate"):
-        assert R.pool_tokens(found[0][1], run, sw, R.memory_constants()) == (
-            (19550 - 1) * 16, "server log (19550 pages)")
+    assert len(list((folder / "calls").glob("*/gp_server_*.log"))) == 4
+    for _, path, run, _, _ in found:
+        assert R.pool_tokens(path, run, sw, R.memory_constants()) == ((19550 - 1) * 16, "server log (19550 pages)")
     report = json.loads((folder / "gp_lvf-rotate_r2_k1.json").read_text())
     assert (report["config"]["tbt_slo"], report["config"]["max_output_len"]) == (0.2, 1024)
     assert R.measured(report)["both"] == pytest.approx(147 / 150)
+    assert R.measured(json.loads((folder / "gp_fcfs-recompute_r2.25_k0.json").read_text()))["both"] == \
+        pytest.approx(111 / 150)
 
 
 def test_goodput_table_gives_the_mean_curve_per_rate() -> None:

@@ -185,14 +185,19 @@ def superseded_why(report: Report) -> str | None:
     return next((why for suffix, why in MOE_SUPERSEDED.items() if report.rel().endswith(suffix)), None)
 
 
-def moe_split(rows: Sequence[DecodeRow], fit_ctx: int) -> dict[str, list[DecodeRow]]:
-    """MoE decode rows -> fit (ctx == fit_ctx, not an outlier), held-out (every other ctx), outlier."""
+def moe_split(rows: Sequence[DecodeRow], fit_ctx: int,
+              fitted_runs: Sequence[str] | None = None) -> dict[str, list[DecodeRow]]:
+    """MoE decode rows -> fit (ctx == fit_ctx, not an outlier), held-out (every other ctx), outlier.
+    `fitted_runs` (a calibration file's `sources.moe_fit.runs`): only those runs' rows are "fit"; a run
+    measured after the file was fitted is held out whole, its rows at fit_ctx too."""
     out: dict[str, list[DecodeRow]] = {"fit": [], "held-out": [], "outlier": []}
     for d in rows:
         if any(d.source.endswith(src) and (d.bs, d.ctx) == (bs, ctx) for src, bs, ctx in MOE_OUTLIERS):
             out["outlier"].append(d)
+        elif d.ctx == fit_ctx and (fitted_runs is None or any(f.endswith(d.source) for f in fitted_runs)):
+            out["fit"].append(d)
         else:
-            out["fit" if d.ctx == fit_ctx else "held-out"].append(d)
+            out["held-out"].append(d)
     return out
 
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from bench.sim.cost import DEFAULT_CALIBRATION
-from bench.sim.fit import _nnls_rel, moe_design, moe_reports
+from bench.sim.fit import _nnls_rel, moe_design, moe_reports, moe_split
 from bench.sim.geometry import DTYPE_BYTES, Geometry
 from bench.sim.runs import DecodeRow, decode_rows, find_reports, report_geometry
 from sglang_ext.ops.moe.configs import get_config, split
@@ -58,16 +58,18 @@ def slowdown(geo: Geometry, bs: int, hit: float, h: float) -> float:
     return 2 / 3 * (1 + h * SMS / c_up) + 1 / 3 * (1 + h * SMS / c_down)
 
 
-def fit(rows: Sequence[DecodeRow], geos: dict[str, Geometry], dec: dict[str, Any], h: float
-        ) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """bench/sim/fit.py's fit_moe with the occupancy factor; every row's error after the fit."""
+def fit(rows: Sequence[DecodeRow], geos: dict[str, Geometry], dec: dict[str, Any], h: float,
+        fitted_runs: Sequence[str] | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """bench/sim/fit.py's fit_moe with the occupancy factor, on the rows at FIT_CTX of `fitted_runs` (the
+    calibration's, so that h = 0 is its fit; None: every run's); every row's error after the fit."""
 
     def design(d: DecodeRow) -> tuple[list[float], float]:
         geo = geos[d.model]
         hit = d.experts_hit if d.experts_hit is not None else geo.experts_hit(d.bs)
         return moe_design(geo, d.bs, d.ctx, d.experts_hit, dec, slowdown(geo, d.bs, hit, h))
 
-    fitted = [d for d in rows if d.ctx == FIT_CTX]
+    split = moe_split(rows, FIT_CTX, fitted_runs)
+    fitted = split["fit"]
     cols, known = zip(*(design(d) for d in fitted), strict=True)
     y = np.array([d.ms * 1e-3 for d in fitted])
     x, _ = _nnls_rel(np.array(cols), y - np.array(known), scale=y)
@@ -76,7 +78,7 @@ def fit(rows: Sequence[DecodeRow], geos: dict[str, Geometry], dec: dict[str, Any
         col, k = design(d)
         pred = float(np.dot(col, x) + k)
         out.append({"model": d.model, "bs": d.bs, "ctx": d.ctx, "measured_ms": d.ms, "predicted_ms": 1e3 * pred,
-                    "error_pct": 100 * (pred / (d.ms * 1e-3) - 1), "set": "fit" if d.ctx == FIT_CTX else "held-out"})
+                    "error_pct": 100 * (pred / (d.ms * 1e-3) - 1), "set": "fit" if d in fitted else "held-out"})
     return {"expert_GBps": float(1 / x[0] / 1e9) if x[0] > 0 else math.inf, "layer_expert_us": float(x[1])}, out
 
 
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
           "under HBM read")
     res = []
     for h in a.h:
-        rates, errs = fit(rows, geos, cal["decode"], h)
+        rates, errs = fit(rows, geos, cal["decode"], h, cal["sources"]["moe_fit"]["runs"])
         f = [abs(e["error_pct"]) for e in errs if e["set"] == "fit"]
         o = [abs(e["error_pct"]) for e in errs if e["set"] == "held-out"]
         print(f"{h:5.2f} {rates['expert_GBps']:12,.0f} {rates['layer_expert_us']:10.3f} "

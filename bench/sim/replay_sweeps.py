@@ -130,9 +130,10 @@ PANELS: Final[tuple[Panel, ...]] = (
                                                                   "H100: the kvbind setting with "
                                                                   "--moe-routing-simulation uniform (the routing "
                                                                   "the simulator prices)"),)),
-    Panel("12-06 h200 mixtral 0.9 uniform", (Sweep("2026-12-06-h200-s8/mixtral-uniform-knee", 0.9, "mixtral-8x7b",
-                                                   note="ff40ae9 (two calls), one H200: Mooncake outputs <= 1,024, "
-                                                        "TPOT 0.2 s, --moe-routing-simulation uniform"),)),
+    Panel("12-06 h200 mixtral 0.9 uniform", (Sweep("2026-12-06-h200-s9/mixtral-uniform-knee", 0.9, "mixtral-8x7b",
+                                                   note="ff40ae9 + df5d696 (five calls, sessions 8-9), one H200: "
+                                                        "Mooncake outputs <= 1,024, TPOT 0.2 s, "
+                                                        "--moe-routing-simulation uniform"),)),
 )
 
 

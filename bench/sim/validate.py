@@ -125,8 +125,8 @@ def moe_rows(cal: Calibration, reports: list[Any]) -> list[dict[str, Any]]:
         return []
     geos = {r.model: report_geometry(r) for r in runs}
     dense_only = Calibration.from_dict({k: v for k, v in cal.raw.items() if k not in ("moe", "moe_prefill")})
-    fit_ctx = int((cal.raw.get("sources", {}).get("moe_fit") or {}).get("ctx", 1024))
-    split = moe_split(decode_rows(runs), fit_ctx)
+    fit_src = cal.raw.get("sources", {}).get("moe_fit") or {}
+    split = moe_split(decode_rows(runs), int(fit_src.get("ctx", 1024)), fit_src.get("runs"))
     rows: list[dict[str, Any]] = []
 
     def add(group: str, d: DecodeRow, c: Calibration, note: str = "") -> None:
