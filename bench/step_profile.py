@@ -55,6 +55,10 @@ class PointSteps:
     decode_rows: float
     decode_context: float = 0.0  # KV tokens a decode-only row attended over (0: not logged, older servers)
     decode_source: str = "forwards"  # or OLDER: a log that counted calls, read from its overlapped intervals
+    # (forwards, ms, rows, context a row) of each logged interval with decode-only forwards and a logged
+    # context: a step's time is far from linear in its rows (an MoE's experts), so a model is checked
+    # interval by interval, not at the point's mean rows
+    decode_intervals: tuple[tuple[int, float, float, float], ...] = ()
 
 
 OLDER = "overlapped intervals of an older log"
@@ -85,7 +89,9 @@ def _summary(run: str, rate: float, repeat: int, lines: list[dict[str, float]]) 
                       mean("prefill_pct") / 100, mean("rows"), mean("running"), mean("waiting"),
                       sum(x["prefill_s"] for x in lines) / len(lines), mean("kv_mean") / 100,
                       max(x["kv_peak"] for x in lines) / 100, int(dsteps), dmean("d_ms"), dmean("d_rows"),
-                      context, source)
+                      context, source,
+                      tuple((int(x["d_steps"]), x["d_ms"], x["d_rows"], x["d_ctx"]) for x in decode
+                            if x["d_steps"] and "d_ctx" in x))
 
 
 def parse_log(text: str, run: str) -> list[PointSteps]:

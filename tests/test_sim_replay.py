@@ -291,6 +291,40 @@ def test_step_check_prices_the_decode_only_steps_a_server_logged(tmp_path: Path,
     assert R.step_check([R.Panel("p", (sw,))], {("h200", "llama-3-8b"): cost}, [row]) == []
 
 
+def test_step_check_prices_each_logged_interval_at_its_own_rows(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A point whose intervals ran 2 rows and 50 rows: an MoE's step is concave in its rows, so the model
+    prices each interval and weights by forwards, as the measured mean is; the price at the point's mean rows
+    (which session 8's replay used) is kept beside it, and for Mixtral it is well above."""
+    from bench import step_profile
+
+    folder = tmp_path / "panel"
+    folder.mkdir()
+
+    def line(n: int, ms: float, rows: float, ctx: int) -> str:
+        return ("[w0] INFO sglang_ext.worker.step_log: w0: steps 100 (50.0/s, 20.0 ms mean, 0 % with a prefill, "
+                "100 % overlapped) | running 12.0 (remote 0.0) waiting 0.5 | rows 12.0 | tokens out 600/s, prefill "
+                "0/s | executor wait 0.0 % (loads 0) | kv 40 % mean, 70 % peak | decode-only forwards "
+                f"{n} x {ms} ms at {rows} rows of {ctx} tokens")
+
+    (folder / "gp_server_fcfs-recompute.log").write_text("\n".join([
+        f"{step_profile.POINT_MARK} begins 2 0", line(100, 12.0, 2.0, 6000), line(100, 34.0, 50.0, 6000),
+        f"{step_profile.POINT_MARK} ends 2 0"]))
+    (pt,) = step_profile.folder_points(folder)
+    assert pt.decode_intervals == ((100, 12.0, 2.0, 6000.0), (100, 34.0, 50.0, 6000.0))
+    assert (pt.decode_rows, pt.decode_ms) == (26.0, 23.0)
+    monkeypatch.setattr(R, "RESULTS", tmp_path)
+    sw = R.Sweep("panel", 0.9, "mixtral-8x7b")
+    cost = CostModel.load(R.DEFAULT_CALIBRATION, "mixtral-8x7b")
+    row = R.Row("p", "panel", "gp_fcfs-recompute_r2_k0.json", "fcfs-recompute", 2.0, 0, 150, 300_000, "log", {}, {},
+                0, 0, 0)
+    (check,) = R.step_check([R.Panel("p", (sw,))], {("h200", "mixtral-8x7b"): cost}, [row])
+    per = (cost.decode_s(2, 12_000) + cost.decode_s(50, 300_000)) / 2
+    assert check["priced"] == "per interval" and check["model_ms"] == pytest.approx(1e3 * per)
+    assert check["model_at_mean_ms"] == pytest.approx(1e3 * cost.decode_s(26, 26 * 6000))
+    assert check["model_at_mean_ms"] > 1.1 * check["model_ms"]
+
+
 def test_card_file_takes_a_card_of_the_chosen_panels(capsys: pytest.CaptureFixture[str]) -> None:
     assert R.main(["--panels", "qwen3", "--card-file", "h200"]) == 2
     assert "want GPU=JSON" in capsys.readouterr().err

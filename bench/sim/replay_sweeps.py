@@ -407,9 +407,12 @@ def replay_panel(panel: Panel, costs: dict[tuple[str, str], CostModel], constant
 def step_check(panels: Sequence[Panel], costs: dict[tuple[str, str], CostModel], rows: Sequence[Row]
                ) -> list[dict[str, Any]]:
     """The cost model's decode step against the decode-only steps the servers logged in serving (panels
-    run with a step profile: bench/step_profile.py), at each point's mean rows and with the KV they read:
-    the rows' logged context where the servers log it (since 2026-12-06 session 5), else the point's mean
-    pool use (prefix cache and rows waiting for a prefill included: an upper bound)."""
+    run with a step profile: bench/step_profile.py). Where the servers log the rows' context (since
+    2026-12-06 session 5) the model prices each logged interval (~2 s) at its own rows and KV and the point's
+    figure is their mean weighted by forwards, as the measured one is: a step's time is concave in its rows
+    (an MoE's experts are all hit from ~16 rows on), so pricing the point's mean rows, as older logs must
+    (with the point's mean pool use as KV: prefix cache and rows waiting for a prefill included, an upper
+    bound), reads a point that mixes near-empty and full batches slow (`model_at_mean_ms`)."""
     pools = {(r.folder, r.run): r.pool_tokens for r in rows}  # both keyed by the reports' run label
     out = []
     for pn in panels:
@@ -418,12 +421,17 @@ def step_check(panels: Sequence[Panel], costs: dict[tuple[str, str], CostModel],
                 pool = pools.get((sw.folder, pt.run))
                 if pool is None or not pt.decode_steps or not pt.decode_rows:
                     continue
+                cost = costs[(sw.gpu, sw.model)]
                 logged = pt.decode_context > 0
                 kv = int(pt.decode_rows * pt.decode_context) if logged else int(pt.kv_mean * pool)
-                model_ms = 1e3 * costs[(sw.gpu, sw.model)].decode_s(max(1, round(pt.decode_rows)), kv)
+                at_mean = 1e3 * cost.decode_s(max(1, round(pt.decode_rows)), kv)
+                per = [(n, cost.decode_s(max(1, round(r)), int(r * c))) for n, _, r, c in pt.decode_intervals]
+                model_ms = 1e3 * sum(n * t for n, t in per) / sum(n for n, _ in per) if logged and per else at_mean
                 out.append({"panel": pn.name, "run": pt.run, "rate": pt.rate, "repeat": pt.repeat,
                             "rows": pt.decode_rows, "kv_tokens": kv, "measured_ms": pt.decode_ms,
-                            "model_ms": model_ms, "error": model_ms / pt.decode_ms - 1, "kv_peak": pt.kv_peak,
+                            "model_ms": model_ms, "model_at_mean_ms": at_mean,
+                            "priced": "per interval" if logged and per else "at the point's mean rows",
+                            "error": model_ms / pt.decode_ms - 1, "kv_peak": pt.kv_peak,
                             "waiting": pt.waiting, "steps": pt.decode_steps,
                             "kv_source": "rows' context" if logged else "pool use (upper bound)",
                             "steps_source": pt.decode_source})
@@ -439,8 +447,9 @@ def print_step_check(checks: Sequence[dict[str, Any]]) -> None:
         print(f"{c['panel']:<26} {c['run']:<22} {c['rate']:>5g} k{c['repeat']}  {c['steps']:>5} steps at "
               f"{c['rows']:5.1f} rows, ~{c['kv_tokens']:>7} KV tokens ({c['kv_source']}): "
               f"{c['measured_ms']:6.1f} ms -> model "
-              f"{c['model_ms']:6.1f} ms ({100 * c['error']:+.1f} %)  KV peak {100 * c['kv_peak']:.0f} %, "
-              f"waiting {c['waiting']:.1f}")
+              f"{c['model_ms']:6.1f} ms ({100 * c['error']:+.1f} %"
+              + (f"; at the mean rows {c['model_at_mean_ms']:.1f}" if c["priced"] == "per interval" else "")
+              + f")  KV peak {100 * c['kv_peak']:.0f} %, waiting {c['waiting']:.1f}")
     older = sum(c.get("steps_source") == step_profile.OLDER for c in checks)
     if older:
         print(f"({older} of these points from servers before 2026-12-06 session 6, which counted calls: their "
