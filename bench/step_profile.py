@@ -59,6 +59,10 @@ class PointSteps:
     # context: a step's time is far from linear in its rows (an MoE's experts), so a model is checked
     # interval by interval, not at the point's mean rows
     decode_intervals: tuple[tuple[int, float, float, float], ...] = ()
+    # (forwards with a prefill, ms each, prefill tokens each, decode rows riding along, their context a row)
+    # of each interval logged per forward: the time left after the decode-only forwards, over the forwards
+    # that launched a prefill (the share logged as a whole percent: an estimate)
+    prefill_intervals: tuple[tuple[int, float, float, float, float], ...] = ()
 
 
 OLDER = "overlapped intervals of an older log"
@@ -91,7 +95,18 @@ def _summary(run: str, rate: float, repeat: int, lines: list[dict[str, float]]) 
                       max(x["kv_peak"] for x in lines) / 100, int(dsteps), dmean("d_ms"), dmean("d_rows"),
                       context, source,
                       tuple((int(x["d_steps"]), x["d_ms"], x["d_rows"], x["d_ctx"]) for x in decode
-                            if x["d_steps"] and "d_ctx" in x))
+                            if x["d_steps"] and "d_ctx" in x),
+                      tuple(_prefill(x) for x in lines if "per_forward" in x and "d_ctx" in x and _prefill(x)[0]))
+
+
+def _prefill(x: dict[str, float]) -> tuple[int, float, float, float, float]:
+    """One interval's forwards with a prefill: how many, their mean time and prefill tokens (see PointSteps)."""
+    n = round(x["steps"] * x["prefill_pct"] / 100)
+    if n < 1 or x["prefill_s"] <= 0:
+        return (0, 0.0, 0.0, 0.0, 0.0)
+    span_s = x["steps"] / x["per_s"]
+    ms = (x["steps"] * x["ms"] - x["d_steps"] * x["d_ms"]) / n
+    return (n, ms, x["prefill_s"] * span_s / n, x["d_rows"], x["d_ctx"])
 
 
 def parse_log(text: str, run: str) -> list[PointSteps]:

@@ -84,3 +84,18 @@ def test_a_folder_with_no_profile_says_so(tmp_path: Path, capsys: pytest.Capture
     assert math.isnan(S._summary("r", 1, 0, [{**dict.fromkeys(
         ("steps", "per_s", "ms", "prefill_pct", "running", "waiting", "rows", "tok_s", "prefill_s", "kv_mean",
          "kv_peak", "d_ms", "d_rows", "per_forward", "overlapped"), 1.0), "d_steps": 0.0}]).decode_ms)
+
+
+def test_forwards_with_a_prefill_are_estimated_from_what_the_decode_only_ones_leave() -> None:
+    """Per interval logged per forward: the forwards that launched a prefill (the logged share of the calls),
+    their mean time (the interval's time less its decode-only forwards') and prefill tokens, with the
+    interval's decode rows and context beside them; an older line (no context) gives none."""
+    line = ("[w0] INFO x: w0: steps 10 (5.0/s, 200.0 ms mean, 20 % with a prefill, 50 % overlapped) | running 21.0 "
+            "(remote 0.0) waiting 0.5 | rows 20.0 | tokens out 100/s, prefill 6000/s | executor wait 0.0 % (loads 0) "
+            "| kv 40 % mean, 70 % peak | decode-only forwards 8 x 25.0 ms at 20.0 rows of 3000 tokens")
+    (p,) = S.parse_log(f"{S.POINT_MARK} begins 2 0\n{line}\n{S.POINT_MARK} ends 2 0", "lvf-rotate")
+    # 10 calls in 2 s: 2 with a prefill, which took what the 8 decode-only forwards (200 ms) left of 2,000 ms,
+    # and the 12,000 prefill tokens of those 2 s
+    assert p.prefill_intervals == ((2, 900.0, 6000.0, 20.0, 3000.0),)
+    (q,) = S.parse_log(f"{S.POINT_MARK} begins 3 0\n{_old(100, 11.0, 12.0)}\n{S.POINT_MARK} ends 3 0", "lvf-rotate")
+    assert q.prefill_intervals == ()

@@ -325,6 +325,23 @@ def test_step_check_prices_each_logged_interval_at_its_own_rows(tmp_path: Path,
     assert check["model_at_mean_ms"] > 1.1 * check["model_ms"]
 
 
+def test_forwards_with_a_prefill_are_priced_per_interval() -> None:
+    """The step check's prefill side: each interval's forwards with a prefill priced as one chunk of their mean
+    tokens with the interval's decode rows beside it, weighted by forwards; none without such intervals."""
+    from bench import step_profile
+
+    cost = CostModel.load(R.DEFAULT_CALIBRATION, "mixtral-8x7b")
+    pt = step_profile.PointSteps("fcfs-recompute", 2.0, 0, 2, 100, 50.0, 0.1, 20.0, 20.0, 0.0, 5000.0, 0.8, 1.0,
+                                 90, 25.0, 20.0, 6000.0,
+                                 prefill_intervals=((3, 400.0, 6000.0, 20.0, 6000.0), (1, 200.0, 2000.0, 10.0, 5000.0)))
+    c = R._prefill_check(cost, pt)
+    want = (3 * cost.prefill_s([(6000, 6000)], 20, 120_000) + cost.prefill_s([(2000, 2000)], 10, 50_000)) / 4
+    assert c["prefill_forwards"] == 4 and c["prefill_measured_ms"] == pytest.approx(350.0)
+    assert c["prefill_tokens"] == pytest.approx(5000.0) and c["prefill_model_ms"] == pytest.approx(1e3 * want)
+    assert R._prefill_check(cost, step_profile.PointSteps("x", 1.0, 0, 1, 1, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.1, 0.1,
+                                                          1, 1.0, 1.0)) == {}
+
+
 def test_card_file_takes_a_card_of_the_chosen_panels(capsys: pytest.CaptureFixture[str]) -> None:
     assert R.main(["--panels", "qwen3", "--card-file", "h200"]) == 2
     assert "want GPU=JSON" in capsys.readouterr().err

@@ -434,8 +434,23 @@ def step_check(panels: Sequence[Panel], costs: dict[tuple[str, str], CostModel],
                             "error": model_ms / pt.decode_ms - 1, "kv_peak": pt.kv_peak,
                             "waiting": pt.waiting, "steps": pt.decode_steps,
                             "kv_source": "rows' context" if logged else "pool use (upper bound)",
-                            "steps_source": pt.decode_source})
+                            "steps_source": pt.decode_source, **_prefill_check(cost, pt)})
     return out
+
+
+def _prefill_check(cost: CostModel, pt: step_profile.PointSteps) -> dict[str, Any]:
+    """The forwards that carried a prefill, estimated from the step log (bench/step_profile.py) and priced
+    per interval: a chunk of the interval's mean prefill tokens with its decode rows riding along, its
+    attention as if the chunk began its prompt (the log has no positions: a lower bound, small beside the
+    GEMMs at these lengths). Empty for servers that logged no context (before 2026-12-06 session 5)."""
+    iv = pt.prefill_intervals
+    n = sum(k for k, *_ in iv)
+    if not n:
+        return {}
+    model = sum(k * cost.prefill_s([(max(1, round(t)), max(1, round(t)))], round(r), int(r * c))
+                for k, _, t, r, c in iv)
+    return {"prefill_forwards": n, "prefill_measured_ms": sum(k * ms for k, ms, *_ in iv) / n,
+            "prefill_tokens": sum(k * t for k, _, t, _, _ in iv) / n, "prefill_model_ms": 1e3 * model / n}
 
 
 def print_step_check(checks: Sequence[dict[str, Any]]) -> None:
@@ -457,6 +472,18 @@ def print_step_check(checks: Sequence[dict[str, Any]]) -> None:
     errs = [abs(c["error"]) for c in checks]
     print(f"{len(checks)} points: decode step error mean {100 * float(np.mean(errs)):.1f} %, "
           f"max {100 * max(errs):.1f} %")
+    pre = [c for c in checks if c.get("prefill_forwards")]
+    if pre:
+        print("forwards with a prefill (estimated from the step log: the time left after the decode-only forwards)")
+        for c in pre:
+            err = c["prefill_model_ms"] / c["prefill_measured_ms"] - 1
+            print(f"{c['panel']:<26} {c['run']:<22} {c['rate']:>5g} k{c['repeat']}  {c['prefill_forwards']:>4} x "
+                  f"{c['prefill_measured_ms']:6.1f} ms at ~{c['prefill_tokens']:5.0f} tokens -> model "
+                  f"{c['prefill_model_ms']:6.1f} ms ({100 * err:+.1f} %)")
+        meas = sum(c["prefill_forwards"] * c["prefill_measured_ms"] for c in pre)
+        model = sum(c["prefill_forwards"] * c["prefill_model_ms"] for c in pre)
+        print(f"{len(pre)} points: forwards with a prefill priced {100 * (model / meas - 1):+.1f} % in all "
+              f"(weighted by forwards)")
 
 
 # ---------------------------------------------------------------------------------------------- goodput
