@@ -29,8 +29,14 @@ import triton.language as tl
 
 SCAN: Final = 1024  # ids read per step of the scans
 
+# Sizes that change with the batch are left unspecialized: Triton would otherwise compile another variant of
+# the kernel for each divisibility of these ints (by 16, or == 1) the first time a batch brings one, in the
+# middle of serving (a fresh machine's first server ran prefill forwards 2-5x slow for its first seconds:
+# bench/results/2026-12-06-h200-s9/README.md); a hint lost on a loop bound costs nothing measurable.
+SIZES = ("n",)
 
-@triton.jit
+
+@triton.jit(do_not_specialize=SIZES)
 def _count_kernel(ids_ptr, counts_ptr, n, first_expert, BLOCK: tl.constexpr):
     e = tl.program_id(0)
     target = e + first_expert
@@ -42,7 +48,7 @@ def _count_kernel(ids_ptr, counts_ptr, n, first_expert, BLOCK: tl.constexpr):
     tl.store(counts_ptr + e, tl.sum(c, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SIZES)
 def _place_kernel(ids_ptr, counts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, n, n_experts, first_expert,
                   BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
     e = tl.program_id(0)

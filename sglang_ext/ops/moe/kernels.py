@@ -28,6 +28,12 @@ import triton.language as tl
 from sglang_ext.ops.moe.align import Aligned, align_block_size
 from sglang_ext.ops.moe.configs import Config, device_name, get_config, split
 
+# Sizes that change with the batch are left unspecialized: Triton would otherwise compile another variant of
+# the kernel for each divisibility of these ints (by 16, or == 1) the first time a batch brings one, in the
+# middle of serving (a fresh machine's first server ran prefill forwards 2-5x slow for its first seconds:
+# bench/results/2026-12-06-h200-s9/README.md); a hint lost on a loop bound costs nothing measurable.
+SIZES = ("n_pairs", "num_blocks_m")
+
 
 @triton.jit
 def _block_of(pid, num_blocks_m, n_cols, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
@@ -49,7 +55,7 @@ def _rows_of(pid_m, pid_n, sorted_ptr, expert_ids_ptr, n_pairs, n_cols,
     return pair, pair < n_pairs, e, cols, cols < n_cols
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SIZES)
 def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
                     n_pairs, top_k, n_inter, n_hidden, num_blocks_m,
                     stride_xt, stride_we, stride_wn, stride_wk, stride_ot,
@@ -89,7 +95,7 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_padde
     tl.store(o_ptrs, h, mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SIZES)
 def _down_kernel(h_ptr, w_ptr, out_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
                  n_pairs, n_hidden, n_inter, num_blocks_m,
                  stride_ht, stride_we, stride_wn, stride_wk, stride_ot,

@@ -11,8 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
+# Sizes that change with the batch are left unspecialized: Triton would otherwise compile another variant of
+# the kernel for each divisibility of these ints (by 16, or == 1) the first time a batch brings one, in the
+# middle of serving (a fresh machine's first server ran prefill forwards 2-5x slow for its first seconds:
+# bench/results/2026-12-06-h200-s9/README.md); a hint lost on a loop bound costs nothing measurable.
+SIZES = ("n_rows",)
 
-@triton.jit
+
+@triton.jit(do_not_specialize=SIZES)
 def _route_kernel(logits_ptr, w_ptr, ids_ptr, n_rows, n_experts, stride_row,
                   TOP_K: tl.constexpr, RENORM: tl.constexpr, ROWS: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
