@@ -123,13 +123,18 @@ async def test_killed_worker_fails_only_its_requests(server: Server, tmp: Path) 
         def post(model: str, text: str, sp: dict[str, object]) -> asyncio.Task[httpx.Response]:
             return asyncio.create_task(c.post("/generate", json={"text": text, "model": model, "sampling_params": sp}))
 
+        # Both replicas up first: one seen down (a heartbeat late on a loaded machine) would take both requests
+        # on the other, and the test would kill a worker with nothing on it.
+        for wid in ("beta-0", "beta-1"):
+            await asyncio.to_thread(wait_for, lambda wid=wid: server.worker(wid)["up"], 60, f"{wid} up")
         on_beta = [post("beta", f"long {i}", long) for i in range(2)]  # one lands on each replica
         deadline = time.monotonic() + 60
         while True:  # (polled from a thread: the event loop must keep sending the requests above)
             inflight = await asyncio.to_thread(_inflight, server)
             if inflight.get("beta-0", 0) >= 1 and inflight.get("beta-1", 0) >= 1:
                 break
-            assert time.monotonic() < deadline and not any(t.done() for t in on_beta), inflight
+            early = [t.result().text[:200] for t in on_beta if t.done() and not t.exception()]
+            assert time.monotonic() < deadline and not any(t.done() for t in on_beta), (inflight, early)
             await asyncio.sleep(0.05)
         on_alpha = post("alpha", "alpha keeps going", {"max_new_tokens": 40, "ignore_eos": True})
         t_kill = time.monotonic()
