@@ -37,7 +37,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, get_args
 from unittest import mock
 
 if __package__ in (None, ""):
@@ -66,7 +66,7 @@ from sglang_ext.models.resolve import resolve_model_path
 from sglang_ext.sampling.params import SamplingParams
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
-from sglang_ext.server_args import ServerArgs
+from sglang_ext.server_args import MoERoutingSimulation, ServerArgs
 
 
 class Bench:
@@ -560,7 +560,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-kv-tokens", type=int, default=None,
                    help="cap the KV pool (a large model leaves less memory); decode points that do not fit are "
                         "skipped and listed")
-    p.add_argument("--moe-routing-simulation", default="off", choices=["off", "uniform"],
+    p.add_argument("--moe-routing-simulation", default="off", choices=get_args(MoERoutingSimulation),
                    help="uniform: every token picks top-k experts at random, as the serving runs of dummy "
                         "weights do (the dummy router's own choice is skewed; decode steps then differ); each "
                         "graph replay draws anew, so experts_hit is one eager draw's count")

@@ -96,7 +96,7 @@ def _summary(run: str, rate: float, repeat: int, lines: list[dict[str, float]]) 
                       context, source,
                       tuple((int(x["d_steps"]), x["d_ms"], x["d_rows"], x["d_ctx"]) for x in decode
                             if x["d_steps"] and "d_ctx" in x),
-                      tuple(_prefill(x) for x in lines if "per_forward" in x and "d_ctx" in x and _prefill(x)[0]))
+                      tuple(pf for x in lines if "per_forward" in x and "d_ctx" in x and (pf := _prefill(x))[0]))
 
 
 def _prefill(x: dict[str, float]) -> tuple[int, float, float, float, float]:

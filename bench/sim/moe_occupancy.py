@@ -68,8 +68,7 @@ def fit(rows: Sequence[DecodeRow], geos: dict[str, Geometry], dec: dict[str, Any
         hit = d.experts_hit if d.experts_hit is not None else geo.experts_hit(d.bs)
         return moe_design(geo, d.bs, d.ctx, d.experts_hit, dec, slowdown(geo, d.bs, hit, h))
 
-    split = moe_split(rows, FIT_CTX, fitted_runs)
-    fitted = split["fit"]
+    fitted = moe_split(rows, FIT_CTX, fitted_runs)["fit"]
     cols, known = zip(*(design(d) for d in fitted), strict=True)
     y = np.array([d.ms * 1e-3 for d in fitted])
     x, _ = _nnls_rel(np.array(cols), y - np.array(known), scale=y)

@@ -425,12 +425,13 @@ def step_check(panels: Sequence[Panel], costs: dict[tuple[str, str], CostModel],
                 logged = pt.decode_context > 0
                 kv = int(pt.decode_rows * pt.decode_context) if logged else int(pt.kv_mean * pool)
                 at_mean = 1e3 * cost.decode_s(max(1, round(pt.decode_rows)), kv)
-                per = [(n, cost.decode_s(max(1, round(r)), int(r * c))) for n, _, r, c in pt.decode_intervals]
-                model_ms = 1e3 * sum(n * t for n, t in per) / sum(n for n, _ in per) if logged and per else at_mean
+                per = [(n, cost.decode_s(max(1, round(r)), int(r * c))) for n, _, r, c in pt.decode_intervals
+                       ] if logged else []
+                model_ms = 1e3 * sum(n * t for n, t in per) / sum(n for n, _ in per) if per else at_mean
                 out.append({"panel": pn.name, "run": pt.run, "rate": pt.rate, "repeat": pt.repeat,
                             "rows": pt.decode_rows, "kv_tokens": kv, "measured_ms": pt.decode_ms,
                             "model_ms": model_ms, "model_at_mean_ms": at_mean,
-                            "priced": "per interval" if logged and per else "at the point's mean rows",
+                            "priced": "per interval" if per else "at the point's mean rows",
                             "error": model_ms / pt.decode_ms - 1, "kv_peak": pt.kv_peak,
                             "waiting": pt.waiting, "steps": pt.decode_steps,
                             "kv_source": "rows' context" if logged else "pool use (upper bound)",
