@@ -8,6 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from _tiny import make_scheduler, tiny_moe_config
 
@@ -105,3 +106,13 @@ def test_summary_prints_a_prefill_profile_beside_the_decode_ones() -> None:
     text = offline.summary(json.loads(run.read_text()))
     assert "profile[prefill_1x1024]: " in text
     assert "profile[graph] bs=64 ctx=2048" in text and "attention 15% of kernel time" in text
+
+
+def test_an_unknown_routing_simulation_is_refused_with_the_choices(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/offline.py parses its flags before it looks for a GPU: a wrong --moe-routing-simulation is a
+    usage error naming the allowed values, on any machine."""
+    with pytest.raises(SystemExit) as e:
+        offline.main(["--moe-routing-simulation", "zipf"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--moe-routing-simulation" in err and "'off'" in err and "'uniform'" in err
