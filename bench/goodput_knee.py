@@ -697,6 +697,7 @@ def main(argv: list[str] | None = None, *, executor: Executor | None = None,
     date = datetime.now(timezone.utc).isoformat(timespec="seconds")
     head = {"call_id": call_id, "date": date,
             **{k: v for k, v in serving.provenance(call_id).items() if k != "call_id"}, "gpu": R.gpu_name(a.device),
+            "gpu_uuid": R.gpu_uuid(a.device),
             "plan": {**asdict(plan), "rates": plan.rates, "extension": plan.extension(), "stride": plan.stride,
                      "offsets": [plan.offset(k) for k in range(plan.repeats)],
                      "n_per_rate": {f"{r:g}": plan.n(r) for r in (*plan.rates, *plan.extension())}},
@@ -729,7 +730,7 @@ def main(argv: list[str] | None = None, *, executor: Executor | None = None,
         head["resumed_from"] = str(a.resume)
 
     def calls(search: Search) -> dict[str, Any]:
-        mine = {k: head[k] for k in ("call_id", "git_commit", "git_dirty", "commit_source", "date", "gpu")}
+        mine = {k: head[k] for k in ("call_id", "git_commit", "git_dirty", "commit_source", "date", "gpu", "gpu_uuid")}
         mine.update(stopped=search.stopped, elapsed_s=round(search.elapsed_s, 1), budget_s=search.budget_s,
                     points={run: [e["rate"] for e in s.order if e.get("call") == call_id]
                             for run, s in search.state.items()})
@@ -741,7 +742,7 @@ def main(argv: list[str] | None = None, *, executor: Executor | None = None,
                "calls": merge["calls"]}
         if prev is not None:  # a search over several calls: say so where a reader looks first
             doc.update(warnings=[*head["warnings"], *merge["warnings"]], merged_calls=merge["merged_calls"],
-                       commits_differ=merge["commits_differ"])
+                       commits_differ=merge["commits_differ"], one_card_one_commit=merge["one_card_one_commit"])
         knee_json.write_text(json.dumps(doc, indent=2) + "\n")
 
     search.on_point = save

@@ -88,20 +88,30 @@ class Previous:
         return {(run, rate) for run, curve in self.curves.items() for rate in curve}
 
 
-def gpu_name(device: str) -> str | None:
-    """The card this call's servers run on, as nvidia-smi names it ("NVIDIA H200"), "cpu" for a CPU run,
-    None where it cannot be told. A panel never merges cards: another card is another decode speed."""
-    if not device.startswith("cuda"):
-        return device
+def _smi(device: str, field: str) -> str | None:
+    """nvidia-smi's `field` for the card torch calls `device`, None where it cannot be told."""
     ordinal = int(device.partition(":")[2] or 0)  # torch's index among the visible cards
     visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
     index = visible[ordinal] if ordinal < len(visible) and visible[ordinal].isdigit() else str(ordinal)
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", index],
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader", "-i", index],
                              capture_output=True, text=True, timeout=20, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     return out.strip().splitlines()[0].strip() if out.strip() else None
+
+
+def gpu_name(device: str) -> str | None:
+    """The card this call's servers run on, as nvidia-smi names it ("NVIDIA H200"), "cpu" for a CPU run,
+    None where it cannot be told. A panel never merges cards: another card is another decode speed."""
+    return _smi(device, "name") if device.startswith("cuda") else device
+
+
+def gpu_uuid(device: str) -> str | None:
+    """The physical card ("GPU-8f2c..."), None on CPU or where it cannot be told. Calls that cannot share
+    one call (a point pair longer than a call) are the nearest thing when they ran on one card at one
+    commit; this is what shows they did."""
+    return _smi(device, "uuid") if device.startswith("cuda") else None
 
 
 def check_gpu(calls: list[dict[str, Any]], gpu: str | None, where: str) -> list[str]:
@@ -120,7 +130,7 @@ def _legacy_call(doc: dict[str, Any], dates: list[str]) -> dict[str, Any]:
     """The call record of a knee.json written before --resume existed: its head, its points."""
     return {"call_id": doc.get("call_id"), "git_commit": doc.get("git_commit"), "git_dirty": doc.get("git_dirty"),
             "commit_source": doc.get("commit_source"), "date": doc.get("date") or (min(dates) if dates else None),
-            "gpu": doc.get("gpu"),
+            "gpu": doc.get("gpu"), "gpu_uuid": doc.get("gpu_uuid"),
             "stopped": doc.get("stopped"), "elapsed_s": doc.get("elapsed_s"), "budget_s": doc.get("budget_s"),
             "points": {run: [e["rate"] for e in r.get("order", [])] for run, r in doc.get("runs", {}).items()}}
 
@@ -217,7 +227,13 @@ def merged(calls: list[dict[str, Any]]) -> dict[str, Any]:
     gpus = {c.get("gpu") for c in calls} - {None}
     if len(gpus) > 1:  # check_gpu refuses this; a hand-edited or older folder could still hold it
         warnings.append("CALLS RAN ON DIFFERENT GPUS: " + ", ".join(f"{c.get('gpu')} ({c['call_id']})" for c in calls))
-    return {"merged_calls": len(calls), "commits_differ": len(commits) > 1, "calls": calls, "warnings": warnings}
+    cards = {c.get("gpu_uuid") for c in calls}
+    if None not in cards and len(cards) > 1:
+        warnings.append(f"CALLS RAN ON {len(cards)} PHYSICAL CARDS: " + ", ".join(
+            f"{str(c.get('gpu_uuid'))[:12]} ({c['call_id']})" for c in calls))
+    one_card = None not in cards and len(cards) == 1
+    return {"merged_calls": len(calls), "commits_differ": len(commits) > 1, "calls": calls, "warnings": warnings,
+            "one_card_one_commit": one_card and len(commits) == 1 and not dirty}
 
 
 def calls_text(doc: dict[str, Any]) -> str:
@@ -227,7 +243,10 @@ def calls_text(doc: dict[str, Any]) -> str:
     for c in doc["calls"]:
         dirty = {True: "dirty", False: "clean"}.get(c.get("git_dirty"), "dirty unknown")
         pts = "; ".join(f"{run} {' '.join(f'{r:g}' for r in rates)}" for run, rates in c["points"].items() if rates)
+        card = f" {str(c['gpu_uuid'])[:12]}" if c.get("gpu_uuid") else ""
         lines.append(f"  {c['call_id']}  commit {str(c.get('git_commit'))[:12]} ({dirty})  {c.get('date')}  "
-                     f"{c.get('gpu') or 'GPU not recorded'}  points: {pts or 'none'}")
+                     f"{c.get('gpu') or 'GPU not recorded'}{card}  points: {pts or 'none'}")
+    if doc.get("one_card_one_commit") and doc["merged_calls"] > 1:
+        lines.append("  every call on one physical card at one clean commit: consecutive calls, not one call")
     lines.extend(f"!!! {w}" for w in doc["warnings"])
     return "\n".join(lines)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal, get_args, get_origin
 
 DEFAULT_PORT: Final = 30000
+DEFAULT_MAX_RUNNING: Final = 256  # --max-running-requests unset
 LoadFormat = Literal["auto", "safetensors", "dummy"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulePolicy = Literal["fcfs", "lpm", "lvf", "wf", "sf"]
@@ -401,6 +402,16 @@ class ServerArgs:
             # CPU: small chunks keep decode streams moving (a 2K-token chunk is ~1 s of CPU compute)
             return 8192 if self.resolved_device.startswith("cuda") else 512
         return self.chunked_prefill_size if self.chunked_prefill_size > 0 else None
+
+    @property
+    def resolved_max_running_requests(self) -> int:
+        return self.max_running_requests or DEFAULT_MAX_RUNNING
+
+    @property
+    def max_forward_tokens(self) -> int:
+        """The most tokens one forward can carry: a prefill budget plus every running request decoding
+        alongside (the scheduler's EXTEND batch)."""
+        return (self.resolved_chunked_prefill_size or self.max_prefill_tokens) + self.resolved_max_running_requests
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:

@@ -283,6 +283,30 @@ def test_a_resume_on_another_card_is_refused(tmp_path: Path, monkeypatch: pytest
     assert "NVIDIA H200  points:" in (tmp_path / "c2" / "goodput.txt").read_text()
 
 
+def test_the_physical_card_is_recorded_and_a_panel_says_when_one_card_ran_every_call(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runs' points can outlast one call; the nearest is consecutive calls on one card at one commit,
+    which the panel then says (and warns when the calls ran on different physical cards)."""
+    monkeypatch.setenv(serving.COMMIT_ENV, "a" * 40)
+    monkeypatch.setenv(serving.DIRTY_ENV, "0")
+    monkeypatch.setattr(K.R, "gpu_name", lambda device: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(K.R, "gpu_uuid", lambda device: "GPU-1111aaaa-2222")
+    assert call(tmp_path / "c0", 900, "knee-c0")[0] == 0
+    assert doc(tmp_path / "c0")["gpu_uuid"] == doc(tmp_path / "c0")["calls"][0]["gpu_uuid"] == "GPU-1111aaaa-2222"
+    assert "one physical card" not in (tmp_path / "c0" / "goodput.txt").read_text()  # one call: nothing to say
+    assert call(tmp_path / "c1", 900, "knee-c1", "--resume", str(tmp_path / "c0"))[0] == 0
+    text = (tmp_path / "c1" / "goodput.txt").read_text()
+    assert "NVIDIA H100 80GB HBM3 GPU-1111aaa" in text
+    assert "every call on one physical card at one clean commit: consecutive calls, not one call" in text
+    assert doc(tmp_path / "c1")["one_card_one_commit"] is True
+    monkeypatch.setattr(K.R, "gpu_uuid", lambda device: "GPU-3333bbbb-4444")  # the same model, another card
+    assert call(tmp_path / "c2", 900, "knee-c2", "--resume", str(tmp_path / "c1"))[0] == 0
+    d = doc(tmp_path / "c2")
+    assert d["one_card_one_commit"] is False
+    assert any(w.startswith("CALLS RAN ON 2 PHYSICAL CARDS") for w in d["warnings"])
+    assert "one physical card" not in (tmp_path / "c2" / "goodput.txt").read_text()
+
+
 def test_earlier_calls_without_a_recorded_card_are_flagged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(serving.COMMIT_ENV, "a" * 40)
     monkeypatch.setenv(serving.DIRTY_ENV, "0")
@@ -300,7 +324,7 @@ def test_gpu_name_asks_nvidia_smi_for_the_visible_card(monkeypatch: pytest.Monke
 
     from bench import knee_resume as R
 
-    assert R.gpu_name("cpu") == "cpu"
+    assert R.gpu_name("cpu") == "cpu" and R.gpu_uuid("cpu") is None
     seen: list[list[str]] = []
 
     def smi(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:

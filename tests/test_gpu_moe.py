@@ -164,3 +164,34 @@ def test_moe_checkpoint_served_on_one_gpu_with_remote_attention(tmp_path: Path) 
     assert len({tuple(w) for w in want}) > 1  # a real model: prompts give different continuations
     assert [o["output_ids"] for o in got] == want
     assert any(o["meta_info"].get("attention_executor") for o in got)  # the share really moved
+
+
+@pytest.mark.parametrize("geom", list(GEOMETRIES))
+def test_the_runner_builds_every_moe_variant_before_serving(geom: str) -> None:
+    """After start-up no forward size up to the bound compiles another variant of the MoE GEMMs (Triton's
+    per-device kernel caches stay the same size): the mid-run compile the "moe kernels" stage prevents."""
+    from sglang_ext import ops
+    from sglang_ext.models.moe import SparseMoeBlock
+    from sglang_ext.ops.moe import kernels
+
+    cfg = tiny_config(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, **GEOMETRIES[geom])
+    args = ServerArgs(device="cuda", dtype="bfloat16", load_format="dummy", page_size=16, cuda_graph_max_bs=16,
+                      max_total_tokens=4096, chunked_prefill_size=2048, max_running_requests=16)
+    r = ModelRunner(args, None, cfg)  # type: ignore[arg-type]
+    fns = (kernels._gate_up_kernel, kernels._down_kernel)
+    if not all(hasattr(f, "device_caches") for f in fns):
+        pytest.skip("this Triton keeps no per-device kernel caches to count")
+
+    def built() -> int:
+        return sum(len(c[0]) for f in fns for c in f.device_caches.values())
+
+    before = built()
+    assert before > 0
+    e = next(m for m in r.model.modules() if isinstance(m, SparseMoeBlock)).experts
+    k = int(str(GEOMETRIES[geom]["num_experts_per_tok"]))
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for t in (1, 3, 17, 100, 513, 1500, 2049, args.max_forward_tokens):
+        ids = torch.rand(t, e.num_local, generator=g, device="cuda").topk(k, dim=1).indices.to(torch.int32)
+        ops.fused_moe(torch.randn(t, 1024, device="cuda", dtype=torch.bfloat16), e.gate_up_proj, e.down_proj,
+                      torch.full((t, k), 1.0 / k, device="cuda"), ids)
+    assert built() == before

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Final
 
 import torch
 
+from sglang_ext import ops
 from sglang_ext.attention import get_backend_class
 from sglang_ext.engine import sm_partition
 from sglang_ext.engine.cuda_graph import DEFAULT_MAX_BS, CudaGraphRunner
@@ -20,7 +21,7 @@ from sglang_ext.forward_batch import ForwardBatch
 from sglang_ext.kvcache.pool import KVGeometry, KVPool
 from sglang_ext.models.config import ModelConfig
 from sglang_ext.models.loader import load_model
-from sglang_ext.models.moe import simulate_uniform_routing
+from sglang_ext.models.moe import SparseMoeBlock, simulate_uniform_routing
 from sglang_ext.server_args import ServerArgs
 
 if TYPE_CHECKING:
@@ -157,6 +158,19 @@ class ModelRunner:
         with self.timer.stage("cuda graphs", self.device) as notes:
             self.init_cuda_graphs()
             notes.append(f"{len(self.graphs.sizes)} batch sizes up to {self.graphs.max_bs}" if self.graphs else "none")
+        moe = next((m for m in self.model.modules() if isinstance(m, SparseMoeBlock)), None)
+        if moe is not None and self.device.type == "cuda":
+            with self.timer.stage("moe kernels", self.device) as notes:
+                notes.append(self._warm_moe(moe))
+
+    @torch.inference_mode()
+    def _warm_moe(self, block: SparseMoeBlock) -> str:
+        """Build every MoE kernel variant a forward can use before serving (every layer shares them): the
+        first batch to need an unbuilt one would otherwise wait seconds for Triton mid-run."""
+        top = self.args.max_forward_tokens
+        e = block.experts
+        counts = ops.warm_moe(e.gate_up_proj, e.down_proj, block.moe.top_k, top, e.first_expert)
+        return f"{len(counts)} block-size configs for 1-{top} tokens, built at {counts}"
 
     def init_cuda_graphs(self) -> None:
         """Capture decode graphs (CUDA, a backend that supports them, not --disable-cuda-graph)."""

@@ -60,7 +60,7 @@ def local_sender(args: ServerArgs, runner: ModelRunner, worker_id: str) -> Remot
         from sglang_ext.offload.peer import PeerRemote
 
         remote = PeerRemote(executor, worker_id, guest_spec(runner), runner.device, runner.cfg.num_heads,
-                            max_rows=max(args.max_running_requests or 256, 1), executor_id=f"{worker_id}/{device}")
+                            max_rows=max(args.resolved_max_running_requests, 1), executor_id=f"{worker_id}/{device}")
     elif transport == "local":
         remote = LocalRemote(executor, guest=worker_id, spec=guest_spec(runner), executor_id=f"{worker_id}/local")
     else:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from sglang_ext.kvcache.pool import KVPool
 
 __all__ = ["fused_moe", "fused_moe_ref", "moe_route", "moe_route_ref", "rms_norm", "rope", "silu_and_mul",
-           "store_kv", "use_fused"]
+           "store_kv", "use_fused", "warm_moe"]
 
 _kernels: ModuleType | None = None
 _import_failed = False
@@ -114,3 +114,12 @@ def fused_moe(
     if use_fused(x):
         return _load_moe()[1].fused_moe(x, w13, w2, topk_weights, topk_ids, first_expert)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, first_expert)
+
+
+def warm_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int, first_expert: int = 0) -> list[int]:
+    """Build every variant of the MoE kernels a forward of up to `max_tokens` tokens can use (one
+    forward at the fewest tokens of each block-size config); returns those token counts, [] where the
+    torch reference runs (nothing to build)."""
+    if not use_fused(w13):
+        return []
+    return _load_moe()[1].compile_all(w13, w2, top_k, max_tokens, first_expert)

@@ -76,7 +76,7 @@ class Scheduler:
         self.policy: SchedulePolicy = make_policy(args.schedule_policy, args)
         self.clock: Callable[[], float] = time.monotonic  # VLT and rotation timing; tests inject one
         self.chunk = args.resolved_chunked_prefill_size or args.max_prefill_tokens
-        self.max_running = args.max_running_requests or 256
+        self.max_running = args.resolved_max_running_requests
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.rotary: list[Req] = []  # home HOST: KV in host memory (preemption_mode=rotate)

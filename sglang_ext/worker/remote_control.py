@@ -127,7 +127,7 @@ class RemoteAttentionControl:
             from sglang_ext.offload.ipc import IpcRemote
 
             return IpcRemote.connect_ipc(d.store, dev, spec, d.executor, d.timeout_s,
-                                         max(self.args.max_running_requests or 256, 1), gpu_uuid(dev))
+                                         max(self.args.resolved_max_running_requests, 1), gpu_uuid(dev))
         if d.transport != "torch_dist":
             raise ValueError(f"unknown offload transport {d.transport!r}")
         return DistRemote.connect(d.store, d.backend, dev, spec, d.executor, d.timeout_s)

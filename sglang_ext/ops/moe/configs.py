@@ -106,6 +106,27 @@ def get_config(
     return default_config(tokens, top_k, num_experts)
 
 
+def distinct_configs(max_tokens: int, top_k: int, num_experts: int, inter: int, hidden: int, dtype: torch.dtype,
+                     device: str, config_dir: Path = CONFIG_DIR) -> dict[int, dict[str, object]]:
+    """Every config `get_config` can pick for 1..max_tokens tokens, keyed by the fewest tokens that pick it.
+
+    Each config is a compiled variant of the two GEMM kernels (its block sizes are constexprs). One
+    forward at each key compiles them all before serving; otherwise the first batch that reaches a
+    config Triton has not built compiles it mid-run. That batch is easy to miss: a full prefill chunk
+    plus the decoding rows riding along (8,192 + rows) lies past a table trusted to 8,192 tokens, so
+    it takes the defaults, which no warm-up prompt of at most 8,192 tokens reaches.
+    """
+    seen: dict[str, int] = {}
+    out: dict[int, dict[str, object]] = {}
+    for t in range(1, max_tokens + 1):
+        cfg = get_config(t, top_k, num_experts, inter, hidden, dtype, device, config_dir)
+        key = json.dumps(cfg, sort_keys=True)
+        if key not in seen:
+            seen[key] = t
+            out[t] = cfg
+    return out
+
+
 @functools.cache
 def _table(num_experts: int, inter: int, hidden: int, dtype: torch.dtype, device: str,
            config_dir: Path) -> dict[int, dict[str, object]] | None:

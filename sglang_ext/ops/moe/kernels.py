@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from sglang_ext.ops.moe.align import Aligned, align_block_size
-from sglang_ext.ops.moe.configs import Config, device_name, get_config, split
+from sglang_ext.ops.moe.configs import Config, device_name, distinct_configs, get_config, split
 
 # Sizes that change with the batch are left unspecialized: Triton would otherwise compile another variant of
 # the kernel for each divisibility of these ints (by 16, or == 1) the first time a batch brings one, in the
@@ -210,3 +210,20 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     h = gate_up(x, w13, al, top_k, up_cfg)
     contrib = down(h, w2, topk_weights, al, down_cfg)
     return sum_slots(contrib, topk_ids, first_expert, num_local, x.dtype)
+
+
+def compile_all(w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int, first_expert: int = 0) -> list[int]:
+    """Run `fused_moe` once at the fewest tokens of each config it can pick up to `max_tokens`, so every
+    variant is built (or read from Triton's disk cache) before serving; returns those token counts."""
+    num_local, two_i, hidden = w13.shape
+    counts = sorted(distinct_configs(max_tokens, top_k, num_local, two_i // 2, hidden, w13.dtype,
+                                     device_name(w13.device)))
+    g = torch.Generator(device=w13.device).manual_seed(0)
+    for t in counts:
+        x = torch.randn(t, hidden, generator=g, device=w13.device).to(w13.dtype)
+        # k distinct experts a token, weights summing to 1: the shapes and ranges of a real routing
+        ids = torch.rand(t, num_local, generator=g, device=w13.device).topk(top_k, dim=1).indices
+        fused_moe(x, w13, w2, torch.full((t, top_k), 1.0 / top_k, device=w13.device),
+                  (ids + first_expert).to(torch.int32), first_expert)
+    return counts
+
