@@ -120,7 +120,7 @@ for s in $steps; do
             --num-requests ${ROUTING_N:-141} --arrival poisson --request-rate ${ROUTING_RATE:-4} --ttft-slo 5 \
             --max-input-len 7680 --max-output-len 64 --vocab-size 32000 ${ROUTING_EXTRA:-} 2>&1 | tee "$OUT/routing.log" ;;
     moetests) PYTHONPATH=$BASE:/tmp/fi timeout ${MOETESTS_TIMEOUT:-400} python3 -m pytest -q -rfs -s -p no:cacheprovider \
-            tests/test_moe_kernels.py tests/test_gpu_moe.py 2>&1 | tail -30 | tee "$OUT/gpu_moe_tests.log" ;;
+            tests/test_moe_kernels.py tests/test_moe_warm.py tests/test_gpu_moe.py 2>&1 | tail -30 | tee "$OUT/gpu_moe_tests.log" ;;
     moetune) mkdir -p "$OUT/moe_configs"  # into the runtime's folder (a later moebench uses them) and $OUT: commit them
           for p in ${MOE_PRESETS:-mixtral-8x7b qwen3-30b-a3b}; do
             PYTHONPATH=$BASE timeout ${MOETUNE_TIMEOUT:-250} python3 bench/tune_moe.py --preset "$p" \
