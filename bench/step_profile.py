@@ -55,10 +55,11 @@ class PointSteps:
     decode_rows: float
     decode_context: float = 0.0  # KV tokens a decode-only row attended over (0: not logged, older servers)
     decode_source: str = "forwards"  # or OLDER: a log that counted calls, read from its overlapped intervals
-    # (forwards, ms, rows, context a row) of each logged interval with decode-only forwards and a logged
-    # context: a step's time is far from linear in its rows (an MoE's experts), so a model is checked
-    # interval by interval, not at the point's mean rows
-    decode_intervals: tuple[tuple[int, float, float, float], ...] = ()
+    # (forwards, ms, rows, context a row, share of the interval's steps overlapped) of each logged interval
+    # with decode-only forwards and a logged context: a step's time is far from linear in its rows (an MoE's
+    # experts), so a model is checked interval by interval, not at the point's mean rows; and a decode the
+    # overlap loop ran plain pays host time its forward's ms include
+    decode_intervals: tuple[tuple[int, float, float, float, float], ...] = ()
     # (forwards with a prefill, ms each, prefill tokens each, decode rows riding along, their context a row)
     # of each interval logged per forward: the time left after the decode-only forwards, over the forwards
     # that launched a prefill (the share logged as a whole percent: an estimate)
@@ -94,7 +95,8 @@ def _summary(run: str, rate: float, repeat: int, lines: list[dict[str, float]]) 
                       sum(x["prefill_s"] for x in lines) / len(lines), mean("kv_mean") / 100,
                       max(x["kv_peak"] for x in lines) / 100, int(dsteps), dmean("d_ms"), dmean("d_rows"),
                       context, source,
-                      tuple((int(x["d_steps"]), x["d_ms"], x["d_rows"], x["d_ctx"]) for x in decode
+                      tuple((int(x["d_steps"]), x["d_ms"], x["d_rows"], x["d_ctx"], x["overlapped"] / 100)
+                            for x in decode
                             if x["d_steps"] and "d_ctx" in x),
                       tuple(pf for x in lines if "per_forward" in x and "d_ctx" in x and (pf := _prefill(x))[0]))
 

@@ -430,9 +430,10 @@ def step_check(panels: Sequence[Panel], costs: dict[tuple[str, str], CostModel],
                 logged = pt.decode_context > 0
                 kv = int(pt.decode_rows * pt.decode_context) if logged else int(pt.kv_mean * pool)
                 at_mean = 1e3 * cost.decode_s(max(1, round(pt.decode_rows)), kv)
-                per = [(n, cost.decode_s(max(1, round(r)), int(r * c))) for n, _, r, c in pt.decode_intervals
+                per = [(n, cost.decode_s(max(1, round(r)), int(r * c))) for n, _, r, c, _ in pt.decode_intervals
                        ] if logged else []
                 model_ms = 1e3 * sum(n * t for n, t in per) / sum(n for n, _ in per) if per else at_mean
+                by_overlap = _by_overlap(pt.decode_intervals, per) if per else {}
                 out.append({"panel": pn.name, "run": pt.run, "rate": pt.rate, "repeat": pt.repeat,
                             "rows": pt.decode_rows, "kv_tokens": kv, "measured_ms": pt.decode_ms,
                             "model_ms": model_ms, "model_at_mean_ms": at_mean,
@@ -440,8 +441,29 @@ def step_check(panels: Sequence[Panel], costs: dict[tuple[str, str], CostModel],
                             "error": model_ms / pt.decode_ms - 1, "kv_peak": pt.kv_peak,
                             "waiting": pt.waiting, "steps": pt.decode_steps,
                             "kv_source": "rows' context" if logged else "pool use (upper bound)",
-                            "steps_source": pt.decode_source, **_prefill_check(cost, pt)})
+                            "steps_source": pt.decode_source, "by_overlap": by_overlap,
+                            **_prefill_check(cost, pt)})
     return out
+
+
+PLAIN_MAX, OVERLAPPED_MIN = 0.1, 0.9  # an interval's share of steps overlapped: (almost) none / (almost) all
+
+
+def _by_overlap(intervals: Sequence[tuple[int, float, float, float, float]], priced: Sequence[tuple[int, float]]
+                ) -> dict[str, tuple[int, float, float]]:
+    """(forwards, measured ms, model ms) of the decode-only forwards in intervals the overlap loop ran
+    (almost) wholly plain and (almost) wholly overlapped. The cost model prices a decode's forward alone, as
+    an overlapped step costs; a plain step's ms also hold the host time of scheduling it while the GPU
+    idles, which the simulator, running the plain loop, charges only to forwards with a prefill."""
+    out: dict[str, list[float]] = {}
+    for (n, ms, _r, _c, ov), (_, t) in zip(intervals, priced, strict=True):
+        key = "plain" if ov <= PLAIN_MAX else "overlapped" if ov >= OVERLAPPED_MIN else None
+        if key is not None:
+            a = out.setdefault(key, [0, 0.0, 0.0])
+            a[0] += n
+            a[1] += n * ms
+            a[2] += n * 1e3 * t
+    return {k: (int(n), m / n, mm / n) for k, (n, m, mm) in out.items()}
 
 
 def _prefill_check(cost: CostModel, pt: step_profile.PointSteps) -> dict[str, Any]:
@@ -478,6 +500,13 @@ def print_step_check(checks: Sequence[dict[str, Any]]) -> None:
     errs = [abs(c["error"]) for c in checks]
     print(f"{len(checks)} points: decode step error mean {100 * float(np.mean(errs)):.1f} %, "
           f"max {100 * max(errs):.1f} %")
+    for key in ("overlapped", "plain"):
+        got = [c["by_overlap"][key] for c in checks if key in c.get("by_overlap", {})]
+        if got:
+            n = sum(g[0] for g in got)
+            meas, model = sum(g[0] * g[1] for g in got) / n, sum(g[0] * g[2] for g in got) / n
+            print(f"  decode-only forwards in intervals run {'(almost) wholly ' + key:<26} {n:>6} forwards: "
+                  f"{meas:6.1f} ms measured, {model:6.1f} ms model ({100 * (model / meas - 1):+.1f} %)")
     pre = [c for c in checks if c.get("prefill_forwards")]
     if pre:
         print("forwards with a prefill (estimated from the step log: the time left after the decode-only forwards)")
