@@ -9,6 +9,7 @@ import pytest
 from _tiny import VOCAB, greedy, make_scheduler, prompts, run_all
 
 from sglang_ext.sampling.params import SamplingParams
+from sglang_ext.scheduler.overlap import NOT_OVERLAPPED
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler, default_overlap
 
@@ -152,3 +153,15 @@ def test_a_standing_queue_that_cannot_be_admitted_keeps_the_loop_overlapped(test
 def test_the_sampler_gets_the_top_k_window_of_the_server_args() -> None:
     assert make_scheduler("cpu").sampler.top_k_window == 256  # the default: only a GPU with FlashInfer uses it
     assert make_scheduler("cpu", sampling_top_k_window=0).sampler.top_k_window == 0
+
+
+def test_why_a_step_was_not_overlapped_is_counted(test_device: str) -> None:
+    """Each step in flight that the loop did not follow with an overlapped one is counted by its reason
+    (the step log prints them); the plain loop has none."""
+    plain, ov = _pair(test_device, max_total_tokens=72)
+    run_all(ov, _reqs([greedy(12 + i) for i in range(len(LENGTHS))]))
+    why = ov.not_overlapped
+    assert tuple(why) == NOT_OVERLAPPED and sum(why.values()) > 0 and ov.overlapped_steps > 0
+    assert why["executor"] == 0  # no executor here
+    assert plain.not_overlapped == {}
+

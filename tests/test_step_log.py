@@ -130,3 +130,23 @@ def test_the_scheduler_counts_rows_and_their_context() -> None:
         s.step()
         seen.append((s.forward_rows, s.forward_context))
     assert seen[:4] == [(1, 5), (2, 11), (3, 18), (4, 26)]
+
+
+def test_why_steps_were_not_overlapped_ends_the_line(caplog: pytest.LogCaptureFixture) -> None:
+    """The overlap loop's reasons for running a step plain, counted per interval (the first line is the
+    baseline); the knee's step profile still reads the line."""
+    from bench import step_profile
+
+    sched = SimpleNamespace(running=[1, 2], waiting=[], overlapped_steps=0, forward_rows=0, forward_context=0,
+                            remote_sender=None, not_overlapped={"rows": 4, "landed": 0, "queue": 1})
+    log = StepLog(interval_s=0.0, name="w0")
+    with caplog.at_level(logging.INFO, logger="sglang_ext.worker.step_log"):
+        log.record(sched, 0.010, tokens_out=2, prefill_tokens=0)
+        sched.not_overlapped = {"rows": 6, "landed": 3, "queue": 1}
+        sched.forward_rows, sched.forward_context = 2, 1000
+        log.record(sched, 0.010, tokens_out=2, prefill_tokens=0)
+        log.record(sched, 0.010, tokens_out=2, prefill_tokens=0)  # nothing new: no reasons
+    first, second, third = caplog.messages
+    assert "not overlapped" not in first and "not overlapped" not in third
+    assert second.endswith("| not overlapped: rows 2, landed 3")
+    assert step_profile._LINE.search(second) is not None

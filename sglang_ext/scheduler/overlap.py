@@ -45,6 +45,11 @@ from sglang_ext.scheduler.results import Results
 from sglang_ext.scheduler.token_table import TokenTable
 from sglang_ext.scheduler.view import LoopView
 
+# Why `_follow_up` did not launch the next step ahead: the running rows changed (a request finished, joined
+# or left; nothing left to run), some member needs landed state, a queue stands that admission is not
+# blocked on, a row could not grow without preemption, or the executor was lost.
+NOT_OVERLAPPED = ("rows", "landed", "queue", "grow", "executor")
+
 
 class Loop(LoopView, Protocol):
     """What the overlap loop uses of the scheduler beyond a member's view: the plain loop's
@@ -87,6 +92,9 @@ class Overlap:
         self.table = table  # a member of the scheduler: a finished request's slot is released
         self.inflight: _Launched | None = None
         self.overlapped_steps = 0  # decode steps launched before their predecessor landed
+        # Why a step in flight was not followed by an overlapped one (the next runs plain, its host time not
+        # hidden): the step log prints these per interval, what a simulator of the loop must reproduce.
+        self.not_overlapped: dict[str, int] = dict.fromkeys(NOT_OVERLAPPED, 0)
         self.grammar_overlapped_steps = 0  # of those, steps with constrained rows (masks filled as t landed)
 
     def may_launch(self, entries: list[Entry], mode: ForwardMode) -> bool:
@@ -154,25 +162,31 @@ class Overlap:
                 continue  # finishes at step t for certain (the finish rule's length clause)
             entries.append(Entry(r, 1, [], True))
         if not entries or any(id(r) not in live for r in s.running):
+            self.not_overlapped["rows"] += 1
             return None
         if any(e.req.token_slot < 0 for e in entries):
-            return None  # (never: a running request keeps the slot its step-t token went to)
+            self.not_overlapped["rows"] += 1  # (never: a running request keeps the slot its step-t token went to)
+            return None
         if s.needs_landed_state([e.req for e in entries]):
-            return None  # e.g. admission, resume (and prefill) decisions are made on landed state
+            self.not_overlapped["landed"] += 1  # e.g. admission, resume (and prefill) decisions: on landed state
+            return None
         if (s.waiting or s.rotary) and not self._admission_blocked():
+            self.not_overlapped["queue"] += 1
             return None
         for e in entries:
             r = e.req
             if not s.admission.pooled(r):
                 continue  # its KV grows elsewhere (on the executor)
             if not s.kv.can_grow(r, r.kv_len + 2):
-                return None  # would need preemption: decide on landed state
+                self.not_overlapped["grow"] += 1  # would need preemption: decide on landed state
+                return None
             s.kv.grow(r, r.kv_len + 2)
         try:
             # Planned last, so that once planned the step is launched. Rows the executor drops are
             # requeued now; their step-t tokens are kept when t lands.
             entries = s.plan(entries, ahead=1)
             if not entries:
+                self.not_overlapped["rows"] += 1
                 return None
             # Each row decodes its in-flight token at kv_len + 1: one new token, whose id the batch
             # gathers from the token table by the slots of its requests.
@@ -185,6 +199,7 @@ class Overlap:
             # as without overlap: local rows redo t+1 (idempotent KV writes), remote ones are
             # recomputed (with their step-t tokens, kept when t lands)
             s.remote_residency.lose_executor(str(e))
+            self.not_overlapped["executor"] += 1
             return None
         self.overlapped_steps += 1
         # Sample rows now: a row that finishes at t releases its penalty slot when t lands.

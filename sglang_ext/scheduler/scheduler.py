@@ -120,6 +120,11 @@ class Scheduler:
         """Decode steps launched before their predecessor landed."""
         return self.overlap.overlapped_steps if self.overlap is not None else 0
 
+    @property
+    def not_overlapped(self) -> dict[str, int]:
+        """Why steps in flight were not followed by an overlapped one, counted by reason (overlap.py)."""
+        return dict(self.overlap.not_overlapped) if self.overlap is not None else {}
+
     def validate(self, req: Req) -> None:
         check_request(req, self.vocab_size, self.runner.context_len, self.max_total_tokens)
 

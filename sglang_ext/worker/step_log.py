@@ -16,7 +16,10 @@ only landed it (a launched step lands one call later when the next cannot overla
 before 2026-12-06 (session 6), without the word "forwards", counted calls there, halving both rows and
 time in phases without overlap (bench/step_profile.py then reads only their fully overlapped intervals).
 With remote attention the line ends with the steps that planned remote rows apart from the others, e.g.
-"| with remote rows 380 x 10.2 ms, without 32 x 5.9 ms": what remote rows cost a step, measured.
+"| with remote rows 380 x 10.2 ms, without 32 x 5.9 ms": what remote rows cost a step, measured. Last,
+with the overlap loop, why steps in flight were not followed by an overlapped one, by reason (since
+2026-12-07; `overlap.NOT_OVERLAPPED`), e.g. "| not overlapped: rows 40, landed 12, queue 3": each runs
+the next step plain, its host time not hidden (what a simulator that runs the plain loop must add).
 
 Means are over the steps of the interval; "executor wait" is the sender's time blocked on its
 executor (plans, loads, exchanges that the host waits for) as a share of the interval.
@@ -70,6 +73,7 @@ class StepLog:
         self._w = _Window()
         self._t0 = time.monotonic()
         self._base: tuple[int, float, int] | None = None  # overlapped steps, executor wait, loads
+        self._plain_base: dict[str, int] | None = None  # the scheduler's not_overlapped at the last line
         self._remote_rows = 0  # the scheduler's remote_forward_rows at the last step
         self._rows = 0  # ... and its forward_rows
         self._context = 0  # ... and its forward_context
@@ -132,6 +136,12 @@ class StepLog:
             local = w.steps - w.remote_steps
             split = (f" | with remote rows {w.remote_steps} x {1e3 * w.remote_wall_s / w.remote_steps:.1f} ms, "
                      f"without {local} x {1e3 * (w.wall_s - w.remote_wall_s) / max(local, 1):.1f} ms")
+        plain = getattr(scheduler, "not_overlapped", {})
+        before = self._plain_base if self._plain_base is not None else plain
+        self._plain_base = plain
+        why = {k: v - before.get(k, 0) for k, v in plain.items() if v - before.get(k, 0) > 0}
+        if why:
+            split += " | not overlapped: " + ", ".join(f"{k} {v}" for k, v in why.items())
         d = max(w.decode_steps, 1)
         logger.info("%s: steps %d (%.1f/s, %.1f ms mean, %.0f %% with a prefill, %.0f %% overlapped) | running %.1f "
                     "(remote %.1f) waiting %.1f | rows %.1f | tokens out %.0f/s, prefill %.0f/s | executor wait "
