@@ -96,8 +96,7 @@ def _summary(run: str, rate: float, repeat: int, lines: list[dict[str, float]]) 
                       max(x["kv_peak"] for x in lines) / 100, int(dsteps), dmean("d_ms"), dmean("d_rows"),
                       context, source,
                       tuple((int(x["d_steps"]), x["d_ms"], x["d_rows"], x["d_ctx"], x["overlapped"] / 100)
-                            for x in decode
-                            if x["d_steps"] and "d_ctx" in x),
+                            for x in decode if x["d_steps"] and "d_ctx" in x),
                       tuple(pf for x in lines if "per_forward" in x and "d_ctx" in x and (pf := _prefill(x))[0]))
 
 
