@@ -7,6 +7,7 @@
 #                             [warm]  (compile and cache the JIT kernels before a timed step such as knee; the engine takes
 #                                      WARM_FRACTION, else SHARE, else 0.25 of the GPU: a Mixtral needs 0.9)
 #                             [moetests] [moetune] [moebench]  (issue 33: MoE kernels and models on one GPU)
+#                                        (MOETESTS_K: a pytest -k expression, e.g. builds_every for the start-up build's test)
 #                             [samegpu]  (bench/remote_step.py with the executor in-process on the sender's own GPU)
 #                             [setup]  (install only, then run a command of your own with
 #                                       PYTHONPATH=$PWD:/tmp/site:/tmp/fi, as the session's c4 of 2026-12-06 did)
@@ -120,7 +121,7 @@ for s in $steps; do
             --num-requests ${ROUTING_N:-141} --arrival poisson --request-rate ${ROUTING_RATE:-4} --ttft-slo 5 \
             --max-input-len 7680 --max-output-len 64 --vocab-size 32000 ${ROUTING_EXTRA:-} 2>&1 | tee "$OUT/routing.log" ;;
     moetests) PYTHONPATH=$BASE:/tmp/fi timeout ${MOETESTS_TIMEOUT:-400} python3 -m pytest -q -rfs -s -p no:cacheprovider \
-            tests/test_moe_kernels.py tests/test_moe_warm.py tests/test_gpu_moe.py 2>&1 | tail -30 | tee "$OUT/gpu_moe_tests.log" ;;
+            ${MOETESTS_K:+-k "$MOETESTS_K"} tests/test_moe_kernels.py tests/test_moe_warm.py tests/test_gpu_moe.py 2>&1 | tail -30 | tee "$OUT/gpu_moe_tests.log" ;;
     moetune) mkdir -p "$OUT/moe_configs"  # into the runtime's folder (a later moebench uses them) and $OUT: commit them
           for p in ${MOE_PRESETS:-mixtral-8x7b qwen3-30b-a3b}; do
             PYTHONPATH=$BASE timeout ${MOETUNE_TIMEOUT:-250} python3 bench/tune_moe.py --preset "$p" \
