@@ -17,7 +17,7 @@ import argparse
 import json
 import re
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 POINT_MARK = "=== knee point"  # bench/goodput_knee.py: "=== knee point begins RATE REPEAT" / "... ends ..."
@@ -30,6 +30,7 @@ _LINE = re.compile(
     r"\| kv (?P<kv_mean>\d+) % mean, (?P<kv_peak>\d+) % peak \| "
     r"decode-only (?P<per_forward>forwards )?(?P<d_steps>\d+) x (?P<d_ms>[\d.]+) ms at (?P<d_rows>[\d.]+) rows"
     r"(?: of (?P<d_ctx>\d+) tokens)?")  # the context a row: servers since 2026-12-06 session 5
+_WHY = re.compile(r"\| not overlapped: (?P<why>[a-z]+ \d+(?:, [a-z]+ \d+)*)")  # servers since 2026-12-07
 _MARK = re.compile(re.escape(POINT_MARK) + r" (?P<what>begins|ends) (?P<rate>[\d.]+) (?P<repeat>\d+)")
 
 
@@ -64,13 +65,17 @@ class PointSteps:
     # of each interval logged per forward: the time left after the decode-only forwards, over the forwards
     # that launched a prefill (the share logged as a whole percent: an estimate)
     prefill_intervals: tuple[tuple[int, float, float, float, float], ...] = ()
+    # why steps in flight were not followed by an overlapped one, summed over the point (the overlap loop's
+    # reasons, sglang_ext.scheduler.overlap.NOT_OVERLAPPED; empty: an older server, or every step overlapped)
+    not_overlapped: dict[str, int] = field(default_factory=dict)
 
 
 OLDER = "overlapped intervals of an older log"
 MIN_OVERLAP_PCT = 95  # an older log's interval whose calls were (almost) all overlapped: calls = forwards
 
 
-def _summary(run: str, rate: float, repeat: int, lines: list[dict[str, float]]) -> PointSteps:
+def _summary(run: str, rate: float, repeat: int, lines: list[dict[str, float]],
+             why: dict[str, int] | None = None) -> PointSteps:
     steps = sum(x["steps"] for x in lines) or 1
     decode, source = lines, "forwards"
     if not all("per_forward" in x for x in lines):
@@ -97,7 +102,8 @@ def _summary(run: str, rate: float, repeat: int, lines: list[dict[str, float]]) 
                       context, source,
                       tuple((int(x["d_steps"]), x["d_ms"], x["d_rows"], x["d_ctx"], x["overlapped"] / 100)
                             for x in decode if x["d_steps"] and "d_ctx" in x),
-                      tuple(pf for x in lines if "per_forward" in x and "d_ctx" in x and (pf := _prefill(x))[0]))
+                      tuple(pf for x in lines if "per_forward" in x and "d_ctx" in x and (pf := _prefill(x))[0]),
+                      dict(why or {}))
 
 
 def _prefill(x: dict[str, float]) -> tuple[int, float, float, float, float]:
@@ -115,17 +121,22 @@ def parse_log(text: str, run: str) -> list[PointSteps]:
     out: list[PointSteps] = []
     current: tuple[float, int] | None = None
     lines: list[dict[str, float]] = []
+    why: dict[str, int] = {}
     for line in text.splitlines():
         if (m := _MARK.search(line)) is not None:
             if m["what"] == "begins":
-                current, lines = (float(m["rate"]), int(m["repeat"])), []
+                current, lines, why = (float(m["rate"]), int(m["repeat"])), [], {}
             elif current is not None:
                 if lines:
-                    out.append(_summary(run, *current, lines))
+                    out.append(_summary(run, *current, lines, why))
                 current = None
         elif current is not None and (m := _LINE.search(line)) is not None:
             lines.append({k: (1.0 if k == "per_forward" else float(v)) for k, v in m.groupdict().items()
                           if v is not None})
+            if (w := _WHY.search(line)) is not None:
+                for part in w["why"].split(", "):
+                    k, n = part.split(" ")
+                    why[k] = why.get(k, 0) + int(n)
     return out
 
 
@@ -147,7 +158,8 @@ def format_table(points: list[PointSteps]) -> str:
                     f"{100 * p.prefill_step_share:>7.0f}% {p.rows:>6.1f} {p.waiting:>8.1f} "
                     f"{100 * p.kv_mean:>7.0f}% {100 * p.kv_peak:>7.0f}% "
                     f"{p.decode_ms:>13.1f} @ {p.decode_rows:>5.1f} "
-                    f"{f'{p.decode_context:.0f}' if p.decode_context else '-':>8}")
+                    f"{f'{p.decode_context:.0f}' if p.decode_context else '-':>8}  "
+                    + (", ".join(f"{k} {n}" for k, n in p.not_overlapped.items()) or "-"))
     return "\n".join(rows)
 
 

@@ -99,3 +99,26 @@ def test_forwards_with_a_prefill_are_estimated_from_what_the_decode_only_ones_le
     assert p.prefill_intervals == ((2, 900.0, 6000.0, 20.0, 3000.0),)
     (q,) = S.parse_log(f"{S.POINT_MARK} begins 3 0\n{_old(100, 11.0, 12.0)}\n{S.POINT_MARK} ends 3 0", "lvf-rotate")
     assert q.prefill_intervals == ()
+
+
+def test_why_steps_were_not_overlapped_is_summed_over_the_point(caplog: pytest.LogCaptureFixture) -> None:
+    """The reasons the real StepLog ends its lines with (since 2026-12-07) are summed per point; a line
+    without them (every step overlapped, or an older server) adds nothing."""
+    alloc = SimpleNamespace(capacity=100, num_free=50)
+    sched = SimpleNamespace(running=[1], waiting=[], overlapped_steps=0, forward_rows=0, forward_context=0,
+                            remote_sender=None, allocator=alloc, not_overlapped={"rows": 0, "queue": 0})
+    log = StepLog(interval_s=0.0, name="w0")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="sglang_ext.worker.step_log"):
+        for why in ({"rows": 2, "queue": 0}, {"rows": 5, "queue": 4}, {"rows": 5, "queue": 4}):
+            sched.forward_rows += 1
+            sched.forward_context += 500
+            sched.not_overlapped = why
+            log.record(sched, 0.01, tokens_out=1, prefill_tokens=0)  # type: ignore[arg-type]
+    lines = [f"[w0] INFO sglang_ext.worker.step_log: {m}" for m in caplog.messages]
+    assert "not overlapped" not in lines[0] and "not overlapped" not in lines[-1]
+    (p,) = S.parse_log("\n".join([f"{S.POINT_MARK} begins 2 0", *lines, f"{S.POINT_MARK} ends 2 0"]), "lvf-rotate")
+    assert p.not_overlapped == {"rows": 3, "queue": 4} and p.intervals == 3
+    assert "rows 3, queue 4" in S.format_table([p])
+    (q,) = S.parse_log(f"{S.POINT_MARK} begins 3 0\n{_old(100, 11.0, 12.0)}\n{S.POINT_MARK} ends 3 0", "x")
+    assert q.not_overlapped == {}
