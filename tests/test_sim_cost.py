@@ -377,6 +377,9 @@ def test_a_card_profiled_in_part_borrows_only_what_it_did_not_measure(tmp_path: 
     assert "host_link.h2d_GBps" in taken and "moe.expert_GBps" in taken
     assert not any(k.startswith(("decode.", "prefill.")) for k in taken)
     assert "moe_prefill" not in cal["missing"] and cal["filled_from"]["derived"] is True
+    # every key the cost model needs to use the MoE prefill rates, the blend bounds included (before
+    # 2026-12-07 they were left out, and the MoE prefill fell back to the dense rates: 40 % cheap on an H100)
+    assert cal["moe_prefill"] == ref["moe_prefill"]
     assert all(k in cal["missing"] for k in fitmod.MISSING_ALWAYS)  # the notes stay
     with pytest.raises(SystemExit, match=r"no bench/offline\.py report"):  # no run of that card
         fitmod.main(["--results", str(tmp_path), "--gpu", "B200", "--out", str(out)])

@@ -117,12 +117,14 @@ def test_validate_prices_a_cards_own_runs_with_its_file(tmp_path: Path, capsys: 
 
 
 def test_the_derived_file_prices_qwen3_decode_timed_on_an_h100_within_5_percent() -> None:
-    """The first step times measured on an H100 (2026-12-06 s4, c4: Qwen3-30B-A3B decode at bs 8 and 32,
-    ctx 4K) against the derived file: within +1.9 / +4.7 %. Its MoE serving misses (docs/simulator.md);
-    this is the check that the decode step is not why."""
+    """The step times measured on an H100 (2026-12-06 s4, c4: Qwen3-30B-A3B decode at bs 8 and 32, ctx 4K;
+    2026-12-07 s11: bs 1-32 at ctx 1K and 4K under uniform routing) against the derived file: every decode
+    row within 5 % (-4.1 to +4.7 %). Its MoE serving misses (docs/simulator.md); this is the check that the
+    decode step is not why. (s11's batched prefill, 4 x 2,048, reads +6.4 %: not a decode row.)"""
     from bench.sim import validate as V
 
     res = V.validate(CALIBRATION_DIR / "h100.json", R.RESULTS)
-    rows = [r for r in res["rows"] if r["set"] == "moe-held-out" and "qwen3" in r["point"]]
-    assert len(rows) >= 2 and all("H100" in res["gpu"] for _ in rows)
+    rows = [r for r in res["rows"]
+            if r["set"] == "moe-held-out" and "qwen3" in r["point"] and r["what"].startswith("decode")]
+    assert len(rows) >= 12 and all("H100" in res["gpu"] for _ in rows)
     assert all(abs(r["err_pct"]) < 5.0 for r in rows), rows

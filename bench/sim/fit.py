@@ -398,7 +398,10 @@ def calibrate(results: Path, model: str, gpu: str, fit_runs: list[str] | None,
         moe = {"expert_GBps": None, "layer_expert_us": None}
         missing["moe.expert_GBps"] = missing["moe.layer_expert_us"] = (
             f"fewer than 3 MoE bench/offline.py decode rows at ctx {moe_fit_ctx} on {gpu}")
-    moe_pre: dict[str, float | None] = {"expert_GBps": None, "layer_expert_us": None, "gemm_TFLOPs": None}
+    # every key the cost model reads, None until measured: a card whose MoE prefill is not fitted here takes
+    # all five from --fill-from (the blend bounds too, without which the rates are not used at all)
+    moe_pre: dict[str, float | None] = dict.fromkeys(
+        ("expert_GBps", "layer_expert_us", "gemm_TFLOPs", "blend_from_tokens", "blend_to_tokens"))
     pre_fit = [p for p in prefill_rows(moe_runs) if p.reqs == 1]
     if moe["expert_GBps"] is not None and pre["gemm_TFLOPs"] is not None and len(pre_fit) >= 3:
         geos = {r.model: report_geometry(r) for r in moe_runs}
