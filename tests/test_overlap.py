@@ -165,3 +165,33 @@ def test_why_a_step_was_not_overlapped_is_counted(test_device: str) -> None:
     assert why["executor"] == 0  # no executor here
     assert plain.not_overlapped == {}
 
+
+
+def test_a_prefill_stalled_for_pages_keeps_the_loop_overlapped(test_device: str) -> None:
+    """A running request part-way through its prefill whose next chunk gets no pages (the pool binds) no
+    longer drains the loop: decoding goes on overlapped while it waits, as for a queue that cannot be
+    admitted (it used to count `rows` and run every such decode plain). Outputs equal the plain loop's."""
+    lengths = [150, 90, 140, 120, 100, 130, 110, 95]
+    params = [greedy(30 + 3 * i) for i in range(len(lengths))]
+    reqs = lambda: [Req(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts(lengths, seed=3), params, strict=True))]  # noqa: E731
+    plain, ov = _pair(test_device, max_total_tokens=360, chunked_prefill_size=64)
+    assert ov.overlap is not None
+    stalled = []
+    check = ov.overlap._stalled
+
+    def spy(r: Req) -> bool:
+        out = check(r)
+        stalled.append(out)
+        return out
+
+    ov.overlap._stalled = spy  # type: ignore[method-assign]
+    want = run_all(plain, reqs())
+    assert run_all(ov, reqs()) == want
+    assert any(stalled), "no prefill waited for pages: the case is not exercised"
+    _, old = _pair(test_device, max_total_tokens=360, chunked_prefill_size=64)
+    assert old.overlap is not None
+    old.overlap._stalled = lambda r: False  # type: ignore[method-assign]
+    assert run_all(old, reqs()) == want
+    assert ov.overlapped_steps > old.overlapped_steps
+    assert ov.not_overlapped["rows"] < old.not_overlapped["rows"]
+    assert ov.allocator.num_free + ov.kv.cache.size_info().cached_pages == ov.allocator.capacity

@@ -17,7 +17,8 @@ scheduling"):
   * a request that stops at t ran one extra row in t+1: its token is dropped and its KV write went
     to its own page, never a cached one; requests certain to finish at t (`length_reached`) are left
     out of t+1, and while a queue stands t+1 is launched only if `Admission.blocked` says no
-    candidate could be admitted;
+    candidate could be admitted (likewise a running request part-way through its prefill whose next
+    chunk gets no pages: `_stalled`);
   * a step with constrained rows is forwarded first and sampled once t's tokens are in the matchers;
   * remote rows are planned on the executor last (at kv_len + 1), so a planned step is always
     launched; a request taken back from its executor meanwhile keeps its step-t token, unless the
@@ -61,6 +62,8 @@ class Loop(LoopView, Protocol):
     admission: Admission  # the plain loop's
 
     def needs_landed_state(self, reqs: list[Req]) -> bool: ...
+
+    def ready(self, r: Req) -> bool: ...
 
     def plan(self, entries: list[Entry], ahead: int = 0) -> list[Entry]: ...
 
@@ -146,6 +149,17 @@ class Overlap:
         """No waiting request could be admitted now, whatever step t brings (`Admission.blocked`)."""
         return self.s.admission.blocked()
 
+    def _stalled(self, r: Req) -> bool:
+        """Running request `r`, out of the step in flight, is part-way through its prefill and the plain loop
+        could not continue it now either: no pages for its next chunk (`Scheduler._schedule`'s first rule).
+        Where the pool binds this is the common case, and draining for it ran every decode plain while it
+        waited. Only the step in flight's finishes could free its pages: it waits one step, as a blocked
+        queue does (`Admission.blocked`)."""
+        s = self.s
+        if r.prefilled or not s.ready(r):
+            return False
+        return not s.kv.can_grow(r, r.kv_len + min(r.fill_len - r.kv_len, s.chunk))
+
     def _follow_up(self, prev: _Launched) -> _Launched | _Forwarded | None:
         """Decode step t+1 from step t's in-flight tokens (in the token table): launched, or only
         forwarded when it has constrained rows (sampled once t has landed); None when it needs t's
@@ -161,7 +175,7 @@ class Overlap:
             if length_reached(r, s.runner.context_len, ahead=1):
                 continue  # finishes at step t for certain (the finish rule's length clause)
             entries.append(Entry(r, 1, [], True))
-        if not entries or any(id(r) not in live for r in s.running):
+        if not entries or any(id(r) not in live and not self._stalled(r) for r in s.running):
             self.not_overlapped["rows"] += 1
             return None
         if any(e.req.token_slot < 0 for e in entries):
