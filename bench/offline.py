@@ -57,6 +57,7 @@ from bench.gpu_measure import (  # the repo root is on sys.path above when run a
     prefill_batch,
     time_gpu,
 )
+from bench.sim.geometry import Geometry
 from sglang_ext import ops
 from sglang_ext.engine.cuda_graph import CudaGraphRunner
 from sglang_ext.engine.model_runner import ModelRunner
@@ -67,6 +68,20 @@ from sglang_ext.sampling.params import SamplingParams
 from sglang_ext.scheduler.request import Req
 from sglang_ext.scheduler.scheduler import Scheduler
 from sglang_ext.server_args import MoERoutingSimulation, ServerArgs
+
+# Room kept free beside the weights and the pool: CUDA graphs, activations of an 8K prefill, workspaces.
+POOL_MARGIN_BYTES = 4 << 30
+
+
+def kv_tokens_that_fit(requested: int, free_bytes: int, geo: Geometry, margin_bytes: int = POOL_MARGIN_BYTES) -> int:
+    """The KV pool to allocate: `requested` tokens, or fewer where they would not fit beside the model's
+    weights in `free_bytes` (the GPU's free memory before loading). The sweep's default pool is an H200's;
+    on an H100 Qwen3-30B-A3B's 57 GiB of weights left no room for it and the run died at set-up (2026-12-07).
+    Decode points the smaller pool cannot hold are skipped and listed, as with --max-kv-tokens."""
+    weights = (geo.dense_weight_bytes + geo.sparse_layers * geo.num_experts * geo.expert_bytes
+               + 2 * geo.vocab * geo.hidden)  # + the input embedding (bf16), counted even where tied
+    room = (free_bytes - weights - margin_bytes) // geo.kv_bytes_per_token
+    return max(min(requested, room), 0)
 
 
 class Bench:
@@ -87,6 +102,11 @@ class Bench:
         tokens = max(self.bs_list) * max(self.ctx_list) + 8192 + 64 * PAGE
         if a.max_kv_tokens:  # a big model (Mixtral: 87 GiB of weights) leaves room for fewer: points skipped
             tokens = min(tokens, a.max_kv_tokens)
+        fits = kv_tokens_that_fit(tokens, torch.cuda.mem_get_info()[0], Geometry.from_model_config(cfg))
+        if fits < tokens:
+            print(f"KV pool {fits} tokens, not {tokens}: no more fits beside the weights on this GPU "
+                  "(decode points that need more are skipped)", file=sys.stderr)
+            tokens = fits  # decode and attention points check the pool they get (`fits`)
         self.args = ServerArgs(model_path=a.model_path, load_format=a.load_format, device="cuda", dtype="bfloat16",
                                page_size=PAGE, max_total_tokens=tokens, cuda_graph_max_bs=max(self.bs_list),
                                attention_backend=a.attention_backend, skip_tokenizer_init=True,
@@ -179,6 +199,10 @@ class Bench:
             self.res["decode"].append(self.decode_point(bs, ctx))
         else:
             self.res["skipped"].append({"bs": bs, "ctx": ctx, "why": f"KV pool holds {self.runner.num_pages} pages"})
+
+    def attention_if_fits(self, bs: int, ctx: int) -> None:
+        if self.fits(bs, ctx):  # a pool cut to what the card holds (kv_tokens_that_fit) skips the point
+            self.res["attention"].append(self.attention_point(bs, ctx))
 
     def decode_point(self, bs: int, ctx: int) -> dict[str, Any]:
         r = self.runner
@@ -467,7 +491,7 @@ class Bench:
         if "flashinfer" in str(a.attention_backend or "flashinfer"):
             if "attention" in want:
                 tasks += [(f"attention bs={b} ctx={c}",
-                           lambda b=b, c=c: self.res["attention"].append(self.attention_point(b, c)))
+                           lambda b=b, c=c: self.attention_if_fits(b, c))
                           for b, c in points if b * -(-c // PAGE) <= (a.max_kv_tokens or b * c) // PAGE]
             if "variants" in want:
                 tasks.append(("variants", lambda: self.res.__setitem__("variants", self.variants())))

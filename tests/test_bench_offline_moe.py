@@ -116,3 +116,21 @@ def test_an_unknown_routing_simulation_is_refused_with_the_choices(capsys: pytes
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--moe-routing-simulation" in err and "'off'" in err and "'uniform'" in err
+
+
+def test_the_kv_pool_is_cut_to_what_fits_beside_the_weights() -> None:
+    """`kv_tokens_that_fit`: the sweep's H200-sized default pool is kept where it fits and cut where it does
+    not (on an H100, 2026-12-07, Qwen3-30B-A3B asked 54.9 GiB of pool beside 57 GiB of weights and died at
+    set-up; Llama-3-8B at bs 128 x 4K asked 65 GiB)."""
+    from bench.sim.geometry import Geometry
+
+    gib = 1 << 30
+    h100_free, h200_free = int(79.1 * gib), int(139.8 * gib)
+    qwen3, mixtral, llama = (Geometry.preset(n) for n in ("qwen3-30b-a3b", "mixtral-8x7b", "llama-3-8b"))
+    assert offline.kv_tokens_that_fit(600_000, h200_free, qwen3) == 600_000  # what the H200 runs had
+    assert offline.kv_tokens_that_fit(300_000, h200_free, mixtral) == 300_000
+    cut = offline.kv_tokens_that_fit(600_000, h100_free, qwen3)
+    assert 100_000 < cut < 250_000  # ~18 GiB of KV at 96 KiB a token, not the 54.9 GiB asked
+    assert cut * qwen3.kv_bytes_per_token < 21.58 * gib  # what the failed set-up reported free after the weights
+    assert offline.kv_tokens_that_fit(655_360, h100_free, llama) < 655_360
+    assert offline.kv_tokens_that_fit(300_000, h100_free, mixtral) == 0  # 87 GiB of weights: no room at all
