@@ -78,8 +78,8 @@ def kv_tokens_that_fit(requested: int, free_bytes: int, geo: Geometry, margin_by
     weights in `free_bytes` (the GPU's free memory before loading). The sweep's default pool is an H200's;
     on an H100 Qwen3-30B-A3B's 57 GiB of weights left no room for it and the run died at set-up (2026-12-07).
     Decode points the smaller pool cannot hold are skipped and listed, as with --max-kv-tokens."""
-    weights = (geo.dense_weight_bytes + geo.sparse_layers * geo.num_experts * geo.expert_bytes
-               + 2 * geo.vocab * geo.hidden)  # + the input embedding (bf16), counted even where tied
+    # every expert resident, + the input embedding (bf16), counted even where tied
+    weights = geo.weight_read_bytes(0, experts_hit=geo.num_experts) + 2 * geo.vocab * geo.hidden
     room = (free_bytes - weights - margin_bytes) // geo.kv_bytes_per_token
     return max(min(requested, room), 0)
 

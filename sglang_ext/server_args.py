@@ -404,6 +404,11 @@ class ServerArgs:
         return self.chunked_prefill_size if self.chunked_prefill_size > 0 else None
 
     @property
+    def prefill_budget(self) -> int:
+        """Prefill tokens one step may carry: the chunk, or with chunking off the whole prefill budget."""
+        return self.resolved_chunked_prefill_size or self.max_prefill_tokens
+
+    @property
     def resolved_max_running_requests(self) -> int:
         return self.max_running_requests or DEFAULT_MAX_RUNNING
 
@@ -411,7 +416,7 @@ class ServerArgs:
     def max_forward_tokens(self) -> int:
         """The most tokens one forward can carry: a prefill budget plus every running request decoding
         alongside (the scheduler's EXTEND batch)."""
-        return (self.resolved_chunked_prefill_size or self.max_prefill_tokens) + self.resolved_max_running_requests
+        return self.prefill_budget + self.resolved_max_running_requests
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:

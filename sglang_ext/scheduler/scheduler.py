@@ -75,7 +75,7 @@ class Scheduler:
         self.kv = KVManager(self.allocator, cache, page_size)
         self.policy: SchedulePolicy = make_policy(args.schedule_policy, args)
         self.clock: Callable[[], float] = time.monotonic  # VLT and rotation timing; tests inject one
-        self.chunk = args.resolved_chunked_prefill_size or args.max_prefill_tokens
+        self.chunk = args.prefill_budget
         self.max_running = args.resolved_max_running_requests
         self.waiting: list[Req] = []
         self.running: list[Req] = []
