@@ -80,7 +80,8 @@ def kv_tokens_that_fit(requested: int, free_bytes: int, geo: Geometry, margin_by
     Decode points the smaller pool cannot hold are skipped and listed, as with --max-kv-tokens."""
     # every expert resident, + the input embedding (bf16), counted even where tied
     weights = geo.weight_read_bytes(0, experts_hit=geo.num_experts) + 2 * geo.vocab * geo.hidden
-    room = (free_bytes - weights - margin_bytes) // geo.kv_bytes_per_token
+    # Geometry's byte counts are floats (they price fractions of experts): the pool's size is an int
+    room = int((free_bytes - weights - margin_bytes) // geo.kv_bytes_per_token)
     return max(min(requested, room), 0)
 
 
