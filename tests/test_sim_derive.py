@@ -118,13 +118,27 @@ def test_validate_prices_a_cards_own_runs_with_its_file(tmp_path: Path, capsys: 
 
 def test_the_derived_file_prices_qwen3_decode_timed_on_an_h100_within_5_percent() -> None:
     """The step times measured on an H100 (2026-12-06 s4, c4: Qwen3-30B-A3B decode at bs 8 and 32, ctx 4K;
-    2026-12-07 s11: bs 1-32 at ctx 1K and 4K under uniform routing) against the derived file: every decode
-    row within 5 % (-4.1 to +4.7 %). Its MoE serving misses (docs/simulator.md); this is the check that the
-    decode step is not why. (s11's batched prefill, 4 x 2,048, reads +6.4 %: not a decode row.)"""
+    2026-12-07 s11: bs 1-32 at ctx 1K and 4K under uniform routing; s12: bs 12 and 24) against the derived
+    file: every decode row at a CUDA-graph size within 5 % (-4.1 to +4.7 %). Its MoE serving misses
+    (docs/simulator.md); this is the check that the decode step is not why. (s11's batched prefill,
+    4 x 2,048, reads +6.4 %: not a decode row.)
+
+    The known miss: a batch between graph sizes runs padded (12 -> 16 rows) and costs the padded size's step
+    (bs 12 measured 2.4 / 4.6 % under bs 16, against ~15 % under by linear interpolation from bs 8), while the cost model prices the experts that 12 rows hit: -10.1 /
+    -9.2 % at ctx 1K / 4K. Asserted as it is, so a fix to either side shows here."""
     from bench.sim import validate as V
+    from sglang_ext.engine.cuda_graph import capture_sizes
 
     res = V.validate(CALIBRATION_DIR / "h100.json", R.RESULTS)
     rows = [r for r in res["rows"]
             if r["set"] == "moe-held-out" and "qwen3" in r["point"] and r["what"].startswith("decode")]
-    assert len(rows) >= 12 and all("H100" in res["gpu"] for _ in rows)
-    assert all(abs(r["err_pct"]) < 5.0 for r in rows), rows
+    assert len(rows) >= 16 and all("H100" in res["gpu"] for _ in rows)
+    graph = set(capture_sizes(256))
+
+    def bs(r: dict) -> int:
+        return int(r["point"].split(" bs ")[1].split()[0])
+
+    on_graph = [r for r in rows if bs(r) in graph]
+    padded = [r for r in rows if bs(r) not in graph]
+    assert len(on_graph) >= 14 and all(abs(r["err_pct"]) < 5.0 for r in on_graph), on_graph
+    assert padded and all(-12.0 < r["err_pct"] < -7.0 for r in padded), padded
