@@ -123,9 +123,10 @@ def test_the_derived_file_prices_qwen3_decode_timed_on_an_h100_within_5_percent(
     (docs/simulator.md); this is the check that the decode step is not why. (s11's batched prefill,
     4 x 2,048, reads +6.4 %: not a decode row.)
 
-    The known miss: a batch between graph sizes runs padded (12 -> 16 rows) and costs the padded size's step
-    (bs 12 measured 2.4 / 4.6 % under bs 16, against ~15 % under by linear interpolation from bs 8), while the cost model prices the experts that 12 rows hit: -10.1 /
-    -9.2 % at ctx 1K / 4K. Asserted as it is, so a fix to either side shows here."""
+    The known miss: a batch between graph sizes runs padded (12 -> 16 rows) and costs nearly the padded
+    size's step (bs 12 measured 2.4 / 4.6 % under bs 16; interpolating from bs 8 would put it ~14 % under),
+    while the cost model prices the experts that 12 rows hit: -10.1 / -9.2 % at ctx 1K / 4K.
+    Asserted as it is, so a fix to either side shows here."""
     from bench.sim import validate as V
     from sglang_ext.engine.cuda_graph import capture_sizes
 
