@@ -84,6 +84,9 @@ class ForwardBatch:
     attn_backend: Attention | None = None
     attn_meta: AttentionMetadata | None = None  # the backend's plan for this forward
     split: SplitPlan | None = None  # set when some rows attend on an executor
+    # [T] bool (device): the rows that are real tokens, set by the decode CUDA graphs (False on their
+    # padding rows) so that an MoE routes padding to no expert; None: every row is real
+    row_mask: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

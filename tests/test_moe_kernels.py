@@ -150,6 +150,45 @@ def test_fused_moe_counts_only_local_experts(dtype: torch.dtype) -> None:
     _close(out, fused_moe_ref(x, full13, full2, w, ids))
 
 
+# ---- a CUDA graph's padding rows ----------------------------------------------------------------------
+PAD_MASK = [True, False, True, True, False, False, True]  # rows 1, 4, 5: padding
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_sends_masked_rows_to_no_expert(renormalize: bool) -> None:
+    """The kernel's masked rows: expert -1 and weight 0; the real rows as without a mask (and as the
+    reference's); the mask read from any position of the tile (17 rows span two programs)."""
+    t, e, k = 17, 8, 2
+    logits = torch.randn(t, e, generator=torch.Generator().manual_seed(11)).to(DEVICE)
+    mask = torch.tensor((PAD_MASK * 3)[:t], device=DEVICE)
+    w, ids = route.route(logits, k, renormalize, row_mask=mask)
+    w_all, ids_all = route.route(logits, k, renormalize)
+    w_ref, ids_ref = moe_route_ref(logits, k, renormalize, row_mask=mask)
+    assert torch.equal(ids, ids_ref) and (ids[~mask] == -1).all() and (w[~mask] == 0).all()
+    assert torch.equal(ids[mask], ids_all[mask]) and torch.equal(w[mask], w_all[mask])
+    torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_rows_read_no_expert_and_leave_real_rows_unchanged(dtype: torch.dtype) -> None:
+    """Padding rows routed to no expert: their output is zero, the real rows' is bit for bit the one they
+    get without the padding rows' pairs, and the alignment holds only the real rows' pairs."""
+    t, e, k, h, i = len(PAD_MASK), 8, 2, 32, 32
+    x = _x(t, h, dtype, seed=12)
+    w13, w2 = _weights(e, h, i, dtype, seed=13)
+    mask = torch.tensor(PAD_MASK, device=DEVICE)
+    logits = torch.randn(t, e, generator=torch.Generator().manual_seed(14)).to(DEVICE)
+    w, ids = route.route(logits, k, True, row_mask=mask)
+    out = kernels.fused_moe(x, w13, w2, w, ids, config=SMALL)
+    assert (out[~mask] == 0).all()
+    real = kernels.fused_moe(x[mask], w13, w2, w[mask], ids[mask], config=SMALL)
+    assert torch.equal(out[mask], real)
+    _close(out, fused_moe_ref(x, w13, w2, w, ids))
+    padded = align.align_block_size(ids, 16, e).num_padded
+    assert torch.equal(padded, align.align_block_size(ids[mask], 16, e).num_padded)
+    _check_aligned(ids, 16, e, 0)
+
+
 def test_fused_moe_with_the_default_configs_and_strided_weights() -> None:
     """No config given: the defaults' larger tiles (masked down to these sizes); w13 as a transposed view."""
     t, e, k, h, i = 3, 4, 2, 32, 32

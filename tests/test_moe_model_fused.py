@@ -34,9 +34,9 @@ def test_the_model_on_the_moe_kernels_serves_the_reference_tokens(monkeypatch: p
     want = run_all(make_scheduler(), _reqs())
     calls = {"route": 0, "experts": 0}
 
-    def kernel_route(logits: torch.Tensor, k: int, renorm: bool) -> Any:
+    def kernel_route(logits: torch.Tensor, k: int, renorm: bool, row_mask: torch.Tensor | None = None) -> Any:
         calls["route"] += 1
-        return route.route(logits, k, renorm)
+        return route.route(logits, k, renorm, row_mask)
 
     def kernel_experts(*args: Any) -> torch.Tensor:
         calls["experts"] += 1

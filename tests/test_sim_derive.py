@@ -125,8 +125,9 @@ def test_the_derived_file_prices_qwen3_decode_timed_on_an_h100_within_5_percent(
 
     The known miss: a batch between graph sizes runs padded (12 -> 16 rows) and costs nearly the padded
     size's step (bs 12 measured 2.4 / 4.6 % under bs 16; interpolating from bs 8 would put it ~14 % under),
-    while the cost model prices the experts that 12 rows hit: -10.1 / -9.2 % at ctx 1K / 4K.
-    Asserted as it is, so a fix to either side shows here."""
+    while the cost model prices the experts that 12 rows hit: -10.1 / -9.2 % at ctx 1K / 4K. These rows
+    were measured before the engine routed padding rows to no expert (session 13,
+    tests/test_moe_padding_rows.py); asserted as they are until bs 12 runs again at the new code."""
     from bench.sim import validate as V
     from sglang_ext.engine.cuda_graph import capture_sizes
 

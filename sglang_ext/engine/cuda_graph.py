@@ -2,7 +2,9 @@
 
 A DECODE batch of `bs` rows replays the graph of the smallest captured size >= bs. Its inputs
 are copied into static buffers first; padding rows get token 0 at position 0, write their KV to
-the reserved page 0 and attend to one token there, and their outputs are dropped. The graph
+the reserved page 0 and attend to one token there, and their outputs are dropped. An MoE model's
+graphs also read `row_mask` (False on padding rows), so padding is routed to no expert: at 12 rows
+in the graph of 16, its top-k would otherwise read experts that no real row needs. The graph
 covers embedding -> all layers -> final norm; the LM head runs after it on the rows that need
 logits (it is one GEMM, and keeping it out saves a [bs, vocab] buffer per graph).
 
@@ -63,6 +65,8 @@ class CudaGraphRunner:
         self.positions = torch.zeros(2 * n, dtype=torch.int64, device=device)
         self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=device)  # slot 0 of page 0
         self.rows = torch.arange(2 * n, dtype=torch.int64, device=device)
+        # only an MoE reads it (the routed experts skip padding rows); dense graphs leave it out
+        self.row_mask = torch.ones(2 * n, dtype=torch.bool, device=device) if model.cfg.moe is not None else None
         self.split: SplitGraphs | None = None
         attn.init_cuda_graph_state(n, n * max_pages_per_req)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -79,6 +83,7 @@ class CudaGraphRunner:
             extend_lens=[1] * bs, seq_lens=[1] * bs, page_table=[[0]] * bs,
             kv_indptr=torch.arange(bs + 1, dtype=torch.int32), kv_last_page_len=torch.ones(bs, dtype=torch.int32),
             kv_indices=torch.zeros(bs, dtype=torch.int32, device=self.device), attn_backend=self.attn,
+            row_mask=None if self.row_mask is None else self.row_mask[:bs],
         )
 
     @torch.inference_mode()
@@ -109,6 +114,17 @@ class CudaGraphRunner:
             return False
         return batch.split is None or (self.split is not None and self.split.can_run(batch))
 
+    def mark_real(self, spans: tuple[tuple[int, int], ...], rows: int) -> None:
+        """Set `row_mask[:rows]` True on the [start, end) spans of real rows and False elsewhere."""
+        if self.row_mask is None:
+            return
+        if len(spans) == 1 and spans[0][0] == 0:  # the plain graphs' case: one launch a step
+            torch.lt(self.rows[:rows], spans[0][1], out=self.row_mask[:rows])
+            return
+        self.row_mask[:rows].fill_(False)
+        for start, end in spans:
+            self.row_mask[start:end].fill_(True)
+
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states (final-normed) of `batch.logits_indices`, like `model(batch)`."""
         if batch.split is not None:
@@ -124,6 +140,7 @@ class CudaGraphRunner:
             self.input_ids[bs:pbs].zero_()
             self.positions[bs:pbs].zero_()
             self.out_cache_loc[bs:pbs].zero_()
+        self.mark_real(((0, bs),), pbs)
         self.attn.prepare_for_replay(batch, pbs)
         self.graphs[pbs].replay()
         return self.outputs[pbs][batch.logits_indices]

@@ -55,6 +55,7 @@ class SplitGraphs:
             kv_indptr=torch.arange(lp + 1, dtype=torch.int32), kv_last_page_len=torch.ones(lp, dtype=torch.int32),
             kv_indices=torch.zeros(lp, dtype=torch.int32, device=dev), attn_backend=self.split,
             split=SplitPlan(r.rows[:lp], r.rows[lp : lp + rp], [0] * rp, [0] * rp),
+            row_mask=None if r.row_mask is None else r.row_mask[: lp + rp],
         )
 
     @torch.inference_mode()
@@ -118,6 +119,7 @@ class SplitGraphs:
             r.out_cache_loc[:lp].zero_()
             r.out_cache_loc[:nl].copy_(batch.out_cache_loc)
             r.attn.prepare_for_replay(batch, lp)
+        r.mark_real(((0, nl), (lp, lp + nr)), lp + rp)
         self.graphs[lp, rp].replay()
         order = torch.empty(nl + nr, dtype=torch.int64, device=r.device)
         order[lt] = r.rows[:nl]

@@ -74,10 +74,13 @@ class DecoderLayer(nn.Module):
         sparse = cfg.moe is not None and cfg.moe.sparse_layers[layer_id]
         self.mlp: nn.Module = (SparseMoeBlock(cfg, cfg.moe, MLP) if cfg.moe is not None and sparse
                                else MLP(cfg.hidden_size, cfg.intermediate_size))
+        self.sparse = isinstance(self.mlp, SparseMoeBlock)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         h = h + self.self_attn(positions, self.input_layernorm(h), batch)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x = self.post_attention_layernorm(h)
+        # a dense MLP costs the same for padding rows as for real ones; only the experts can skip them
+        return h + (self.mlp(x, batch.row_mask) if self.sparse else self.mlp(x))
 
 
 class DecoderForCausalLM(nn.Module):

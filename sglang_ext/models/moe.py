@@ -53,14 +53,16 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = dense_mlp(cfg.hidden_size, moe.shared_intermediate_size)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, row_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`row_mask` ([T] bool): rows that are real tokens; the others (a CUDA graph's padding) reach no
+        routed expert, and their output is the shared expert's alone (0 without one)."""
         logits = self.gate(x)
         if self.uniform_routing:
             # the top k of uniform noise: k distinct experts, each set equally likely; the router's matmul
             # still runs so the step's cost is the real one. torch's RNG is safe inside CUDA graphs (every
             # replay draws anew).
             logits = torch.rand(logits.shape, device=logits.device, dtype=torch.float32)
-        weights, ids = ops.moe_route(logits, self.moe.top_k, self.moe.renormalize)
+        weights, ids = ops.moe_route(logits, self.moe.top_k, self.moe.renormalize, row_mask)
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

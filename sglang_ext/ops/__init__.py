@@ -83,16 +83,18 @@ def _load_moe() -> tuple[ModuleType, ModuleType]:
     return _moe
 
 
-def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+              row_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] (any float dtype) -> (topk_weights [T, k] float32, topk_ids [T, k] int32).
 
     Softmax over all E experts in float32, the k largest, divided by their sum when `renormalize`
     (Mixtral and Qwen3-MoE renormalize; Qwen2-MoE with norm_topk_prob false does not). One Triton
-    kernel on CUDA.
+    kernel on CUDA. Rows where `row_mask` ([T] bool) is False get expert -1 (held by no rank) and weight 0,
+    so the experts skip them: a CUDA graph's padding rows.
     """
     if use_fused(router_logits):
-        return _load_moe()[0].route(router_logits, top_k, renormalize)
-    return moe_route_ref(router_logits, top_k, renormalize)
+        return _load_moe()[0].route(router_logits, top_k, renormalize, row_mask)
+    return moe_route_ref(router_logits, top_k, renormalize, row_mask)
 
 
 def fused_moe(

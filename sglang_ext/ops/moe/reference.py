@@ -11,17 +11,24 @@ import torch
 import torch.nn.functional as F
 
 
-def moe_route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                  row_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, E] logits -> (weights [T, k] float32, ids [T, k] int32), largest first.
 
     Softmax over all E experts in float32, then the k largest; `renormalize` divides them by their
     sum (Mixtral, Qwen3-MoE), otherwise they stay softmax probabilities (Qwen2-MoE's norm_topk_prob false).
+    Rows where `row_mask` ([T] bool) is False (a CUDA graph's padding) get expert -1 and weight 0: no expert.
     """
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids.to(torch.int32)
+    ids = ids.to(torch.int32)
+    if row_mask is not None:
+        real = row_mask.to(torch.bool)[:, None]
+        weights = torch.where(real, weights, 0.0)
+        ids = torch.where(real, ids, -1)
+    return weights, ids
 
 
 def fused_moe_ref(
