@@ -98,12 +98,14 @@ for s in $steps; do
             --repeats "${REPEATS:-3}" --min-req "${MIN_REQ:-150}" --seconds "${SECONDS_PER_POINT:-30}" \
             --budget-s "$BUDGET_S" --model "${MODEL:-preset:llama-3-8b}" --host-gb "${HOST_GB:-32}" \
             --max-in "${MAX_IN:-7680}" --max-out "${MAX_OUT:-256}" --traces-dir "${TRACES:-bench/data/traces}" \
-            --step-log-s "${STEP_LOG_S:-2}" ${RESUME:+--resume "$RESUME"} ${FIRST_RUN:+--first "$FIRST_RUN"} ${kv[@]+"${kv[@]}"} --out "$OUT/knee" 2>&1 \
+            --step-log-s "${STEP_LOG_S:-2}" ${RESUME:+--resume "$RESUME"} ${FIRST_RUN:+--first "$FIRST_RUN"} ${EXTEND:+--extend "$EXTEND"} ${kv[@]+"${kv[@]}"} --out "$OUT/knee" 2>&1 \
             | tee "$OUT/knee.log"  # set SGLANG_EXT_COMMIT (+ SGLANG_EXT_DIRTY) where git is absent
           kill $snap 2>/dev/null; wait $snap 2>/dev/null; rm -f "$OUT/knee.tgz.part"
           PYTHONPATH=$BASE python3 bench/step_profile.py "$OUT/knee" > "$OUT/knee/steps.txt" 2>&1  # per point: step ms, KV use
           (cd "$OUT" && tar czf knee.tgz knee) ;;  # the device returns a limited number of files: the folder comes back whole in the archive
           # FIRST_RUN=RUN gives that run the call's first turn (a short call spent on the point that matters most).
+          # EXTEND=0: no rates above the grid when it all passes (a call of one bisection point: without it a passing
+          # point is followed by one at 1.5x, ~4 min of device time that cannot move the knee; 2026-12-07 session 13).
           # RESUME=DIR continues the search of an earlier call's knee folder (the same env otherwise; its points are not
           # rerun, its reports are copied to $OUT/knee). The device machine sees only what is sent: a call's $OUT comes back
           # here as files under /work/.device/N/, so put its knee/ in the tree before the next call, e.g. committed under
