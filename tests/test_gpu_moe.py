@@ -145,6 +145,22 @@ def test_moe_graphs_and_overlap_serve_like_the_eager_loop(geom: str) -> None:
     assert serve(ov) == want and ov.overlapped_steps > 0
 
 
+def test_moe_graphs_mark_their_padding_rows() -> None:
+    """A decode batch of 3 rows replays the graph of 4: the MoE blocks read `row_mask` False on the padding
+    row (routed to no expert), from the one static buffer every captured graph shares. (That the real rows
+    keep their tokens is the serving test above: graphs under the overlap loop against the eager loop.)"""
+    runner = _runner("qwen3-moe", True)
+    g = runner.graphs
+    assert g is not None and g.row_mask is not None
+    assert all(b.row_mask is not None and b.row_mask.data_ptr() == g.row_mask.data_ptr() for b in g.batches.values())
+    paged = PagedSeqs(runner.pool, seed=2)
+    ss = [paged.new_seq() for _ in range(3)]
+    _forward(runner, paged.batch(ForwardMode.EXTEND, ss, prompts([6, 11, 4], seed=7)), True)
+    logits = _forward(runner, paged.batch(ForwardMode.DECODE, ss, [[7], [8], [9]]), True)
+    assert logits.shape[0] == 3 and torch.isfinite(logits).all()
+    assert g.row_mask[:4].tolist() == [True, True, True, False]
+
+
 def test_moe_checkpoint_served_on_one_gpu_with_remote_attention(tmp_path: Path) -> None:
     """A Mixtral HF checkpoint served by the Engine on one GPU (the Triton MoE kernels in float32),
     half of its decoding requests' attention and KV moved to an in-process executor on the same GPU
