@@ -131,6 +131,23 @@ def test_moe_geometry_reads_dense_weights_plus_the_experts_hit() -> None:
     assert moe_cm.decode_s(1, 1024) < moe_cm.decode_s(64, 64 * 1024) < moe_cm.decode_s(256, 256 * 1024)
 
 
+def test_padded_experts_price_the_engine_before_padding_rows_reached_no_expert() -> None:
+    """`graph_sizes` (replaying runs made before 2e5bb7a): a decode step's experts are those its CUDA graph's
+    padded rows hit, its attention and rows the real ones; graph sizes, eager sizes past the largest graph
+    and dense models are priced as before."""
+    sizes = (1, 2, 4, 8, 16, 24, 32)
+    now = CostModel.load(DEFAULT_CALIBRATION, "qwen3-30b-a3b")
+    then = CostModel.load(DEFAULT_CALIBRATION, "qwen3-30b-a3b", graph_sizes=sizes)
+    kv = 12 * 4096
+    assert then.decode_s(12, kv) == pytest.approx(now.decode_s(12, kv, experts_hit=now.geo.experts_hit(16)))
+    assert then.decode_s(12, kv) > 1.05 * now.decode_s(12, kv)  # 16 rows' experts, not 12's
+    for rows in (8, 16, 24, 40):
+        assert then.decode_s(rows, rows * 4096) == now.decode_s(rows, rows * 4096)
+    assert then.decode_s(12, kv, experts_hit=30.0) == now.decode_s(12, kv, experts_hit=30.0)  # measured: as given
+    dense = CostModel.load(DEFAULT_CALIBRATION, "llama-3-8b", graph_sizes=sizes)
+    assert dense.decode_s(12, kv) == CostModel.load(DEFAULT_CALIBRATION, "llama-3-8b").decode_s(12, kv)
+
+
 def test_fit_command_writes_a_calibration_with_its_runs(tmp_path: Path) -> None:
     out = tmp_path / "h200.json"
     assert fitmod.main(["--out", str(out)]) == 0

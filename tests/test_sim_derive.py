@@ -144,3 +144,8 @@ def test_the_derived_file_prices_qwen3_decode_timed_on_an_h100_within_5_percent(
     padded = [r for r in rows if bs(r) not in graph]
     assert len(on_graph) >= 14 and all(abs(r["err_pct"]) < 5.0 for r in on_graph), on_graph
     assert padded and all(-12.0 < r["err_pct"] < -7.0 for r in padded), padded
+    # the explanation, priced: the padded graph's experts (and the real rows' attention) within 3 %
+    then = CostModel.load(CALIBRATION_DIR / "h100.json", "qwen3-30b-a3b", capture_sizes(256))
+    for r in padded:
+        ctx = int(r["point"].split(" ctx ")[1].split()[0])
+        assert abs(1e3 * then.decode_s(bs(r), bs(r) * ctx) / r["measured_ms"] - 1) < 0.03, r

@@ -94,10 +94,16 @@ class CostModel:
 
     cal: Calibration
     geo: Geometry
+    # The engine before 2026-12-07 (commit 2e5bb7a) routed a decode CUDA graph's padding rows to experts
+    # like real rows: with these capture sizes, a decode step's experts are priced at the padded size's
+    # (12 rows in the graph of 16 read 16 rows' experts). None: the engine since, padding reads no expert.
+    graph_sizes: tuple[int, ...] | None = None
 
     @classmethod
-    def load(cls, calibration: str | Path | None = None, model: str = "llama-3-8b") -> CostModel:
-        return cls(Calibration.load(calibration), Geometry.preset(model))
+    def load(cls, calibration: str | Path | None = None, model: str = "llama-3-8b",
+             graph_sizes: Sequence[int] | None = None) -> CostModel:
+        return cls(Calibration.load(calibration), Geometry.preset(model),
+                   None if graph_sizes is None else tuple(sorted(graph_sizes)))
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -129,6 +135,9 @@ class CostModel:
         contexts); `experts_hit` per sparse layer if measured, else the uniform-routing expectation."""
         if rows <= 0:
             return 0.0
+        if experts_hit is None and self.graph_sizes and self.geo.is_moe:
+            padded = next((s for s in self.graph_sizes if s >= rows), rows)  # past the largest: eager, unpadded
+            experts_hit = self.geo.experts_hit(padded)
         dense = self._dense_s(rows, rows * self.geo.flops_per_row, self.cal.get("decode", "gemm_TFLOPs"), experts_hit)
         return (dense + self.moe_overhead_s()
                 + kv_tokens * self.geo.kv_bytes_per_token / (self.cal.get("decode", "kv_GBps") * 1e9)

@@ -51,6 +51,7 @@ from bench.sim.cost import DEFAULT_CALIBRATION, CostModel
 from bench.sim.instance import gpu_calibration
 from bench.traces import WorkloadConfig, repo_root
 from sglang_ext.configs import preset_config_file
+from sglang_ext.engine.cuda_graph import DEFAULT_MAX_BS, capture_sizes
 from sglang_ext.models.config import ModelConfig
 from sglang_ext.server_args import ServerArgs
 
@@ -654,6 +655,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="print per point the forwards the simulator priced (decode-only apart from those with a "
                         "prefill): where its time went")
     p.add_argument("--target", type=float, default=0.9)
+    p.add_argument("--padded-experts", action="store_true",
+                   help="price an MoE decode step's experts at its CUDA graph's padded size, as the engine ran "
+                        "before 2026-12-07 (2e5bb7a: padding rows now reach no expert); for replaying runs of then")
     p.add_argument("--no-host-time", action="store_true",
                    help="price GPU time only (before 2026-12-03's fix: no host time for unoverlapped prefill steps)")
     p.add_argument("--what-if", action="append", default=[], metavar="RUN=FLAGS",
@@ -701,7 +705,8 @@ def main(argv: list[str] | None = None) -> int:
         cal_files[gpu] = Path(path)
         print(f"sweeps run on {gpu} priced on {path} (--card-file)")
     pairs = {(sw.gpu, sw.model) for pn in chosen for sw in pn.sweeps}
-    costs = {(g, m): CostModel.load(cal_files[g], m) for g, m in pairs}
+    sizes = capture_sizes(DEFAULT_MAX_BS) if a.padded_experts else None
+    costs = {(g, m): CostModel.load(cal_files[g], m, sizes) for g, m in pairs}
     rows: list[Row] = []
     for pn in chosen:
         rows += replay_panel(pn, costs, constants, a.limit, host_time=not a.no_host_time, forwards=a.forwards,
