@@ -91,6 +91,9 @@ def test_bracket_and_next_rate() -> None:
     assert K.next_rate({2: 0.5}, [], plan) is None  # the lowest failed: "< 2"
     assert K.next_rate({2: 1.0, 4: 1.0, 6: 0.5, 5: 1.0, 5.5: 0.5}, [], plan) is None  # 5.5 <= 5 x 1.1
     assert K.next_rate({2: 1.0, 4: 1.0, 6: 0.5, 5: 1.0}, [], plan) == 5.5
+    one = K.Plan((2.125,), extend=0)  # a call of one bisection point (EXTEND=0 in bench/gpu_session.sh)
+    assert K.next_rate({2.125: 0.97}, [], one) is None and K.status({2.125: 0.97}, [], one).startswith("lower bound")
+    assert K.next_rate({2.125: 0.97}, [], K.Plan((2.125,))) == 3.188  # extend 1: half the rate above it
 
 
 def test_search_bisects_to_ten_percent_and_shares_points() -> None:
