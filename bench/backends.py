@@ -133,6 +133,8 @@ def handle_sglang_chunk(chunk: dict[str, Any], tracker: StreamTracker, now: floa
         tracker.result.input_len = int(meta["prompt_tokens"])
     if meta.get("cached_tokens") is not None:
         tracker.result.cached_tokens = int(meta["cached_tokens"])
+    if meta.get("ttft") is not None and tracker.result.server_ttft_s is None:
+        tracker.result.server_ttft_s = float(meta["ttft"])
     tracker.observe(int(count), now)
 
 

@@ -40,6 +40,10 @@ class RequestResult:
     e2e_s: float | None = None
     output_tokens: int = 0
     cached_tokens: int | None = None  # prompt tokens the server's prefix cache held (when it says)
+    # The worker's own TTFT (meta_info "ttft": from the request reaching the worker, tokenized, to its first
+    # token), when the server says. The client's TTFT minus it is what the serving path outside the worker
+    # costs (HTTP, tokenizer, the trips between front end and worker, streaming), which no offline bench sees.
+    server_ttft_s: float | None = None
     itls_s: list[float] = field(default_factory=list)
     chunk_times_s: list[float] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)
@@ -156,6 +160,7 @@ def compute_metrics(results: Sequence[RequestResult], duration_s: float, slo: Sl
     tpots = [t for t in (tpot(r) for r in ok) if t is not None]
     told = [r for r in ok if r.cached_tokens is not None]
     told_in = sum(r.input_len for r in told)
+    pairs = [(r.ttft_s, r.server_ttft_s) for r in ok if r.ttft_s is not None and r.server_ttft_s is not None]
 
     def per_s(x: float) -> float | None:
         return x / duration_s if duration_s > 0 else None
@@ -175,6 +180,9 @@ def compute_metrics(results: Sequence[RequestResult], duration_s: float, slo: Sl
         # Prompt tokens served from a prefix cache, over the prompt tokens of requests whose server said.
         "prefix_cache_hit_rate": sum(r.cached_tokens or 0 for r in told) / told_in if told_in else None,
         "ttft_ms": describe([r.ttft_s for r in ok if r.ttft_s is not None]),
+        # the worker's TTFT and the rest of the client's (see RequestResult.server_ttft_s), where the server said
+        "server_ttft_ms": describe([w for _, w in pairs]),
+        "ttft_outside_worker_ms": describe([c - w for c, w in pairs]),
         "tpot_ms": describe(tpots),
         "itl_ms": describe([g for r in ok for g in r.itls_s]),
         "e2e_latency_ms": describe(e2e),
@@ -280,9 +288,12 @@ def _latency_rows(m: dict[str, object]) -> list[str]:
         ("tpot_ms", "TPOT (ms)"),
         ("itl_ms", "ITL (ms)"),
         ("e2e_latency_ms", "E2E (ms)"),
+        ("server_ttft_ms", "TTFT, worker (ms)"),
+        ("ttft_outside_worker_ms", "TTFT, path (ms)"),
     ):
-        stats = m[key]
-        assert isinstance(stats, dict)
+        stats = m.get(key)
+        if not isinstance(stats, dict) or stats.get("mean") is None:
+            continue  # a server that reports no TTFT of its own (or an older report)
         rows.append(f"{label:<18}" + "".join(f"{_fmt(stats[k]):>11}" for k in (*STAT_KEYS, "max")))
     return rows
 
