@@ -135,6 +135,8 @@ def handle_sglang_chunk(chunk: dict[str, Any], tracker: StreamTracker, now: floa
         tracker.result.cached_tokens = int(meta["cached_tokens"])
     if meta.get("ttft") is not None and tracker.result.server_ttft_s is None:
         tracker.result.server_ttft_s = float(meta["ttft"])
+    if meta.get("e2e_latency") is not None:
+        tracker.result.server_e2e_s = float(meta["e2e_latency"])
     tracker.observe(int(count), now)
 
 

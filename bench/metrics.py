@@ -44,6 +44,7 @@ class RequestResult:
     # token), when the server says. The client's TTFT minus it is what the serving path outside the worker
     # costs (HTTP, tokenizer, the trips between front end and worker, streaming), which no offline bench sees.
     server_ttft_s: float | None = None
+    server_e2e_s: float | None = None  # the worker's e2e_latency on the last chunk (same clock as server_ttft_s)
     itls_s: list[float] = field(default_factory=list)
     chunk_times_s: list[float] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)
@@ -88,6 +89,14 @@ def tpot(result: RequestResult) -> float | None:
     if not result.success or result.output_tokens < 2 or result.e2e_s is None or result.ttft_s is None:
         return None
     return (result.e2e_s - result.ttft_s) / (result.output_tokens - 1)
+
+
+def server_tpot(result: RequestResult) -> float | None:
+    """The worker's own TPOT of a request, ``(server_e2e - server_ttft) / (output_tokens - 1)``, where the
+    server reported both; None otherwise (as ``tpot``, requests with one output token have none)."""
+    if not result.success or result.output_tokens < 2 or result.server_e2e_s is None or result.server_ttft_s is None:
+        return None
+    return (result.server_e2e_s - result.server_ttft_s) / (result.output_tokens - 1)
 
 
 def request_tbt(result: RequestResult, stat: str) -> float | None:
@@ -161,6 +170,7 @@ def compute_metrics(results: Sequence[RequestResult], duration_s: float, slo: Sl
     told = [r for r in ok if r.cached_tokens is not None]
     told_in = sum(r.input_len for r in told)
     pairs = [(r.ttft_s, r.server_ttft_s) for r in ok if r.ttft_s is not None and r.server_ttft_s is not None]
+    server_tpots = [t for t in (server_tpot(r) for r in ok) if t is not None]
 
     def per_s(x: float) -> float | None:
         return x / duration_s if duration_s > 0 else None
@@ -183,6 +193,7 @@ def compute_metrics(results: Sequence[RequestResult], duration_s: float, slo: Sl
         # the worker's TTFT and the rest of the client's (see RequestResult.server_ttft_s), where the server said
         "server_ttft_ms": describe([w for _, w in pairs]),
         "ttft_outside_worker_ms": describe([c - w for c, w in pairs]),
+        "server_tpot_ms": describe(server_tpots),  # the worker's TPOT: what the client's adds is streaming
         "tpot_ms": describe(tpots),
         "itl_ms": describe([g for r in ok for g in r.itls_s]),
         "e2e_latency_ms": describe(e2e),
@@ -290,6 +301,7 @@ def _latency_rows(m: dict[str, object]) -> list[str]:
         ("e2e_latency_ms", "E2E (ms)"),
         ("server_ttft_ms", "TTFT, worker (ms)"),
         ("ttft_outside_worker_ms", "TTFT, path (ms)"),
+        ("server_tpot_ms", "TPOT, worker (ms)"),
     ):
         stats = m.get(key)
         if not isinstance(stats, dict) or stats.get("mean") is None:

@@ -234,6 +234,7 @@ def test_end_to_end_on_cpu(tmp_path: Path) -> None:
         m = rep["metrics"]
         assert 0 < m["server_ttft_ms"]["median"] <= m["ttft_ms"]["median"], name
         assert m["ttft_outside_worker_ms"]["median"] > 0, name
+        assert 0 < m["server_tpot_ms"]["median"] <= 1.5 * m["tpot_ms"]["median"], name
     a, b, c = (reports[f"gp_{run}_r4_k1.json"] for run in runs)
     assert a["config"]["trace_offset"] == b["config"]["trace_offset"] == c["config"]["trace_offset"] == 6
     assert a["workload"]["mean_input_len"] == b["workload"]["mean_input_len"] == c["workload"]["mean_input_len"]

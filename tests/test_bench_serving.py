@@ -78,7 +78,8 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         chunk = {
             "text": "x" * len(ids),
             "output_ids": ids,
-            "meta_info": {"prompt_tokens": len(body["input_ids"]), "completion_tokens": len(ids), "ttft": WORKER_TTFT},
+            "meta_info": {"prompt_tokens": len(body["input_ids"]), "completion_tokens": len(ids), "ttft": WORKER_TTFT,
+                          "e2e_latency": WORKER_TTFT + i * TOKEN_GAP},
         }
         await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
     await resp.write(b"data: [DONE]\n\n")
@@ -169,6 +170,7 @@ def test_sglang_end_to_end(tmp_path: Path) -> None:
     # the server's own TTFT, and the client's TTFT outside it (the serving path)
     assert m["server_ttft_ms"]["mean"] == pytest.approx(1000 * WORKER_TTFT)
     assert m["ttft_outside_worker_ms"]["mean"] == pytest.approx(m["ttft_ms"]["mean"] - 1000 * WORKER_TTFT)
+    assert m["server_tpot_ms"]["mean"] == pytest.approx(1000 * 0.75 * TOKEN_GAP)  # its last e2e_latency, 3 gaps
     # 4 chunks (1,1,1,2 tokens) -> 3 chunk gaps of TOKEN_GAP; TPOT = 3 gaps / 4 tokens
     assert TOKEN_GAP <= m["itl_ms"]["median"] / 1000 < TOKEN_GAP + 0.04
     assert 0.75 * TOKEN_GAP <= m["tpot_ms"]["mean"] / 1000 < 0.75 * TOKEN_GAP + 0.04
@@ -276,6 +278,7 @@ def test_metrics_math() -> None:
     assert m["output_throughput_tok_s"] == pytest.approx(103.0)
     assert m["ttft_ms"]["median"] == pytest.approx(200.0) and m["ttft_ms"]["mean"] == pytest.approx(200.0)
     assert m["server_ttft_ms"]["mean"] is None and m["ttft_outside_worker_ms"]["mean"] is None  # no server said
+    assert m["server_tpot_ms"]["mean"] is None
     assert m["tpot_ms"]["mean"] == pytest.approx((0.52 / 3 + 0.02) / 2 * 1000)
     all_itls = [0.01, 0.01, 0.5] + [0.02] * 200
     assert m["itl_ms"]["p99"] == pytest.approx(float(np.percentile(all_itls, 99)) * 1000)
