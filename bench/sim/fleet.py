@@ -24,6 +24,7 @@ import numpy as np
 
 from bench.policy_sim import VOCAB, summarize
 from bench.sim.cost import Calibration, CostModel, GiB
+from bench.sim.expert_load import with_record
 from bench.sim.geometry import Geometry
 from bench.sim.instance import Instance, InstanceSpec, SimGpu, gpu_calibration, pool_tokens_for, run_instances
 from bench.traces import (
@@ -74,17 +75,21 @@ def error_band(cal: Calibration) -> str:
     return ERROR_BAND if "derived" not in cal.raw else f"{ERROR_BAND}\n{DERIVED_BAND.format(gpu=cal.gpu)}"
 
 
-def load_geometry(model: str) -> Geometry:
-    """A preset name (`llama-3-8b`, `preset:qwen2.5-32b`) or a config.json path (file or its folder)."""
+def load_geometry(model: str, expert_distribution: str | None = None) -> Geometry:
+    """A preset name (`llama-3-8b`, `preset:qwen2.5-32b`) or a config.json path (file or its folder);
+    `expert_distribution`: a server's expert distribution record of it, for a trained router's skew."""
     name = model.removeprefix("preset:")
     if name in preset_names():
-        return Geometry.preset(name)
-    p = Path(model)
-    if p.is_dir():
-        p = p / "config.json"
-    if not p.is_file():
-        raise ValueError(f"model {model!r} is neither a preset ({', '.join(preset_names())}) nor a config.json path")
-    return Geometry.from_model_config(ModelConfig.from_path(p), p.parent.name or p.stem)
+        geo = Geometry.preset(name)
+    else:
+        p = Path(model)
+        if p.is_dir():
+            p = p / "config.json"
+        if not p.is_file():
+            raise ValueError(f"model {model!r} is neither a preset ({', '.join(preset_names())}) nor a config.json "
+                             "path")
+        geo = Geometry.from_model_config(ModelConfig.from_path(p), p.parent.name or p.stem)
+    return geo if expert_distribution is None else with_record(geo, expert_distribution)
 
 
 @dataclass
@@ -101,6 +106,7 @@ class ModelSpec:
     max_out: int = 512
     arrival: str = "poisson"  # or "burst" (4x for 5 s of every 30 s, same mean)
     trace_offset: int = 0
+    expert_distribution: str | None = None  # an MoE's expert distribution record (bench/sim/expert_load.py)
 
     def __post_init__(self) -> None:
         if self.trace not in TRACE_FILES:
@@ -205,7 +211,7 @@ def run_fleet(plan: FleetPlan, models: Sequence[ModelSpec], cal: Calibration, gp
     `extra_tpot_s`: also report both-SLO attainment under these mean-TPOT SLOs (exact for fcfs, whose
     decisions do not read the SLO; lvf's would differ under them)."""
     specs = {m.name: m for m in models}
-    geos = {m.name: load_geometry(m.model) for m in models}
+    geos = {m.name: load_geometry(m.model, m.expert_distribution) for m in models}
     gpus = [SimGpu(i, executor_sms=plan.executor_sms) for i in range(plan.gpus)]
     lent = [0.0] * plan.gpus
     for p in plan.pairings:
@@ -322,7 +328,7 @@ def place(models: Sequence[ModelSpec], cal: Calibration, gpu_mem_gib: float, str
     `rotation`/`both`: every instance rotates (lvf) into its share of the host pool."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, not {strategy!r}")
-    geos = {m.name: load_geometry(m.model) for m in models}
+    geos = {m.name: load_geometry(m.model, m.expert_distribution) for m in models}
     need = {m.name: demand(m, CostModel(cal, geos[m.name])) for m in models}
     slots: list[Slot] = []
     small: list[tuple[int, str]] = []

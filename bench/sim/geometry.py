@@ -4,7 +4,10 @@ The fitted rates (bench/sim/calibration/*.json) belong to a GPU; this file is wh
 another model: a decode step reads `weight_read_bytes(rows)` at the weights' bandwidth, `rows x flops_per_row`
 at the GEMM rate, and the KV at the KV bandwidth. For an MoE, a step reads the dense weights plus only the
 experts its tokens hit: with E experts, top-k routing and r rows routed uniformly, E * (1 - (1 - k/E)^r)
-distinct experts per sparse layer are expected (bench/offline.py counts the real `experts_hit`).
+distinct experts per sparse layer are expected (bench/offline.py counts the real `experts_hit`). A trained
+router is skewed: with `expert_pick` (each sparse layer's chance that a token picks each expert, from a
+server's expert distribution record: bench/sim/expert_load.py) the experts hit are sum_e 1 - (1 - q_e)^r,
+fewer than uniform routing's for the same r.
 """
 
 from __future__ import annotations
@@ -26,6 +29,17 @@ def expected_experts_hit(num_experts: int, top_k: int, rows: float) -> float:
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** rows)
 
 
+def skewed_experts_hit(pick: tuple[float, ...], rows: float) -> float:
+    """Distinct experts one sparse layer reads for `rows` tokens when each token picks expert e with
+    probability pick[e] (its marginal: a token's k picks are distinct, which this does not need) and the
+    tokens pick independently: expert e is missed by all with probability (1 - pick[e])^rows. Uniform
+    picks give expected_experts_hit. Real tokens of one batch are not independent (a request's tokens
+    and similar prompts route alike), so a measured count can sit below this."""
+    if rows <= 0:
+        return 0.0
+    return sum(1.0 - (1.0 - min(q, 1.0)) ** rows for q in pick)
+
+
 @dataclass(frozen=True)
 class Geometry:
     """What one model costs per step, independent of the GPU (bf16 weights and KV)."""
@@ -43,6 +57,8 @@ class Geometry:
     num_experts: int = 0
     top_k: int = 0
     sparse_layers: int = 0  # layers with routed experts
+    # Per sparse layer, each expert's chance of being picked by one token (sums to top_k); () = uniform
+    expert_pick: tuple[tuple[float, ...], ...] = ()
 
     @property
     def is_moe(self) -> bool:
@@ -62,7 +78,12 @@ class Geometry:
         return 2.0 * (self.layer_params + self.lm_head_params)
 
     def experts_hit(self, rows: float) -> float:
-        return expected_experts_hit(self.num_experts, self.top_k, rows) if self.is_moe else 0.0
+        """Distinct experts per sparse layer (the mean over layers) that `rows` tokens read."""
+        if not self.is_moe:
+            return 0.0
+        if self.expert_pick:
+            return sum(skewed_experts_hit(q, rows) for q in self.expert_pick) / len(self.expert_pick)
+        return expected_experts_hit(self.num_experts, self.top_k, rows)
 
     def weight_read_bytes(self, rows: float, experts_hit: float | None = None) -> float:
         """Weight bytes one step over `rows` tokens reads: dense weights plus the experts hit per sparse

@@ -28,7 +28,7 @@ from bench.sim.instance import PEER_GBPS, Instance, InstanceSpec, SimGpu, pool_t
 def run_pd(m: ModelSpec, cal: Calibration, gpu_mem_gib: float, seconds: float, seed: int = 0,
            offload_ratio: float = 0.0, lend_gib: float = 40.0, executor_sms: int | None = None,
            transfer_GBps: float = PEER_GBPS, horizon_factor: float = 3.0) -> dict[str, Any]:
-    geo = load_geometry(m.model)
+    geo = load_geometry(m.model, m.expert_distribution)
     cost = CostModel(cal, geo)
     gp, gd = SimGpu(0, executor_sms=executor_sms), SimGpu(1)
     lend = lend_gib if offload_ratio > 0 else 0.0

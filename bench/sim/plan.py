@@ -31,7 +31,7 @@ from bench.sim.fleet import STRATEGIES, ModelSpec, error_band, fewest_gpus, load
 from bench.sim.instance import known_gpus
 
 KEYS = {"name", "model", "rate", "share", "servegen", "ttft_s", "tpot_s", "trace", "max_in", "max_out", "arrival",
-        "trace_offset"}
+        "trace_offset", "expert_distribution"}
 
 
 def read_models(path: Path, traffic: str, total_rate: float | None) -> list[ModelSpec]:
@@ -73,6 +73,8 @@ def read_models(path: Path, traffic: str, total_rate: float | None) -> list[Mode
             raise ValueError(f"model {name}: no traffic (give `rate`, `share` with --total-rate, `servegen` with "
                              "--traffic servegen, or a row in the --traffic file)")
         kw = {k: it[k] for k in KEYS - {"name", "model", "rate", "share", "servegen"} if k in it}
+        if kw.get("expert_distribution"):  # a path in the model list is relative to the list's folder
+            kw["expert_distribution"] = str(path.parent / str(kw["expert_distribution"]))
         out.append(ModelSpec(name=name, model=str(it["model"]), rate=rate, **kw))
     return out
 
