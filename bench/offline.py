@@ -57,6 +57,7 @@ from bench.gpu_measure import (  # the repo root is on sys.path above when run a
     prefill_batch,
     time_gpu,
 )
+from bench.provenance import provenance
 from bench.sim.geometry import Geometry
 from sglang_ext import ops
 from sglang_ext.engine.cuda_graph import CudaGraphRunner
@@ -121,6 +122,7 @@ class Bench:
         gpu = torch.cuda.get_device_properties(0)
         self.res["env"] = {
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": gpu.name,
+            **provenance(),  # git_commit, git_dirty, commit_source, call_id: the tree that really ran
             "sms": gpu.multi_processor_count, "torch": torch.__version__, "cuda": torch.version.cuda,
             "flashinfer": _version("flashinfer"), "triton": _version("triton"), "python": platform.python_version(),
             "model": a.model_path, "layers": cfg.num_layers, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,

@@ -20,11 +20,8 @@ import argparse
 import asyncio
 import json
 import math
-import os
-import subprocess
 import sys
 import time
-import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -37,13 +34,13 @@ from tqdm import tqdm
 
 from bench import metrics as M
 from bench.backends import BACKENDS, BackendConfig, check_base_url, send_request
+from bench.provenance import CALL_ENV, COMMIT_ENV, DIRTY_ENV, git_commit, new_call_id, provenance  # noqa: F401 (serving.* for callers)
 from bench.traces import (
     TRACE_CHOICES,
     RequestSpec,
     WorkloadConfig,
     build_requests,
     default_traces_dir,
-    repo_root,
 )
 
 CANCELLED = "cancelled: --max-duration reached"
@@ -324,54 +321,6 @@ async def dispatch(
 # ---------------------------------------------------------------------------------------------- reports
 
 
-COMMIT_ENV = "SGLANG_EXT_COMMIT"  # set by the caller where the tree that runs has no git (a copied tree)
-DIRTY_ENV = "SGLANG_EXT_DIRTY"  # ... and whether that tree had uncommitted changes (1/0)
-CALL_ENV = "SGLANG_EXT_CALL_ID"
-
-
-def _git(*args: str) -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(repo_root()), *args], capture_output=True, text=True, timeout=10, check=False
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout if out.returncode == 0 else None
-
-
-def git_commit() -> str | None:
-    head = _git("rev-parse", "HEAD")
-    return head.strip() or None if head is not None else None
-
-
-def new_call_id(kind: str) -> str:
-    """An id for one driver invocation: kind, UTC time, and a random tail (two calls in one second)."""
-    return f"{kind}-{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
-
-
-def _flag(text: str | None) -> bool | None:
-    if text is None:
-        return None
-    low = text.strip().lower()
-    return True if low in ("1", "true", "yes") else False if low in ("0", "false", "no") else None
-
-
-def provenance(call_id: str | None = None) -> dict[str, Any]:
-    """What ran: the caller's $SGLANG_EXT_COMMIT / $SGLANG_EXT_DIRTY when set (first, because a copied tree
-    can carry a stale .git: the device machine's git reports the commit its copy started from, not the
-    tree that was sent), else the commit and dirtiness git sees, else "unknown" / null; and the driver
-    call the run belongs to."""
-    dirty: bool | None = None
-    if os.environ.get(COMMIT_ENV):
-        commit, source, dirty = os.environ[COMMIT_ENV].strip(), "env", _flag(os.environ.get(DIRTY_ENV))
-    elif (head := git_commit()) is not None:
-        commit, source = head, "git"
-        status = _git("status", "--porcelain")
-        dirty = bool(status.strip()) if status is not None else None
-    else:
-        commit, source = "unknown", "unknown"
-    call = call_id or os.environ.get(CALL_ENV) or new_call_id("serving")
-    return {"git_commit": commit, "git_dirty": dirty, "commit_source": source, "call_id": call}
 
 
 def public_config(args: argparse.Namespace) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import provenance as provenance_mod
 from bench import serving
 from bench.backends import check_base_url, is_loopback_url
 from bench.metrics import (
@@ -402,7 +403,7 @@ def test_report_records_provenance_and_realized_rates(tmp_path: Path, monkeypatc
 def test_provenance_without_git(monkeypatch: pytest.MonkeyPatch) -> None:
     """The caller's env names the commit (first, also where git answers); else git; else "unknown". The call id
     comes from --call-id, then $SGLANG_EXT_CALL_ID, else a fresh one per run."""
-    monkeypatch.setattr(serving, "_git", lambda *a: None)
+    monkeypatch.setattr(provenance_mod, "_git", lambda *a: None)
     monkeypatch.setenv(serving.COMMIT_ENV, "abc123")
     monkeypatch.setenv(serving.DIRTY_ENV, "1")
     monkeypatch.setenv(serving.CALL_ENV, "call-7")
@@ -410,9 +411,9 @@ def test_provenance_without_git(monkeypatch: pytest.MonkeyPatch) -> None:
                                     "call_id": "call-7"}
     assert serving.provenance("mine")["call_id"] == "mine"
     # The env wins over git too: a copied tree's stale .git names the commit its copy started from.
-    monkeypatch.setattr(serving, "_git", lambda *a: "0123beef\n")
+    monkeypatch.setattr(provenance_mod, "_git", lambda *a: "0123beef\n")
     assert serving.provenance()["git_commit"] == "abc123"
-    monkeypatch.setattr(serving, "_git", lambda *a: None)
+    monkeypatch.setattr(provenance_mod, "_git", lambda *a: None)
     for name in (serving.COMMIT_ENV, serving.DIRTY_ENV, serving.CALL_ENV):
         monkeypatch.delenv(name)
     p = serving.provenance()
