@@ -135,7 +135,7 @@ def test_a_dense_worker_says_so_at_start() -> None:
     from sglang_ext.worker.tokenizer import StartupError
     from sglang_ext.worker.worker import Worker
 
-    with pytest.raises(StartupError, match="--expert-distribution-recorder-mode stat: .* has no MoE layers"):
+    with pytest.raises(StartupError, match=r"--expert-distribution-recorder-mode stat: .* has no MoE layers"):
         Worker(ServerArgs(load_format="dummy", device="cpu", expert_distribution_recorder_mode="stat"))
 
 
