@@ -23,9 +23,12 @@ from router.errors import ApiError
 from sglang_ext.messages import ExpertDistributionReq
 
 Action = Literal["start", "stop", "dump"]
-TIMEOUT_S: Final = 60.0  # a dump copies [layers, experts] to the host and writes two small files
-HEADS: Final = {"start": "Started recording the expert distribution", "stop": "Stopped recording the expert "
-                "distribution", "dump": "Dumped the expert distribution"}
+TIMEOUT_S: Final = 60.0  # a worker answers between steps; a dump copies [layers, experts] and writes two small files
+HEADS: Final = {
+    "start": "Started recording the expert distribution",
+    "stop": "Stopped recording the expert distribution",
+    "dump": "Dumped the expert distribution",
+}
 
 
 class RecordBody(msgspec.Struct, forbid_unknown_fields=True):
