@@ -1,9 +1,11 @@
 """POST /start_expert_distribution_record, /stop_... and /dump_... against a real launcher (CPU) serving a
 tiny Mixtral on dummy weights with --expert-distribution-recorder-mode stat (`moe`), the same model without
-it (`moe-off`) and the embedded dense model (`dense`); and the offline Engine's methods of the same names."""
+it (`moe-off`) and the embedded dense model (`dense`); the offline Engine's methods of the same names; and
+the router's fan-out over two fake workers, one of which refuses."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,8 +15,13 @@ import httpx
 import pytest
 import torch
 import yaml
-from _router_util import Server, free_port, serve
+import zmq.asyncio
+from _router_util import FakeWorker, Server, free_port, serve, until
 
+from router.api.app import build_app
+from router.config import RouterConfig
+from router.core import Router
+from sglang_ext.messages import ExpertDistributionReq, ReplyOut
 from sglang_ext.models.default_model import VOCAB_SIZE, ensure_default_model
 
 KEY = "experts-key"
@@ -136,3 +143,36 @@ def test_engine_methods(tmp: Path) -> None:
         files = eng.dump_expert_distribution_record(output_dir=str(tmp / "engine"))
         meta = out["meta_info"]  # type: ignore[call-overload]
         assert torch.load(files[0])["tokens"] == meta["prompt_tokens"] + 3
+
+
+async def test_the_router_fans_out_and_names_the_worker_that_refused(ctx: zmq.asyncio.Context) -> None:
+    router = Router(RouterConfig())
+    await router.start()
+    workers = [FakeWorker(ctx, router.worker_addr, f"w{i}", "m") for i in range(2)]
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(router)), base_url="http://router")
+
+    async def ask(what: str, answers: list[dict[str, Any]], **body: Any) -> httpx.Response:
+        task = asyncio.create_task(client.post(f"/{what}_expert_distribution_record", json=body))
+        for w, data in zip(workers, answers, strict=True):
+            msg = await w.recv()
+            assert isinstance(msg, ExpertDistributionReq) and msg.action == what
+            assert msg.output_dir == body.get("output_dir", "")
+            await w.send(ReplyOut(rid=msg.rid, ok="error" not in data, data=data))
+        return await task
+
+    try:
+        for w in workers:
+            await w.hello()
+        await until(lambda: sum(x.up for x in router.registry.workers.values()) == 2)
+        ok = {"message": "fine", "files": []}
+        r = await ask("start", [ok, {"error": "w1: not writable", "status": 400}], output_dir="/x")
+        assert r.status_code == 400 and r.json()["error"]["message"] == "w1: not writable (done on w0)"
+        r = await ask("dump", [{"message": "a", "files": ["/d/a.pt", "/d/a.json"]},
+                               {"message": "b", "files": ["/d/b.pt", "/d/b.json"]}], model="m")
+        assert r.status_code == 200 and r.json()["files"] == ["/d/a.pt", "/d/a.json", "/d/b.pt", "/d/b.json"]
+        assert r.json()["workers"]["w1"] == {"message": "b", "files": ["/d/b.pt", "/d/b.json"]}
+    finally:
+        await client.aclose()
+        for w in workers:
+            w.close()
+        await router.stop()
