@@ -51,7 +51,13 @@ PROFILER_DIR: Final = EnvVar(
     "(SGLang's variable; unset: /tmp)",
     lambda s: Path(s).expanduser(), sglang_name=True)
 
-ALL: Final[tuple[EnvVar[Any], ...]] = (CACHE, API_KEY, PROFILER_DIR)
+EXPERT_DISTRIBUTION_DIR: Final = EnvVar(
+    "SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR",
+    "where /dump_expert_distribution_record writes its files when no request named an output_dir "
+    "(SGLang's variable; unset: /tmp)",
+    lambda s: Path(s).expanduser(), sglang_name=True)
+
+ALL: Final[tuple[EnvVar[Any], ...]] = (CACHE, API_KEY, PROFILER_DIR, EXPERT_DISTRIBUTION_DIR)
 
 
 def worker_environ(extra: Mapping[str, str] | None = None, environ: Mapping[str, str] | None = None,
@@ -69,4 +75,4 @@ def worker_environ(extra: Mapping[str, str] | None = None, environ: Mapping[str,
     return env
 
 
-__all__ = ["ALL", "API_KEY", "CACHE", "PROFILER_DIR", "EnvVar", "worker_environ"]
+__all__ = ["ALL", "API_KEY", "CACHE", "EXPERT_DISTRIBUTION_DIR", "PROFILER_DIR", "EnvVar", "worker_environ"]

@@ -33,6 +33,9 @@ ROTATING_POLICIES: Final = ("lvf", "wf", "sf")  # they schedule the rotary queue
 DEFAULT_TTFT_SLO_MS: Final = 5000.0  # SuperInfer's SLOs, used by lvf's virtual lag time when none is given
 DEFAULT_TPOT_SLO_MS: Final = 100.0
 DEFAULT_PROFILE_STEPS: Final = 10
+# --expert-distribution-recorder-mode: SGLang's modes, of which sglang_ext records the per-layer totals alone
+EXPERT_DISTRIBUTION_MODES: Final = ("stat",)
+SGLANG_EXPERT_DISTRIBUTION_MODES: Final = ("stat", "per_pass", "per_token")
 
 
 def _help(text: str, shown: str | None = None) -> dict[str, str | None]:
@@ -210,6 +213,11 @@ class ServerArgs:
         "with --profile-dir: the window's first step (steps with work, counted from the worker's start)"))
     profile_num_steps: int = field(default=DEFAULT_PROFILE_STEPS, metadata=_help(
         "with --profile-dir: the window's length in steps"))
+    expert_distribution_recorder_mode: str | None = field(default=None, metadata=_help(
+        "MoE models: 'stat' counts, per MoE layer and expert, the tokens the router sends there (one small "
+        "scatter-add per layer and forward, inside the decode CUDA graphs too); POST "
+        "/start_expert_distribution_record, /stop_expert_distribution_record and /dump_expert_distribution_record "
+        "read it. SGLang's per_pass and per_token modes are not implemented", "off: nothing is counted"))
     # serving
     host: str = field(default="127.0.0.1", metadata=_help("HTTP bind address"))
     port: int = field(default=DEFAULT_PORT, metadata=_help("HTTP port"))
@@ -333,6 +341,12 @@ class ServerArgs:
                                  f"got {getattr(self, name)}")
 
     def _check_diagnostics(self) -> None:
+        mode = self.expert_distribution_recorder_mode
+        if mode is not None and mode not in EXPERT_DISTRIBUTION_MODES:
+            sglang = mode in SGLANG_EXPERT_DISTRIBUTION_MODES
+            other = " (an SGLang mode that sglang_ext does not implement)" if sglang else ""
+            raise ValueError(f"expert_distribution_recorder_mode {mode!r} is not supported{other}: the supported mode "
+                             f"is {', '.join(map(repr, EXPERT_DISTRIBUTION_MODES))} (or none, to count nothing)")
         if not 0.0 <= self.step_log_interval_s < float("inf"):
             raise ValueError(f"step_log_interval_s must be >= 0 seconds (0: off), got {self.step_log_interval_s}")
         if self.profile_dir is None:

@@ -45,12 +45,12 @@ GEOMETRIES = {
 }
 
 
-def _runner(geom: str, fast: bool, graphs: bool | None = None) -> ModelRunner:
+def _runner(geom: str, fast: bool, graphs: bool | None = None, experts: str | None = None) -> ModelRunner:
     cfg = tiny_config(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, **GEOMETRIES[geom])
     args = ServerArgs(device="cuda", dtype="bfloat16", load_format="dummy", page_size=16,
                       attention_backend="flashinfer" if fast else "torch",
                       disable_cuda_graph=not (fast if graphs is None else graphs),
-                      cuda_graph_max_bs=16, max_total_tokens=4096)
+                      cuda_graph_max_bs=16, max_total_tokens=4096, expert_distribution_recorder_mode=experts)
     r = ModelRunner(args, None, cfg)  # type: ignore[arg-type]
     with torch.no_grad():  # in place: captured graphs see the sharpened weights
         for p in r.model.parameters():
@@ -159,6 +159,47 @@ def test_moe_graphs_mark_their_padding_rows() -> None:
     logits = _forward(runner, paged.batch(ForwardMode.DECODE, ss, [[7], [8], [9]]), True)
     assert logits.shape[0] == 3 and torch.isfinite(logits).all()
     assert g.row_mask[:4].tolist() == [True, True, True, False]
+
+
+def test_expert_counts_run_inside_the_decode_graphs() -> None:
+    """--expert-distribution-recorder-mode stat: the counting adds are captured in the decode graphs. Decode
+    batches of 3 rows replay the graph of 4: every replay adds 3 * top_k to each layer's row (the padding row
+    adds nothing), and the greedy tokens are those of the runner without the mode (the same weights, the
+    same graphs but for the adds). The add itself never syncs the host."""
+    from sglang_ext.models.moe import count_routed
+
+    on, off = _runner("qwen3-moe", True, experts="stat"), _runner("qwen3-moe", True)
+    off.model.load_state_dict(on.model.state_dict())  # in place, under the captured graphs
+    c, g = on.expert_counts, on.graphs
+    assert c is not None and g is not None and off.expert_counts is None
+    k = c.top_k
+    base = c.snapshot()  # the graphs' warm-up forwards counted too: a record is a difference
+    prefill = torch.zeros_like(base)
+    tokens: dict[str, list[list[int]]] = {}
+    for name, r in (("on", on), ("off", off)):
+        paged = PagedSeqs(r.pool, seed=2)
+        ss = [paged.new_seq() for _ in range(3)]
+        out = [_forward(r, paged.batch(ForwardMode.EXTEND, ss, prompts([6, 11, 4], seed=7)), True).argmax(-1).tolist()]
+        if name == "on":
+            prefill = c.snapshot() - base
+            assert prefill.sum(dim=1).tolist() == [21 * k] * len(c.layers)
+        for _ in range(5):
+            batch = paged.batch(ForwardMode.DECODE, ss, [[t] for t in out[-1]])
+            assert r.graphs is not None and r.graphs.can_run(batch)
+            out.append(_forward(r, batch, True).argmax(-1).tolist())
+        tokens[name] = out
+    decode = c.snapshot() - base - prefill
+    assert decode.sum(dim=1).tolist() == [5 * 3 * k] * len(c.layers)
+    assert g.row_mask is not None and g.row_mask[:4].tolist() == [True, True, True, False]
+    assert tokens["on"] == tokens["off"]
+    ids = torch.tensor([[3, 1], [-1, -1], [3, 0]], dtype=torch.int32, device="cuda")
+    counts = torch.zeros(4, dtype=torch.int64, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        count_routed(counts, ids)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert counts.tolist() == [1, 1, 0, 2]
 
 
 def test_moe_checkpoint_served_on_one_gpu_with_remote_attention(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router.api import admin, native, openai_api, probes
+from router.api import admin, expert_distribution, native, openai_api, probes
 from router.api.answers import CountAnswers
 from router.api.common import error_body
 from router.api.limits import BodyLimit
@@ -57,6 +57,7 @@ def build_app(router: Router) -> FastAPI:
     app.state.router = router
     app.include_router(native.build(router))
     app.include_router(admin.build(router))
+    app.include_router(expert_distribution.build(router))
     app.include_router(probes.build(router))
     app.include_router(openai_api.build(router))
 

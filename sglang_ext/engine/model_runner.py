@@ -20,6 +20,7 @@ from sglang_ext.engine.split_attention import SplitAttention
 from sglang_ext.forward_batch import ForwardBatch
 from sglang_ext.kvcache.pool import KVGeometry, KVPool
 from sglang_ext.models.config import ModelConfig
+from sglang_ext.models.expert_counts import ExpertCounts, attach_expert_counts
 from sglang_ext.models.loader import load_model
 from sglang_ext.models.moe import SparseMoeBlock, simulate_uniform_routing
 from sglang_ext.server_args import ServerArgs
@@ -137,6 +138,14 @@ class ModelRunner:
                 if not simulate_uniform_routing(self.model):
                     raise ValueError(f"--moe-routing-simulation uniform: {cfg.architecture} has no MoE layers")
                 notes.append("MoE routing simulated: uniform")
+            # before the graphs are captured: they must hold the counting adds (models/expert_counts.py)
+            self.expert_counts: ExpertCounts | None = None
+            if args.expert_distribution_recorder_mode is not None:
+                self.expert_counts = attach_expert_counts(self.model)
+                if self.expert_counts is None:
+                    raise ValueError(f"--expert-distribution-recorder-mode {args.expert_distribution_recorder_mode}: "
+                                     f"{cfg.architecture} has no MoE layers")
+                notes.append("expert distribution counted")
             nbytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
             n = cfg.num_params()
             params = f"{n / 1e9:.2f} B params" if n >= 1e9 else f"{n / 1e6:.1f} M params"

@@ -16,7 +16,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import zmq
@@ -29,6 +29,7 @@ from sglang_ext.messages import (
     BatchOut,
     DetokenizeReq,
     ErrorOut,
+    ExpertDistributionReq,
     FlushCacheReq,
     GenerateReq,
     LoadReport,
@@ -319,6 +320,27 @@ class Engine:
         reply = self._ask(msg)
         if not reply.ok:
             raise InvalidRequest(str(reply.data.get("error")))
+
+    # ---- expert distribution (--expert-distribution-recorder-mode stat; worker/expert_distribution.py) ----
+    def start_expert_distribution_record(self) -> None:
+        """Record from now on how many tokens the router sends to each expert of each MoE layer."""
+        self._record("start")
+
+    def stop_expert_distribution_record(self) -> None:
+        self._record("stop")
+
+    def dump_expert_distribution_record(self, output_dir: str | None = None) -> list[str]:
+        """Write the record (up to now while recording) into `output_dir` (default: the one given before, else
+        $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, else /tmp); the paths of the .pt and .json files."""
+        return self._record("dump", output_dir)
+
+    def _record(self, action: Literal["start", "stop", "dump"], output_dir: str | None = None) -> list[str]:
+        """InvalidRequest when refused: a dense model, no --expert-distribution-recorder-mode, a stop unstarted."""
+        reply = self._ask(ExpertDistributionReq(rid=f"experts-{next(self._ids)}", action=action,
+                                                output_dir=output_dir or ""))
+        if not reply.ok:
+            raise InvalidRequest(str(reply.data.get("error")))
+        return [str(f) for f in reply.data.get("files") or []]
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> tuple[bool, str]:
         """Reload the weights in place (requests in flight finish first); (success, message). On failure

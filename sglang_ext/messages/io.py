@@ -90,6 +90,18 @@ class ProfileReq(msgspec.Struct, tag="profile", kw_only=True, forbid_unknown_fie
     activities: list[str] = msgspec.field(default_factory=list)
 
 
+class ExpertDistributionReq(msgspec.Struct, tag="expert_distribution", kw_only=True, forbid_unknown_fields=True):
+    """The MoE expert distribution recorder (/start_expert_distribution_record, /stop_..., /dump_...):
+    `start` a record, `stop` it, `dump` it to files. `output_dir` ("": the one given before, else
+    $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, else /tmp) is where dumps go from now on. Answered with a
+    ReplyOut: `message` and `files` written (dump); or ok=False, `error` and `status` 400 (a dense model, a
+    server without --expert-distribution-recorder-mode, a stop without a start, an unwritable output_dir)."""
+
+    rid: str
+    action: Literal["start", "stop", "dump"]
+    output_dir: str = ""
+
+
 class UpdateWeightsReq(msgspec.Struct, tag="update_weights", kw_only=True, forbid_unknown_fields=True):
     """Reload the model's weights from `model_path` in place (/update_weights_from_disk). The worker
     drains first: requests it holds finish on the old weights while new ones wait; then it loads, drops
@@ -399,6 +411,6 @@ class KVPairClose(msgspec.Struct, tag="kv_pair_close", kw_only=True, forbid_unkn
 
 
 ToWorker = (GenerateReq | AbortReq | FlushCacheReq | TokenizeReq | DetokenizeReq | ProfileReq | UpdateWeightsReq
-            | ShutdownReq | HelloReq | ExecutorOpen | OffloadDirective | OffloadRatio | KVPairOpen | KVPairConnect
-            | KVPairClose)
+            | ExpertDistributionReq | ShutdownReq | HelloReq | ExecutorOpen | OffloadDirective | OffloadRatio
+            | KVPairOpen | KVPairConnect | KVPairClose)
 FromWorker = BatchOut | ErrorOut | ReplyOut | WorkerHello | LoadReport

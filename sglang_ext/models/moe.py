@@ -45,6 +45,9 @@ class SparseMoeBlock(nn.Module):
         self.moe = moe
         # --moe-routing-simulation uniform (benchmarks of dummy weights): k distinct experts at random per token
         self.uniform_routing = False
+        # --expert-distribution-recorder-mode stat: this layer's row [E] (int64, on the device) of the model's
+        # counts (models/expert_counts.py), to which every forward adds the experts its real rows were routed to
+        self.expert_counts: torch.Tensor | None = None
         self.gate = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
         self.experts = Experts(cfg.hidden_size, moe)
         self.shared_expert: nn.Module | None = None
@@ -63,6 +66,8 @@ class SparseMoeBlock(nn.Module):
             # replay draws anew).
             logits = torch.rand(logits.shape, device=logits.device, dtype=torch.float32)
         weights, ids = ops.moe_route(logits, self.moe.top_k, self.moe.renormalize, row_mask)
+        if self.expert_counts is not None:
+            count_routed(self.expert_counts, ids)
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -75,6 +80,14 @@ def simulate_uniform_routing(model: nn.Module) -> int:
     for b in blocks:
         b.uniform_routing = True
     return len(blocks)
+
+
+def count_routed(counts: torch.Tensor, ids: torch.Tensor) -> None:
+    """Add 1 to `counts[e]` ([E] int64) for each (token, expert e) pair of `ids` ([T, k]); the -1 of masked
+    rows (a CUDA graph's padding) adds 0. In place, no host sync and no shape that depends on the ids,
+    so a captured graph repeats it on every replay."""
+    flat = ids.reshape(-1)
+    counts.index_add_(0, flat.clamp(min=0), (flat >= 0).to(counts.dtype))
 
 
 # ---- checkpoint names -------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from sglang_ext.messages import (
     DetokenizeReq,
     ErrorOut,
     ExecutorOpen,
+    ExpertDistributionReq,
     FlushCacheReq,
     FromWorker,
     GenerateReq,
@@ -57,6 +58,7 @@ from sglang_ext.scheduler.scheduler import Scheduler, default_overlap
 from sglang_ext.server_args import ServerArgs
 from sglang_ext.transport.choice import cuda_ipc_problem
 from sglang_ext.worker.disagg import PairGone, WorkerDisagg
+from sglang_ext.worker.expert_distribution import make_recorder
 from sglang_ext.worker.local_planning import LocalPlanning
 from sglang_ext.worker.profile import make_profiler, on_demand
 from sglang_ext.worker.remote_control import RemoteAttentionControl
@@ -107,12 +109,17 @@ class Worker:
         if args.moe_routing_simulation != "off" and self.cfg.moe is None:
             raise StartupError(f"--moe-routing-simulation {args.moe_routing_simulation}: {self.cfg.architecture} "
                                "has no MoE layers")
+        if args.expert_distribution_recorder_mode is not None and self.cfg.moe is None:
+            raise StartupError(f"--expert-distribution-recorder-mode {args.expert_distribution_recorder_mode}: "
+                               f"{self.cfg.architecture} has no MoE layers, so no expert distribution to record")
         try:
             self.runner = ModelRunner(args, self.model_dir, self.cfg, timer=timer)
         except FileNotFoundError as e:  # no weight files: a configuration problem, one line
             raise StartupError(str(e)) from None
         self.model_name = args.served_model_name or (
             "default" if args.model_path is None else str(args.model_path).rstrip("/").split("/")[-1])
+        self.expert_record = make_recorder(self.runner.expert_counts, self.cfg.moe is not None, worker_id,
+                                           self.model_name)
         self.remote_control = RemoteAttentionControl(args, self.runner, worker_id, self.model_name)
         self.disagg = WorkerDisagg(args.disaggregation_mode or "", self.runner, worker_id)
         self.disagg.placer.host = self.remote_control.host  # Adrenaline placement: prefill KV kept in its executor
@@ -292,6 +299,8 @@ class Worker:
             elif isinstance(msg, ProfileReq):
                 self.profiler, reply = on_demand(msg, self.profiler, self.worker_id, self.runner.device.type == "cuda")
                 return [reply]
+            elif isinstance(msg, ExpertDistributionReq):
+                return [self.expert_record.handle(msg)]
             elif isinstance(msg, UpdateWeightsReq):
                 self.weights.pending.append(msg)  # applied once the scheduler has drained (step)
             elif isinstance(msg, ExecutorOpen):
