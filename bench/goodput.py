@@ -186,6 +186,15 @@ def load(results_dir: Path, model: str | None = None, slo: SloConfig | None = No
 # ------------------------------------------------------------------------------------------ goodput
 
 
+ROUNDING = 1e-9  # a mean of repeats equal to the target in exact arithmetic may land a hair under it in floats
+
+
+def at_target(attainment: float, target: float) -> bool:
+    """attainment >= target, with a mean that is exactly the target (405 of 450 requests at 0.9) passing
+    whatever order its repeats were summed in."""
+    return attainment >= target - ROUNDING
+
+
 def strict_goodput(curve: Sequence[tuple[float, float]], target: float) -> Goodput:
     """(rate, attainment) pairs -> the highest rate R such that every rate <= R has attainment >= target."""
     ordered = sorted(curve)
@@ -193,7 +202,7 @@ def strict_goodput(curve: Sequence[tuple[float, float]], target: float) -> Goodp
         return Goodput(0.0)
     best: float | None = None
     for rate, attainment in ordered:
-        if attainment < target:
+        if not at_target(attainment, target):
             break
         best = rate
     if best is None:

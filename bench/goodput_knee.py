@@ -130,7 +130,7 @@ def bracket(curve: dict[float, float], target: float) -> tuple[float | None, flo
     """(lo, hi): hi the lowest failing rate (None: none failed), lo the highest rate below it (None: the
     lowest rate failed, or nothing measured). Every measured rate below hi passed, so lo is the strict goodput."""
     rates = sorted(curve)
-    hi = next((r for r in rates if curve[r] < target), None)
+    hi = next((r for r in rates if not G.at_target(curve[r], target)), None)
     below = [r for r in rates if hi is None or r < hi]
     return (below[-1] if below else None), hi
 
