@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from bench import goodput as G
 from bench import goodput_knee as K
 from bench.policy_sim import Clock, forward_seconds, make_scheduler, replay, serving_workload
 from bench.serving import build_parser as serving_parser
@@ -229,7 +230,7 @@ def pool_check(st: Setting, plan: K.Plan, run: str, rate: float, server: Server,
     big = Server(int(server.pool_tokens * factor), server.host_gb, server.cost)
     p = point(st, plan, run, rate, big)
     m = p["mean"]
-    passed = K.G.at_target(p["both"], plan.target)
+    passed = G.at_target(p["both"], plan.target)
     return {"factor": factor, "rate": rate, "both": p["both"], "both_range": p["both_range"], "ttft": m["ttft"],
             "tbt": m["tbt"], "kv_held_peak": m["kv_held_peak"], "step_ms": m["step_ms"], "passes": passed,
             "verdict": "KV binds (passes with the larger pool)" if passed
