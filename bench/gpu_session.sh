@@ -8,6 +8,7 @@
 #                                      WARM_FRACTION, else SHARE, else 0.25 of the GPU: a Mixtral needs 0.9)
 #                             [moetests] [moetune] [moebench]  (issue 33: MoE kernels and models on one GPU)
 #                                        (MOETESTS_K: a pytest -k expression, e.g. builds_every for the start-up build's test)
+#                             [expertrecord]  (a dummy MoE's expert distribution under Mooncake: bench/expert_record.py)
 #                             [samegpu]  (bench/remote_step.py with the executor in-process on the sender's own GPU)
 #                             [setup]  (install only, then run a command of your own with
 #                                       PYTHONPATH=$PWD:/tmp/site:/tmp/fi, as the session's c4 of 2026-12-06 did)
@@ -146,6 +147,23 @@ for s in $steps; do
                 | tee "$OUT/$f.log"
             done
           done ;;
+    expertrecord) port=${ER_PORT:-31990}  # a dummy MoE's own router recorded under Mooncake (issue 35: the skew
+          # that bench/sim prices from a record; ER_MODEL, ER_ARGS e.g. --moe-routing-simulation uniform, ER_REQ, ER_RATE)
+          PYTHONPATH=$BASE:/tmp/fi python3 -m sglang_ext.launch --model-path "${ER_MODEL:-preset:qwen3-30b-a3b}" \
+            --load-format dummy --mem-fraction-static "${SHARE:-0.9}" --expert-distribution-recorder-mode stat \
+            --port "$port" ${ER_ARGS:-} > "$OUT/expert_server.log" 2>&1 &
+          spid=$!
+          PYTHONPATH=$BASE python3 -c "import sys, time, urllib.request
+for _ in range(300):
+    try:
+        urllib.request.urlopen('http://127.0.0.1:$port/health_generate', timeout=5); sys.exit(0)
+    except Exception: time.sleep(1)
+sys.exit('server not up in 300 s')" || tail -20 "$OUT/expert_server.log"
+          PYTHONPATH=$BASE:/tmp/fi timeout ${ER_TIMEOUT:-300} python3 bench/expert_record.py --out "$OUT/expert_record" \
+            -- --base-url "http://127.0.0.1:$port" --trace mooncake --num-requests "${ER_REQ:-150}" \
+            --request-rate "${ER_RATE:-2}" --max-input-len 7680 --max-output-len "${ER_OUT:-256}" --disable-tqdm 2>&1 \
+            | tee "$OUT/expert_record.log"
+          kill "$spid" 2>/dev/null; wait "$spid" 2>/dev/null ;;
     cputests) SGLANG_EXT_TEST_DEVICE=cuda PYTHONPATH=$BASE timeout 240 python3 -m pytest -q -p no:cacheprovider \
             --continue-on-collection-errors tests -k "engine or scheduler or models or overlap" 2>&1 | tee "$OUT/cpu_tests_on_cuda.log" ;;
     setup) ;;  # the wheels and kernels installed above, nothing run: for a command of one's own after it

@@ -176,3 +176,27 @@ async def test_the_router_fans_out_and_names_the_worker_that_refused(ctx: zmq.as
         for w in workers:
             w.close()
         await router.stop()
+
+
+def test_bench_expert_record_runs_a_workload_between_start_and_stop(server: Server, tmp: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/expert_record.py: start, bench/serving.py's workload, stop, dump, and the skew it reads."""
+    from bench import expert_record
+
+    out = tmp / "record"
+    rc = expert_record.main(["--out", str(out), "--model", "moe", "--", "--base-url", server.url,
+                             "--api-key", KEY, "--models", "moe", "--num-requests", "4", "--request-rate", "inf",
+                             "--synthetic-input-len", "12", "--synthetic-output-len", "3",
+                             "--vocab-size", str(VOCAB_SIZE), "--disable-tqdm"])
+    assert rc == 0
+    report = json.loads((out / "serving.json").read_text())
+    assert report["metrics"]["completed"] == 4
+    skew = json.loads((out / "skew.json").read_text())
+    (w,) = skew["per_worker"]
+    assert (w["layers"], w["num_experts"], w["top_k"]) == (LAYERS, EXPERTS, TOP_K)
+    # the workload's tokens, plus the serving bench's warm-up request: at least 4 x (12 + 2)
+    assert w["tokens"] >= 4 * (12 + 2)
+    hit = w["experts_hit"]
+    assert hit["1"]["recorded"] == pytest.approx(TOP_K) and hit["1"]["uniform"] == pytest.approx(TOP_K)
+    assert TOP_K <= hit["8"]["recorded"] <= EXPERTS and all(TOP_K / EXPERTS <= s <= 1 for s in w["top_k_share"])
+    assert "experts hit a layer under this record" in capsys.readouterr().out

@@ -373,3 +373,16 @@ def test_decode_forwards_are_split_by_how_much_of_their_interval_ran_overlapped(
     assert set(got) == {"overlapped", "plain"}
     assert got["overlapped"] == (200, pytest.approx(16.0), pytest.approx(15.0))
     assert got["plain"] == (50, pytest.approx(30.0), pytest.approx(25.0))
+
+
+def test_expert_distribution_prices_a_panels_model_by_a_record(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """--expert-distribution MODEL=JSON: a model of the chosen panels only; its decode experts then follow
+    the record (bench/sim/expert_load.py)."""
+    rec = tmp_path / "rec.json"
+    rec.write_text(json.dumps({"logical_count": [[1000] * 8 + [67] * 120] * 48, "top_k": 8}))
+    assert R.main(["--panels", "s14", "--expert-distribution", str(rec)]) == 2
+    assert "want MODEL=JSON" in capsys.readouterr().err
+    assert R.main(["--panels", "s14", "--expert-distribution", f"mixtral-8x7b={rec}"]) == 2
+    assert R.main(["--panels", "s14", "--limit", "1", "--expert-distribution", f"qwen3-30b-a3b={rec}"]) == 0
+    assert f"qwen3-30b-a3b: decode experts priced by the routing recorded in {rec}" in capsys.readouterr().out

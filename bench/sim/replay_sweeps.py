@@ -35,7 +35,7 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Final, cast
 
@@ -48,6 +48,7 @@ from bench.policy_sim import Clock, make_scheduler, replay, serving_workload
 from bench.serving import build_parser as serving_parser
 from bench.serving import workload_config
 from bench.sim.cost import DEFAULT_CALIBRATION, CostModel
+from bench.sim.expert_load import with_record
 from bench.sim.instance import gpu_calibration
 from bench.traces import WorkloadConfig, repo_root
 from sglang_ext.configs import preset_config_file
@@ -663,6 +664,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--padded-experts", action="store_true",
                    help="price an MoE decode step's experts at its CUDA graph's padded size, as the engine ran "
                         "before 2026-12-07 (2e5bb7a: padding rows now reach no expert); for replaying runs of then")
+    p.add_argument("--expert-distribution", action="append", default=[], metavar="MODEL=JSON",
+                   help="price MODEL's (a preset, e.g. qwen3-30b-a3b) decode experts by a recorded routing skew "
+                        "(a dump of /dump_expert_distribution_record; bench/expert_record.py) instead of uniform "
+                        "routing: for panels served with the model's own router (e.g. session 4's dummy router)")
     p.add_argument("--no-host-time", action="store_true",
                    help="price GPU time only (before 2026-12-03's fix: no host time for unoverlapped prefill steps)")
     p.add_argument("--what-if", action="append", default=[], metavar="RUN=FLAGS",
@@ -712,6 +717,16 @@ def main(argv: list[str] | None = None) -> int:
     pairs = {(sw.gpu, sw.model) for pn in chosen for sw in pn.sweeps}
     sizes = capture_sizes(DEFAULT_MAX_BS) if a.padded_experts else None
     costs = {(g, m): CostModel.load(cal_files[g], m, sizes) for g, m in pairs}
+    for spec in a.expert_distribution:
+        model, sep, path = spec.partition("=")
+        hit = [k for k in costs if k[1] == model]
+        if not sep or not hit:
+            print(f"error: --expert-distribution {spec!r}: want MODEL=JSON for a model of the chosen panels "
+                  f"({', '.join(sorted({m for _, m in costs}))})", file=sys.stderr)
+            return 2
+        for key in hit:
+            costs[key] = replace(costs[key], geo=with_record(costs[key].geo, path))
+        print(f"{model}: decode experts priced by the routing recorded in {path} (--expert-distribution)")
     rows: list[Row] = []
     for pn in chosen:
         rows += replay_panel(pn, costs, constants, a.limit, host_time=not a.no_host_time, forwards=a.forwards,
