@@ -174,6 +174,24 @@ def test_abort_reaches_a_request_still_being_tokenized(served: InProcessWorker) 
     assert seen.count("doomed") == 1 and seen.index("doomed") < seen.index("probe")
     assert ends["doomed"].meta_info["finish_reason"]["type"] == "abort" and not ends["doomed"].token_ids
     assert not served.worker.live and "doomed" not in {r.rid for r in served.worker.scheduler.waiting}
+    assert not served.worker.received  # an aborted or refused request leaves no receipt time behind
+
+
+def test_ttft_counts_from_the_workers_receipt(served: InProcessWorker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """meta_info's ttft and e2e_latency start when the worker's event loop received the request, so its
+    tokenizing (and its wait for the forward thread) is in them: a prompt whose tokenizing takes 0.5 s
+    reports a TTFT of at least that."""
+    real = served.worker.prepare
+
+    def slow(m: GenerateReq) -> GenerateReq:
+        time.sleep(0.5)
+        return real(m)
+
+    monkeypatch.setattr(served.worker, "prepare", slow)
+    served.send(GenerateReq(rid="slow-tok", text="Hello there", sampling_params=_sp(2)))
+    [(_, out)] = served.until_done({"slow-tok"})
+    assert out.meta_info["ttft"] >= 0.5 and out.meta_info["e2e_latency"] >= out.meta_info["ttft"]
+    assert "slow-tok" not in served.worker.received
 
 
 def test_chat_template_errors_are_400_and_server_bugs_500(served: InProcessWorker,

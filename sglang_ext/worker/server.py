@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Final
 
@@ -111,6 +112,8 @@ class WorkerServer:
                                  getattr(msg, "rid", None))
 
     async def _route(self, msg: ToWorker) -> None:
+        if isinstance(msg, GenerateReq) and msg.rid not in self.worker.received:
+            self.worker.received[msg.rid] = time.monotonic()
         if isinstance(msg, HelloReq):  # answered here: it must not wait behind a forward
             await self.send([WorkerHello(info=self.worker.info())])
         elif isinstance(msg, AbortReq) and msg.rid in self.tokenizing:
@@ -152,7 +155,10 @@ class WorkerServer:
             logger.exception("tokenizing request %s failed", msg.rid)
             result = ErrorOut(rid=msg.rid, message=f"internal error while tokenizing: {type(e).__name__}: {e}",
                               status=500)
-        if self.tokenizing.pop(msg.rid, True):
+        aborted = self.tokenizing.pop(msg.rid, True)
+        if aborted or not isinstance(result, GenerateReq):
+            self.worker.received.pop(msg.rid, None)  # it never reaches the forward thread
+        if aborted:
             # Aborted meanwhile: a generation ends as any aborted one does (an Engine waits for its
             # end). Or the worker is failing and has answered it already.
             note = self.abort_notes.pop(msg.rid, None)

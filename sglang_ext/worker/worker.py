@@ -150,6 +150,10 @@ class Worker:
         # never compiles for a request that came through the server, even if the cache dropped it.
         self.compiled_grammars: dict[str, Any] = {}
         self.live: dict[str, _Live] = {}
+        # rid -> when the worker's event loop received the request (time.monotonic), set by worker/server.py:
+        # a request's TTFT and e2e latency count from there, so they include its tokenizing and its wait for
+        # the forward thread's next step (which can be a whole prefill forward), not only what follows
+        self.received: dict[str, float] = {}
         self.last_step_ms = 0.0
         self.step_log = make_step_log(args, worker_id)
         self.profiler = make_profiler(args, worker_id, cuda=self.runner.device.type == "cuda")
@@ -328,6 +332,7 @@ class Worker:
 
     def _add(self, m: GenerateReq) -> None:
         compiled = self.compiled_grammars.pop(m.rid, None)  # first: taken whatever happens below
+        received = self.received.pop(m.rid, 0.0) or time.monotonic()
         if m.rid in self.live:
             raise InvalidRequest(f"duplicate request id {m.rid!r}")
         m = self.prepare(m)  # a no-op for what the server prepared on its tokenizer thread
@@ -337,7 +342,7 @@ class Worker:
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.stop, p.no_stop_trim)
-        self.live[m.rid] = _Live(m, time.monotonic(), detok)
+        self.live[m.rid] = _Live(m, received, detok)
         assert m.input_ids is not None
         req = Req(m.rid, list(m.input_ids), p, m.return_logprob, m.logprob_start_len, m.top_logprobs_num)
         req.grammar = self.compile_grammar(m, compiled)
