@@ -27,6 +27,7 @@ import torch
 from sglang_ext.env import EXPERT_DISTRIBUTION_DIR
 from sglang_ext.messages import ExpertDistributionReq, ReplyOut
 from sglang_ext.models.expert_counts import ExpertCounts
+from sglang_ext.worker.profile import writable_dir
 
 MODE: Final = "stat"
 PREFIX: Final = "expert_distribution_recorder"
@@ -55,7 +56,7 @@ class ExpertDistributionRecorder:
             if self.counts is None:
                 raise RecordError(self.unavailable)
             if msg.output_dir:
-                self.out = _writable(Path(msg.output_dir).expanduser())
+                self.out = writable_dir(Path(msg.output_dir).expanduser(), RecordError)
             files: list[Path] = []
             if msg.action == "start":
                 message = self.start()
@@ -92,7 +93,7 @@ class ExpertDistributionRecorder:
             counts, end = self.record, self.stopped_at
         else:
             raise RecordError("nothing was recorded: POST /start_expert_distribution_record first")
-        out = self.out or _writable(EXPERT_DISTRIBUTION_DIR.get() or Path("/tmp"))
+        out = self.out or writable_dir(EXPERT_DISTRIBUTION_DIR.get() or Path("/tmp"), RecordError)
         stem = f"{PREFIX}_{self.worker.replace(os.sep, '_')}_{int(time.time() * 1000)}"
         data = self.contents(counts, end)
         pt, js = out / f"{stem}.pt", out / f"{stem}.json"
@@ -118,16 +119,6 @@ class ExpertDistributionRecorder:
         """Tokens routed: a row's sum / top_k (every layer sees every token)."""
         assert self.counts is not None
         return int(counts[0].sum()) // self.counts.top_k if counts.shape[0] else 0
-
-
-def _writable(out: Path) -> Path:
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise RecordError(f"output_dir {str(out)!r} cannot be created: {e}") from None
-    if not os.access(out, os.W_OK):
-        raise RecordError(f"output_dir {str(out)!r} is not writable")
-    return out
 
 
 def make_recorder(counts: ExpertCounts | None, moe: bool, worker: str, model: str) -> ExpertDistributionRecorder:

@@ -135,12 +135,19 @@ def _new(msg: ProfileReq, name: str, cuda: bool) -> StepProfiler:
             raise ProfileError("activities: GPU was asked, but this worker runs on a CPU")
         if a not in acts:
             acts.append(a)
-    out = Path(msg.output_dir).expanduser() if msg.output_dir else (PROFILER_DIR.get() or Path("/tmp"))
+    out = writable_dir(Path(msg.output_dir).expanduser() if msg.output_dir else (PROFILER_DIR.get() or Path("/tmp")),
+                       ProfileError)
+    return StepProfiler(out, name, cuda, steps=msg.num_steps, stem=f"{name}-{int(time.time() * 1000)}",
+                        activities=tuple(acts) or None)
+
+
+def writable_dir(out: Path, error: type[ValueError]) -> Path:
+    """`out`, created if missing; `error` (the caller's refusal, a 400 at the router) when it cannot be
+    created or written (an admin endpoint's `output_dir`: the profiler's, the expert recorder's)."""
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ProfileError(f"output_dir {str(out)!r} cannot be created: {e}") from None
+        raise error(f"output_dir {str(out)!r} cannot be created: {e}") from None
     if not os.access(out, os.W_OK):
-        raise ProfileError(f"output_dir {str(out)!r} is not writable")
-    return StepProfiler(out, name, cuda, steps=msg.num_steps, stem=f"{name}-{int(time.time() * 1000)}",
-                        activities=tuple(acts) or None)
+        raise error(f"output_dir {str(out)!r} is not writable")
+    return out
