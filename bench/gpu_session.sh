@@ -136,14 +136,14 @@ for s in $steps; do
             # MOE_BS / MOE_CTX: other decode batch sizes / contexts (e.g. the rows serving runs at: 4,8,12,16,24,32);
             # MOE_ROUTING="off uniform": one run each, the router's own choice and random routing as the serving runs
             # of dummy weights (--moe-routing-simulation), into offline-PRESET-ROUTING.json; MOE_SECTIONS: a subset
-            # of decode,prefill,profile
+            # of decode,prefill,profile; MOE_ARGS: more bench/offline.py flags (e.g. --prefill-shapes 1x256,1x2048)
             case $p in mixtral*) kv=300000 ;; *) kv=600000 ;; esac  # what fits beside the weights on one H200
             for r in ${MOE_ROUTING:-off}; do
               f=offline-$p${MOE_ROUTING:+-$r}
               PYTHONPATH=$BASE:/tmp/fi timeout ${MOEBENCH_TIMEOUT:-280} python3 bench/offline.py --model-path "preset:$p" \
                 --contexts ${MOE_CTX:-1024,8192} --batch-sizes ${MOE_BS:-1,8,32,64,128,256} --profile-ctx 2048,8192 \
                 --max-kv-tokens ${MOE_KV_TOKENS:-$kv} --moe-routing-simulation "$r" \
-                --sections ${MOE_SECTIONS:-decode,prefill,profile} --out "$OUT/$f.json" 2>&1 | grep -v '^offline bench' \
+                --sections ${MOE_SECTIONS:-decode,prefill,profile} ${MOE_ARGS:-} --out "$OUT/$f.json" 2>&1 | grep -v '^offline bench' \
                 | tee "$OUT/$f.log"
             done
           done ;;

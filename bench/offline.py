@@ -86,6 +86,24 @@ def kv_tokens_that_fit(requested: int, free_bytes: int, geo: Geometry, margin_by
     return max(min(requested, room), 0)
 
 
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """"1x1024,4x2048" -> [(1, 1024), (4, 2048)]: prefill forwards as (requests, tokens each)."""
+    out = []
+    for part in text.split(","):
+        reqs, sep, length = part.strip().lower().partition("x")
+        if not sep or not reqs.isdigit() or not length.isdigit() or int(reqs) < 1 or int(length) < 1:
+            raise ValueError(f"prefill shape {part!r}: expected REQSxLEN, e.g. 1x1024")
+        out.append((int(reqs), int(length)))
+    return out
+
+
+def _shapes_arg(text: str) -> list[tuple[int, int]]:
+    try:
+        return parse_shapes(text)
+    except ValueError as e:  # argparse prints an ArgumentTypeError's own message
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 class Bench:
     def __init__(self, a: argparse.Namespace) -> None:
         self.a = a
@@ -329,7 +347,7 @@ class Bench:
         # parameters a token multiplies by (k experts of an MoE layer); the LM head runs on R rows only
         layer_params = cfg.active_params() - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
         rows = []
-        for reqs, length in ((1, 1024), (4, 2048), (1, 8192)):
+        for reqs, length in self.a.prefill_shapes:
             batch = prefill_batch(self.layout.pages(reqs, length), length, cfg.vocab_size)
             ms = time_gpu(lambda batch=batch: self.runner.forward(batch), 5, warmup=2)
             t = reqs * length
@@ -594,6 +612,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--profile-bs", type=int, default=64)
     p.add_argument("--profile-ctx", default="2048",
                    help="comma-separated contexts of the profile section (the first also without graphs)")
+    p.add_argument("--prefill-shapes", type=_shapes_arg, default="1x1024,4x2048,1x8192",
+                   help="the prefill section's forwards, REQSxLEN comma-separated (single-request rows are the ones "
+                        "bench/sim/fit.py fits its prefill rates to)")
     p.add_argument("--loop-requests", default="64", help="comma-separated batch sizes of the loop section")
     p.add_argument("--loop-sampling", default="greedy,sampled", help="greedy and/or sampled (see Bench.SAMPLING)")
     p.add_argument("--loop-prompt", type=int, default=1024)

@@ -138,3 +138,16 @@ def test_the_kv_pool_is_cut_to_what_fits_beside_the_weights() -> None:
     # (torch.empty refuses a float size; 2026-12-07 session 12, `487597.0 tokens`)
     assert type(cut) is int and type(llama_cut) is int
     assert offline.kv_tokens_that_fit(300_000, h100_free, mixtral) == 0  # 87 GiB of weights: no room at all
+
+
+def test_prefill_shapes_parse_and_a_bad_one_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """--prefill-shapes: the single-request prefills the simulator's MoE prefill fit needs (three or more)."""
+    assert offline.parse_shapes("1x256, 1X2048,4x2048") == [(1, 256), (1, 2048), (4, 2048)]
+    for bad in ("1024", "0x1024", "1x", "ax2"):
+        with pytest.raises(ValueError, match="REQSxLEN"):
+            offline.parse_shapes(bad)
+    with pytest.raises(SystemExit) as e:  # a usage error before any GPU is looked for
+        offline.main(["--prefill-shapes", "1024", "--sections", "prefill"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--prefill-shapes" in err and "expected REQSxLEN" in err
