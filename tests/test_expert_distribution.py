@@ -140,9 +140,9 @@ def test_a_dense_worker_says_so_at_start() -> None:
 
 
 # ---- the worker's recorder over counts advanced by hand ------------------------------------------------
-def _recorder() -> tuple[ExpertCounts, ExpertDistributionRecorder]:
+def _recorder(worker: str = "w-0") -> tuple[ExpertCounts, ExpertDistributionRecorder]:
     counts = ExpertCounts(torch.zeros(2, 4, dtype=torch.int64), (1, 3), 4, 2)
-    return counts, ExpertDistributionRecorder(counts, "w-0", "moe")
+    return counts, ExpertDistributionRecorder(counts, worker, "moe")
 
 
 def _ask(rec: ExpertDistributionRecorder, action: str, output_dir: str = "") -> Any:
@@ -206,3 +206,16 @@ def test_without_counts_every_request_says_why() -> None:
         a, b = _ask(dense, action), _ask(off, action)
         assert not a.ok and a.data["status"] == 400 and "model 'llama' has no MoE layers" in a.data["error"]
         assert not b.ok and "start it with --expert-distribution-recorder-mode stat" in b.data["error"]
+
+
+def test_a_preset_worker_id_makes_a_plain_file_name(tmp_path: Path) -> None:
+    """A worker launched with `--model-path preset:NAME` is `preset:NAME-0`: its dump is named
+    `..._preset_NAME-0_<ms>` (no ':' or '/', which copy tools and other systems refuse)."""
+    counts, rec = _recorder("preset:qwen3/30b-0")
+    _ask(rec, "start")
+    _route(counts, 2)
+    dump = _ask(rec, "dump", str(tmp_path))
+    assert dump.ok, dump.data
+    pt, js = map(Path, dump.data["files"])
+    assert pt.parent == tmp_path and pt.name.startswith("expert_distribution_recorder_preset_qwen3_30b-0_")
+    assert pt.exists() and js.exists() and ":" not in js.name

@@ -47,6 +47,15 @@ def test_profiles_the_steps_of_the_window_once(tmp_path: Path) -> None:
     assert (tmp_path / "w0.trace.json").stat().st_size > 0
 
 
+def test_a_preset_worker_id_makes_plain_file_names(tmp_path: Path) -> None:
+    """`preset:NAME-0` (a worker of --model-path preset:NAME) writes preset_NAME-0.txt: no ':' in a file name."""
+    p = StepProfiler(tmp_path, "preset:llama-3-8b-0", cuda=False, steps=1)
+    p.before_step()
+    p.after_step()
+    assert p.done and (tmp_path / "preset_llama-3-8b-0.txt").exists()
+    assert not list(tmp_path.glob("*:*"))
+
+
 def test_a_worker_logs_and_profiles_its_steps_when_asked(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     from sglang_ext.messages import GenerateReq
     from sglang_ext.sampling.params import SamplingParams

@@ -7,17 +7,18 @@ is a difference of snapshots, taken between steps on the forward thread:
     start   baseline = a host copy of the counts              (again while recording: a fresh start)
     stop    record = counts now - baseline                    (nothing recording: refused)
     dump    the record (while recording: counts now - baseline) written to
-            DIR/expert_distribution_recorder_<worker id>_<unix ms>.pt    torch.save of a dict of CPU tensors
-            DIR/expert_distribution_recorder_<worker id>_<unix ms>.json  the same as plain lists
+            DIR/expert_distribution_recorder_<worker>_<unix ms>.pt    torch.save of a dict of CPU tensors
+            DIR/expert_distribution_recorder_<worker>_<unix ms>.json  the same as plain lists
 
 DIR is the latest `output_dir` a request gave, else $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, else /tmp.
-The dict's `logical_count` ([sparse layers, experts] int64) is the name SGLang users' scripts read.
+<worker> is the worker id with every character but letters, digits, '.', '_' and '-' made '_'
+(`preset:qwen3-30b-a3b-0` -> `preset_qwen3-30b-a3b-0`). The dict's `logical_count` ([sparse layers,
+experts] int64) is the name SGLang users' scripts read.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Final
@@ -27,7 +28,7 @@ import torch
 from sglang_ext.env import EXPERT_DISTRIBUTION_DIR
 from sglang_ext.messages import ExpertDistributionReq, ReplyOut
 from sglang_ext.models.expert_counts import ExpertCounts
-from sglang_ext.worker.profile import writable_dir
+from sglang_ext.worker.profile import file_safe, writable_dir
 
 MODE: Final = "stat"
 PREFIX: Final = "expert_distribution_recorder"
@@ -94,7 +95,7 @@ class ExpertDistributionRecorder:
         else:
             raise RecordError("nothing was recorded: POST /start_expert_distribution_record first")
         out = self.out or writable_dir(EXPERT_DISTRIBUTION_DIR.get() or Path("/tmp"), RecordError)
-        stem = f"{PREFIX}_{self.worker.replace(os.sep, '_')}_{int(time.time() * 1000)}"
+        stem = f"{PREFIX}_{file_safe(self.worker)}_{int(time.time() * 1000)}"
         data = self.contents(counts, end)
         pt, js = out / f"{stem}.pt", out / f"{stem}.json"
         try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -51,7 +52,7 @@ class StepProfiler:
     def __init__(self, out: Path, name: str, cuda: bool, start: int = 0, steps: int | None = None,
                  stem: str | None = None, activities: tuple[str, ...] | None = None) -> None:
         self.out, self.name, self.cuda, self.start, self.steps = out, name, cuda, start, steps
-        self.stem = stem or name
+        self.stem = file_safe(stem or name)
         self.activities = activities or (("CPU", "GPU") if cuda else ("CPU",))
         self.seen = 0
         self._prof: Any = None
@@ -139,6 +140,13 @@ def _new(msg: ProfileReq, name: str, cuda: bool) -> StepProfiler:
                        ProfileError)
     return StepProfiler(out, name, cuda, steps=msg.num_steps, stem=f"{name}-{int(time.time() * 1000)}",
                         activities=tuple(acts) or None)
+
+
+def file_safe(name: str) -> str:
+    """A worker id as part of a file name: `preset:qwen3-30b-a3b-0` -> `preset_qwen3-30b-a3b-0`. A ':' or
+    '/' in a name (a preset model path) makes files that copy tools and other systems refuse (2026-12-07:
+    the device tool did not bring back a dump named after `preset:...`)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
 
 
 def writable_dir(out: Path, error: type[ValueError]) -> Path:
