@@ -298,6 +298,44 @@ def test_moe_prefill_fit_recovers_known_rates_from_rows_the_model_generated() ->
     assert all(v is not None for v in one.values())
 
 
+def test_moe_prefill_fit_takes_its_own_attention_rate_from_many_lengths() -> None:
+    """Single-request prefills of >= fit.MOE_ATTENTION_MIN_LENGTHS lengths (the H100's Qwen3: 256 to 8K) tell
+    the attention's L^2 from the GEMMs' L: the fit then returns moe_prefill.attention_TFLOPs, and the cost
+    model prices an MoE prefill's attention with it (a dense model's stays at prefill.attention_TFLOPs)."""
+    truth = {**MOE_PRE, "attention_TFLOPs": 180.0}
+    cal = _cal(moe={"expert_GBps": 4100.0, "layer_expert_us": 0.36}, moe_prefill=truth)
+    g = Geometry.preset("qwen3-30b-a3b")
+    cm = CostModel(cal, g)
+    assert cm.attention_TFLOPs() == 180.0
+    assert CostModel(cal, Geometry.preset("llama-3-8b")).attention_TFLOPs() == cal.get("prefill", "attention_TFLOPs")
+    lengths = (1024, 1536, 2048, 4096, 6144, 8192)
+    rows = [(g, 1, n, cm.prefill_s([(n, n)])) for n in lengths]
+    got = fitmod.fit_moe_prefill(rows, dict(cal.decode), dict(cal.prefill))
+    for k in ("gemm_TFLOPs", "attention_TFLOPs"):
+        assert got[k] == pytest.approx(truth[k], rel=1e-5), k
+    # one model from 1K tokens up hits every expert: only the per-expert sum of read and fixed cost is known
+    def per_expert(r: dict[str, float]) -> float:
+        return g.expert_bytes / (r["expert_GBps"] * 1e9) + r["layer_expert_us"] * 1e-6
+    assert per_expert(got) == pytest.approx(per_expert(truth), rel=1e-5)
+    # fewer lengths (the H200's 1K and 8K a model): no attention column, the dense rate stays
+    few = fitmod.fit_moe_prefill(rows[:2] + rows[-1:], dict(cal.decode), dict(cal.prefill))
+    assert "attention_TFLOPs" not in few
+    no_own = _cal(moe={"expert_GBps": 4100.0, "layer_expert_us": 0.36}, moe_prefill=MOE_PRE)
+    assert CostModel(no_own, g).attention_TFLOPs() == no_own.get("prefill", "attention_TFLOPs")
+
+
+def test_a_prefill_only_offline_report_is_read() -> None:
+    """bench/offline.py --sections prefill (--prefill-shapes rows alone) writes an empty decode list: its
+    prefill rows still count (the H100's Qwen3 prefills of 2026-12-07 s15 are such reports)."""
+    from bench.sim.runs import classify, prefill_rows
+
+    d = {"decode": [], "prefill": [{"reqs": 1, "len": 256, "ms": 45.9}], "env": {"gpu": "X"}}
+    assert classify(d) == "offline"
+    assert classify({"decode": [], "prefill": []}) is None
+    reps = [r for r in find_reports(gpu="H100") if r.rel().endswith("h100-s15/c4-offline-qwen3-prefill.json")]
+    assert len(reps) == 1 and {(p.reqs, p.length) for p in prefill_rows(reps)} >= {(1, 256), (1, 4096)}
+
+
 def test_moe_prefill_blends_from_the_decode_form_to_the_prefill_form() -> None:
     cal = _cal(moe={"expert_GBps": 4100.0, "layer_expert_us": 0.36}, moe_prefill=MOE_PRE)
     g = Geometry.preset("qwen3-30b-a3b")

@@ -133,8 +133,9 @@ def test_the_derived_file_prices_qwen3_decode_timed_on_an_h100_within_5_percent(
     from sglang_ext.engine.cuda_graph import capture_sizes
 
     res = V.validate(CALIBRATION_DIR / "h100.json", R.RESULTS)
-    rows = [r for r in res["rows"]
-            if r["set"] == "moe-held-out" and "qwen3" in r["point"] and r["what"].startswith("decode")]
+    # session 12's bs-12 rows are outliers since session 15 (fit.MOE_OUTLIERS: measured before the fix)
+    rows = [r for r in res["rows"] if r["set"] in ("moe-held-out", "moe-outlier")
+            and "qwen3" in r["point"] and r["what"].startswith("decode")]
     assert len(rows) >= 16 and all("H100" in res["gpu"] for _ in rows)
     graph = set(capture_sizes(256))
 
@@ -150,6 +151,7 @@ def test_the_derived_file_prices_qwen3_decode_timed_on_an_h100_within_5_percent(
     fixed = [r for r in rows if bs(r) not in graph and not before_fix(r)]
     assert len(on_graph) >= 14 and all(abs(r["err_pct"]) < 5.0 for r in on_graph), on_graph
     assert padded and all(-12.0 < r["err_pct"] < -7.0 for r in padded), padded
+    assert {r["set"] for r in padded} == {"moe-outlier"} and all(r["set"] == "moe-held-out" for r in on_graph + fixed)
     assert len(fixed) >= 4 and all(abs(r["err_pct"]) < 2.0 for r in fixed), fixed
     # the explanation, priced: the padded graph's experts (and the real rows' attention) within 3 %
     then = CostModel.load(CALIBRATION_DIR / "h100.json", "qwen3-30b-a3b", capture_sizes(256))

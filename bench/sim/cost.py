@@ -16,7 +16,8 @@ comes from its Geometry, so one GPU's file prices any model:
                                                      + moe_prefill.layer_expert_us)
                       + expert GEMM FLOPs / moe_prefill.gemm_TFLOPs)
                   from blend_to_tokens (1K) tokens up; the decode form up to blend_from_tokens (256);
-                  linear in tokens between (unmeasured there)
+                  linear in tokens between (unmeasured there); its attention at moe_prefill.attention_TFLOPs
+                  where the file has one (fitted to prefills of many lengths: the H100's Qwen3), else the dense
     mixed batch = the prefill form over every token, plus the decode rows' KV read and per-row cost
     a step with a prefill chunk also pays the host time of a step the loop cannot overlap (`plain_host_s`)
 
@@ -152,7 +153,7 @@ class CostModel:
         tokens = sum(n for n, _ in chunks) + decode_rows
         flops = 2.0 * g.layer_params * tokens + 2.0 * g.lm_head_params * (len(chunks) + decode_rows)
         attn_flops = sum(g.attention_flops(n, end) for n, end in chunks)
-        attn = attn_flops / (self.cal.get("prefill", "attention_TFLOPs") * 1e12)
+        attn = attn_flops / (self.attention_TFLOPs() * 1e12)
         if self.has_moe_prefill():
             dense_rate = self.cal.get("decode", "weights_GBps") * 1e9
             rest = flops - g.expert_flops(tokens)
@@ -165,6 +166,12 @@ class CostModel:
             t += (decode_kv_tokens * g.kv_bytes_per_token / (self.cal.get("decode", "kv_GBps") * 1e9)
                   + decode_rows * self.cal.get("decode", "row_us") * 1e-6)
         return t
+
+    def attention_TFLOPs(self) -> float:
+        """The prefill attention's rate: an MoE's own (`moe_prefill.attention_TFLOPs`, fitted where its
+        prefills span enough lengths, fit.MOE_ATTENTION_MIN_LENGTHS), else the dense model's."""
+        own = (self.cal.moe_prefill or {}).get("attention_TFLOPs") if self.has_moe_prefill() else None
+        return float(own) if own is not None else self.cal.get("prefill", "attention_TFLOPs")
 
     def has_moe_prefill(self) -> bool:
         """An MoE priced with the fitted `moe_prefill` rates (and the `moe` ones they fall back to)."""

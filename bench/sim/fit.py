@@ -27,7 +27,7 @@ import sys
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -128,29 +128,45 @@ def fit_moe(rows: Sequence[MoeRow], dec: dict[str, Any]) -> dict[str, float]:
 MoePrefillRow = tuple[Geometry, int, int, float]  # geometry, requests, tokens each, seconds
 
 
-def moe_prefill_columns(geo: Geometry, reqs: int, length: int, dec: dict[str, Any], pre: dict[str, Any]
-                        ) -> tuple[list[float], float]:
-    """One MoE prefill's design row for fit_moe_prefill (expert bytes read, expert-layers hit, expert FLOPs)
-    and its known part: the non-expert GEMMs at the dense prefill rate, the attention, the step constant."""
+def moe_prefill_columns(geo: Geometry, reqs: int, length: int, dec: dict[str, Any], pre: dict[str, Any],
+                        attention: bool = False) -> tuple[list[float], float]:
+    """One MoE prefill's design row for fit_moe_prefill (expert bytes read, expert-layers hit, expert FLOPs,
+    and with `attention` the causal attention FLOPs) and its known part: the non-expert GEMMs at the dense
+    prefill rate, the step constant, and without `attention` the attention at the dense prefill rate."""
     tokens = reqs * length
     hit = geo.experts_hit(tokens)
     rest = 2.0 * geo.layer_params * tokens + 2.0 * geo.lm_head_params * reqs - geo.expert_flops(tokens)
+    attn = reqs * geo.attention_flops(length, length)
     known = (max(geo.dense_weight_bytes / (dec["weights_GBps"] * 1e9), rest / (pre["gemm_TFLOPs"] * 1e12))
-             + reqs * geo.attention_flops(length, length) / (pre["attention_TFLOPs"] * 1e12) + dec["step_us"] * 1e-6)
-    return [geo.sparse_layers * hit * geo.expert_bytes, geo.sparse_layers * hit, geo.expert_flops(tokens)], known
+             + dec["step_us"] * 1e-6)
+    cols = [geo.sparse_layers * hit * geo.expert_bytes, geo.sparse_layers * hit, geo.expert_flops(tokens)]
+    if attention:
+        cols.append(attn)
+    else:
+        known += attn / (pre["attention_TFLOPs"] * 1e12)
+    return cols, known
+
+
+# Distinct single-request prefill lengths from which fit_moe_prefill also fits the attention rate: the
+# attention's L^2 is then told apart from the GEMMs' L (2026-12-07: Qwen3 on the H100, 256 to 8K tokens,
+# attended at ~half the rate fitted to Llama-3-8B's two prefills). Fewer (the H200: 1K and 8K of each
+# model) keep the dense prefill's attention rate.
+MOE_ATTENTION_MIN_LENGTHS: Final = 5
 
 
 def fit_moe_prefill(rows: Sequence[MoePrefillRow], dec: dict[str, Any], pre: dict[str, Any]) -> dict[str, float]:
-    """MoE prefill rows -> moe_prefill.expert_GBps, layer_expert_us, gemm_TFLOPs, the dense decode and prefill
-    rates held fixed. Per sparse layer each expert hit is read once and pays a fixed cost, and the expert
-    FLOPs run at one grouped-GEMM rate: linear in the three unknowns, non-negative least squares on
-    relative error (columns scaled first: their magnitudes are 1e10 bytes, 1e3 expert-layers, 1e13 FLOPs).
-    A rate whose column the fit drops is infinite (that term costs nothing). With one model's rows (two
-    token counts) the three are not identifiable: the fit then drops columns and what it returns does not
-    transfer (validate's moe-cross prefill shows it)."""
+    """MoE prefill rows -> moe_prefill.expert_GBps, layer_expert_us, gemm_TFLOPs (and attention_TFLOPs when
+    the single-request rows span MOE_ATTENTION_MIN_LENGTHS lengths), the dense decode and prefill rates held
+    fixed. Per sparse layer each expert hit is read once and pays a fixed cost, the expert FLOPs run at one
+    grouped-GEMM rate, and the causal attention at its own: linear in the unknowns, non-negative least
+    squares on relative error (columns scaled first: their magnitudes are 1e10 bytes, 1e3 expert-layers,
+    1e13 FLOPs). A rate whose column the fit drops is infinite (that term costs nothing). With one model's
+    rows (two token counts) the three are not identifiable: the fit then drops columns and what it returns
+    does not transfer (validate's moe-cross prefill shows it)."""
+    attention = len({length for _, reqs, length, _ in rows if reqs == 1}) >= MOE_ATTENTION_MIN_LENGTHS
     A, y, known = [], [], []
     for geo, reqs, length, sec in rows:
-        cols, k = moe_prefill_columns(geo, reqs, length, dec, pre)
+        cols, k = moe_prefill_columns(geo, reqs, length, dec, pre, attention)
         A.append(cols)
         known.append(k)
         y.append(sec)
@@ -158,9 +174,12 @@ def fit_moe_prefill(rows: Sequence[MoePrefillRow], dec: dict[str, Any], pre: dic
     sc = np.abs(a).max(axis=0)
     x, _ = _nnls_rel(a / sc, t - np.array(known), scale=t)
     x = x / sc
-    return {"expert_GBps": float(1 / x[0] / 1e9) if x[0] > 0 else float("inf"),  # dropped: no such term
-            "layer_expert_us": float(x[1] * 1e6),
-            "gemm_TFLOPs": float(1 / x[2] / 1e12) if x[2] > 0 else float("inf")}
+    out = {"expert_GBps": float(1 / x[0] / 1e9) if x[0] > 0 else float("inf"),  # dropped: no such term
+           "layer_expert_us": float(x[1] * 1e6),
+           "gemm_TFLOPs": float(1 / x[2] / 1e12) if x[2] > 0 else float("inf")}
+    if attention:
+        out["attention_TFLOPs"] = float(1 / x[3] / 1e12) if x[3] > 0 else float("inf")
+    return out
 
 
 # Rows measured but not fitted, with the reason (source path suffix, bs, ctx): kept out of the fit and
@@ -185,6 +204,10 @@ MOE_SUPERSEDED: dict[str, str] = {
         "measured with the untuned MoE block-size table (bs 64: 31.8 ms); superseded by "
         "2026-12-03-h200-s5/c2-moetune-moebench/offline-mixtral-8x7b.json, measured with the tuned table (T up "
         "to 256) and the GROUP_M 16 default the runtime now runs (bs 64: 26.9 ms)",
+    "2026-12-07-h100-s15/c1-offline-qwen3-prefill.json":
+        "its first prefills ran on a cold GPU (1x256 68.4 ms, 1x1024 60.1 ms: the first forwards of the call's "
+        "first engine); superseded by 2026-12-07-h100-s15/c4-offline-qwen3-prefill.json, the same shapes after a "
+        "1x2048 warm-up on the same machine (45.9 and 44.5 ms)",
 }
 
 

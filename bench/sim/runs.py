@@ -61,6 +61,9 @@ def classify(d: Any) -> str | None:
     dec = d.get("decode")
     if isinstance(dec, list) and any(isinstance(r, dict) and "step_ms" in r for r in dec):
         return "offline"
+    pre = d.get("prefill")  # bench/offline.py --sections prefill (e.g. --prefill-shapes rows only)
+    if isinstance(dec, list) and isinstance(pre, list) and any(isinstance(r, dict) and "ms" in r for r in pre):
+        return "offline"
     if "host_alone_ms" in d:
         return "remote_host"
     summ = d.get("summary")
