@@ -154,6 +154,13 @@ PANELS: Final[tuple[Panel, ...]] = (
               note="9aafe95 (padding rows reach no expert since 2e5bb7a): lvf at 3.1875, call 2 on one machine"),
         Sweep("2026-12-07-h100-s14/qwen3-fcfs-2.25", 0.9, "qwen3-30b-a3b", gpu="h100",
               note="9aafe95, call 3 on that machine: fcfs at 2.25"))),
+    Panel("12-07 h100 qwen3 0.9 uniform s15", (
+        Sweep("2026-12-07-h100-s15/qwen3-fcfs-2.375", 0.9, "qwen3-30b-a3b", gpu="h100",
+              note="5190170 (9aafe95's serving path), call 2 on one machine: fcfs at 2.375"),
+        Sweep("2026-12-07-h100-s15/qwen3-lvf-3.375", 0.9, "qwen3-30b-a3b", gpu="h100",
+              note="5190170, call 3 on that machine: lvf at 3.375"),
+        Sweep("2026-12-07-h100-s15/qwen3-lvf-missed-3.375", 0.9, "qwen3-30b-a3b", gpu="h100",
+              note="5190170, call 6 on that machine: lvf with --lvf-missed-last at 3.375"))),
     Panel("12-06 h200 mixtral 0.9 uniform", (Sweep("2026-12-06-h200-s9/mixtral-uniform-knee", 0.9, "mixtral-8x7b",
                                                    note="ff40ae9 + df5d696 (five calls, sessions 8-9), one H200: "
                                                         "Mooncake outputs <= 1,024, TPOT 0.2 s, "
