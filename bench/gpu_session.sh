@@ -148,7 +148,9 @@ for s in $steps; do
             done
           done ;;
     expertrecord) port=${ER_PORT:-31990}  # a dummy MoE's own router recorded under Mooncake (issue 35: the skew
-          # that bench/sim prices from a record; ER_MODEL, ER_ARGS e.g. --moe-routing-simulation uniform, ER_REQ, ER_RATE)
+          # that bench/sim prices from a record; ER_MODEL, ER_ARGS e.g. --moe-routing-simulation uniform, ER_REQ, ER_RATE,
+          # ER_OUT; ER_BENCH_ARGS: the workload instead of Mooncake, e.g. a decode-heavy one: "--trace synthetic
+          # --synthetic-input-len 32 --synthetic-output-len 512 --synthetic-range-ratio 1" with ER_OUT=512)
           PYTHONPATH=$BASE:/tmp/fi python3 -m sglang_ext.launch --model-path "${ER_MODEL:-preset:qwen3-30b-a3b}" \
             --load-format dummy --mem-fraction-static "${SHARE:-0.9}" --expert-distribution-recorder-mode stat \
             --port "$port" ${ER_ARGS:-} > "$OUT/expert_server.log" 2>&1 &
@@ -160,8 +162,9 @@ for _ in range(300):
     except Exception: time.sleep(1)
 sys.exit('server not up in 300 s')" || tail -20 "$OUT/expert_server.log"
           PYTHONPATH=$BASE:/tmp/fi timeout ${ER_TIMEOUT:-300} python3 bench/expert_record.py --out "$OUT/expert_record" \
-            -- --base-url "http://127.0.0.1:$port" --trace mooncake --num-requests "${ER_REQ:-150}" \
-            --request-rate "${ER_RATE:-2}" --max-input-len 7680 --max-output-len "${ER_OUT:-256}" --disable-tqdm 2>&1 \
+            -- --base-url "http://127.0.0.1:$port" ${ER_BENCH_ARGS:---trace mooncake --max-input-len 7680} \
+            --num-requests "${ER_REQ:-150}" --request-rate "${ER_RATE:-2}" --max-output-len "${ER_OUT:-256}" \
+            --disable-tqdm 2>&1 \
             | tee "$OUT/expert_record.log"
           kill "$spid" 2>/dev/null; wait "$spid" 2>/dev/null ;;
     cputests) SGLANG_EXT_TEST_DEVICE=cuda PYTHONPATH=$BASE timeout 240 python3 -m pytest -q -p no:cacheprovider \
