@@ -17,7 +17,8 @@ comes from its Geometry, so one GPU's file prices any model:
                       + expert GEMM FLOPs / moe_prefill.gemm_TFLOPs)
                   from blend_to_tokens (1K) tokens up; the decode form up to blend_from_tokens (256);
                   linear in tokens between (unmeasured there); its attention at moe_prefill.attention_TFLOPs
-                  where the file has one (fitted to prefills of many lengths: the H100's Qwen3), else the dense
+                  where the file has one (fitted to prefills of many lengths: the H100's Qwen3), else at the
+                  dense prefill's rate
     mixed batch = the prefill form over every token, plus the decode rows' KV read and per-row cost
     a step with a prefill chunk also pays the host time of a step the loop cannot overlap (`plain_host_s`)
 
