@@ -29,7 +29,9 @@ _LINE = re.compile(
     r"rows (?P<rows>[\d.]+) \| tokens out (?P<tok_s>\d+)/s, prefill (?P<prefill_s>\d+)/s \| .*?"
     r"\| kv (?P<kv_mean>\d+) % mean, (?P<kv_peak>\d+) % peak \| "
     r"decode-only (?P<per_forward>forwards )?(?P<d_steps>\d+) x (?P<d_ms>[\d.]+) ms at (?P<d_rows>[\d.]+) rows"
-    r"(?: of (?P<d_ctx>\d+) tokens)?")  # the context a row: servers since 2026-12-06 session 5
+    r"(?: of (?P<d_ctx>\d+) tokens)?"  # the context a row: servers since 2026-12-06 session 5
+    # the forwards with a prefill, timed (servers since 2026-12-07 session 15; before, _prefill estimates them)
+    r"(?: \| prefill forwards (?P<p_n>\d+) x (?P<p_ms>[\d.]+) ms of (?P<p_tok>\d+) tokens at (?P<p_rows>[\d.]+) rows)?")
 _WHY = re.compile(r"\| not overlapped: (?P<why>[a-z]+ \d+(?:, [a-z]+ \d+)*)")  # servers since 2026-12-07
 _MARK = re.compile(re.escape(POINT_MARK) + r" (?P<what>begins|ends) (?P<rate>[\d.]+) (?P<repeat>\d+)")
 
@@ -62,8 +64,9 @@ class PointSteps:
     # overlap loop ran plain pays host time its forward's ms include
     decode_intervals: tuple[tuple[int, float, float, float, float], ...] = ()
     # (forwards with a prefill, ms each, prefill tokens each, decode rows riding along, their context a row)
-    # of each interval logged per forward: the time left after the decode-only forwards, over the forwards
-    # that launched a prefill (the share logged as a whole percent: an estimate)
+    # of each interval logged per forward: as the server timed them (since 2026-12-07 session 15), else the
+    # time left after the decode-only forwards over the forwards that launched a prefill (the share logged
+    # as a whole percent: an estimate)
     prefill_intervals: tuple[tuple[int, float, float, float, float], ...] = ()
     # why steps in flight were not followed by an overlapped one, summed over the point (the overlap loop's
     # reasons, sglang_ext.scheduler.overlap.NOT_OVERLAPPED; empty: an older server, or every step overlapped)
@@ -107,7 +110,10 @@ def _summary(run: str, rate: float, repeat: int, lines: list[dict[str, float]],
 
 
 def _prefill(x: dict[str, float]) -> tuple[int, float, float, float, float]:
-    """One interval's forwards with a prefill: how many, their mean time and prefill tokens (see PointSteps)."""
+    """One interval's forwards with a prefill: how many, their mean time and prefill tokens (see PointSteps):
+    as the server timed them where its line says (`p_n`), else estimated from the rest of the interval."""
+    if "p_n" in x:
+        return (int(x["p_n"]), x["p_ms"], x["p_tok"], x["d_rows"], x["d_ctx"])
     n = round(x["steps"] * x["prefill_pct"] / 100)
     if n < 1 or x["prefill_s"] <= 0:
         return (0, 0.0, 0.0, 0.0, 0.0)

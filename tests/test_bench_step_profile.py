@@ -122,3 +122,15 @@ def test_why_steps_were_not_overlapped_is_summed_over_the_point(caplog: pytest.L
     assert "rows 3, queue 4" in S.format_table([p])
     (q,) = S.parse_log(f"{S.POINT_MARK} begins 3 0\n{_old(100, 11.0, 12.0)}\n{S.POINT_MARK} ends 3 0", "x")
     assert q.not_overlapped == {}
+
+
+def test_forwards_with_a_prefill_are_read_as_the_server_timed_them() -> None:
+    """Servers since 2026-12-07 session 15 time their forwards with a prefill: the line's own count, time
+    and prompt tokens replace the estimate (which here would read 2 forwards of 900 ms)."""
+    line = ("[w0] INFO x: w0: steps 10 (5.0/s, 200.0 ms mean, 20 % with a prefill, 50 % overlapped) | running 21.0 "
+            "(remote 0.0) waiting 0.5 | rows 20.0 | tokens out 100/s, prefill 6000/s | executor wait 0.0 % (loads 0) "
+            "| kv 40 % mean, 70 % peak | decode-only forwards 8 x 25.0 ms at 20.0 rows of 3000 tokens "
+            "| prefill forwards 3 x 610.5 ms of 4000 tokens at 9.0 rows | not overlapped: queue 2")
+    (p,) = S.parse_log(f"{S.POINT_MARK} begins 2 0\n{line}\n{S.POINT_MARK} ends 2 0", "lvf-rotate")
+    assert p.prefill_intervals == ((3, 610.5, 4000.0, 20.0, 3000.0),)
+    assert p.decode_ms == 25.0 and p.not_overlapped == {"queue": 2}

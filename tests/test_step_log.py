@@ -65,7 +65,9 @@ def test_the_pool_and_the_decode_only_steps(caplog: pytest.LogCaptureFixture) ->
         log._emit(sched, 1.0)  # type: ignore[arg-type]
     line = caplog.messages[-1]
     assert "| kv 67 % mean, 90 % peak |" in line  # (50 + 60 + 90) / 3 and 90
-    assert line.endswith("| decode-only forwards 2 x 12.0 ms at 3.0 rows of 1005 tokens")  # 6030 tokens over 6 rows
+    assert "| decode-only forwards 2 x 12.0 ms at 3.0 rows of 1005 tokens |" in line  # 6030 tokens over 6 rows
+    # the forward with a prefill apart: its call's time, its prompt tokens and all its rows
+    assert line.endswith("| prefill forwards 1 x 100.0 ms of 2048 tokens at 4.0 rows")
 
 
 def test_a_call_that_only_lands_a_step_adds_its_time_to_that_forward(caplog: pytest.LogCaptureFixture) -> None:
@@ -85,7 +87,8 @@ def test_a_call_that_only_lands_a_step_adds_its_time_to_that_forward(caplog: pyt
         log._emit(sched, 1.0)  # type: ignore[arg-type]
     line = caplog.messages[-1]
     assert "steps 7 (" in line and "| rows 3.0 |" in line  # 15 rows over 5 forwards, not 7 calls
-    assert line.endswith("| decode-only forwards 4 x 13.0 ms at 3.0 rows of 1000 tokens")  # (12 + 14 + 13 + 13) / 4
+    assert "| decode-only forwards 4 x 13.0 ms at 3.0 rows of 1000 tokens |" in line  # (12 + 14 + 13 + 13) / 4
+    assert line.endswith("| prefill forwards 1 x 100.0 ms of 2048 tokens at 3.0 rows")
 
 
 def test_the_overlap_loops_calls_that_only_land_count_with_their_forward() -> None:

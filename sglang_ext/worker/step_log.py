@@ -15,11 +15,16 @@ figures are per forward: a decode forward's time is the call that launched it pl
 only landed it (a launched step lands one call later when the next cannot overlap it). Lines written
 before 2026-12-06 (session 6), without the word "forwards", counted calls there, halving both rows and
 time in phases without overlap (bench/step_profile.py then reads only their fully overlapped intervals).
-With remote attention the line ends with the steps that planned remote rows apart from the others, e.g.
-"| with remote rows 380 x 10.2 ms, without 32 x 5.9 ms": what remote rows cost a step, measured. Last,
-with the overlap loop, why steps in flight were not followed by an overlapped one, by reason (since
-2026-12-07; `overlap.NOT_OVERLAPPED`), e.g. "| not overlapped: rows 40, landed 12, queue 3": each runs
-the next step plain, its host time not hidden (what a simulator that runs the plain loop must add).
+Then, where the interval ran any, the forwards with a prefill chunk ("| prefill forwards 12 x 85.3 ms of
+4870 tokens at 6.2 rows": the calls that launched them, which the loop runs plain, their prompt tokens
+and all their rows, chunks and riding decode rows; since 2026-12-07 session 15, what a simulator's
+prefill is checked against in serving; before, bench/step_profile.py estimated it from what the
+decode-only forwards left). With remote attention the line ends with the steps that planned remote rows
+apart from the others, e.g. "| with remote rows 380 x 10.2 ms, without 32 x 5.9 ms": what remote rows
+cost a step, measured. Last, with the overlap loop, why steps in flight were not followed by an
+overlapped one, by reason (since 2026-12-07; `overlap.NOT_OVERLAPPED`), e.g. "| not overlapped: rows 40,
+landed 12, queue 3": each runs the next step plain, its host time not hidden (what a simulator that runs
+the plain loop must add).
 
 Means are over the steps of the interval; "executor wait" is the sender's time blocked on its
 executor (plans, loads, exchanges that the host waits for) as a share of the interval.
@@ -64,6 +69,10 @@ class _Window:
     decode_wall_s: float = 0.0
     decode_rows: int = 0
     decode_context: int = 0  # KV tokens those steps' rows attended over
+    prefill_forwards: int = 0  # forwards with a prefill chunk: their calls' time, prompt tokens and rows
+    prefill_wall_s: float = 0.0
+    prefill_tokens_fwd: int = 0
+    prefill_rows: int = 0
 
 
 class StepLog:
@@ -100,6 +109,11 @@ class StepLog:
                 w.decode_steps += 1
                 w.decode_rows += new_rows
                 w.decode_context += max(context - self._context, 0)
+            else:  # the loop runs a forward with a prefill chunk plain: the call is its time
+                w.prefill_forwards += 1
+                w.prefill_wall_s += wall_s
+                w.prefill_tokens_fwd += prefill_tokens
+                w.prefill_rows += new_rows
         if self._decode_open and prefill_tokens == 0:
             # A decode forward's time is that of the call that launched it and of any call after it that
             # only landed it: outside the overlap loop's steady state a launched step lands one call
@@ -143,6 +157,10 @@ class StepLog:
         if why:
             split += " | not overlapped: " + ", ".join(f"{k} {v}" for k, v in why.items())
         d = max(w.decode_steps, 1)
+        if w.prefill_forwards:
+            p = w.prefill_forwards
+            split = (f" | prefill forwards {p} x {1e3 * w.prefill_wall_s / p:.1f} ms of "
+                     f"{w.prefill_tokens_fwd / p:.0f} tokens at {w.prefill_rows / p:.1f} rows") + split
         logger.info("%s: steps %d (%.1f/s, %.1f ms mean, %.0f %% with a prefill, %.0f %% overlapped) | running %.1f "
                     "(remote %.1f) waiting %.1f | rows %.1f | tokens out %.0f/s, prefill %.0f/s | executor wait "
                     "%.1f %% (loads %d) | kv %.0f %% mean, %.0f %% peak | decode-only forwards %d x %.1f ms at "
