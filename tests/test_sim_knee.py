@@ -161,3 +161,20 @@ def test_search_reuses_an_earlier_searchs_points(server: N.Server) -> None:
     again = N.search(MOONCAKE, ["fcfs-recompute"], plan, server, log=lambda _: None, reuse=reuse)
     assert again["points"] == first["points"] and again["goodput"] == first["goodput"]
     assert all(any(p is q for q in reuse.values()) for p in again["points"])  # taken, not replayed
+
+
+def test_a_variant_run_carries_its_scheduler_option(server: N.Server) -> None:
+    """`lvf-rotate.missed` (goodput_knee.py's name for lvf with --lvf-missed-last) runs the real Scheduler
+    with that option; an unknown variant is refused by name, not simulated as the plain run."""
+    from bench.policy_sim import Clock, make_scheduler
+
+    assert N.variant_args("lvf-rotate") is None
+    assert N.variant_args("lvf-rotate.missed") == {"lvf_missed_last": True}
+    with pytest.raises(SystemExit, match="knows the variants missed"):
+        N.variant_args("lvf-rotate.fast")
+    s = make_scheduler("lvf", "rotate", 20_000, 1.0, 5.0, 0.2, Clock(), server.cost, 16, 1024, skip_forward=True,
+                       extra=N.variant_args("lvf-rotate.missed"))
+    assert s.policy.missed_last  # type: ignore[attr-defined]
+    plan = K.Plan((0.5,), repeats=1, seconds=0.5, min_req=4)
+    p = N.point(MOONCAKE, plan, "lvf-rotate.missed", 0.5, server)
+    assert p["run"] == "lvf-rotate.missed" and p["both"] >= 0.9

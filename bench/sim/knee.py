@@ -68,6 +68,23 @@ def point_config(st: Setting, plan: K.Plan, rate: float, repeat: int) -> dict[st
     return vars(serving_parser().parse_args(argv))
 
 
+# Run variants the simulated search knows, as goodput_knee.py names them (POLICY-MODE.NAME): their server
+# arguments. The GPU tool takes any launcher flags (`--variant NAME=FLAGS`); the simulator prices only the
+# scheduler options its real Scheduler reads (replay_sweeps.SIM_FLAGS).
+VARIANTS: dict[str, dict[str, Any]] = {"missed": {"lvf_missed_last": True}}  # --lvf-missed-last
+
+
+def variant_args(run: str) -> dict[str, Any] | None:
+    """`lvf-rotate.missed` -> its server arguments; a plain run -> None; an unknown variant is refused."""
+    if "." not in run:
+        return None
+    name = run.split(".", 1)[1]
+    if name not in VARIANTS:
+        raise SystemExit(f"run {run!r}: the simulator knows the variants {', '.join(sorted(VARIANTS))} "
+                         f"(bench/sim/knee.py VARIANTS), not {name!r}")
+    return VARIANTS[name]
+
+
 def simulate(cfg: dict[str, Any], run: str, server: Server) -> dict[str, Any]:
     """One repeat on the simulator: attainment over the scheduled requests (unsent or unfinished at
     max_duration: misses, as serving.py), and what bound it (GPU busy share, KV held, queue, copies)."""
@@ -77,7 +94,7 @@ def simulate(cfg: dict[str, Any], run: str, server: Server) -> dict[str, Any]:
     clock = Clock()
     context = max(len(ids) + n for _, ids, n in reqs) + 16
     s = make_scheduler(policy, mode, server.pool_tokens, server.host_gb, ttft, tpot, clock, server.cost, 16,
-                       context, skip_forward=True, host_time=True)
+                       context, skip_forward=True, host_time=True, extra=variant_args(run))
     busy = [0.0, 0.0, 0.0]  # forward seconds: all, of steps carrying a prefill chunk; forwards
     held: list[float] = []
     waiting: list[int] = []

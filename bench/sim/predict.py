@@ -383,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     m = p.add_argument_group("mixtral, mixtral-kvbind (strict knee search; --seconds is the plan's seconds per point)")
     m.add_argument("--settings", nargs="+", choices=[st.name for st in mixtral_settings() + kvbind_settings()],
                    help="workloads to run (default: all of the command's: mixtral's four, mixtral-kvbind's six)")
-    m.add_argument("--runs", nargs="+", help=f"POLICY-MODE runs (default: mixtral {' '.join(MIXTRAL_RUNS)}, "
+    m.add_argument("--runs", nargs="+", help=f"POLICY-MODE[.VARIANT] runs (VARIANT one of bench/sim/knee.py's "
+                   f"VARIANTS, e.g. lvf-rotate.missed: --lvf-missed-last; default: mixtral {' '.join(MIXTRAL_RUNS)}, "
                    f"mixtral-kvbind {' '.join(KVBIND_RUNS)})")
     m.add_argument("--grid", nargs="+", type=float, help="one grid for every chosen workload (default: each its own)")
     m.add_argument("--model", default="mixtral-8x7b", help="the MoE preset (e.g. qwen3-30b-a3b; default Mixtral)")
