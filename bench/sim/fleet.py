@@ -56,18 +56,18 @@ ERROR_BAND: Final = ("SIMULATED. Cost model error (bench/sim/validate.py, H200):
                      "(median TPOT -6.7 %, TTFT p50 -7.3 %, on 90 / 87 % of points: replay_sweeps --bias-from).")
 
 DERIVED_BAND: Final = ("DERIVED calibration ({gpu}): the H200's rates scaled by datasheet ratios "
-                       "(python -m bench.sim.derive), never profiled on this GPU. Checked on one measured H100 panel "
-                       "(Llama-3-8B at 1/2 of the GPU, Mooncake, Poisson, TTFT 5 s; 30 points): attainment MAE 2.2 "
-                       "points (optimistic by +2.0; +6.4 and +12.4 at the two points near the knee), strict goodput "
-                       "within one grid step for 2 of 2 runs (fcfs 4.75 -> 4.75, lvf 4.75 -> >= 5); mean TPOT "
-                       "+0.6 %, TTFT p50 -11.0 % (median). Step times: Qwen3-30B-A3B decode within +1.9 / +4.7 % "
-                       "(bs 8 / 32, ctx 4K; no dense row yet). MoE serving: one measured panel, Qwen3-30B-A3B at "
-                       "0.9 of an H100 served with uniform expert routing (18 points, 2026-12-06): attainment MAE 5.4 "
-                       "points, goodput within one grid step for 2 of 2 runs (fcfs 2 -> 2, lvf 2.75 -> >= 3), "
-                       "mean TPOT -6.6 %, decode-only forwards priced +9 to +16 % slow; MoE predictions price a "
+                       "(python -m bench.sim.derive). Checked against the H100's own runs (2026-12-07 session 15, "
+                       "bench/results/2026-12-07-s15-sim-h100-refit/): step times, every Qwen3-30B-A3B decode row "
+                       "of the current code within 1.1 % and every row at a CUDA-graph size within 5 %, Llama-3-8B "
+                       "bs 96 / 128 within +3.8 %; serving, Llama-3-8B at 1/2 (33 points): attainment MAE 2.0 "
+                       "points (optimistic by +1.8), strict goodput within one grid step for 3 of 3 runs, mean TPOT "
+                       "+0.3 %, TTFT p50 -11.8 % (median); Qwen3-30B-A3B at 0.9 with uniform expert routing (75 "
+                       "points, sessions 6-14): MAE 3.7 points, 9 of 9 runs within a step, TPOT +0.0 %, TTFT p50 "
+                       "-9.0 %, decode-only forwards +8 % (overlapped) / -12 % (plain). A file fitted to the H100's "
+                       "own offline rows does no better on serving (MAE 5.0 / 2.5). MoE predictions price a "
                        "trained router's spread of experts, so compare them only with runs on real weights or "
-                       "--moe-routing-simulation uniform (the dummy router's own choice ran decode >= 1.5x cheaper "
-                       "and missed by 31.8 points).")
+                       "--moe-routing-simulation uniform (a dummy router's own choice, priced as uniform: MAE 19.7 "
+                       "points, TPOT +111 %; priced by its expert record: TPOT -29 %).")
 
 
 def error_band(cal: Calibration) -> str:
