@@ -321,8 +321,6 @@ async def dispatch(
 # ---------------------------------------------------------------------------------------------- reports
 
 
-
-
 def public_config(args: argparse.Namespace) -> dict[str, Any]:
     """The parsed options, with the API key redacted."""
     return {**vars(args), "api_key": "<redacted>" if args.api_key else None}

@@ -200,3 +200,17 @@ def test_bench_expert_record_runs_a_workload_between_start_and_stop(server: Serv
     assert hit["1"]["recorded"] == pytest.approx(TOP_K) and hit["1"]["uniform"] == pytest.approx(TOP_K)
     assert TOP_K <= hit["8"]["recorded"] <= EXPERTS and all(TOP_K / EXPERTS <= s <= 1 for s in w["top_k_share"])
     assert "experts hit a layer under this record" in capsys.readouterr().out
+
+
+def test_bench_expert_record_stops_before_the_workload_when_the_server_cannot_record(
+        server: Server, tmp: Path) -> None:
+    """A model served without --expert-distribution-recorder-mode: the start is refused with the server's
+    reason, and no workload is sent (nothing to record, no serving.json)."""
+    from bench import expert_record
+
+    out = tmp / "refused"
+    with pytest.raises(SystemExit, match=r"start_expert_distribution_record: HTTP 400: .*"
+                                         r"--expert-distribution-recorder-mode stat"):
+        expert_record.main(["--out", str(out), "--model", "moe-off", "--", "--base-url", server.url,
+                            "--api-key", KEY, "--models", "moe-off", "--num-requests", "2", "--disable-tqdm"])
+    assert not (out / "serving.json").exists()
