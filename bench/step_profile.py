@@ -31,7 +31,10 @@ _LINE = re.compile(
     r"decode-only (?P<per_forward>forwards )?(?P<d_steps>\d+) x (?P<d_ms>[\d.]+) ms at (?P<d_rows>[\d.]+) rows"
     r"(?: of (?P<d_ctx>\d+) tokens)?"  # the context a row: servers since 2026-12-06 session 5
     # the forwards with a prefill, timed (servers since 2026-12-07 session 15; before, _prefill estimates them)
-    r"(?: \| prefill forwards (?P<p_n>\d+) x (?P<p_ms>[\d.]+) ms of (?P<p_tok>\d+) tokens at (?P<p_rows>[\d.]+) rows)?")
+    r"(?: \| prefill forwards (?P<p_n>\d+) x (?P<p_ms>[\d.]+) ms of (?P<p_tok>\d+) tokens at (?P<p_rows>[\d.]+) rows"
+    # ... their chunks, the keys a prompt token attended over, the decode rows riding along (since session 16)
+    r"(?: \((?P<p_chunks>[\d.]+) chunks, (?P<p_keys>\d+) keys a prompt token; (?P<p_riding>[\d.]+) decoding at "
+    r"(?P<p_rctx>\d+) tokens\))?)?")
 _WHY = re.compile(r"\| not overlapped: (?P<why>[a-z]+ \d+(?:, [a-z]+ \d+)*)")  # servers since 2026-12-07
 _MARK = re.compile(re.escape(POINT_MARK) + r" (?P<what>begins|ends) (?P<rate>[\d.]+) (?P<repeat>\d+)")
 
@@ -63,11 +66,14 @@ class PointSteps:
     # experts), so a model is checked interval by interval, not at the point's mean rows; and a decode the
     # overlap loop ran plain pays host time its forward's ms include
     decode_intervals: tuple[tuple[int, float, float, float, float], ...] = ()
-    # (forwards with a prefill, ms each, prefill tokens each, decode rows riding along, their context a row)
-    # of each interval logged per forward: as the server timed them (since 2026-12-07 session 15), else the
-    # time left after the decode-only forwards over the forwards that launched a prefill (the share logged
-    # as a whole percent: an estimate)
-    prefill_intervals: tuple[tuple[int, float, float, float, float], ...] = ()
+    # (forwards with a prefill, ms each, prefill tokens each, decode rows riding along, their context a row,
+    # prompt chunks each, keys a prompt token attended over) of each interval logged per forward: as the
+    # server timed them (since 2026-12-07 session 15), else the time left after the decode-only forwards over
+    # the forwards that launched a prefill (the share logged as a whole percent: an estimate). Lines before
+    # session 16 log no chunks or keys: one chunk from its prompt's start is assumed (keys (tokens + 1) / 2,
+    # a lower bound on the attention of chunks that follow a prefix), and their riding rows are the forward's
+    # rows less that chunk (session 15's lines) or, estimated, the decode-only forwards' rows
+    prefill_intervals: tuple[tuple[int, float, float, float, float, float, float], ...] = ()
     # why steps in flight were not followed by an overlapped one, summed over the point (the overlap loop's
     # reasons, sglang_ext.scheduler.overlap.NOT_OVERLAPPED; empty: an older server, or every step overlapped)
     not_overlapped: dict[str, int] = field(default_factory=dict)
@@ -109,17 +115,22 @@ def _summary(run: str, rate: float, repeat: int, lines: list[dict[str, float]],
                       dict(why or {}))
 
 
-def _prefill(x: dict[str, float]) -> tuple[int, float, float, float, float]:
-    """One interval's forwards with a prefill: how many, their mean time and prefill tokens (see PointSteps):
-    as the server timed them where its line says (`p_n`), else estimated from the rest of the interval."""
+def _prefill(x: dict[str, float]) -> tuple[int, float, float, float, float, float, float]:
+    """One interval's forwards with a prefill: how many, their mean time and prefill tokens, ... (see
+    PointSteps): as the server timed them where its line says (`p_n`), else estimated from the rest of the
+    interval."""
+    if "p_chunks" in x:
+        return (int(x["p_n"]), x["p_ms"], x["p_tok"], x["p_riding"], x["p_rctx"], x["p_chunks"], x["p_keys"])
     if "p_n" in x:
-        return (int(x["p_n"]), x["p_ms"], x["p_tok"], x["d_rows"], x["d_ctx"])
+        return (int(x["p_n"]), x["p_ms"], x["p_tok"], max(x["p_rows"] - 1.0, 0.0), x["d_ctx"], 1.0,
+                (x["p_tok"] + 1) / 2)
     n = round(x["steps"] * x["prefill_pct"] / 100)
     if n < 1 or x["prefill_s"] <= 0:
-        return (0, 0.0, 0.0, 0.0, 0.0)
+        return (0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     span_s = x["steps"] / x["per_s"]
     ms = (x["steps"] * x["ms"] - x["d_steps"] * x["d_ms"]) / n
-    return (n, ms, x["prefill_s"] * span_s / n, x["d_rows"], x["d_ctx"])
+    tokens = x["prefill_s"] * span_s / n
+    return (n, ms, tokens, x["d_rows"], x["d_ctx"], 1.0, (tokens + 1) / 2)
 
 
 def parse_log(text: str, run: str) -> list[PointSteps]:

@@ -96,7 +96,7 @@ def test_forwards_with_a_prefill_are_estimated_from_what_the_decode_only_ones_le
     (p,) = S.parse_log(f"{S.POINT_MARK} begins 2 0\n{line}\n{S.POINT_MARK} ends 2 0", "lvf-rotate")
     # 10 calls in 2 s: 2 with a prefill, which took what the 8 decode-only forwards (200 ms) left of 2,000 ms,
     # and the 12,000 prefill tokens of those 2 s
-    assert p.prefill_intervals == ((2, 900.0, 6000.0, 20.0, 3000.0),)
+    assert p.prefill_intervals == ((2, 900.0, 6000.0, 20.0, 3000.0, 1.0, 3000.5),)
     (q,) = S.parse_log(f"{S.POINT_MARK} begins 3 0\n{_old(100, 11.0, 12.0)}\n{S.POINT_MARK} ends 3 0", "lvf-rotate")
     assert q.prefill_intervals == ()
 
@@ -132,5 +132,30 @@ def test_forwards_with_a_prefill_are_read_as_the_server_timed_them() -> None:
             "| kv 40 % mean, 70 % peak | decode-only forwards 8 x 25.0 ms at 20.0 rows of 3000 tokens "
             "| prefill forwards 3 x 610.5 ms of 4000 tokens at 9.0 rows | not overlapped: queue 2")
     (p,) = S.parse_log(f"{S.POINT_MARK} begins 2 0\n{line}\n{S.POINT_MARK} ends 2 0", "lvf-rotate")
-    assert p.prefill_intervals == ((3, 610.5, 4000.0, 20.0, 3000.0),)
+    # one chunk from its prompt's start assumed (no chunk split before session 16): 8 riding rows
+    assert p.prefill_intervals == ((3, 610.5, 4000.0, 8.0, 3000.0, 1.0, 2000.5),)
     assert p.decode_ms == 25.0 and p.not_overlapped == {"queue": 2}
+    # since session 16 the line says how many chunks, the keys a prompt token attended over, and the rows riding
+    (q,) = S.parse_log(f"{S.POINT_MARK} begins 2 0\n" + line.replace(
+        "at 9.0 rows |", "at 9.0 rows (2.0 chunks, 3100 keys a prompt token; 7.0 decoding at 2900 tokens) |")
+        + f"\n{S.POINT_MARK} ends 2 0", "lvf-rotate")
+    assert q.prefill_intervals == ((3, 610.5, 4000.0, 7.0, 2900.0, 2.0, 3100.0),)
+
+
+def test_the_real_step_log_s_chunk_split_is_read_back(caplog: pytest.LogCaptureFixture) -> None:
+    """The line the real StepLog writes for a forward with a chunk after a prefix parses to its figures."""
+    sched = SimpleNamespace(running=[1, 2, 3], waiting=[], overlapped_steps=0, forward_rows=0, forward_context=0,
+                            prefill_chunks=0, prefill_chunk_context=0, prefill_pairs=0, remote_sender=None,
+                            allocator=SimpleNamespace(capacity=100, num_free=50))
+    log = StepLog(interval_s=3600.0, name="w0")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="sglang_ext.worker.step_log"):
+        sched.forward_rows, sched.forward_context = 2, 500  # a decode forward first (the line needs its context)
+        log.record(sched, 0.010, tokens_out=2, prefill_tokens=0)  # type: ignore[arg-type]
+        sched.forward_rows, sched.forward_context = 5, 500 + 4000 + 2 * 501
+        sched.prefill_chunks, sched.prefill_chunk_context, sched.prefill_pairs = 1, 4000, 1000 * 3000 + 500_500
+        log.record(sched, 0.080, tokens_out=3, prefill_tokens=1000)  # type: ignore[arg-type]
+        log._emit(sched, 1.0)  # type: ignore[arg-type]
+    lines = [f"[w0] INFO sglang_ext.worker.step_log: {m}" for m in caplog.messages]
+    (p,) = S.parse_log("\n".join([f"{S.POINT_MARK} begins 2 0", *lines, f"{S.POINT_MARK} ends 2 0"]), "x")
+    assert p.prefill_intervals == ((1, 80.0, 1000.0, 2.0, 501.0, 1.0, 3500.0),)

@@ -333,11 +333,18 @@ def test_forwards_with_a_prefill_are_priced_per_interval() -> None:
     cost = CostModel.load(R.DEFAULT_CALIBRATION, "mixtral-8x7b")
     pt = step_profile.PointSteps("fcfs-recompute", 2.0, 0, 2, 100, 50.0, 0.1, 20.0, 20.0, 0.0, 5000.0, 0.8, 1.0,
                                  90, 25.0, 20.0, 6000.0,
-                                 prefill_intervals=((3, 400.0, 6000.0, 20.0, 6000.0), (1, 200.0, 2000.0, 10.0, 5000.0)))
+                                 prefill_intervals=((3, 400.0, 6000.0, 20.0, 6000.0, 1.0, 3000.5),
+                                                    (1, 200.0, 2000.0, 10.0, 5000.0, 2.0, 3500.5)))
     c = R._prefill_check(cost, pt)
-    want = (3 * cost.prefill_s([(6000, 6000)], 20, 120_000) + cost.prefill_s([(2000, 2000)], 10, 50_000)) / 4
+    # the second interval: two chunks of 1,000 tokens, each after a 3,000-token prefix (3,500.5 keys a token);
+    # each forward also pays the plain loop's host time for its rows (decode rows + chunks)
+    want = (3 * (cost.prefill_s([(6000, 6000)], 20, 120_000) + cost.plain_host_s(21))
+            + cost.prefill_s([(1000, 4000)] * 2, 10, 50_000) + cost.plain_host_s(12)) / 4
     assert c["prefill_forwards"] == 4 and c["prefill_measured_ms"] == pytest.approx(350.0)
     assert c["prefill_tokens"] == pytest.approx(5000.0) and c["prefill_model_ms"] == pytest.approx(1e3 * want)
+    assert c["prefill_keys"] == pytest.approx((3 * 3000.5 + 3500.5) / 4)
+    # a prefix makes a chunk dearer than the same tokens from position 0
+    assert cost.prefill_s([(1000, 4000)] * 2, 10, 50_000) > cost.prefill_s([(1000, 1000)] * 2, 10, 50_000)
     assert R._prefill_check(cost, step_profile.PointSteps("x", 1.0, 0, 1, 1, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.1, 0.1,
                                                           1, 1.0, 1.0)) == {}
 

@@ -135,6 +135,50 @@ def test_the_scheduler_counts_rows_and_their_context() -> None:
     assert seen[:4] == [(1, 5), (2, 11), (3, 18), (4, 26)]
 
 
+def test_the_scheduler_counts_prompt_chunks_and_the_keys_they_attend_over() -> None:
+    """A prompt prefilled in chunks, then one that shares its first pages through the prefix cache: the
+    chunks' causal query-key pairs count every key a computed prompt token attends over, the cached
+    prefix included (what prices a chunk's attention after a prefix), and nothing for a cached token."""
+    from _tiny import greedy, make_scheduler, prompts
+
+    from sglang_ext.scheduler.request import Req
+
+    s = make_scheduler(step_log_interval_s=60.0, chunked_prefill_size=4)
+    (p,) = prompts([10])
+    a = Req("a", p, greedy(2))
+    s.add_request(a)
+    while s.has_work():
+        s.step()
+    assert s.prefill_chunks == 3  # 4 + 4 + 2 tokens; their context after each: 4, 8, 10
+    assert s.prefill_pairs == sum(range(1, 11)) and s.prefill_chunk_context == 4 + 8 + 10
+    before = (s.prefill_chunks, s.prefill_pairs)
+    b = Req("b", [*p[:8], 3, 4, 5], greedy(2))
+    s.add_request(b)
+    while s.has_work():
+        s.step()
+    assert b.cached_tokens > 0  # its first pages came from the prefix cache
+    computed = range(b.cached_tokens, 11)  # positions of the prompt tokens it forwarded
+    assert s.prefill_pairs - before[1] == sum(i + 1 for i in computed)
+    assert s.prefill_chunks - before[0] == -(-len(computed) // 4)
+
+
+def test_prefill_forwards_log_their_chunks_keys_and_riding_rows(caplog: pytest.LogCaptureFixture) -> None:
+    """The prefill segment ends with how many chunks a forward held, the keys a prompt token attended over
+    and the decode rows riding along with their context (the rows that are not chunks)."""
+    sched = SimpleNamespace(running=[1, 2, 3], waiting=[], overlapped_steps=0, forward_rows=0, forward_context=0,
+                            prefill_chunks=0, prefill_chunk_context=0, prefill_pairs=0, remote_sender=None)
+    log = StepLog(interval_s=3600.0, name="w0")
+    with caplog.at_level(logging.INFO, logger="sglang_ext.worker.step_log"):
+        # one forward: a 1,000-token chunk after a 3,000-token prefix beside two decode rows at 500 tokens
+        sched.forward_rows, sched.forward_context = 3, 4000 + 2 * 500
+        sched.prefill_chunks, sched.prefill_chunk_context = 1, 4000
+        sched.prefill_pairs = 1000 * 3000 + 1000 * 1001 // 2
+        log.record(sched, 0.080, tokens_out=3, prefill_tokens=1000)
+        log._emit(sched, 1.0)  # type: ignore[arg-type]
+    assert caplog.messages[-1].endswith("| prefill forwards 1 x 80.0 ms of 1000 tokens at 3.0 rows "
+                                        "(1.0 chunks, 3500 keys a prompt token; 2.0 decoding at 500 tokens)")
+
+
 def test_why_steps_were_not_overlapped_ends_the_line(caplog: pytest.LogCaptureFixture) -> None:
     """The overlap loop's reasons for running a step plain, counted per interval (the first line is the
     baseline); the knee's step profile still reads the line."""

@@ -47,7 +47,7 @@ from bench import step_profile
 from bench.policy_sim import Clock, make_scheduler, replay, serving_workload
 from bench.serving import build_parser as serving_parser
 from bench.serving import workload_config
-from bench.sim.cost import DEFAULT_CALIBRATION, CostModel
+from bench.sim.cost import DEFAULT_CALIBRATION, CostModel, Uncalibrated
 from bench.sim.expert_load import with_record
 from bench.sim.instance import gpu_calibration
 from bench.traces import WorkloadConfig, repo_root
@@ -493,18 +493,32 @@ def _by_overlap(intervals: Sequence[tuple[int, float, float, float, float]], pri
 
 
 def _prefill_check(cost: CostModel, pt: step_profile.PointSteps) -> dict[str, Any]:
-    """The forwards that carried a prefill, estimated from the step log (bench/step_profile.py) and priced
-    per interval: a chunk of the interval's mean prefill tokens with its decode rows riding along, its
-    attention as if the chunk began its prompt (the log has no positions: a lower bound, small beside the
-    GEMMs at these lengths). Empty for servers that logged no context (before 2026-12-06 session 5)."""
+    """The forwards that carried a prefill, from the step log (bench/step_profile.py: timed by the server
+    since 2026-12-07 session 15, estimated before) and priced per interval as the simulator charges them: the
+    interval's mean prompt tokens split into its mean number of chunks, each placed so that its tokens attend
+    over the keys the log counted (since session 16; before, one chunk from its prompt's start, a lower bound
+    for chunks after a prefix), its decode rows riding along, and the host time of a step the loop runs plain
+    (`plain_host_s`, where calibrated: the server's time is the whole call's). `prefill_keys` is the mean
+    number of keys a prompt token attended over. Empty for servers that logged no context (before 2026-12-06
+    session 5)."""
     iv = pt.prefill_intervals
     n = sum(k for k, *_ in iv)
     if not n:
         return {}
-    model = sum(k * cost.prefill_s([(max(1, round(t)), max(1, round(t)))], round(r), int(r * c))
-                for k, _, t, r, c in iv)
+    model = keys = 0.0
+    for k, _, t, r, c, chunks, per_token in iv:
+        m = max(1, round(chunks))
+        new = max(1, round(t / m))
+        before = max(0, round(per_token - (new + 1) / 2))  # a chunk's prefix, so its pairs match the log's
+        try:
+            host = cost.plain_host_s(round(r) + m)
+        except Uncalibrated:
+            host = 0.0
+        model += k * (cost.prefill_s([(new, new + before)] * m, round(r), int(r * c)) + host)
+        keys += k * per_token
     return {"prefill_forwards": n, "prefill_measured_ms": sum(k * ms for k, ms, *_ in iv) / n,
-            "prefill_tokens": sum(k * t for k, _, t, _, _ in iv) / n, "prefill_model_ms": 1e3 * model / n}
+            "prefill_tokens": sum(k * t for k, _, t, *_ in iv) / n, "prefill_keys": keys / n,
+            "prefill_model_ms": 1e3 * model / n}
 
 
 def print_step_check(checks: Sequence[dict[str, Any]]) -> None:
@@ -535,12 +549,14 @@ def print_step_check(checks: Sequence[dict[str, Any]]) -> None:
                   f"{meas:6.1f} ms measured, {model:6.1f} ms model ({100 * (model / meas - 1):+.1f} %)")
     pre = [c for c in checks if c.get("prefill_forwards")]
     if pre:
-        print("forwards with a prefill (estimated from the step log: the time left after the decode-only forwards)")
+        print("forwards with a prefill (the servers' time of those calls since 2026-12-07 session 15, before it "
+              "the time left after the decode-only forwards; priced with the plain loop's host time)")
         for c in pre:
             err = c["prefill_model_ms"] / c["prefill_measured_ms"] - 1
             print(f"{c['panel']:<26} {c['run']:<22} {c['rate']:>5g} k{c['repeat']}  {c['prefill_forwards']:>4} x "
-                  f"{c['prefill_measured_ms']:6.1f} ms at ~{c['prefill_tokens']:5.0f} tokens -> model "
-                  f"{c['prefill_model_ms']:6.1f} ms ({100 * err:+.1f} %)")
+                  f"{c['prefill_measured_ms']:6.1f} ms at ~{c['prefill_tokens']:5.0f} tokens, "
+                  f"{c['prefill_keys']:5.0f} keys a token -> model {c['prefill_model_ms']:6.1f} ms "
+                  f"({100 * err:+.1f} %)")
         meas = sum(c["prefill_forwards"] * c["prefill_measured_ms"] for c in pre)
         model = sum(c["prefill_forwards"] * c["prefill_model_ms"] for c in pre)
         print(f"{len(pre)} points: forwards with a prefill priced {100 * (model / meas - 1):+.1f} % in all "

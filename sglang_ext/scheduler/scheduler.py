@@ -88,6 +88,11 @@ class Scheduler:
         self.forward_rows = 0  # requests in the forwards launched so far (a step profile's)
         self.forward_context = 0  # ... and the KV tokens their rows attend over (context after the forward)
         self._count_context = args.step_log_interval_s > 0  # a sum over the rows: only for the step profile
+        # ... of those rows, the prompt chunks (more than one token): how many, their context after the forward
+        # and their causal query-key pairs (a chunk after a prefix attends over it: what its attention costs)
+        self.prefill_chunks = 0
+        self.prefill_chunk_context = 0
+        self.prefill_pairs = 0
         self.remote_forward_rows = 0  # ... of which remote rows
         self.deficit = 0  # pages by which all requests' KV exceeds the pool (0: everything fits), per iteration
         self.sampler = Sampler(vocab_size, runner.device, args.random_seed, top_k_window=args.sampling_top_k_window)
@@ -228,6 +233,11 @@ class Scheduler:
         self.forward_rows += len(entries)  # every forward's rows pass here (the step profile's "rows")
         if self._count_context:
             self.forward_context += sum(e.req.kv_len + e.extend for e in entries)
+            for e in entries:
+                if e.extend > 1:
+                    self.prefill_chunks += 1
+                    self.prefill_chunk_context += e.req.kv_len + e.extend
+                    self.prefill_pairs += e.extend * e.req.kv_len + e.extend * (e.extend + 1) // 2
         return entries
 
     def _run(self, entries: list[Entry], mode: ForwardMode) -> list[StepOutput]:

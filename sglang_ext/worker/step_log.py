@@ -73,6 +73,9 @@ class _Window:
     prefill_wall_s: float = 0.0
     prefill_tokens_fwd: int = 0
     prefill_rows: int = 0
+    prefill_chunks: int = 0  # ... of those rows the prompt chunks, their causal query-key pairs,
+    prefill_pairs: int = 0
+    riding_context: int = 0  # ... and the KV tokens the decode rows riding along attend over
 
 
 class StepLog:
@@ -86,6 +89,7 @@ class StepLog:
         self._remote_rows = 0  # the scheduler's remote_forward_rows at the last step
         self._rows = 0  # ... and its forward_rows
         self._context = 0  # ... and its forward_context
+        self._chunks = (0, 0, 0)  # ... and its prefill_chunks, prefill_chunk_context, prefill_pairs
         self._decode_open = False  # the last forward had no prefill: calls that only land it are its time
 
     def record(self, scheduler: Scheduler, wall_s: float, tokens_out: int, prefill_tokens: int) -> None:
@@ -100,6 +104,8 @@ class StepLog:
         self._remote_rows = remote_rows
         rows = getattr(scheduler, "forward_rows", 0)
         context = getattr(scheduler, "forward_context", 0)
+        chunks = (getattr(scheduler, "prefill_chunks", 0), getattr(scheduler, "prefill_chunk_context", 0),
+                  getattr(scheduler, "prefill_pairs", 0))
         new_rows = max(rows - self._rows, 0)
         if new_rows:  # this call launched (or ran) a forward
             w.forwards += 1
@@ -114,12 +120,16 @@ class StepLog:
                 w.prefill_wall_s += wall_s
                 w.prefill_tokens_fwd += prefill_tokens
                 w.prefill_rows += new_rows
+                n_chunks, chunk_context, pairs = (max(a - b, 0) for a, b in zip(chunks, self._chunks, strict=True))
+                w.prefill_chunks += n_chunks
+                w.prefill_pairs += pairs
+                w.riding_context += max(context - self._context - chunk_context, 0)
         if self._decode_open and prefill_tokens == 0:
             # A decode forward's time is that of the call that launched it and of any call after it that
             # only landed it: outside the overlap loop's steady state a launched step lands one call
             # later, with no forward of its own (counting calls would halve both the time and the rows).
             w.decode_wall_s += wall_s
-        self._rows, self._context = rows, context
+        self._rows, self._context, self._chunks = rows, context, chunks
         alloc = getattr(scheduler, "allocator", None)
         if alloc is not None and alloc.capacity:
             used = 1.0 - alloc.num_free / alloc.capacity
@@ -134,6 +144,12 @@ class StepLog:
         if now - self._t0 >= self.interval_s:
             self._emit(scheduler, now - self._t0)
             self._t0, self._w = now, _Window()
+
+    @staticmethod
+    def _chunk_split(w: _Window) -> str:
+        p, riding = w.prefill_forwards, w.prefill_rows - w.prefill_chunks
+        return (f" ({w.prefill_chunks / p:.1f} chunks, {w.prefill_pairs / max(w.prefill_tokens_fwd, 1):.0f} keys a "
+                f"prompt token; {riding / p:.1f} decoding at {w.riding_context / max(riding, 1):.0f} tokens)")
 
     def _counters(self, scheduler: Scheduler) -> tuple[int, float, int]:
         r = scheduler.remote_sender.remote if scheduler.remote_sender is not None else None
@@ -160,7 +176,10 @@ class StepLog:
         if w.prefill_forwards:
             p = w.prefill_forwards
             split = (f" | prefill forwards {p} x {1e3 * w.prefill_wall_s / p:.1f} ms of "
-                     f"{w.prefill_tokens_fwd / p:.0f} tokens at {w.prefill_rows / p:.1f} rows") + split
+                     f"{w.prefill_tokens_fwd / p:.0f} tokens at {w.prefill_rows / p:.1f} rows") + (
+                # what prices their attention: how many chunks, the keys a prompt token attends over (past
+                # its chunk's start when it follows a prefix), the decode rows riding along and their context
+                self._chunk_split(w) if w.prefill_chunks else "") + split
         logger.info("%s: steps %d (%.1f/s, %.1f ms mean, %.0f %% with a prefill, %.0f %% overlapped) | running %.1f "
                     "(remote %.1f) waiting %.1f | rows %.1f | tokens out %.0f/s, prefill %.0f/s | executor wait "
                     "%.1f %% (loads %d) | kv %.0f %% mean, %.0f %% peak | decode-only forwards %d x %.1f ms at "
