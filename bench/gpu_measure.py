@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -64,9 +64,17 @@ class Layout:
         self.perm = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
 
     def pages(self, bs: int, ctx: int) -> list[list[int]]:
-        n = -(-ctx // PAGE)
-        assert bs * n <= len(self.perm), "pool too small for this batch"
-        return [self.perm[i * n : (i + 1) * n] for i in range(bs)]
+        return self.pages_each([ctx] * bs)
+
+    def pages_each(self, contexts: list[int]) -> list[list[int]]:
+        """Pages for requests of these contexts, disjoint, in order."""
+        counts = [-(-c // PAGE) for c in contexts]
+        assert sum(counts) <= len(self.perm), "pool too small for this batch"
+        out, at = [], 0
+        for n in counts:
+            out.append(self.perm[at : at + n])
+            at += n
+        return out
 
 
 def decode_batch(pages: list[list[int]], ctx: int, vocab: int, device: str = "cuda") -> ForwardBatch:
@@ -76,9 +84,14 @@ def decode_batch(pages: list[list[int]], ctx: int, vocab: int, device: str = "cu
     return ForwardBatch.build(rows, ForwardMode.DECODE, PAGE, device)
 
 
-def prefill_batch(pages: list[list[int]], length: int, vocab: int) -> ForwardBatch:
-    rows = [BatchRow(0, torch.randint(0, vocab, (length,)).tolist(), p, [length - 1]) for p in pages]
-    return ForwardBatch.build(rows, ForwardMode.EXTEND, PAGE, "cuda")
+def prefill_batch(pages: list[list[int]], length: int, vocab: int, prefix: int = 0,
+                  decode: Sequence[tuple[list[int], int]] = (), device: str = "cuda") -> ForwardBatch:
+    """Chunks of `length` new tokens, one per entry of `pages`, each after `prefix` tokens already in the
+    pool (a chunk after a cached prefix or an earlier chunk: its attention reads them), with `decode` rows
+    (pages, context) riding along as in serving's mixed forwards."""
+    rows = [BatchRow(prefix, torch.randint(0, vocab, (length,)).tolist(), p, [length - 1]) for p in pages]
+    rows += [BatchRow(ctx - 1, [int(torch.randint(0, vocab, ()).item())], p, [0]) for p, ctx in decode]
+    return ForwardBatch.build(rows, ForwardMode.EXTEND, PAGE, device)
 
 
 def build_ms(pages: list[list[int]], ctx: int) -> float:

@@ -29,6 +29,7 @@ import argparse
 import json
 import math
 import platform
+import re
 import statistics
 import sys
 import time
@@ -37,7 +38,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, ClassVar, get_args
+from typing import Any, ClassVar, NamedTuple, get_args
 from unittest import mock
 
 if __package__ in (None, ""):
@@ -86,18 +87,36 @@ def kv_tokens_that_fit(requested: int, free_bytes: int, geo: Geometry, margin_by
     return max(min(requested, room), 0)
 
 
-def parse_shapes(text: str) -> list[tuple[int, int]]:
-    """"1x1024,4x2048" -> [(1, 1024), (4, 2048)]: prefill forwards as (requests, tokens each)."""
+class PrefillShape(NamedTuple):
+    """A prefill forward of the prefill section: `reqs` chunks of `length` new tokens, each after `prefix`
+    tokens already in the pool, with `rows` decode rows at context `ctx` riding along (serving's mixed
+    forwards). Only rows with neither (a lone prompt from position 0) are fitted by bench/sim/fit.py."""
+
+    reqs: int
+    length: int
+    prefix: int = 0
+    rows: int = 0
+    ctx: int = 0
+
+
+_SHAPE = re.compile(r"(\d+)x(\d+)(?:@(\d+))?(?:\+(\d+)d(\d+))?")
+
+
+def parse_shapes(text: str) -> list[PrefillShape]:
+    """"1x1024,4x2048,1x1024@4096,1x2048+24d6000" -> PrefillShapes: REQSxLEN, then optionally @PREFIX (the
+    tokens before each chunk) and +ROWSdCTX (decode rows riding along and their context)."""
     out = []
     for part in text.split(","):
-        reqs, sep, length = part.strip().lower().partition("x")
-        if not sep or not reqs.isdigit() or not length.isdigit() or int(reqs) < 1 or int(length) < 1:
-            raise ValueError(f"prefill shape {part!r}: expected REQSxLEN, e.g. 1x1024")
-        out.append((int(reqs), int(length)))
+        m = _SHAPE.fullmatch(part.strip().lower())
+        shape = PrefillShape(*(int(g) for g in m.groups(default="0"))) if m else None
+        if shape is None or shape.reqs < 1 or shape.length < 1 or (shape.rows > 0) != (shape.ctx > 0):
+            raise ValueError(f"prefill shape {part!r}: expected REQSxLEN[@PREFIX][+ROWSdCTX], e.g. 1x1024, "
+                             f"1x1024@4096 or 1x2048+24d6000")
+        out.append(shape)
     return out
 
 
-def _shapes_arg(text: str) -> list[tuple[int, int]]:
+def _shapes_arg(text: str) -> list[PrefillShape]:
     try:
         return parse_shapes(text)
     except ValueError as e:  # argparse prints an ArgumentTypeError's own message
@@ -347,15 +366,22 @@ class Bench:
         # parameters a token multiplies by (k experts of an MoE layer); the LM head runs on R rows only
         layer_params = cfg.active_params() - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
         rows = []
-        for reqs, length in self.a.prefill_shapes:
-            batch = prefill_batch(self.layout.pages(reqs, length), length, cfg.vocab_size)
+        for reqs, length, prefix, drows, dctx in self.a.prefill_shapes:
+            pages = self.layout.pages_each([prefix + length] * reqs + [dctx] * drows)
+            batch = prefill_batch(pages[:reqs], length, cfg.vocab_size, prefix,
+                                  [(p, dctx) for p in pages[reqs:]])
             ms = time_gpu(lambda batch=batch: self.runner.forward(batch), 5, warmup=2)
             t = reqs * length
-            flops = 2 * layer_params * t + 2 * cfg.vocab_size * cfg.hidden_size * reqs \
-                + reqs * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * length * (length + 1)
+            # causal pairs: each new token attends over the prefix and the chunk up to itself
+            pairs = reqs * (length * prefix + length * (length + 1) // 2)
+            flops = 2 * layer_params * (t + drows) + 2 * cfg.vocab_size * cfg.hidden_size * (reqs + drows) \
+                + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * pairs
             roof = flops / self.peak * 1e3
-            rows.append({"reqs": reqs, "len": length, "ms": ms, "tok_per_s": t / ms * 1e3,
-                         "roofline_ms": roof, "frac_of_roofline": roof / ms, "TFLOPs": flops / ms / 1e9})
+            row = {"reqs": reqs, "len": length, "ms": ms, "tok_per_s": t / ms * 1e3,
+                   "roofline_ms": roof, "frac_of_roofline": roof / ms, "TFLOPs": flops / ms / 1e9}
+            if prefix or drows:  # kept out of the older rows' keys: their readers see lone prompts only
+                row.update(prefix=prefix, decode_rows=drows, decode_ctx=dctx)
+            rows.append(row)
         return rows
 
     SAMPLING: ClassVar[dict[str, dict[str, Any]]] = {
@@ -568,7 +594,9 @@ def summary(res: dict[str, Any]) -> str:
     for lo in res.get("layout", []):
         lines.append(f"layout bs={lo['bs']} ctx={lo['ctx']} {lo['pages']} pages: {lo['step_ms']:.2f} ms")
     for p in res.get("prefill", []):
-        lines.append(f"prefill {p['reqs']}x{p['len']}: {p['ms']:.1f} ms, {p['tok_per_s']:.0f} tok/s, "
+        shape = f"{p['reqs']}x{p['len']}" + (f"@{p['prefix']}" if p.get("prefix") else "") \
+            + (f"+{p['decode_rows']}d{p['decode_ctx']}" if p.get("decode_rows") else "")
+        lines.append(f"prefill {shape}: {p['ms']:.1f} ms, {p['tok_per_s']:.0f} tok/s, "
                      f"{p['TFLOPs']:.0f} TFLOP/s = {100 * p['frac_of_roofline']:.0f}% of roofline")
     for lp in res.get("loop", []):
         lines.append(f"loop {lp['scheduler']} {lp.get('sampling', 'greedy')} bs={lp['requests']}: "
@@ -613,8 +641,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--profile-ctx", default="2048",
                    help="comma-separated contexts of the profile section (the first also without graphs)")
     p.add_argument("--prefill-shapes", type=_shapes_arg, default="1x1024,4x2048,1x8192",
-                   help="the prefill section's forwards, REQSxLEN comma-separated (single-request rows are the ones "
-                        "bench/sim/fit.py fits its prefill rates to)")
+                   help="the prefill section's forwards, comma-separated REQSxLEN[@PREFIX][+ROWSdCTX]: REQS chunks "
+                        "of LEN tokens, each after PREFIX tokens in the pool, with ROWS decode rows at context CTX "
+                        "riding along (serving's mixed forwards). bench/sim/fit.py fits its prefill rates to the "
+                        "single-request rows without either; the others validate its pricing")
     p.add_argument("--loop-requests", default="64", help="comma-separated batch sizes of the loop section")
     p.add_argument("--loop-sampling", default="greedy,sampled", help="greedy and/or sampled (see Bench.SAMPLING)")
     p.add_argument("--loop-prompt", type=int, default=1024)

@@ -142,8 +142,11 @@ def test_the_kv_pool_is_cut_to_what_fits_beside_the_weights() -> None:
 
 def test_prefill_shapes_parse_and_a_bad_one_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     """--prefill-shapes: the single-request prefills the simulator's MoE prefill fit needs (three or more)."""
-    assert offline.parse_shapes("1x256, 1X2048,4x2048") == [(1, 256), (1, 2048), (4, 2048)]
-    for bad in ("1024", "0x1024", "1x", "ax2"):
+    assert offline.parse_shapes("1x256, 1X2048,4x2048") == [(1, 256, 0, 0, 0), (1, 2048, 0, 0, 0), (4, 2048, 0, 0, 0)]
+    # serving's forwards: a chunk after a prefix, decode rows riding along, or both
+    assert offline.parse_shapes("1x1024@4096,1x2048+24d6000,2x512@3000+8d5000") == [
+        (1, 1024, 4096, 0, 0), (1, 2048, 0, 24, 6000), (2, 512, 3000, 8, 5000)]
+    for bad in ("1024", "0x1024", "1x", "ax2", "1x1024@", "1x1024+24", "1x1024+0d500", "1x1024+4d0", "1x8@-1"):
         with pytest.raises(ValueError, match="REQSxLEN"):
             offline.parse_shapes(bad)
     with pytest.raises(SystemExit) as e:  # a usage error before any GPU is looked for
@@ -151,3 +154,17 @@ def test_prefill_shapes_parse_and_a_bad_one_is_refused(capsys: pytest.CaptureFix
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--prefill-shapes" in err and "expected REQSxLEN" in err
+
+
+def test_a_serving_shaped_prefill_batch_holds_the_prefix_and_the_riding_rows() -> None:
+    """bench/offline.py's 1x40@32+2d50: one chunk of 40 tokens at positions 32-71 over its own pages (the
+    prefix's KV read from the pool), and two decode rows at position 49 beside it, on disjoint pages."""
+    from bench.gpu_measure import PAGE, Layout, prefill_batch
+
+    layout = Layout(64)
+    pages = layout.pages_each([32 + 40, 50, 50])
+    assert [len(p) for p in pages] == [-(-72 // PAGE), -(-50 // PAGE), -(-50 // PAGE)]
+    assert len({q for p in pages for q in p}) == sum(len(p) for p in pages)  # disjoint
+    b = prefill_batch(pages[:1], 40, 1000, 32, [(p, 50) for p in pages[1:]], device="cpu")
+    assert b.extend_lens == [40, 1, 1] and b.seq_lens == [72, 50, 50]
+    assert b.positions.tolist() == [*range(32, 72), 49, 49]

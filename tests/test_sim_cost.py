@@ -336,6 +336,30 @@ def test_a_prefill_only_offline_report_is_read() -> None:
     assert len(reps) == 1 and {(p.reqs, p.length) for p in prefill_rows(reps)} >= {(1, 256), (1, 4096)}
 
 
+def test_serving_shaped_prefill_rows_are_validated_not_fitted(tmp_path: Path) -> None:
+    """bench/offline.py's REQSxLEN@PREFIX+ROWSdCTX rows (a chunk after a prefix, decode rows riding) are read
+    with their shape, kept out of the rows the prefill rates are fitted to, and priced as serving's forwards
+    (the chunk's attention over the prefix, the decode rows beside it)."""
+    from bench.sim.fit import is_fit
+    from bench.sim.runs import Report, prefill_rows
+
+    d = {"decode": [], "env": {"gpu": "X", "model": "preset:qwen3-30b-a3b"}, "prefill": [
+        {"reqs": 1, "len": 2048, "ms": 50.0},
+        {"reqs": 1, "len": 2048, "ms": 60.0, "prefix": 4096, "decode_rows": 0, "decode_ctx": 0},
+        {"reqs": 1, "len": 2048, "ms": 58.0, "prefix": 0, "decode_rows": 16, "decode_ctx": 6000}]}
+    path = tmp_path / "offline.json"
+    path.write_text(json.dumps(d))
+    rep = Report("offline", path, d)
+    lone, after, mixed = prefill_rows([rep])
+    assert (lone.single, after.single, mixed.single) == (True, False, False)
+    assert [is_fit(p, {rep.rel()}) for p in (lone, after, mixed)] == [True, False, False]
+    assert after.shape == "1 x 2048 @ 4096" and mixed.shape == "1 x 2048 + 16 decoding at 6000"
+    cm = CostModel(_cal(), Geometry.preset("qwen3-30b-a3b"))
+    assert after.priced_s(cm) == cm.prefill_s([(2048, 6144)])
+    assert mixed.priced_s(cm) == cm.prefill_s([(2048, 2048)], 16, 96_000)
+    assert after.priced_s(cm) > lone.priced_s(cm) and mixed.priced_s(cm) > lone.priced_s(cm)
+
+
 def test_moe_prefill_blends_from_the_decode_form_to_the_prefill_form() -> None:
     cal = _cal(moe={"expert_GBps": 4100.0, "layer_expert_us": 0.36}, moe_prefill=MOE_PRE)
     g = Geometry.preset("qwen3-30b-a3b")

@@ -380,7 +380,7 @@ def default_fit_runs(reports: list[Report], model: str) -> list[Report]:
 def is_fit(row: DecodeRow | PrefillRow, fit_paths: set[str]) -> bool:
     if row.source not in fit_paths:
         return False
-    return isinstance(row, DecodeRow) or row.reqs == 1
+    return isinstance(row, DecodeRow) or row.single
 
 
 def calibrate(results: Path, model: str, gpu: str, fit_runs: list[str] | None,
@@ -433,7 +433,7 @@ def calibrate(results: Path, model: str, gpu: str, fit_runs: list[str] | None,
     # all five from --fill-from (the blend bounds too, without which the rates are not used at all)
     moe_pre: dict[str, float | None] = dict.fromkeys(
         ("expert_GBps", "layer_expert_us", "gemm_TFLOPs", "blend_from_tokens", "blend_to_tokens"))
-    pre_fit = [p for p in prefill_rows(moe_runs) if p.reqs == 1]
+    pre_fit = [p for p in prefill_rows(moe_runs) if p.single]
     if moe["expert_GBps"] is not None and pre["gemm_TFLOPs"] is not None and len(pre_fit) >= 3:
         geos = {r.model: report_geometry(r) for r in moe_runs}
         moe_pre = dict(fit_moe_prefill([(geos[p.model], p.reqs, p.length, p.ms * 1e-3) for p in pre_fit], dec, pre))
@@ -473,9 +473,9 @@ def calibrate(results: Path, model: str, gpu: str, fit_runs: list[str] | None,
                                              for d in split["outlier"]],
                                 "superseded": [{"source": r.rel(), "why": superseded_why(r)}
                                                for r in moe_reports(reports, superseded=True)]},
-                    "moe_prefill_fit": {"rows": [f"{p.model} {p.reqs} x {p.length}" for p in pre_fit],
-                                        "held_out": [f"{p.model} {p.reqs} x {p.length}"
-                                                     for p in prefill_rows(moe_runs) if p.reqs != 1]},
+                    "moe_prefill_fit": {"rows": [f"{p.model} {p.shape}" for p in pre_fit],
+                                        "held_out": [f"{p.model} {p.shape}"
+                                                     for p in prefill_rows(moe_runs) if not p.single]},
                     "decode_fit": sorted(fit_paths), "weights_GBps": w_src, "prefill_fit": sorted(fit_paths),
                     "host_link": link_src, "remote_exchange": ex_src, "executor_host": host_src},
         "missing": missing,

@@ -16,9 +16,12 @@ import json
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.sim.geometry import Geometry
+
+if TYPE_CHECKING:
+    from bench.sim.cost import CostModel
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
@@ -122,6 +125,24 @@ class PrefillRow:
     reqs: int
     length: int
     ms: float
+    prefix: int = 0  # tokens before each chunk (bench/offline.py's REQSxLEN@PREFIX)
+    decode_rows: int = 0  # decode rows riding along, and their context (+ROWSdCTX)
+    decode_ctx: int = 0
+
+    @property
+    def single(self) -> bool:
+        """A lone prompt from position 0: the rows the prefill rates are fitted to. Chunks after a prefix and
+        mixed forwards only validate how the fitted rates price them (the way serving's forwards run)."""
+        return self.reqs == 1 and self.prefix == 0 and self.decode_rows == 0
+
+    @property
+    def shape(self) -> str:
+        return (f"{self.reqs} x {self.length}" + (f" @ {self.prefix}" if self.prefix else "")
+                + (f" + {self.decode_rows} decoding at {self.decode_ctx}" if self.decode_rows else ""))
+
+    def priced_s(self, cost: CostModel) -> float:
+        return cost.prefill_s([(self.length, self.prefix + self.length)] * self.reqs, self.decode_rows,
+                              self.decode_rows * self.decode_ctx)
 
 
 def decode_rows(reports: list[Report]) -> list[DecodeRow]:
@@ -158,5 +179,6 @@ def report_geometry(report: Report) -> Geometry:
 
 
 def prefill_rows(reports: list[Report]) -> list[PrefillRow]:
-    return [PrefillRow(r.rel(), r.model, int(p["reqs"]), int(p["len"]), float(p["ms"]))
+    return [PrefillRow(r.rel(), r.model, int(p["reqs"]), int(p["len"]), float(p["ms"]), int(p.get("prefix", 0)),
+                       int(p.get("decode_rows", 0)), int(p.get("decode_ctx", 0)))
             for r in reports if r.kind == "offline" for p in r.data.get("prefill") or []]

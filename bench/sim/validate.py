@@ -78,9 +78,8 @@ def validate(cal_path: Path, results: Path) -> dict[str, Any]:
                          1e3 * loo.decode_s(d.bs, d.bs * d.ctx)))
     for p in prefill_rows(reports):
         if p.model == model:
-            fit = p.source in fit_paths and p.reqs == 1
-            rows.append(_row("fit" if fit else "held-out", p.source, "prefill", f"{p.reqs} x {p.length}", p.ms,
-                             1e3 * cm.prefill_s([(p.length, p.length)] * p.reqs)))
+            fit = p.source in fit_paths and p.single
+            rows.append(_row("fit" if fit else "held-out", p.source, "prefill", p.shape, p.ms, 1e3 * p.priced_s(cm)))
     for r in reports:  # sender steps with remote rows, idle executor GPU
         if r.kind == "remote_step" and r.model == model and not r.env.get("executor_load"):
             for s in r.data["rows"]:
@@ -150,19 +149,19 @@ def moe_rows(cal: Calibration, reports: list[Any]) -> list[dict[str, Any]]:
     pre_rows = prefill_rows(runs)
 
     def add_prefill(group: str, p: PrefillRow, c: Calibration, note: str = "") -> None:
-        r = _row(group, p.source, f"prefill{note}", f"{p.model} {p.reqs} x {p.length}", p.ms,
-                 1e3 * CostModel(c, geos[p.model]).prefill_s([(p.length, p.length)] * p.reqs))
+        r = _row(group, p.source, f"prefill{note}", f"{p.model} {p.shape}", p.ms,
+                 1e3 * p.priced_s(CostModel(c, geos[p.model])))
         r["model"] = p.model
         rows.append(r)
 
     for p in pre_rows:
         if with_pre:  # single-request prefills fitted, batched held out (as the dense prefill fit)
-            add_prefill("moe-fit" if p.reqs == 1 else "moe-held-out", p, cal)
+            add_prefill("moe-fit" if p.single else "moe-held-out", p, cal)
         if with_moe:
             add_prefill("moe-no-prefill-term", p, no_term, ", no moe_prefill term (the calibration before it)")
         add_prefill("moe-dense", p, dense_only)
     if with_pre:
-        fit_pre = [p for p in pre_rows if p.reqs == 1]
+        fit_pre = [p for p in pre_rows if p.single]
 
         def refit_prefill(train: list[PrefillRow]) -> Calibration:
             got = fit_moe_prefill([(geos[q.model], q.reqs, q.length, q.ms * 1e-3) for q in train],
