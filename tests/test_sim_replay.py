@@ -363,10 +363,13 @@ def test_forwards_tally_splits_decode_only_from_prefill_forwards() -> None:
     assert tally.forward_s([1, 1, 1], [100, 200, 300]) == cost.forward_s([1, 1, 1], [100, 200, 300])
     assert tally.forward_s([512, 1], [512, 400]) == cost.forward_s([512, 1], [512, 400])
     assert tally.kv_bytes_per_token == cost.kv_bytes_per_token  # everything else passes through
-    assert [r for r, _ in tally.decode] == [3] and [(n, r) for n, r, _ in tally.prefill] == [(512, 1)]
+    assert [r for r, _ in tally.decode] == [3] and [(q[0], q[1]) for q in tally.prefill] == [(512, 1)]
     text = tally.text()
     assert text.startswith("forwards: 1 decode-only at 3.0 rows") and "1 with a prefill" in text
-    assert "512 prefill tokens, 1.0 decode rows riding" in text
+    assert "512 prefill tokens in 1.0 chunks, 256 keys a prompt token, 1.0 decode rows riding" in text
+    # a chunk after a 1,000-token prefix: its tokens attend over it too (the count the step log makes)
+    tally.forward_s([100, 1], [1100, 400])
+    assert tally.prefill[-1][3:] == (1, 100 * 1000 + 100 * 101 // 2)
 
 
 def test_decode_forwards_are_split_by_how_much_of_their_interval_ran_overlapped() -> None:

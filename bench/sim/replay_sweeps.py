@@ -370,13 +370,14 @@ def reports(panel: Panel) -> list[tuple[Sweep, Path, str, float, int]]:
 
 class ForwardTally:
     """A cost model that also tallies the forwards it priced: decode-only ones (rows, time) apart from
-    those with a prefill chunk (time, prefill tokens, decode rows riding). `--forwards` prints it per point:
-    where a point's simulated time went, to set beside a server's step profile."""
+    those with a prefill chunk (time, prefill tokens, decode rows riding, chunks, keys their tokens attend
+    over). `--forwards` prints it per point: where a point's simulated time went, to set beside a server's
+    step profile (whose prefill segment has counted chunks and keys since 2026-12-07 session 16)."""
 
     def __init__(self, cost: CostModel) -> None:
         self._cost = cost
         self.decode: list[tuple[int, float]] = []  # (rows, seconds)
-        self.prefill: list[tuple[int, int, float]] = []  # (prefill tokens, decode rows, seconds)
+        self.prefill: list[tuple[int, int, float, int, int]] = []  # (tokens, decode rows, seconds, chunks, pairs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._cost, name)
@@ -387,7 +388,9 @@ class ForwardTally:
         if ones == len(extend_lens):
             self.decode.append((ones, t))
         else:
-            self.prefill.append((sum(n for n in extend_lens if n != 1), ones, t))
+            chunks = [(n, end) for n, end in zip(extend_lens, seq_lens, strict=True) if n != 1]
+            pairs = sum(n * (end - n) + n * (n + 1) // 2 for n, end in chunks)  # the step log's count
+            self.prefill.append((sum(n for n, _ in chunks), ones, t, len(chunks), pairs))
         return t
 
     def text(self) -> str:
@@ -398,11 +401,12 @@ class ForwardTally:
                    f"{1e3 * np.mean([t for _, t in d]):.2f} ms")
         pre = "none with a prefill"
         if p:
-            pre = (f"{len(p)} with a prefill at {1e3 * np.mean([t for *_, t in p]):.1f} ms "
-                   f"({np.mean([n for n, _, _ in p]):,.0f} prefill tokens, "
-                   f"{np.mean([r for _, r, _ in p]):.1f} decode rows riding)")
-        total = sum(t for _, t in d) + sum(t for *_, t in p)
-        share = sum(t for *_, t in p) / total if total else 0.0
+            pre = (f"{len(p)} with a prefill at {1e3 * np.mean([q[2] for q in p]):.1f} ms "
+                   f"({np.mean([q[0] for q in p]):,.0f} prefill tokens in {np.mean([q[3] for q in p]):.1f} chunks, "
+                   f"{sum(q[4] for q in p) / max(sum(q[0] for q in p), 1):,.0f} keys a prompt token, "
+                   f"{np.mean([q[1] for q in p]):.1f} decode rows riding)")
+        total = sum(t for _, t in d) + sum(q[2] for q in p)
+        share = sum(q[2] for q in p) / total if total else 0.0
         return f"forwards: {dec}; {pre}; prefill forwards {100 * share:.0f} % of the priced time"
 
 
