@@ -161,6 +161,13 @@ PANELS: Final[tuple[Panel, ...]] = (
               note="5190170, call 3 on that machine: lvf at 3.375"),
         Sweep("2026-12-07-h100-s15/qwen3-lvf-missed-3.375", 0.9, "qwen3-30b-a3b", gpu="h100",
               note="5190170, call 6 on that machine: lvf with --lvf-missed-last at 3.375"))),
+    Panel("12-07 h100 qwen3 0.9 uniform s16", (
+        Sweep("2026-12-07-h100-s16/qwen3-lvf-missed-3.5625", 0.9, "qwen3-30b-a3b", gpu="h100",
+              note="9f7c6e4, call 1 on one machine: lvf with --lvf-missed-last at 3.5625"),)),
+    Panel("12-07 h100 1/2 ttft5 lvf-missed s16", tuple(
+        Sweep(f"2026-12-07-h100-s16/llama-share05-lvf-pair-{rate}", 0.5, gpu="h100",
+              note=f"9f7c6e4, call {call} on one machine: lvf with and without --lvf-missed-last at {rate}")
+        for call, rate in ((3, "5"), (4, "5.5")))),
     Panel("12-06 h200 mixtral 0.9 uniform", (Sweep("2026-12-06-h200-s9/mixtral-uniform-knee", 0.9, "mixtral-8x7b",
                                                    note="ff40ae9 + df5d696 (five calls, sessions 8-9), one H200: "
                                                         "Mooncake outputs <= 1,024, TPOT 0.2 s, "
