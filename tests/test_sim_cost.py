@@ -324,6 +324,26 @@ def test_moe_prefill_fit_takes_its_own_attention_rate_from_many_lengths() -> Non
     assert CostModel(no_own, g).attention_TFLOPs() == no_own.get("prefill", "attention_TFLOPs")
 
 
+def test_moe_prefill_fit_takes_the_attention_rate_from_equal_tokens_after_a_prefix() -> None:
+    """Two lengths alone cannot give an MoE its attention rate; the same token counts measured again after a
+    prefix (bench/offline.py's 1x6144@1536) can: equal expert and GEMM work, more attention. The fit then
+    returns moe_prefill.attention_TFLOPs and prices the prefix rows exactly."""
+    truth = {**MOE_PRE, "attention_TFLOPs": 345.0}
+    cal = _cal(moe={"expert_GBps": 4100.0, "layer_expert_us": 0.36}, moe_prefill=truth)
+    g = Geometry.preset("qwen3-30b-a3b")
+    cm = CostModel(cal, g)
+    shapes = ((2048, 0), (8192, 0), (2048, 4096), (8192, 1024), (4096, 0), (4096, 2048))
+    rows = [(g, 1, n, cm.prefill_s([(n, p + n)]), p) for n, p in shapes]
+    assert not fitmod.equal_token_pairs([r[:4] for r in rows if r[4] == 0])  # no prefix: only lengths
+    assert fitmod.equal_token_pairs(rows)
+    got = fitmod.fit_moe_prefill(rows, dict(cal.decode), dict(cal.prefill))
+    assert got["attention_TFLOPs"] == pytest.approx(345.0, rel=1e-5)
+    assert got["gemm_TFLOPs"] == pytest.approx(truth["gemm_TFLOPs"], rel=1e-5)
+    # without the prefix rows (three lengths): the dense prefill's attention rate stays
+    assert "attention_TFLOPs" not in fitmod.fit_moe_prefill([r for r in rows if r[4] == 0], dict(cal.decode),
+                                                            dict(cal.prefill))
+
+
 def test_a_prefill_only_offline_report_is_read() -> None:
     """bench/offline.py --sections prefill (--prefill-shapes rows alone) writes an empty decode list: its
     prefill rows still count (the H100's Qwen3 prefills of 2026-12-07 s15 are such reports)."""

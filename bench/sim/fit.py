@@ -125,18 +125,20 @@ def fit_moe(rows: Sequence[MoeRow], dec: dict[str, Any]) -> dict[str, float]:
     return {"expert_GBps": float(1 / x[0] / 1e9) if x[0] > 0 else float("inf"), "layer_expert_us": float(x[1])}
 
 
-MoePrefillRow = tuple[Geometry, int, int, float]  # geometry, requests, tokens each, seconds
+# geometry, requests, tokens each, seconds[, tokens before each chunk (bench/offline.py's REQSxLEN@PREFIX)]
+MoePrefillRow = tuple[Geometry, int, int, float] | tuple[Geometry, int, int, float, int]
 
 
 def moe_prefill_columns(geo: Geometry, reqs: int, length: int, dec: dict[str, Any], pre: dict[str, Any],
-                        attention: bool = False) -> tuple[list[float], float]:
+                        attention: bool = False, prefix: int = 0) -> tuple[list[float], float]:
     """One MoE prefill's design row for fit_moe_prefill (expert bytes read, expert-layers hit, expert FLOPs,
-    and with `attention` the causal attention FLOPs) and its known part: the non-expert GEMMs at the dense
-    prefill rate, the step constant, and without `attention` the attention at the dense prefill rate."""
+    and with `attention` the causal attention FLOPs, a chunk's prefix included) and its known part: the
+    non-expert GEMMs at the dense prefill rate, the step constant, and without `attention` the attention at
+    the dense prefill rate."""
     tokens = reqs * length
     hit = geo.experts_hit(tokens)
     rest = 2.0 * geo.layer_params * tokens + 2.0 * geo.lm_head_params * reqs - geo.expert_flops(tokens)
-    attn = reqs * geo.attention_flops(length, length)
+    attn = reqs * geo.attention_flops(length, prefix + length)
     known = (max(geo.dense_weight_bytes / (dec["weights_GBps"] * 1e9), rest / (pre["gemm_TFLOPs"] * 1e12))
              + dec["step_us"] * 1e-6)
     cols = [geo.sparse_layers * hit * geo.expert_bytes, geo.sparse_layers * hit, geo.expert_flops(tokens)]
@@ -150,23 +152,36 @@ def moe_prefill_columns(geo: Geometry, reqs: int, length: int, dec: dict[str, An
 # Distinct single-request prefill lengths from which fit_moe_prefill also fits the attention rate: the
 # attention's L^2 is then told apart from the GEMMs' L (2026-12-07: Qwen3 on the H100, 256 to 8K tokens,
 # attended at ~half the rate fitted to Llama-3-8B's two prefills). Fewer (the H200: 1K and 8K of each
-# model) keep the dense prefill's attention rate.
+# model) keep the dense prefill's attention rate, unless rows of equal tokens attend over different
+# prefixes (`equal_token_pairs`), which tell the attention apart directly.
 MOE_ATTENTION_MIN_LENGTHS: Final = 5
+
+
+def equal_token_pairs(rows: Sequence[MoePrefillRow]) -> bool:
+    """Some token count was measured with two prefixes (bench/offline.py's 1x6144 and 1x6144@1536): the same
+    expert and GEMM work with different attention, the cleanest measure of the attention rate (2026-12-07
+    session 16: ~345 TFLOP/s on the H100 from such rows, where the lengths-only fit had read 181)."""
+    seen: dict[int, set[int]] = {}
+    for row in rows:
+        seen.setdefault(row[1] * row[2], set()).add(row[4] if len(row) > 4 else 0)
+    return any(len(p) >= 2 for p in seen.values())
 
 
 def fit_moe_prefill(rows: Sequence[MoePrefillRow], dec: dict[str, Any], pre: dict[str, Any]) -> dict[str, float]:
     """MoE prefill rows -> moe_prefill.expert_GBps, layer_expert_us, gemm_TFLOPs (and attention_TFLOPs when
-    the single-request rows span MOE_ATTENTION_MIN_LENGTHS lengths), the dense decode and prefill rates held
+    the single-request rows span MOE_ATTENTION_MIN_LENGTHS lengths or `equal_token_pairs`), the dense decode
+    and prefill rates held
     fixed. Per sparse layer each expert hit is read once and pays a fixed cost, the expert FLOPs run at one
     grouped-GEMM rate, and the causal attention at its own: linear in the unknowns, non-negative least
     squares on relative error (columns scaled first: their magnitudes are 1e10 bytes, 1e3 expert-layers,
     1e13 FLOPs). A rate whose column the fit drops is infinite (that term costs nothing). With one model's
     rows (two token counts) the three are not identifiable: the fit then drops columns and what it returns
     does not transfer (validate's moe-cross prefill shows it)."""
-    attention = len({length for _, reqs, length, _ in rows if reqs == 1}) >= MOE_ATTENTION_MIN_LENGTHS
+    attention = (len({row[2] for row in rows if row[1] == 1}) >= MOE_ATTENTION_MIN_LENGTHS
+                 or equal_token_pairs(rows))
     A, y, known = [], [], []
-    for geo, reqs, length, sec in rows:
-        cols, k = moe_prefill_columns(geo, reqs, length, dec, pre, attention)
+    for geo, reqs, length, sec, *more in rows:
+        cols, k = moe_prefill_columns(geo, reqs, length, dec, pre, attention, more[0] if more else 0)
         A.append(cols)
         known.append(k)
         y.append(sec)
@@ -433,10 +448,11 @@ def calibrate(results: Path, model: str, gpu: str, fit_runs: list[str] | None,
     # all five from --fill-from (the blend bounds too, without which the rates are not used at all)
     moe_pre: dict[str, float | None] = dict.fromkeys(
         ("expert_GBps", "layer_expert_us", "gemm_TFLOPs", "blend_from_tokens", "blend_to_tokens"))
-    pre_fit = [p for p in prefill_rows(moe_runs) if p.single]
+    pre_fit = [p for p in prefill_rows(moe_runs) if p.moe_fitted]
     if moe["expert_GBps"] is not None and pre["gemm_TFLOPs"] is not None and len(pre_fit) >= 3:
         geos = {r.model: report_geometry(r) for r in moe_runs}
-        moe_pre = dict(fit_moe_prefill([(geos[p.model], p.reqs, p.length, p.ms * 1e-3) for p in pre_fit], dec, pre))
+        moe_pre = dict(fit_moe_prefill([(geos[p.model], p.reqs, p.length, p.ms * 1e-3, p.prefix) for p in pre_fit],
+                                       dec, pre))
         # where each form was measured: decode batches up to this many rows, prefills from this many tokens
         moe_pre["blend_from_tokens"] = float(max(d.bs for d in split["fit"]))
         moe_pre["blend_to_tokens"] = float(min(p.reqs * p.length for p in pre_fit))
@@ -475,7 +491,7 @@ def calibrate(results: Path, model: str, gpu: str, fit_runs: list[str] | None,
                                                for r in moe_reports(reports, superseded=True)]},
                     "moe_prefill_fit": {"rows": [f"{p.model} {p.shape}" for p in pre_fit],
                                         "held_out": [f"{p.model} {p.shape}"
-                                                     for p in prefill_rows(moe_runs) if not p.single]},
+                                                     for p in prefill_rows(moe_runs) if not p.moe_fitted]},
                     "decode_fit": sorted(fit_paths), "weights_GBps": w_src, "prefill_fit": sorted(fit_paths),
                     "host_link": link_src, "remote_exchange": ex_src, "executor_host": host_src},
         "missing": missing,

@@ -131,9 +131,16 @@ class PrefillRow:
 
     @property
     def single(self) -> bool:
-        """A lone prompt from position 0: the rows the prefill rates are fitted to. Chunks after a prefix and
-        mixed forwards only validate how the fitted rates price them (the way serving's forwards run)."""
+        """A lone prompt from position 0: the rows the dense prefill rates are fitted to. Chunks after a prefix,
+        batches and mixed forwards only validate how the fitted rates price them (as serving's forwards run)."""
         return self.reqs == 1 and self.prefix == 0 and self.decode_rows == 0
+
+    @property
+    def moe_fitted(self) -> bool:
+        """An MoE's prefill fit also takes a lone chunk after a prefix: beside a prompt of as many tokens from
+        position 0 it tells the attention apart from the expert work (fit.equal_token_pairs). Batches of
+        several requests and forwards with decode rows riding stay held out."""
+        return self.reqs == 1 and self.decode_rows == 0
 
     @property
     def shape(self) -> str:

@@ -154,17 +154,23 @@ def moe_rows(cal: Calibration, reports: list[Any]) -> list[dict[str, Any]]:
         r["model"] = p.model
         rows.append(r)
 
+    # the rows the file was fitted to, where it lists them (a file fitted before a run held it out whole)
+    listed = ((cal.raw.get("sources") or {}).get("moe_prefill_fit") or {}).get("rows")
+
+    def fitted(p: PrefillRow) -> bool:
+        return f"{p.model} {p.shape}" in listed if listed is not None else p.moe_fitted
+
     for p in pre_rows:
-        if with_pre:  # single-request prefills fitted, batched held out (as the dense prefill fit)
-            add_prefill("moe-fit" if p.single else "moe-held-out", p, cal)
+        if with_pre:  # single-request prefills (and lone chunks after a prefix) fitted, batched held out
+            add_prefill("moe-fit" if fitted(p) else "moe-held-out", p, cal)
         if with_moe:
             add_prefill("moe-no-prefill-term", p, no_term, ", no moe_prefill term (the calibration before it)")
         add_prefill("moe-dense", p, dense_only)
     if with_pre:
-        fit_pre = [p for p in pre_rows if p.single]
+        fit_pre = [p for p in pre_rows if p.moe_fitted]
 
         def refit_prefill(train: list[PrefillRow]) -> Calibration:
-            got = fit_moe_prefill([(geos[q.model], q.reqs, q.length, q.ms * 1e-3) for q in train],
+            got = fit_moe_prefill([(geos[q.model], q.reqs, q.length, q.ms * 1e-3, q.prefix) for q in train],
                                   dict(cal.decode), dict(cal.prefill))
             return Calibration.from_dict({**cal.raw, "moe_prefill": {**(cal.moe_prefill or {}), **got}})
 
