@@ -90,7 +90,8 @@ def kv_tokens_that_fit(requested: int, free_bytes: int, geo: Geometry, margin_by
 class PrefillShape(NamedTuple):
     """A prefill forward of the prefill section: `reqs` chunks of `length` new tokens, each after `prefix`
     tokens already in the pool, with `rows` decode rows at context `ctx` riding along (serving's mixed
-    forwards). Only rows with neither (a lone prompt from position 0) are fitted by bench/sim/fit.py."""
+    forwards). bench/sim/fit.py fits a dense model's prefill rates to lone prompts from position 0 only, an
+    MoE's also to lone chunks after a prefix (fit.equal_token_pairs); the rest validate its pricing."""
 
     reqs: int
     length: int
@@ -644,7 +645,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="the prefill section's forwards, comma-separated REQSxLEN[@PREFIX][+ROWSdCTX]: REQS chunks "
                         "of LEN tokens, each after PREFIX tokens in the pool, with ROWS decode rows at context CTX "
                         "riding along (serving's mixed forwards). bench/sim/fit.py fits its prefill rates to the "
-                        "single-request rows without either; the others validate its pricing")
+                        "single-request rows without riding rows (a prefix only for an MoE); the others validate "
+                        "its pricing")
     p.add_argument("--loop-requests", default="64", help="comma-separated batch sizes of the loop section")
     p.add_argument("--loop-sampling", default="greedy,sampled", help="greedy and/or sampled (see Bench.SAMPLING)")
     p.add_argument("--loop-prompt", type=int, default=1024)
