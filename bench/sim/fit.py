@@ -158,30 +158,33 @@ MOE_ATTENTION_MIN_LENGTHS: Final = 5
 
 
 def equal_token_pairs(rows: Sequence[MoePrefillRow]) -> bool:
-    """Some token count was measured with two prefixes (bench/offline.py's 1x6144 and 1x6144@1536): the same
-    expert and GEMM work with different attention, the cleanest measure of the attention rate (2026-12-07
-    session 16: ~345 TFLOP/s on the H100 from such rows, where the lengths-only fit had read 181)."""
-    seen: dict[int, set[int]] = {}
-    for row in rows:
-        seen.setdefault(row[1] * row[2], set()).add(row[4] if len(row) > 4 else 0)
-    return any(len(p) >= 2 for p in seen.values())
+    """Some shape (requests, tokens each) was measured with two prefixes (bench/offline.py's 1x6144 and
+    1x6144@1536): the same expert and GEMM work with different attention, the cleanest measure of the
+    attention rate (2026-12-07
+    session 16: ~345 TFLOP/s on the H100 from such rows, where the lengths-only fit had read 181;
+    `equal_token_attention_s` measures it)."""
+    return equal_token_attention_s(rows) is not None
 
 
 def fit_moe_prefill(rows: Sequence[MoePrefillRow], dec: dict[str, Any], pre: dict[str, Any]) -> dict[str, float]:
-    """MoE prefill rows -> moe_prefill.expert_GBps, layer_expert_us, gemm_TFLOPs (and attention_TFLOPs when
-    the single-request rows span MOE_ATTENTION_MIN_LENGTHS lengths or `equal_token_pairs`), the dense decode
-    and prefill rates held
+    """MoE prefill rows -> moe_prefill.expert_GBps, layer_expert_us, gemm_TFLOPs (and attention_TFLOPs: measured
+    first from rows of equal tokens and different prefixes where there are some, `equal_token_attention_s`,
+    the rest then fitted to what it leaves; else fitted jointly when the single-request rows span
+    MOE_ATTENTION_MIN_LENGTHS lengths), the dense decode and prefill rates held
     fixed. Per sparse layer each expert hit is read once and pays a fixed cost, the expert FLOPs run at one
     grouped-GEMM rate, and the causal attention at its own: linear in the unknowns, non-negative least
     squares on relative error (columns scaled first: their magnitudes are 1e10 bytes, 1e3 expert-layers,
     1e13 FLOPs). A rate whose column the fit drops is infinite (that term costs nothing). With one model's
     rows (two token counts) the three are not identifiable: the fit then drops columns and what it returns
     does not transfer (validate's moe-cross prefill shows it)."""
-    attention = (len({row[2] for row in rows if row[1] == 1}) >= MOE_ATTENTION_MIN_LENGTHS
-                 or equal_token_pairs(rows))
+    measured = equal_token_attention_s(rows)  # seconds a causal attention FLOP, where equal tokens tell it
+    attention = measured is None and len({row[2] for row in rows if row[1] == 1}) >= MOE_ATTENTION_MIN_LENGTHS
     A, y, known = [], [], []
     for geo, reqs, length, sec, *more in rows:
-        cols, k = moe_prefill_columns(geo, reqs, length, dec, pre, attention, more[0] if more else 0)
+        prefix = more[0] if more else 0
+        cols, k = moe_prefill_columns(geo, reqs, length, dec, pre, attention or measured is not None, prefix)
+        if measured is not None:  # the attention is known: the rest is fitted to what it leaves
+            k += cols.pop() * measured
         A.append(cols)
         known.append(k)
         y.append(sec)
@@ -192,9 +195,36 @@ def fit_moe_prefill(rows: Sequence[MoePrefillRow], dec: dict[str, Any], pre: dic
     out = {"expert_GBps": float(1 / x[0] / 1e9) if x[0] > 0 else float("inf"),  # dropped: no such term
            "layer_expert_us": float(x[1] * 1e6),
            "gemm_TFLOPs": float(1 / x[2] / 1e12) if x[2] > 0 else float("inf")}
-    if attention:
+    if measured is not None:
+        out["attention_TFLOPs"] = float(1 / measured / 1e12)
+    elif attention:
         out["attention_TFLOPs"] = float(1 / x[3] / 1e12) if x[3] > 0 else float("inf")
     return out
+
+
+def equal_token_attention_s(rows: Sequence[MoePrefillRow]) -> float | None:
+    """Seconds per causal attention FLOP from the rows that share a geometry and a shape (requests, tokens each)
+    but attend over different prefixes: within each such group the time differences are the attention's alone
+    (the experts, GEMMs, LM head rows and fixed costs are the same work), so a least-squares slope through
+    the group-centred times and attention FLOPs measures it with nothing else fitted beside it. None without
+    such a group (or a slope that is not positive)."""
+    groups: dict[tuple[int, int, int], list[tuple[float, float]]] = {}
+    for geo, reqs, length, sec, *more in rows:
+        prefix = more[0] if more else 0
+        groups.setdefault((id(geo), reqs, length), []).append((reqs * geo.attention_flops(length, prefix + length),
+                                                              sec))
+    dx, dy = [], []
+    for g in groups.values():
+        if len({f for f, _ in g}) < 2:
+            continue
+        fx, fy = np.mean([f for f, _ in g]), np.mean([t for _, t in g])
+        dx += [f - fx for f, _ in g]
+        dy += [t - fy for _, t in g]
+    if not dx:
+        return None
+    x, y = np.array(dx), np.array(dy)
+    slope = float(x @ y / (x @ x))
+    return slope if slope > 0 else None
 
 
 # Rows measured but not fitted, with the reason (source path suffix, bs, ctx): kept out of the fit and
