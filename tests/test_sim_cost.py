@@ -344,6 +344,18 @@ def test_moe_prefill_fit_takes_the_attention_rate_from_equal_tokens_after_a_pref
                                                             dict(cal.prefill))
 
 
+def test_equal_token_attention_groups_equal_shapes_only() -> None:
+    """The attention slope takes rows of one geometry and one shape (requests, tokens each): 2 x 3072 beside
+    1 x 6144 differs in LM head rows too, so it is no group; a slope that is not positive measures nothing."""
+    g = Geometry.preset("qwen3-30b-a3b")
+    per_flop = 1 / 345e12
+    lone = [(g, 1, 6144, 0.1 + g.attention_flops(6144, 6144) * per_flop),
+            (g, 1, 6144, 0.1 + g.attention_flops(6144, 7680) * per_flop, 1536)]
+    assert fitmod.equal_token_attention_s(lone) == pytest.approx(per_flop, rel=1e-9)
+    assert fitmod.equal_token_attention_s([lone[0], (g, 2, 3072, 0.09)]) is None
+    assert fitmod.equal_token_attention_s([lone[0], (g, 1, 6144, 0.05, 1536)]) is None  # faster with more keys
+
+
 def test_a_prefill_only_offline_report_is_read() -> None:
     """bench/offline.py --sections prefill (--prefill-shapes rows alone) writes an empty decode list: its
     prefill rows still count (the H100's Qwen3 prefills of 2026-12-07 s15 are such reports)."""
