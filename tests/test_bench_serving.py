@@ -167,7 +167,7 @@ def test_sglang_end_to_end(tmp_path: Path) -> None:
     report = asyncio.run(with_server(go))
     m = report["metrics"]
     assert (m["completed"], m["failed"], m["total_output_tokens"], m["total_input_tokens"]) == (8, 0, 40, 128)
-    assert FIRST_DELAY <= m["ttft_ms"]["mean"] / 1000 < FIRST_DELAY + 0.1
+    assert FIRST_DELAY <= m["ttft_ms"]["median"] / 1000 < FIRST_DELAY + 0.1  # median: see the openai test
     # the server's own TTFT, and the client's TTFT outside it (the serving path)
     assert m["server_ttft_ms"]["mean"] == pytest.approx(1000 * WORKER_TTFT)
     assert m["ttft_outside_worker_ms"]["mean"] == pytest.approx(m["ttft_ms"]["mean"] - 1000 * WORKER_TTFT)
@@ -201,8 +201,10 @@ def test_request_format_and_openai_backend() -> None:
     report = asyncio.run(with_server(go))
     m = report["metrics"]
     assert (m["completed"], m["total_output_tokens"]) == (4, 20)
-    assert FIRST_DELAY <= m["ttft_ms"]["mean"] / 1000 < FIRST_DELAY + 0.1
-    assert TOKEN_GAP <= m["tpot_ms"]["mean"] / 1000 < TOKEN_GAP + 0.04
+    # the median: on a busy 2-core CI machine one of four requests may start late (a .ci/run of 2026-12-07
+    # read a mean of 462 ms); what is checked is that TTFT is the first token's time, not the stream's end
+    assert FIRST_DELAY <= m["ttft_ms"]["median"] / 1000 < FIRST_DELAY + 0.1
+    assert TOKEN_GAP <= m["tpot_ms"]["median"] / 1000 < TOKEN_GAP + 0.04
 
 
 def test_multi_model_failures_and_max_duration() -> None:
