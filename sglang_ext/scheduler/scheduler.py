@@ -231,12 +231,13 @@ class Scheduler:
         recomputed later). Raises ExecutorLost."""
         entries = self.remote_residency.plan(entries, ahead)
         self.forward_rows += len(entries)  # every forward's rows pass here (the step profile's "rows")
-        if self._count_context:
-            self.forward_context += sum(e.req.kv_len + e.extend for e in entries)
+        if self._count_context:  # one pass over the rows, for the step profile only
             for e in entries:
+                end = e.req.kv_len + e.extend
+                self.forward_context += end
                 if e.extend > 1:
                     self.prefill_chunks += 1
-                    self.prefill_chunk_context += e.req.kv_len + e.extend
+                    self.prefill_chunk_context += end
                     self.prefill_pairs += e.extend * e.req.kv_len + e.extend * (e.extend + 1) // 2
         return entries
 
