@@ -160,9 +160,8 @@ MOE_ATTENTION_MIN_LENGTHS: Final = 5
 def equal_token_pairs(rows: Sequence[MoePrefillRow]) -> bool:
     """Some shape (requests, tokens each) was measured with two prefixes (bench/offline.py's 1x6144 and
     1x6144@1536): the same expert and GEMM work with different attention, the cleanest measure of the
-    attention rate (2026-12-07
-    session 16: ~345 TFLOP/s on the H100 from such rows, where the lengths-only fit had read 181;
-    `equal_token_attention_s` measures it)."""
+    attention rate (2026-12-07 session 16: 359 TFLOP/s on the H100 from one call's such rows, where the lengths-only
+    fit had read 181; `equal_token_attention_s` measures it)."""
     return equal_token_attention_s(rows) is not None
 
 
