@@ -22,11 +22,14 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 steps=${*:-test bench}
 pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$@"; }  # --upgrade: quiet on a warm machine
 # FlashInfer and its runtime needs apart, so the torch-backend tests can run without it on the path.
-fi_whl=$(ls .whl/*.whl | grep -E 'flashinfer|tvm_ffi|cuda_tile|cudnn_frontend')
+# WHEELS: the carried wheel folder; .whl, else .whl-slim (bench/slim_wheels.py: the same without FlashInfer's JIT
+# headers, for when the tree and .whl together pass the 64 MiB a call may carry)
+W=${WHEELS:-$( [ -d .whl ] && echo .whl || echo .whl-slim )}
+fi_whl=$(ls $W/*.whl | grep -E 'flashinfer|tvm_ffi|cuda_tile|cudnn_frontend')
 pipi /tmp/fi $fi_whl || exit 1
-pipi /tmp/site $(ls .whl/*.whl | grep -v -E 'flashinfer|tvm_ffi|cuda_tile|cudnn_frontend') || exit 1
-if [ -f .whl/fi_so.tgz ]; then  # kernels built by an earlier run: load them as FlashInfer AOT modules
-  mkdir -p /tmp/fi/flashinfer/data/aot && tar xzf .whl/fi_so.tgz -C /tmp/fi/flashinfer/data/aot
+pipi /tmp/site $(ls $W/*.whl | grep -v -E 'flashinfer|tvm_ffi|cuda_tile|cudnn_frontend') || exit 1
+if [ -f $W/fi_so.tgz ]; then  # kernels built by an earlier run: load them as FlashInfer AOT modules
+  mkdir -p /tmp/fi/flashinfer/data/aot && tar xzf $W/fi_so.tgz -C /tmp/fi/flashinfer/data/aot
 fi
 BASE=$PWD:/tmp/site
 export PYTHONUNBUFFERED=1
