@@ -98,3 +98,15 @@ def test_random_operations_keep_invariants() -> None:
         c.unlock(n)
     a.free(c.reset())
     assert a.num_free == a.capacity
+
+
+def test_match_stops_at_the_page_of_the_first_difference() -> None:
+    """A difference anywhere in a page drops that page and the rest, whatever the position in the page."""
+    for diff in range(1, 24):
+        c, a = RadixCache(P), PageAllocator(64)
+        toks = list(range(500, 524))
+        pages = _insert(c, a, toks)
+        probe = [*toks[:diff], 7, *toks[diff + 1 :]]
+        m = c.match_prefix(probe)
+        assert m.num_tokens == diff - diff % P and m.pages == pages[: diff // P]
+        c.check_integrity()
