@@ -17,4 +17,4 @@ tar xzf "$src/knee.tgz" -C "$tmp"
 [ -f "$tmp/knee/knee.json" ] || { echo "$src/knee.tgz holds no knee/knee.json" >&2; exit 2; }
 rm -rf "$dst" && mv "$tmp/knee" "$dst"
 python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('stopped:', d.get('stopped'), '| calls:', len(d.get('calls', [])))" "$dst/knee.json"
-echo "RESUME=$dst   carry: [\".whl\", \"$dst\"]"
+echo "RESUME=$dst   carry: [\".whl-slim\", \"$dst\"]"
