@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device session for the two-GPU end-to-end runs on kind nvidia-h200-x2 (carry .whl):
+# One device session for the two-GPU end-to-end runs on kind nvidia-h200-x2 (carry .whl-slim, or .whl where the tree leaves room):
 #   bash bench/gpu_two_gpu.sh [exchange] [host] [contention] [gpu_tests] [served] [weaver] [ramp] [pd] [disagg_tests]
 # exchange: the engine's per-layer exchange across the two GPUs (bench/remote_attention.py, lean = the engine's
 # scheme); host: what hosting costs the host model with a real sender, the executor capped by HOST_SMS (0,8,16).
