@@ -60,7 +60,7 @@ class RadixCache(PrefixCache):
             child = node.children.get(self._first_page(tokens, pos))
             if child is None:
                 break
-            m = self._match_len(child.key, tokens[:usable], pos)
+            m = self._match_len(child.key, tokens, pos)  # whole pages only: a partial last page never matches
             if m < len(child.key):
                 child = self._split(child, m)
             child.last_access = next(_clock)
