@@ -38,6 +38,10 @@ def slim_wheel(src: Path, dst: Path, dropped: tuple[str, ...] = DROPPED) -> int:
 
 def slim_folder(src: Path, dst: Path) -> int:
     """``dst`` becomes ``src`` with every FlashInfer wheel slimmed; returns the bytes saved."""
+    if not src.is_dir():
+        raise ValueError(f"{src}: no wheel folder there (bash bench/prepare_device.sh makes .whl)")
+    if dst.resolve() == src.resolve() or src.resolve().is_relative_to(dst.resolve()):
+        raise ValueError(f"{dst}: would replace the folder it copies from ({src})")
     if dst.exists():
         shutil.rmtree(dst)
     dst.mkdir(parents=True)
@@ -55,7 +59,10 @@ def main() -> None:
     ap.add_argument("src", type=Path, help="the full wheel folder (bench/prepare_device.sh's, e.g. .whl)")
     ap.add_argument("dst", type=Path, help="the folder to carry instead (replaced)")
     args = ap.parse_args()
-    saved = slim_folder(args.src, args.dst)
+    try:
+        saved = slim_folder(args.src, args.dst)
+    except ValueError as e:
+        ap.error(str(e))
     total = sum(p.stat().st_size for p in args.dst.iterdir())
     print(f"wrote {args.dst}: {total >> 20} MiB ({saved >> 20} MiB of FlashInfer's JIT headers left out)")
 

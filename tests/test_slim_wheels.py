@@ -5,6 +5,8 @@ from __future__ import annotations
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from bench.slim_wheels import slim_folder
 
 
@@ -34,3 +36,15 @@ def test_slim_folder_drops_only_the_jit_headers(tmp_path: Path) -> None:
     assert "flashinfer/__init__.py" in names and "flashinfer/data/csrc/c.cu" in names
     assert not any(n.startswith(("flashinfer/data/cutlass/", "flashinfer/data/cccl/")) for n in names)
     assert "cutlass" not in record and "cccl" not in record and "csrc/c.cu" in record
+
+
+def test_slim_folder_refuses_a_missing_source_and_its_own_source(tmp_path: Path) -> None:
+    src = tmp_path / "whl"
+    with pytest.raises(ValueError, match="no wheel folder"):
+        slim_folder(src, tmp_path / "slim")
+    src.mkdir()
+    (src / "fi_so.tgz").write_bytes(b"kernels")
+    for dst in (src, tmp_path):  # the folder itself, or one that holds it: the wheels must survive
+        with pytest.raises(ValueError, match="would replace"):
+            slim_folder(src, dst)
+    assert (src / "fi_so.tgz").read_bytes() == b"kernels"
