@@ -168,6 +168,15 @@ PANELS: Final[tuple[Panel, ...]] = (
         Sweep(f"2026-12-07-h100-s16/llama-share05-lvf-pair-{rate}", 0.5, gpu="h100",
               note=f"9f7c6e4, call {call} on one machine: lvf with and without --lvf-missed-last at {rate}")
         for call, rate in ((3, "5"), (4, "5.5")))),
+    Panel("12-07 h100 1/2 ttft5 triple s18", tuple(
+        Sweep(f"2026-12-07-h100-s18/{folder}", 0.5, gpu="h100",
+              note=f"{commit} (the library of 2089f21), call {call} on one machine: fcfs, lvf and lvf with "
+                   f"--lvf-missed-last at {rate}")
+        for call, folder, rate, commit in ((1, "dense-share05-ttft5", "5", "2089f21"),
+                                           (3, "dense-share05-ttft5-r5.5", "5.5", "47d9788")))),
+    Panel("12-07 h100 qwen3 0.9 uniform s18", (
+        Sweep("2026-12-07-h100-s18/qwen3-uniform-fcfs-2.25", 0.9, "qwen3-30b-a3b", gpu="h100",
+              note="47d9788 (the library of 2089f21), call 6 on one machine: fcfs at 2.25"),)),
     Panel("12-06 h200 mixtral 0.9 uniform", (Sweep("2026-12-06-h200-s9/mixtral-uniform-knee", 0.9, "mixtral-8x7b",
                                                    note="ff40ae9 + df5d696 (five calls, sessions 8-9), one H200: "
                                                         "Mooncake outputs <= 1,024, TPOT 0.2 s, "
