@@ -588,6 +588,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--extend", type=int, default=1, help="grid steps tried above the top when it passes")
     p.add_argument("--budget-s", type=float, default=540.0, help="stop the search cleanly after this long")
     p.add_argument("--max-passes", type=int, default=3, help="turns per run (later ones only add others' points)")
+    p.add_argument("--est-start-s", type=float, default=None, metavar="S",
+                   help="the first guess of a server start's seconds (default: a resumed call's, else "
+                        f"{Estimator.start_s:g}); a point starts only if its estimate fits what is left")
+    p.add_argument("--est-overhead-s", type=float, default=None, metavar="S",
+                   help="the first guess of a repeat's seconds beyond its arrivals (default: a resumed call's, "
+                        f"else {Estimator.overhead_s:g}); the search raises it to the largest it sees")
     p.add_argument("--out", type=Path, default=Path("/tmp/out/knee"), help="folder for every report")
     p.add_argument("--resume", type=Path, default=None, metavar="PREV_DIR",
                    help="continue the search of an earlier call's --out folder (the same flags; its reports are "
@@ -687,6 +693,8 @@ def main(argv: list[str] | None = None, *, executor: Executor | None = None,
         plan = Plan(tuple(a.grid), a.repeats, a.seconds, a.min_req, a.target, TOLERANCE, a.extend)
         variants = parse_variants(a.variant)
         check_runs(a.runs, variants)
+        if min(a.est_start_s or 0.0, a.est_overhead_s or 0.0) < 0:
+            raise ValueError("--est-start-s and --est-overhead-s must be >= 0")
         if a.first is not None and a.first not in a.runs:
             raise ValueError(f"--first {a.first}: not one of --runs ({' '.join(a.runs)})")
         _check_rows(a, plan)
@@ -728,6 +736,13 @@ def main(argv: list[str] | None = None, *, executor: Executor | None = None,
         search.start_at = Cursor(**prev.resume_at)
         search.estimator = Estimator(plan, **prev.estimator)
         head["resumed_from"] = str(a.resume)
+    # A caller who knows this setting (e.g. a server that starts in seconds) may let a last point start
+    # closer to the deadline than the defaults would; the flags win over a resumed call's figures.
+    if a.est_start_s is not None or a.est_overhead_s is not None:
+        est = search.estimator or Estimator(plan)
+        est.start_s = est.start_s if a.est_start_s is None else a.est_start_s
+        est.overhead_s = est.overhead_s if a.est_overhead_s is None else a.est_overhead_s
+        search.estimator = est
 
     def calls(search: Search) -> dict[str, Any]:
         mine = {k: head[k] for k in ("call_id", "git_commit", "git_dirty", "commit_source", "date", "gpu", "gpu_uuid")}

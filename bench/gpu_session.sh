@@ -102,12 +102,14 @@ for s in $steps; do
             --repeats "${REPEATS:-3}" --min-req "${MIN_REQ:-150}" --seconds "${SECONDS_PER_POINT:-30}" \
             --budget-s "$BUDGET_S" --model "${MODEL:-preset:llama-3-8b}" --host-gb "${HOST_GB:-32}" \
             --max-in "${MAX_IN:-7680}" --max-out "${MAX_OUT:-256}" --traces-dir "${TRACES:-bench/data/traces}" \
-            --step-log-s "${STEP_LOG_S:-2}" ${RESUME:+--resume "$RESUME"} ${FIRST_RUN:+--first "$FIRST_RUN"} ${EXTEND:+--extend "$EXTEND"} ${kv[@]+"${kv[@]}"} --out "$OUT/knee" 2>&1 \
+            --step-log-s "${STEP_LOG_S:-2}" ${RESUME:+--resume "$RESUME"} ${FIRST_RUN:+--first "$FIRST_RUN"} ${EXTEND:+--extend "$EXTEND"} ${EST_START_S:+--est-start-s "$EST_START_S"} ${EST_OVERHEAD_S:+--est-overhead-s "$EST_OVERHEAD_S"} ${kv[@]+"${kv[@]}"} --out "$OUT/knee" 2>&1 \
             | tee "$OUT/knee.log"  # set SGLANG_EXT_COMMIT (+ SGLANG_EXT_DIRTY) where git is absent
           kill $snap 2>/dev/null; wait $snap 2>/dev/null; rm -f "$OUT/knee.tgz.part"
           PYTHONPATH=$BASE python3 bench/step_profile.py "$OUT/knee" > "$OUT/knee/steps.txt" 2>&1  # per point: step ms, KV use
           (cd "$OUT" && tar czf knee.tgz knee) ;;  # the device returns a limited number of files: the folder comes back whole in the archive
           # FIRST_RUN=RUN gives that run the call's first turn (a short call spent on the point that matters most).
+          # EST_START_S / EST_OVERHEAD_S: the knee search's first guesses of a server start and a repeat's overhead
+          # (60 / 15 s): a Qwen3 server starts in ~5 s and its repeats run ~25 s past their arrivals (2026-12-07 s18)
           # EXTEND=0: no rates above the grid when it all passes (a call of one bisection point: without it a passing
           # point is followed by one at 1.5x, ~4 min of device time that cannot move the knee; 2026-12-07 session 13).
           # RESUME=DIR continues the search of an earlier call's knee folder (the same env otherwise; its points are not

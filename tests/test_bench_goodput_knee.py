@@ -310,3 +310,26 @@ def test_a_warm_up_the_server_refuses_is_an_error_and_no_server_warmup_sends_not
     a = K.build_parser().parse_args(["--model", "", "--device", "cpu", "--max-in", "64", "--no-server-warmup"])
     K.ServerExecutor(a, plan, tmp_path, "call").warm("fcfs-recompute")
     assert sent == []
+
+
+@pytest.mark.parametrize("flags, runs_point", [([], False), (["--est-start-s", "5"], True)])
+def test_first_estimates_decide_whether_a_last_point_starts(tmp_path: Path, flags: list[str],
+                                                            runs_point: bool) -> None:
+    """Session 18's c7: 283 s left, one point of 3 x 150 requests at 2.5 req/s. With the default guesses (a
+    60 s start, 15 s a repeat) it is estimated at 285 s and not started; told the server starts in ~5 s, the
+    search runs it (230 s estimated)."""
+    plan = K.Plan((2.5,), repeats=3, seconds=20, min_req=150, extend=0)
+    clock = Clock()
+    fake = Fake(plan, clock, knees(**{"fcfs-recompute": 9}))
+    K.main(["--runs", "fcfs-recompute", "--grid", "2.5", "--extend", "0", "--repeats", "3", "--min-req", "150",
+            "--seconds", "20", "--budget-s", "283", "--call-id", "knee-est-test", "--out", str(tmp_path / "k"),
+            *flags], executor=fake, clock=clock)
+    doc = json.loads((tmp_path / "k" / "knee.json").read_text())
+    assert fake.measured("fcfs-recompute") == ([2.5] if runs_point else [])
+    assert doc["stopped"] == ("settled" if runs_point else "budget")
+    assert doc["estimator"]["start_s"] == (30.0 if runs_point else 60.0)  # then what the fake start took
+
+
+def test_negative_estimates_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert K.main(["--est-overhead-s", "-1", "--out", str(tmp_path)]) == 2
+    assert "--est-overhead-s" in capsys.readouterr().err
