@@ -109,7 +109,7 @@ for s in $steps; do
           (cd "$OUT" && tar czf knee.tgz knee) ;;  # the device returns a limited number of files: the folder comes back whole in the archive
           # FIRST_RUN=RUN gives that run the call's first turn (a short call spent on the point that matters most).
           # EST_START_S / EST_OVERHEAD_S: the knee search's first guesses of a server start and a repeat's overhead
-          # (60 / 15 s): a Qwen3 server starts in ~5 s and its repeats run ~25 s past their arrivals (2026-12-07 s18)
+          # (60 / 15 s): a Qwen3-30B-A3B server took 12 s to start and warm, its repeats ~15 s past their arrivals (2026-12-07 s18)
           # EXTEND=0: no rates above the grid when it all passes (a call of one bisection point: without it a passing
           # point is followed by one at 1.5x, ~4 min of device time that cannot move the knee; 2026-12-07 session 13).
           # RESUME=DIR continues the search of an earlier call's knee folder (the same env otherwise; its points are not
