@@ -738,11 +738,11 @@ def main(argv: list[str] | None = None, *, executor: Executor | None = None,
         head["resumed_from"] = str(a.resume)
     # A caller who knows this setting (e.g. a server that starts in seconds) may let a last point start
     # closer to the deadline than the defaults would; the flags win over a resumed call's figures.
-    if a.est_start_s is not None or a.est_overhead_s is not None:
-        est = search.estimator or Estimator(plan)
-        est.start_s = est.start_s if a.est_start_s is None else a.est_start_s
-        est.overhead_s = est.overhead_s if a.est_overhead_s is None else a.est_overhead_s
-        search.estimator = est
+    est = search.estimator = search.estimator or Estimator(plan)
+    if a.est_start_s is not None:
+        est.start_s = a.est_start_s
+    if a.est_overhead_s is not None:
+        est.overhead_s = a.est_overhead_s
 
     def calls(search: Search) -> dict[str, Any]:
         mine = {k: head[k] for k in ("call_id", "git_commit", "git_dirty", "commit_source", "date", "gpu", "gpu_uuid")}
