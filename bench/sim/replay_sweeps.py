@@ -177,6 +177,11 @@ PANELS: Final[tuple[Panel, ...]] = (
     Panel("12-07 h100 qwen3 0.9 uniform s18", (
         Sweep("2026-12-07-h100-s18/qwen3-uniform-fcfs-2.25", 0.9, "qwen3-30b-a3b", gpu="h100",
               note="47d9788 (the library of 2089f21), call 6 on one machine: fcfs at 2.25"),)),
+    Panel("12-08 h100 qwen3 0.9 uniform s19", tuple(
+        Sweep(f"2026-12-08-h100-s19/qwen3-uniform-{run}-{rate}", 0.9, "qwen3-30b-a3b", gpu="h100",
+              note=f"9815e69 (the library of 2089f21), call {call} on one machine, {part} knee search: {run} at {rate}")
+        for call, part, run, rate in ((1, "first", "fcfs", "2.375"), (1, "second", "lvf", "3.1875"),
+                                      (2, "first", "fcfs", "2.5"), (2, "second", "lvf", "3.375")))),
     Panel("12-06 h200 mixtral 0.9 uniform", (Sweep("2026-12-06-h200-s9/mixtral-uniform-knee", 0.9, "mixtral-8x7b",
                                                    note="ff40ae9 + df5d696 (five calls, sessions 8-9), one H200: "
                                                         "Mooncake outputs <= 1,024, TPOT 0.2 s, "
