@@ -4,6 +4,8 @@
 # .whl/fi_so.tgz, so a fresh machine does not JIT them for ~10 min). Writes logs and JSON to $OUT.
 #   bash bench/gpu_session.sh [test] [gputests] [serving] [bench] [cputests] [sampling] [offload] [ipc] [served]
 #                             [structured] [rotation] [rotation_e2e] [gated] [goodput] [knee] [disagg] [routing] [host]
+#                             [kneeseq]  (KNEE_SEQ="RUN:RATE[,RATE] ...": knee searches one after another in one call,
+#                                         each into $OUT/knee-RUN-RATE[-RATE] with the time the call has left)
 #                             [warm]  (compile and cache the JIT kernels before a timed step such as knee; the engine takes
 #                                      WARM_FRACTION, else SHARE, else 0.25 of the GPU: a Mixtral needs 0.9)
 #                             [moetests] [moetune] [moebench]  (issue 33: MoE kernels and models on one GPU)
@@ -34,6 +36,31 @@ fi
 BASE=$PWD:/tmp/site
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,clocks.max.sm,clocks.mem --format=csv
+# The knee search of bench/goodput_knee.py (docs/benchmarks.md, "Method") into $OUT/$1 ($1.log, $1.tgz), until
+# KNEE_END_S seconds into this script (or for BUDGET_S): the knee and kneeseq steps.
+knee_search() {
+  local d=$1 budget=${BUDGET_S:-$(( ${KNEE_END_S:-560} - SECONDS ))} kv=() vs=() v snap
+  if [ "${budget%.*}" -lt 30 ]; then echo "knee search $d: not started, ${budget} s left of the call"; return 0; fi
+  # VARIANTS="NAME=ARGS;NAME=ARGS": one --variant each (runs POLICY-MODE.NAME in RUNS); SERVER_ARGS: --server-arg each
+  IFS=';' read -ra vs <<< "${VARIANTS:-}"; for v in ${vs[@]+"${vs[@]}"}; do [ -n "$v" ] && kv+=(--variant "$v"); done
+  for v in ${SERVER_ARGS:-}; do kv+=("--server-arg=$v"); done
+  # $d.tgz after every point (knee.json is rewritten once a point's reports are written): a call the device
+  # kills at its limit still brings back every finished point, for RESUME
+  ( while sleep 10; do [ "$OUT/$d/knee.json" -nt "$OUT/$d.tgz" ] 2>/dev/null || continue
+      (cd "$OUT" && tar czf "$d.tgz.part" "$d" 2>/dev/null && mv "$d.tgz.part" "$d.tgz"); done ) >/dev/null 2>&1 &
+  snap=$!  # (its output not on the call's: a `sleep` left behind by the kill below would hold that open for 10 s)
+  PYTHONPATH=$BASE:/tmp/fi timeout -s KILL $((${budget%.*} + 40)) python3 bench/goodput_knee.py \
+    --runs ${RUNS:-fcfs-recompute lvf-rotate} --share "${SHARE:-0.25}" --trace "${TRACE:-mooncake}" \
+    --arrival "${ARRIVAL:-poisson}" --ttft "${TTFT:-5}" --tpot "${TPOT:-0.1}" --grid ${GRID:-6 7 8} \
+    --repeats "${REPEATS:-3}" --min-req "${MIN_REQ:-150}" --seconds "${SECONDS_PER_POINT:-30}" \
+    --budget-s "$budget" --model "${MODEL:-preset:llama-3-8b}" --host-gb "${HOST_GB:-32}" \
+    --max-in "${MAX_IN:-7680}" --max-out "${MAX_OUT:-256}" --traces-dir "${TRACES:-bench/data/traces}" \
+    --step-log-s "${STEP_LOG_S:-2}" ${RESUME:+--resume "$RESUME"} ${FIRST_RUN:+--first "$FIRST_RUN"} ${EXTEND:+--extend "$EXTEND"} ${EST_START_S:+--est-start-s "$EST_START_S"} ${EST_OVERHEAD_S:+--est-overhead-s "$EST_OVERHEAD_S"} ${kv[@]+"${kv[@]}"} --out "$OUT/$d" 2>&1 \
+    | tee "$OUT/$d.log"  # set SGLANG_EXT_COMMIT (+ SGLANG_EXT_DIRTY) where git is absent
+  kill $snap 2>/dev/null; wait $snap 2>/dev/null; rm -f "$OUT/$d.tgz.part"
+  PYTHONPATH=$BASE python3 bench/step_profile.py "$OUT/$d" > "$OUT/$d/steps.txt" 2>&1  # per point: step ms, KV use
+  (cd "$OUT" && tar czf "$d.tgz" "$d")  # the device returns a limited number of files: the folder comes back whole in the archive
+}
 for s in $steps; do
   case $s in
     test) PYTHONPATH=$BASE:/tmp/fi timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_equivalence.py \
@@ -88,25 +115,11 @@ for s in $steps; do
     warm) wa=(); for v in ${SERVER_ARGS:-}; do wa+=("--server-arg=$v"); done  # the runs' own flags: their kernels
           PYTHONPATH=$BASE:/tmp/fi timeout 300 python3 bench/warm.py --model "${MODEL:-preset:llama-3-8b}" \
             --mem-fraction "${WARM_FRACTION:-${SHARE:-0.25}}" ${wa[@]+"${wa[@]}"} 2>&1 | grep -E "^warm:|Error|error:" ;;  # every prefill bucket's JIT kernels, cached
-    knee) BUDGET_S=${BUDGET_S:-$(( ${KNEE_END_S:-560} - SECONDS ))}  # the knee search of bench/goodput_knee.py (docs/benchmarks.md, "Method")
-          # VARIANTS="NAME=ARGS;NAME=ARGS": one --variant each (runs POLICY-MODE.NAME in RUNS); SERVER_ARGS: --server-arg each
-          kv=(); IFS=';' read -ra vs <<< "${VARIANTS:-}"; for v in ${vs[@]+"${vs[@]}"}; do [ -n "$v" ] && kv+=(--variant "$v"); done
-          for v in ${SERVER_ARGS:-}; do kv+=("--server-arg=$v"); done
-          # knee.tgz after every point (knee.json is rewritten once a point's reports are written): a call the device
-          # kills at its limit still brings back every finished point, for RESUME
-          ( while sleep 10; do [ "$OUT/knee/knee.json" -nt "$OUT/knee.tgz" ] 2>/dev/null || continue
-              (cd "$OUT" && tar czf knee.tgz.part knee 2>/dev/null && mv knee.tgz.part knee.tgz); done ) & snap=$!
-          PYTHONPATH=$BASE:/tmp/fi timeout -s KILL $((${BUDGET_S%.*} + 40)) python3 bench/goodput_knee.py \
-            --runs ${RUNS:-fcfs-recompute lvf-rotate} --share "${SHARE:-0.25}" --trace "${TRACE:-mooncake}" \
-            --arrival "${ARRIVAL:-poisson}" --ttft "${TTFT:-5}" --tpot "${TPOT:-0.1}" --grid ${GRID:-6 7 8} \
-            --repeats "${REPEATS:-3}" --min-req "${MIN_REQ:-150}" --seconds "${SECONDS_PER_POINT:-30}" \
-            --budget-s "$BUDGET_S" --model "${MODEL:-preset:llama-3-8b}" --host-gb "${HOST_GB:-32}" \
-            --max-in "${MAX_IN:-7680}" --max-out "${MAX_OUT:-256}" --traces-dir "${TRACES:-bench/data/traces}" \
-            --step-log-s "${STEP_LOG_S:-2}" ${RESUME:+--resume "$RESUME"} ${FIRST_RUN:+--first "$FIRST_RUN"} ${EXTEND:+--extend "$EXTEND"} ${EST_START_S:+--est-start-s "$EST_START_S"} ${EST_OVERHEAD_S:+--est-overhead-s "$EST_OVERHEAD_S"} ${kv[@]+"${kv[@]}"} --out "$OUT/knee" 2>&1 \
-            | tee "$OUT/knee.log"  # set SGLANG_EXT_COMMIT (+ SGLANG_EXT_DIRTY) where git is absent
-          kill $snap 2>/dev/null; wait $snap 2>/dev/null; rm -f "$OUT/knee.tgz.part"
-          PYTHONPATH=$BASE python3 bench/step_profile.py "$OUT/knee" > "$OUT/knee/steps.txt" 2>&1  # per point: step ms, KV use
-          (cd "$OUT" && tar czf knee.tgz knee) ;;  # the device returns a limited number of files: the folder comes back whole in the archive
+    knee) knee_search knee ;;
+    kneeseq) for item in ${KNEE_SEQ:-}; do  # "RUN:RATE[,RATE...] ...": one knee search each, one after another,
+               # each given what the call has left (KNEE_END_S); the knee step's env otherwise (not RESUME: a grid each)
+               RUNS=${item%%:*}; GRID=${item#*:}; GRID=${GRID//,/ }; RESUME= knee_search "knee-${item//[:,]/-}"
+             done ;;
           # FIRST_RUN=RUN gives that run the call's first turn (a short call spent on the point that matters most).
           # EST_START_S / EST_OVERHEAD_S: the knee search's first guesses of a server start and a repeat's overhead
           # (60 / 15 s): a Qwen3-30B-A3B server took 12 s to start and warm, its repeats ~15 s past their arrivals (2026-12-07 s18)
