@@ -118,6 +118,9 @@ for s in $steps; do
     knee) knee_search knee ;;
     kneeseq) for item in ${KNEE_SEQ:-}; do  # "RUN:RATE[,RATE...] ...": one knee search each, one after another,
                # each given what the call has left (KNEE_END_S); the knee step's env otherwise (not RESUME: a grid each)
+               if ! [[ $item =~ ^[A-Za-z0-9_.-]+:[0-9.]+(,[0-9.]+)*$ ]]; then
+                 echo "kneeseq: '$item' is not RUN:RATE[,RATE...] (e.g. lvf-rotate:3.1875,3.375); skipped" >&2; continue
+               fi
                RUNS=${item%%:*}; GRID=${item#*:}; GRID=${GRID//,/ }; RESUME= knee_search "knee-${item//[:,]/-}"
              done ;;
           # FIRST_RUN=RUN gives that run the call's first turn (a short call spent on the point that matters most).

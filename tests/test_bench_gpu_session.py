@@ -114,3 +114,12 @@ def test_knee_step_keeps_its_folder_names_and_flags(session: tuple[Runner, Path]
     assert flags["--est-start-s"] == ["15"]
     assert json.loads((out / "knee" / "knee.json").read_text()) == {}
     assert (out / "knee.tgz").is_file() and (out / "knee.log").is_file()
+
+
+def test_kneeseq_names_an_item_it_cannot_read_and_runs_the_rest(session: tuple[Runner, Path]) -> None:
+    run, out = session
+    r = run("kneeseq", KNEE_SEQ="lvf-rotate fcfs-recompute:2.5 lvf-rotate:3.1875;rm", KNEE_END_S="300")
+    assert r.returncode == 0, r.stderr
+    assert "kneeseq: 'lvf-rotate' is not RUN:RATE[,RATE...]" in r.stderr
+    assert "kneeseq: 'lvf-rotate:3.1875;rm' is not RUN:RATE[,RATE...]" in r.stderr
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["knee-fcfs-recompute-2.5"]
