@@ -8,7 +8,7 @@ import os
 import stat
 import subprocess
 import tarfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -40,7 +40,7 @@ Runner = Callable[..., subprocess.CompletedProcess[str]]
 
 
 @pytest.fixture
-def session(tmp_path: Path) -> Iterator[tuple[Runner, Path]]:
+def session(tmp_path: Path) -> tuple[Runner, Path]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     _stub(bin_dir, "python3", STUB_PYTHON)
@@ -57,7 +57,7 @@ def session(tmp_path: Path) -> Iterator[tuple[Runner, Path]]:
         return subprocess.run(["bash", "bench/gpu_session.sh", *steps.split()], cwd=REPO, env=full,
                               capture_output=True, text=True, timeout=60)
 
-    yield run, out
+    return run, out
 
 
 def _argv(folder: Path) -> dict[str, list[str]]:
