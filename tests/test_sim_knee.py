@@ -3,6 +3,7 @@ simulator (its plan's rows, offsets and seeds; strict goodput; what binds), smal
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -138,6 +139,35 @@ def test_predict_mixtral_kvbind_runs_its_own_workloads(tmp_path: Path, capsys: p
     assert all(p["repeats"][0]["mean_output"] == (500 + 490 + 794 + 316) / 4 for p in st["points"])
     assert (tmp_path / "mixtral-kvbind.png").stat().st_size > 0
     assert not (tmp_path / "mixtral.json").exists()
+
+
+def test_predict_pool_scale_and_host_gb_label_their_server_and_reuse_keeps_to_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--pool-scale searches with a scaled pool (the ceiling no KV policy passes) and says so, --host-gb sizes
+    the host pool rotation writes to; --reuse takes no point from a file of another server (pool, host pool,
+    card, model), only from one of the same."""
+    args = ["mixtral-kvbind", "--settings", "mc-out1024-poisson", "--runs", "fcfs-recompute", "--grid", "0.5",
+            "--repeats", "1", "--min-req", "4", "--seconds", "1", "--extend", "0", "--no-pool-check"]
+    assert P.main([*args, "--out", str(tmp_path / "real")]) == 0
+    assert P.main([*args, "--pool-scale", "4", "--out", str(tmp_path / "x4")]) == 0
+    real = json.loads((tmp_path / "real" / "mixtral-kvbind.json").read_text())
+    x4 = json.loads((tmp_path / "x4" / "mixtral-kvbind.json").read_text())
+    pool = (P.MIXTRAL_POOL_PAGES - 1) * 16
+    assert f"pool {pool:,} usable tokens" in real["setup"] and "COUNTERFACTUAL" not in real["setup"]
+    assert f"pool {4 * pool:,} usable tokens" in x4["setup"] and "scaled x4: a COUNTERFACTUAL pool" in x4["setup"]
+    assert "COUNTERFACTUAL" in capsys.readouterr().out
+    assert "32 GiB host pool" in real["setup"]
+    assert P.main([*args, "--host-gb", "64", "--out", str(tmp_path / "h64")]) == 0
+    h64 = json.loads((tmp_path / "h64" / "mixtral-kvbind.json").read_text())
+    assert "64 GiB host pool" in h64["setup"]
+    st = dataclasses.replace(P.kvbind_settings()[0], grid=(0.5,))
+    plan = K.Plan(st.grid, 1, 1.0, 4, 0.9, K.TOLERANCE, 0)
+    f = tmp_path / "real" / "mixtral-kvbind.json"
+    assert set(P._reusable(f, st, plan, real["setup"])) == {("fcfs-recompute", 0.5)}
+    assert P._reusable(f, st, plan, x4["setup"]) == {} and P._reusable(f, st, plan, h64["setup"]) == {}
+    with pytest.raises(SystemExit) as e:
+        P.main([*args, "--pool-scale", "0", "--out", str(tmp_path / "bad")])
+    assert e.value.code == 2 and "--pool-scale: 0 is not a positive factor" in capsys.readouterr().err
 
 
 def test_pool_check_tells_kv_from_compute(server: N.Server) -> None:

@@ -213,13 +213,15 @@ def kvbind_settings() -> list[Any]:
                     2.0, 0.2)]
 
 
-def _reusable(path: Path | None, st: Any, plan: Any) -> dict[tuple[str, float], dict[str, Any]]:
-    """Points of an earlier output JSON (--reuse) for this setting, kept only where its setting and plan
-    are exactly this run's (the replay is deterministic: a reused point is the point)."""
+def _reusable(path: Path | None, st: Any, plan: Any, setup: str) -> dict[tuple[str, float], dict[str, Any]]:
+    """Points of an earlier output JSON (--reuse) for this setting, kept only where its server (model,
+    card, share, pool, calibration: the `setup` line), setting and plan are exactly this run's (the replay
+    is deterministic: a reused point is the point)."""
     if path is None:
         return {}
-    old = json.loads(path.read_text()).get("settings", {}).get(st.name)
-    if old is None or old["setting"] != st.__dict__ | {"grid": list(st.grid)} or \
+    doc = json.loads(path.read_text())
+    old = doc.get("settings", {}).get(st.name)
+    if old is None or doc.get("setup") != setup or old["setting"] != st.__dict__ | {"grid": list(st.grid)} or \
             old["plan"]["grid"] != list(plan.rates) or \
             [old["plan"][k] for k in ("repeats", "seconds", "min_req", "target", "tolerance", "extend")] != \
             [plan.repeats, plan.seconds, plan.min_req, plan.target, plan.tolerance, plan.extend]:
@@ -240,22 +242,25 @@ def mixtral(a: argparse.Namespace) -> dict[str, Any]:
     cal = gpu_calibration(a.gpu)[0]
     if pool <= 0:
         raise SystemExit(f"{a.model} at {a.share:g} of one {a.gpu} leaves no KV pool ({where})")
-    server = N.Server(pool, 32.0, CostModel.load(cal, a.model))
+    if a.pool_scale != 1.0:  # the ceiling any KV policy could reach: the pool scaled, everything else equal
+        pool, where = int(pool * a.pool_scale), f"{where}, scaled x{a.pool_scale:g}: a COUNTERFACTUAL pool"
+    server = N.Server(pool, a.host_gb, CostModel.load(cal, a.model))
     kvbind = a.what == "mixtral-kvbind"
     workloads = kvbind_settings() if kvbind else mixtral_settings()
     settings = [st for st in workloads if not a.settings or st.name in a.settings]
     runs = tuple(a.runs or (KVBIND_RUNS if kvbind else MIXTRAL_RUNS))
     res: dict[str, Any] = {"setup": f"{a.model} (preset geometry), one {a.gpu.upper()} at {a.share:g}: pool "
-                                    f"{pool:,} usable tokens ({where}), 32 GiB host pool; mean TPOT as each setting's "
+                                    f"{pool:,} usable tokens ({where}), {a.host_gb:g} GiB host pool; mean TPOT as each setting's "
                                     "tpot; strict method of bench/goodput_knee.py (bench/sim/knee.py); calibration "
                                     f"{Path(cal).name}",
                            "runs": list(runs), "settings": {}}
+    print(res["setup"], flush=True)
     for st in settings:
         if a.grid:
             st = dataclasses.replace(st, grid=tuple(a.grid))
         plan = K.Plan(st.grid, a.repeats, a.seconds, a.min_req, 0.9, K.TOLERANCE, a.extend)
         t0 = time.time()
-        r = N.search(st, runs, plan, server, reuse=_reusable(a.reuse, st, plan))
+        r = N.search(st, runs, plan, server, reuse=_reusable(a.reuse, st, plan, res["setup"]))
         if a.pool_check:  # each run's first failing rate again with twice the pool: does KV bind there?
             for run in runs:
                 hi = r["goodput"][run]["first_failing"]
@@ -396,6 +401,12 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--pool-check", action=argparse.BooleanOptionalAction, default=None,
                    help="replay each run's first failing rate with twice the pool: passing there means KV binds "
                         "(default: on for mixtral-kvbind, off for mixtral)")
+    m.add_argument("--pool-scale", type=float, default=1.0,
+                   help="search with the GPU pool this many times the real one, all else equal (a counterfactual: "
+                        "with a pool that never fills, fcfs's knee is the compute ceiling no KV policy can pass)")
+    m.add_argument("--host-gb", type=float, default=32.0,
+                   help="the host pool rotation writes to (goodput_knee.py's --host-gb, --kv-host-size-gb of rotate "
+                        "runs; 32 as on the GPU runs so far)")
     m.add_argument("--reuse", type=Path, help="an earlier output JSON whose points of the same setting and plan "
                    "are taken instead of replayed (deterministic: same results, minutes saved)")
     a = p.parse_args(argv)
@@ -421,6 +432,10 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--gpu: unknown GPU {a.gpu!r} (known: {', '.join(known_gpus())})")
     if a.pool_check is None:
         a.pool_check = a.what == "mixtral-kvbind"
+    if not a.host_gb > 0:
+        p.error(f"--host-gb: {a.host_gb:g} is not a positive size")
+    if not a.pool_scale > 0:
+        p.error(f"--pool-scale: {a.pool_scale:g} is not a positive factor")
     if a.reuse is not None and not a.reuse.is_file():
         p.error(f"--reuse: {a.reuse} is not a file")
     data = {"weaver": weaver, "pd": pd, "rotation": rotation, "fleet": fleet, "mixtral": mixtral,
