@@ -249,10 +249,10 @@ def mixtral(a: argparse.Namespace) -> dict[str, Any]:
     workloads = kvbind_settings() if kvbind else mixtral_settings()
     settings = [st for st in workloads if not a.settings or st.name in a.settings]
     runs = tuple(a.runs or (KVBIND_RUNS if kvbind else MIXTRAL_RUNS))
-    res: dict[str, Any] = {"setup": f"{a.model} (preset geometry), one {a.gpu.upper()} at {a.share:g}: pool "
-                                    f"{pool:,} usable tokens ({where}), {a.host_gb:g} GiB host pool; mean TPOT as each setting's "
-                                    "tpot; strict method of bench/goodput_knee.py (bench/sim/knee.py); calibration "
-                                    f"{Path(cal).name}",
+    setup = (f"{a.model} (preset geometry), one {a.gpu.upper()} at {a.share:g}: pool {pool:,} usable tokens "
+             f"({where}), {a.host_gb:g} GiB host pool; mean TPOT as each setting's tpot; strict method of "
+             f"bench/goodput_knee.py (bench/sim/knee.py); calibration {Path(cal).name}")
+    res: dict[str, Any] = {"setup": setup,
                            "runs": list(runs), "settings": {}}
     print(res["setup"], flush=True)
     for st in settings:
