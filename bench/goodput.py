@@ -16,7 +16,9 @@ short cannot look better than it was. Burst runs print the realized peak arrival
 
 Provenance: per panel, the commits (and whether the tree was dirty) and driver call ids of the reports it
 merges; a panel whose reports come from more than one commit or call, from a dirty tree, or from an
-unknown commit is flagged with "!!!" lines (stdout and stderr).
+unknown commit is flagged with "!!!" lines (stdout and stderr), and so is a run whose folders' knee.json
+(bench/goodput_knee.py's "servers") record other launcher flags for it (e.g. another --kv-host-size-gb:
+"RUN SETTINGS DIFFER"; the port and the step log are not settings).
 
   python bench/goodput.py RESULTS_DIR [--target 0.9] [--plot goodput.png] [--out goodput.json]
   python bench/goodput.py "1/4 share=DIR1" "1/2 share=DIR2" ... --plot grid.png   (one panel per setting)
@@ -36,7 +38,7 @@ import re
 import sys
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +68,9 @@ class Point:
     arrival: str | None = None
     realized_rate_rps: float | None = None
     realized_peak_rps: float | None = None
+    # the run's launcher flags as its folder's knee.json records them (bench/goodput_knee.py), less the
+    # port and the step log: what a panel merging folders must find equal for one run label
+    server: tuple[str, ...] | None = None
 
     @property
     def attainment(self) -> float:
@@ -165,15 +170,53 @@ def reports(folder: Path) -> Iterator[tuple[str, float, int, dict[str, Any]]]:
             yield match["label"], float(match["rate"]), int(match["repeat"] or 0), json.loads(path.read_text())
 
 
+# launcher flags that say where a run was measured, not what it ran: two calls of one setting may differ here
+_NOT_SETTINGS = frozenset({"--port", "--step-log-interval-s"})
+
+
+def server_flags(results_dir: Path) -> dict[str, tuple[str, ...]]:
+    """Each run's launcher flags from the folder's knee.json ("servers"), without `_NOT_SETTINGS`; {} for a
+    folder without one (bench/goodput_sweep.sh's)."""
+    knee = results_dir / "knee.json"
+    if not knee.is_file():
+        return {}
+    flags: dict[str, tuple[str, ...]] = {}
+    for label, argv in (json.loads(knee.read_text()).get("servers") or {}).items():
+        kept, skip = [], False
+        for tok in argv:
+            if skip:
+                skip = False
+            elif tok in _NOT_SETTINGS:
+                skip = True  # and its value
+            elif tok.split("=", 1)[0] not in _NOT_SETTINGS:
+                kept.append(tok)
+        flags[label] = tuple(kept)
+    return flags
+
+
+def _flag_values(argv: Sequence[str]) -> dict[str, str]:
+    """--flag value / --flag=value / a bare --flag, as flag -> value ("" for a bare one)."""
+    out: dict[str, str] = {}
+    for i, tok in enumerate(argv):
+        if tok.startswith("--"):
+            name, eq, value = tok.partition("=")
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            out[name] = value if eq else (nxt if nxt is not None and not nxt.startswith("--") else "")
+    return out
+
+
 def load(results_dir: Path, model: str | None = None, slo: SloConfig | None = None) -> dict[str, list[Point]]:
     """Every sweep report in the folder, grouped by run label, sorted by rate then repeat (of `model` alone
-    if given, scored against `slo` if given)."""
+    if given, scored against `slo` if given), each with its run's launcher flags where knee.json has them."""
     runs: dict[str, list[Point]] = {}
+    flags = server_flags(results_dir)
     for label, rate, repeat, report in reports(results_dir):
         try:
             point = point_from_report(label, rate, report, model, slo, repeat)
         except KeyError:  # the model had no request at this point (a small share of a short one)
             continue
+        if label in flags:
+            point = replace(point, server=flags[label])
         runs.setdefault(label, []).append(point)
     if model is not None and not any(runs.values()):
         raise ValueError(f"no report in {results_dir} has requests of model {model!r}")
@@ -315,6 +358,14 @@ def provenance(runs: dict[str, list[Point]]) -> dict[str, Any]:
         warnings.append(f"DIRTY STATE UNKNOWN for {dirty_unknown} of {len(points)} reports (no git_dirty)")
     if calls.get(UNKNOWN):
         warnings.append(f"CALL UNKNOWN for {calls[UNKNOWN]} of {len(points)} reports (no call_id)")
+    for label, pts in runs.items():  # one run label, merged from folders whose servers ran other flags
+        servers = Counter(p.server for p in pts if p.server is not None)
+        if len(servers) > 1:
+            values = [(_flag_values(argv), n) for argv, n in servers.items()]
+            differ = sorted(f for f in {f for v, _ in values for f in v} if len({v.get(f) for v, _ in values}) > 1)
+            warnings.append(f"RUN SETTINGS DIFFER for {label}: " + "; ".join(
+                f"{f} " + " / ".join(f"{v.get(f, '(absent)') or '(set)'} ({n} reports)" for v, n in values)
+                for f in differ))
     return {"commits": dict(commits), "calls": dict(calls), "dirty_reports": dirty,
             "dirty_unknown_reports": dirty_unknown, "warnings": warnings}
 

@@ -185,6 +185,35 @@ def test_a_setting_swept_over_two_calls(tmp_path: Path, capsys) -> None:
     assert json.loads(out.read_text())["runs"]["lvf-rotate"]["curve"][0]["repeats"] == 2
 
 
+def test_a_run_merged_from_calls_with_other_launcher_flags_is_flagged(tmp_path: Path, capsys) -> None:
+    """knee.json's "servers": one run label whose servers ran other flags in the merged folders (here the
+    host pool) is flagged; the port and the step log (where, not what) and other labels' flags are not."""
+    a, b = _folders(tmp_path)
+    base = ["--model-path", "preset:qwen3-30b-a3b", "--schedule-policy", "lvf", "--preemption-mode", "rotate"]
+
+    def knee(d: Path, port: int, host_gb: int, step_log: bool) -> None:
+        lvf = [*base[:2], "--port", str(port), *base[2:], "--kv-host-size-gb", str(host_gb),
+               *(["--step-log-interval-s", "2"] if step_log else []), "--lvf-missed-last"]
+        fcfs = [*base[:2], "--port", str(port), "--schedule-policy", "fcfs", "--preemption-mode", "recompute"]
+        (d / "knee.json").write_text(json.dumps({"servers": {"lvf-rotate.missed": lvf, "fcfs-recompute": fcfs}}))
+
+    for d, rate in ((a, 3.375), (b, 4.0)):
+        _write(d, "lvf-rotate.missed", rate, 150, 150, 0.95, repeat=0, git_commit="c" * 40, call_id=d.name)
+        _write(d, "fcfs-recompute", rate, 150, 150, 0.5, repeat=0, git_commit="c" * 40, call_id=d.name)
+    knee(a, 31000, 32, True)
+    knee(b, 31005, 32, False)  # another port, no step log: the same setting
+    assert load(a)["lvf-rotate.missed"][0].server == (*base, "--kv-host-size-gb", "32", "--lvf-missed-last")
+    assert main([f"{a}+{b}"]) == 0
+    assert "RUN SETTINGS DIFFER" not in capsys.readouterr().out
+    knee(b, 31005, 64, False)
+    out = tmp_path / "g.json"
+    assert main([f"{a}+{b}", "--out", str(out)]) == 0
+    o = capsys.readouterr()
+    want = "RUN SETTINGS DIFFER for lvf-rotate.missed: --kv-host-size-gb 32 (1 reports) / 64 (1 reports)"
+    assert f"!!! {want}" in o.out and want in o.err and "for fcfs-recompute" not in o.out
+    assert want in json.loads(out.read_text())["provenance"]["warnings"]
+
+
 def test_one_model_of_a_multi_model_run(tmp_path: Path, capsys) -> None:
     """--model: that model's attainment (weaver_e2e.sh's hot model), unsent requests counted as its misses."""
     def per(sent: int, both: float) -> dict[str, object]:
