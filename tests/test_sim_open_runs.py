@@ -4,6 +4,7 @@ predicted bracket and the device time that grid would cost (small plans, so a CP
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -130,3 +131,18 @@ def test_calls_are_counted_by_packing_whole_points() -> None:
     short = [(r, run, 60.0) for r in (4.0, 5.0) for run in ("a", "b")]
     assert O.calls_needed(short) == 1  # 4 x 60 + 2 starts = 310 s
     assert O.calls_needed([]) == 0
+
+
+def test_runs_replace_each_rows_own_and_a_variant_reaches_the_gpu_command(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """--runs: the same runs in every chosen row (a variant with its launcher flag in the GPU command);
+    a run the simulator cannot run is a usage error before any search."""
+    row = next(r for r in O.rows() if r.row == "1")
+    both = dataclasses.replace(row, runs=("lvf-rotate", "lvf-rotate.missed"))
+    cmd = O.gpu_command(both, (4.5,))
+    assert cmd.startswith('RUNS="lvf-rotate lvf-rotate.missed" VARIANTS="missed=--lvf-missed-last" SHARE=0.25')
+    assert "VARIANTS" not in O.gpu_command(row, (4.5,))
+    for bad, says in (("lvf-rotate.nope", "the simulator knows the variants missed"), ("lvf", "POLICY-MODE")):
+        with pytest.raises(SystemExit) as e:
+            O.main(["--rows", "1", "--runs", bad, "--out", str(tmp_path)])
+        assert e.value.code == 2 and says in capsys.readouterr().err

@@ -216,7 +216,12 @@ def calls_needed(points: list[tuple[float, str, float]]) -> int:
 
 def gpu_command(row: Row, grid: tuple[float, ...]) -> str:
     st = row.setting
-    env = [f'RUNS="{" ".join(row.runs)}"', f"SHARE={row.share:g}", f"TRACE={st.trace}", f"ARRIVAL={st.arrival}",
+    # a variant run (lvf-rotate.missed) needs its launcher flag named on the GPU too (goodput_knee --variant)
+    flags = {"lvf_missed_last": "--lvf-missed-last"}
+    variants = sorted({run.split(".", 1)[1] for run in row.runs if "." in run})
+    var = [f'VARIANTS="{";".join(f"{v}=" + " ".join(flags[k] for k in N.VARIANTS[v]) for v in variants)}"'
+           ] if variants else []
+    env = [f'RUNS="{" ".join(row.runs)}"', *var, f"SHARE={row.share:g}", f"TRACE={st.trace}", f"ARRIVAL={st.arrival}",
            f"MAX_IN={st.max_in}", f"MAX_OUT={st.max_out}", f"TTFT={st.ttft:g}", f"TPOT={st.tpot:g}",
            f'GRID="{" ".join(f"{r:g}" for r in grid)}"', "REPEATS=3", "MIN_REQ=150", "SECONDS_PER_POINT=20",
            "KNEE_END_S=560"]
@@ -268,6 +273,8 @@ def predict_row(row: Row, cost: CostModel, a: argparse.Namespace) -> dict[str, A
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.sim.open_runs", description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", nargs="+", choices=[r.row for r in rows()], help="rows to predict (default: all)")
+    p.add_argument("--runs", nargs="+", help="these runs in every chosen row instead of the row's own (POLICY-MODE"
+                   "[.VARIANT], a variant of bench/sim/knee.py's VARIANTS, e.g. lvf-rotate lvf-rotate.missed)")
     p.add_argument("--gpu", default="h200", help="the card the rows would run on (a calibration file, e.g. h100: "
                    "derived; its pools from its server logs and the memory math)")
     p.add_argument("--out", type=Path, default=Path("bench/results/2026-12-03-sim-open-runs"))
@@ -289,11 +296,22 @@ def main(argv: list[str] | None = None) -> int:
     band = error_band(cost.cal)
     print(f"SIMULATED on {cost.cal.gpu} ({path.name})", flush=True)
     chosen = [r for r in rows(a.gpu) if not a.rows or r.row in a.rows]
+    for run in a.runs or ():  # a usage error (exit 2) naming the run, before any search
+        try:
+            K.parse_run(run)
+            N.variant_args(run)
+        except ValueError as e:
+            p.error(str(e))
+        except SystemExit as e:
+            p.error(f"--runs: {e}")
+    if a.runs:
+        chosen = [dataclasses.replace(r, runs=tuple(a.runs)) for r in chosen]
     res = {"label": "SIMULATED", "error_band": band, "gpu": a.gpu, "calibration": path.name, "model": MODEL,
            "host_gb": HOST_GB,
            "rows": {r.row: predict_row(r, cost, a) for r in chosen}, "args": {k: str(v) for k, v in vars(a).items()}}
     a.out.mkdir(parents=True, exist_ok=True)
-    name = ("open-runs" if not a.rows else "open-runs-" + "-".join(a.rows)) + ("" if a.gpu == "h200" else f"-{a.gpu}")
+    name = (("open-runs" if not a.rows else "open-runs-" + "-".join(a.rows)) + ("" if a.gpu == "h200" else f"-{a.gpu}")
+            + ("" if not a.runs else "-" + "-".join(r.replace(".", "_") for r in a.runs)))
     (a.out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
     print(band)
     return 0
