@@ -214,13 +214,16 @@ def calls_needed(points: list[tuple[float, str, float]]) -> int:
     return calls
 
 
+def _variant_flags(name: str) -> str:
+    """A simulator variant's ServerArgs switches as the launcher's flags (lvf_missed_last -> --lvf-missed-last)."""
+    return " ".join("--" + k.replace("_", "-") for k, on in N.VARIANTS[name].items() if on)
+
+
 def gpu_command(row: Row, grid: tuple[float, ...]) -> str:
     st = row.setting
-    # a variant run (lvf-rotate.missed) needs its launcher flag named on the GPU too (goodput_knee --variant)
-    flags = {"lvf_missed_last": "--lvf-missed-last"}
+    # a variant run (lvf-rotate.missed) needs its launcher flags named on the GPU too (goodput_knee --variant)
     variants = sorted({run.split(".", 1)[1] for run in row.runs if "." in run})
-    var = [f'VARIANTS="{";".join(f"{v}=" + " ".join(flags[k] for k in N.VARIANTS[v]) for v in variants)}"'
-           ] if variants else []
+    var = [f'VARIANTS="{";".join(f"{v}={_variant_flags(v)}" for v in variants)}"'] if variants else []
     env = [f'RUNS="{" ".join(row.runs)}"', *var, f"SHARE={row.share:g}", f"TRACE={st.trace}", f"ARRIVAL={st.arrival}",
            f"MAX_IN={st.max_in}", f"MAX_OUT={st.max_out}", f"TTFT={st.ttft:g}", f"TPOT={st.tpot:g}",
            f'GRID="{" ".join(f"{r:g}" for r in grid)}"', "REPEATS=3", "MIN_REQ=150", "SECONDS_PER_POINT=20",
@@ -304,8 +307,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(str(e))
         except SystemExit as e:
             p.error(f"--runs: {e}")
-    if a.runs:
-        chosen = [dataclasses.replace(r, runs=tuple(a.runs)) for r in chosen]
+    if a.runs:  # rates earlier calls measured were the row's own runs': none of them for these
+        chosen = [dataclasses.replace(r, runs=tuple(a.runs), measured=(), note="") for r in chosen]
     res = {"label": "SIMULATED", "error_band": band, "gpu": a.gpu, "calibration": path.name, "model": MODEL,
            "host_gb": HOST_GB,
            "rows": {r.row: predict_row(r, cost, a) for r in chosen}, "args": {k: str(v) for k, v in vars(a).items()}}
