@@ -180,8 +180,15 @@ def server_flags(results_dir: Path) -> dict[str, tuple[str, ...]]:
     knee = results_dir / "knee.json"
     if not knee.is_file():
         return {}
+    try:
+        servers = json.loads(knee.read_text()).get("servers") or {}
+        if not isinstance(servers, dict) or not all(isinstance(v, list) for v in servers.values()):
+            raise ValueError('"servers" is not {run: [flags]}')
+    except ValueError as e:  # provenance only: the reports still count, their flags are not compared
+        print(f"note: {knee} unreadable ({e}): its runs' launcher flags are not compared", file=sys.stderr)
+        return {}
     flags: dict[str, tuple[str, ...]] = {}
-    for label, argv in (json.loads(knee.read_text()).get("servers") or {}).items():
+    for label, argv in servers.items():
         kept, skip = [], False
         for tok in argv:
             if skip:
@@ -195,7 +202,9 @@ def server_flags(results_dir: Path) -> dict[str, tuple[str, ...]]:
 
 
 def _flag_values(argv: Sequence[str]) -> dict[str, str]:
-    """--flag value / --flag=value / a bare --flag, as flag -> value ("" for a bare one)."""
+    """--flag value / --flag=value / a bare --flag, as flag -> value ("" for a bare one). Not
+    ServerArgs.flags_to_kwargs: that parser exits on a flag the launcher no longer has, and an old
+    folder's flags must still read."""
     out: dict[str, str] = {}
     for i, tok in enumerate(argv):
         if tok.startswith("--"):

@@ -214,6 +214,18 @@ def test_a_run_merged_from_calls_with_other_launcher_flags_is_flagged(tmp_path: 
     assert want in json.loads(out.read_text())["provenance"]["warnings"]
 
 
+def test_an_unreadable_knee_json_loses_no_report(tmp_path: Path, capsys) -> None:
+    """knee.json is provenance only: a broken one (a call killed mid-write) is named and skipped; the
+    folder's reports still make the panel."""
+    _write(tmp_path, "lvf-rotate", 2.0, 10, 10, 1.0)
+    for text in ("{ truncated", json.dumps({"servers": ["--port", "1"]})):
+        (tmp_path / "knee.json").write_text(text)
+        assert main([str(tmp_path)]) == 0
+        o = capsys.readouterr()
+        assert "knee.json unreadable" in o.err and "its runs' launcher flags are not compared" in o.err
+        assert load(tmp_path)["lvf-rotate"][0].server is None
+
+
 def test_one_model_of_a_multi_model_run(tmp_path: Path, capsys) -> None:
     """--model: that model's attainment (weaver_e2e.sh's hot model), unsent requests counted as its misses."""
     def per(sent: int, both: float) -> dict[str, object]:

@@ -168,6 +168,9 @@ def test_predict_pool_scale_and_host_gb_label_their_server_and_reuse_keeps_to_it
     with pytest.raises(SystemExit) as e:
         P.main([*args, "--pool-scale", "0", "--out", str(tmp_path / "bad")])
     assert e.value.code == 2 and "--pool-scale: 0 is not a positive factor" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        P.main([*args, "--host-gb", "-1", "--out", str(tmp_path / "bad")])
+    assert e.value.code == 2 and "--host-gb: -1 is not a positive size" in capsys.readouterr().err
 
 
 def test_pool_check_tells_kv_from_compute(server: N.Server) -> None:

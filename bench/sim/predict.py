@@ -252,15 +252,14 @@ def mixtral(a: argparse.Namespace) -> dict[str, Any]:
     setup = (f"{a.model} (preset geometry), one {a.gpu.upper()} at {a.share:g}: pool {pool:,} usable tokens "
              f"({where}), {a.host_gb:g} GiB host pool; mean TPOT as each setting's tpot; strict method of "
              f"bench/goodput_knee.py (bench/sim/knee.py); calibration {Path(cal).name}")
-    res: dict[str, Any] = {"setup": setup,
-                           "runs": list(runs), "settings": {}}
-    print(res["setup"], flush=True)
+    res: dict[str, Any] = {"setup": setup, "runs": list(runs), "settings": {}}
+    print(setup, flush=True)
     for st in settings:
         if a.grid:
             st = dataclasses.replace(st, grid=tuple(a.grid))
         plan = K.Plan(st.grid, a.repeats, a.seconds, a.min_req, 0.9, K.TOLERANCE, a.extend)
         t0 = time.time()
-        r = N.search(st, runs, plan, server, reuse=_reusable(a.reuse, st, plan, res["setup"]))
+        r = N.search(st, runs, plan, server, reuse=_reusable(a.reuse, st, plan, setup))
         if a.pool_check:  # each run's first failing rate again with twice the pool: does KV bind there?
             for run in runs:
                 hi = r["goodput"][run]["first_failing"]
